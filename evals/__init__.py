@@ -1,0 +1,1 @@
+"""Evaluation (import name `quantkit.evals`): lm-evaluation-harness runs against vLLM-served checkpoints."""

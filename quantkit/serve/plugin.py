@@ -1,0 +1,35 @@
+"""quantkit's vLLM plugin (entry point group `vllm.general_plugins`, see pyproject.toml).
+
+vLLM calls `register()` in every process it starts (the API process, the engine core, each worker),
+so everything the engine must know about quantkit is registered here, never in the launching script.
+Set VLLM_PLUGINS="" to run vLLM without it.
+"""
+
+from __future__ import annotations
+
+import os
+
+# architecture name in config.json -> "module:class" (imported lazily by vLLM's registry)
+ARCHITECTURES = {
+    "QuantkitForCausalLM": "quantkit.serve.models:QuantkitForCausalLM",
+}
+
+# When set, each process that runs register() appends its pid to this file (tests use it to prove
+# the plugin ran inside vLLM's engine process).
+TRACE_ENV = "QUANTKIT_PLUGIN_TRACE"
+
+
+def register() -> None:
+    """Register quantkit's config type with transformers and its architectures with vLLM (idempotent)."""
+    from vllm import ModelRegistry
+
+    import quantkit.models  # noqa: F401  (registers model_type "quantkit" with AutoConfig)
+
+    for arch, target in ARCHITECTURES.items():
+        if arch not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(arch, target)
+
+    trace = os.environ.get(TRACE_ENV)
+    if trace:
+        with open(trace, "a") as f:
+            f.write(f"{os.getpid()}\n")
