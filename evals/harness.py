@@ -25,6 +25,7 @@ def run_lm_eval(
     """Evaluate `tasks` (names, or YAML tasks under `include_path`); return lm-eval's results dict."""
     offline_environment()
     import lm_eval
+    from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
     if backend == "vllm":
@@ -37,15 +38,19 @@ def run_lm_eval(
     else:
         raise ValueError(f"unknown lm-eval backend {backend!r}; expected 'vllm' or 'hf'")
     task_manager = TaskManager(include_path=str(include_path) if include_path else None)
-    return lm_eval.simple_evaluate(
-        model=backend,
-        model_args=model_args,
-        tasks=tasks,
-        task_manager=task_manager,
-        limit=limit,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-        log_samples=True,
-    )
+    lm = get_model(backend)(**model_args)
+    try:
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            task_manager=task_manager,
+            limit=limit,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+            log_samples=True,
+        )
+    finally:
+        if backend == "vllm":  # stop the engine process now, not at interpreter exit
+            lm.model.llm_engine.engine_core.shutdown()

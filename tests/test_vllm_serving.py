@@ -42,7 +42,7 @@ def vllm_run(tiny_checkpoint, tmp_path_factory):
         ids = out.prompt_token_ids
         logprobs.append([None] + [out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
     pids = {int(line) for line in trace.read_text().split()}
-    del llm
+    llm.llm_engine.engine_core.shutdown()
     return dict(logprobs=logprobs, token_ids=[o.prompt_token_ids for o in outputs], pids=pids, arch=arch)
 
 
