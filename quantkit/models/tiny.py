@@ -33,8 +33,9 @@ def build_tiny_checkpoint(
 ) -> Path:
     """Train a tokenizer on stdlib docstrings and save a randomly initialized model with it.
 
-    Weights are drawn N(0, init_std) (norm weights stay 1) with a fixed `seed`, large enough that the
-    next-token distributions are far from uniform, so logprob comparisons are meaningful.
+    Parameters are drawn by `randomize_parameters` with a fixed `seed`: far enough from their initial
+    values that next-token distributions are far from uniform and every variant flag changes the output,
+    so logprob comparisons are meaningful. `config_overrides` may set any `QuantkitConfig` field.
     """
     out_dir = Path(out_dir)
     tokenizer = train_bpe_tokenizer(stdlib_docstrings(), vocab_size)
@@ -47,10 +48,27 @@ def build_tiny_checkpoint(
     )
     torch.manual_seed(seed)
     model = QuantkitForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                param.normal_(0.0, init_std)
+    randomize_parameters(model, init_std)
     model.to(dtype).save_pretrained(out_dir)
     save_tokenizer(tokenizer, out_dir)
     return out_dir
+
+
+# (name suffix, mean, std) for parameters that are not plain weight matrices; first match wins
+_RANDOM_PARAMETER_RULES = (
+    ("norm.weight", 1.0, 0.2),      # residual, q/k and head-wise norms: scales around 1
+    ("pre_scale", 1.0, 0.5),        # PreAffine lambda_1
+    ("norm.alpha", 0.5, 0.1),       # DyT alpha
+    ("norm.bias", 0.0, 0.1),        # DyT beta
+    ("v_scale_theta", 2.0, 0.5),    # V-scale: C = (d*0.02)^2 e^theta comparable to ||v||^2
+    ("sink_key", 0.0, 1.0),         # learnable sink k', v' (keys are RMS-normed: entries ~ 1)
+    ("sink_value", 0.0, 1.0),
+)
+
+
+@torch.no_grad()
+def randomize_parameters(model: torch.nn.Module, matrix_std: float) -> None:
+    """Redraw every parameter: weight matrices and embeddings N(0, matrix_std), others per the rules."""
+    for name, param in model.named_parameters():
+        mean, std = next(((m, s) for suffix, m, s in _RANDOM_PARAMETER_RULES if name.endswith(suffix)), (0.0, matrix_std))
+        param.normal_(mean, std)
