@@ -27,11 +27,40 @@ def _info(_: argparse.Namespace) -> int:
     return 0 if plugins else 1
 
 
+def _zoo_build(args: argparse.Namespace) -> int:
+    """Train zoo checkpoints from scratch (skips those already built)."""
+    from quantkit.models import zoo
+
+    variants = list(zoo.TABLE2_PRESETS) if args.variants == ["table2"] else args.variants
+    for variant in variants:
+        out = zoo.build(variant, size=args.size, zoo_dir=args.out, seed=args.seed, steps=args.steps)
+        print(f"{variant}: {out}")
+    return 0
+
+
+def _zoo_list(_: argparse.Namespace) -> int:
+    from quantkit.models import zoo
+
+    for name, flags in zoo.PRESETS.items():
+        print(f"{name:<18} {'(Table 2) ' if name in zoo.TABLE2_PRESETS else ''}{flags}")
+    print("sizes:", ", ".join(f"{k} ({v.num_hidden_layers}x{v.hidden_size}, {v.steps} steps)" for k, v in zoo.SIZES.items()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="quantkit", description=quantkit.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"quantkit {quantkit.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions of the serving/eval stack and the registered vLLM plugin").set_defaults(func=_info)
+    zoo = sub.add_parser("zoo", help="small checkpoints of each variant, trained from scratch offline").add_subparsers(dest="zoo_command", required=True)
+    build = zoo.add_parser("build", help="train variants (or 'table2' for the paper's three rows)")
+    build.add_argument("variants", nargs="+", help="preset names (see `quantkit zoo list`) or 'table2'")
+    build.add_argument("--size", default="tiny", help="tiny (2 CPU cores, minutes) or small (GPU)")
+    build.add_argument("--out", default="zoo", help="zoo directory (default: ./zoo)")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--steps", type=int, default=None, help="override the size's step count")
+    build.set_defaults(func=_zoo_build)
+    zoo.add_parser("list", help="presets and sizes").set_defaults(func=_zoo_list)
     args = parser.parse_args(argv)
     return args.func(args)
 

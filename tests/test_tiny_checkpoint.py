@@ -19,7 +19,8 @@ def test_tokenizer_round_trips(tiny_checkpoint):
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     text = "Return a new list containing all items from the iterable — in ascending order. ünïcödé 123"
     ids = tok(text)["input_ids"]
-    assert tok.decode(ids) == text
+    assert ids[0] == tok.bos_token_id == 0, "position 0 is always BOS"
+    assert tok.decode(ids, skip_special_tokens=True) == text
     english = "Return a new list containing all items from the iterable in ascending order."
     assert len(tok(english)["input_ids"]) < len(english) / 2, "BPE merges should compress English text"
     assert tok.eos_token == tok.bos_token == tok.pad_token == "<|endoftext|>"

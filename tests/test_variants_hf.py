@@ -26,7 +26,7 @@ VARIANTS = {
 
 
 def _config(**flags) -> QuantkitConfig:
-    return QuantkitConfig(**{"vocab_size": 300, **TINY_SHAPE, **flags})
+    return QuantkitConfig(**{"vocab_size": 300, "bos_token_id": 0, **TINY_SHAPE, **flags})
 
 
 @pytest.mark.parametrize(
@@ -68,10 +68,18 @@ def test_every_flag_changes_the_function(name):
     without = QuantkitForCausalLM(_config())
     missing, unexpected = without.load_state_dict(with_flag.state_dict(), strict=False)[:2]
     assert not missing  # the baseline's parameters are a subset of every variant's
-    ids = torch.randint(0, 300, (1, 12))
+    ids = torch.randint(1, 300, (1, 12))
+    ids[0, 0] = 0  # BOS at position 0
     with torch.no_grad():
         gap = (with_flag(ids).logits - without(ids).logits).abs().max().item()
     assert gap > 1e-2, f"{name}: flag has no effect (max |logit diff| {gap:.1e})"
+
+
+def test_attention_sink_refuses_a_sequence_without_bos():
+    model = QuantkitForCausalLM(_config(attention_sink=True))
+    with pytest.raises(ValueError, match="BOS token"):
+        model(torch.tensor([[5, 6, 7]]))
+    model(torch.tensor([[0, 6, 7]]))
 
 
 def test_gated_norm_formula():

@@ -198,6 +198,17 @@ class QuantkitForCausalLM(Qwen3ForCausalLM):
         self.model.norm = QuantkitNorm(config)
         self.post_init()
 
+    def forward(self, input_ids: torch.LongTensor | None = None, past_key_values=None, **kwargs):
+        """Qwen3's forward; with attention_sink, refuses a fresh sequence that does not start with BOS."""
+        if self.config.attention_sink and input_ids is not None and (past_key_values is None or past_key_values.get_seq_length() == 0):
+            bos = self.config.bos_token_id
+            if bos is None or bool((input_ids[:, 0] != bos).any()):
+                raise ValueError(
+                    f"attention_sink models need the BOS token (id {bos}) at position 0, got ids "
+                    f"{input_ids[:, 0].tolist()}: encode with special tokens"
+                )
+        return super().forward(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
+
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         if hasattr(module, "reset_variant_parameters"):
