@@ -37,7 +37,7 @@ def test_build_trains_writes_artifacts_and_resumes(tmp_path):
     tok = AutoTokenizer.from_pretrained(out)
     assert model.config.gated_norm_rank == 16 and len(tok) == model.config.vocab_size
     # the shared tokenizer is trained once; a finished checkpoint is reused, not retrained
-    assert (tmp_path / f"tokenizer-{vocab}" / "tokenizer.json").exists()
+    assert (tmp_path / f"tokenizer-{vocab}" / "streams.pt").exists()
     stamp = (out / "metrics.json").stat().st_mtime_ns
     assert zoo.build("ga_gatednorm", zoo_dir=tmp_path, steps=steps) == out
     assert (out / "metrics.json").stat().st_mtime_ns == stamp

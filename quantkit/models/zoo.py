@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -67,7 +69,7 @@ class ZooSize:
 
 
 SIZES = {
-    "tiny": ZooSize(128, 384, 4, 4, 2, 32, 2048, seq_len=128, batch_size=8, steps=200, lr=3e-3),
+    "tiny": ZooSize(128, 384, 4, 4, 2, 32, 2048, seq_len=128, batch_size=16, steps=1000, lr=3e-3),
     "small": ZooSize(768, 2048, 12, 12, 4, 64, 16384, seq_len=1024, batch_size=32, steps=20000, lr=1e-3),
 }
 
@@ -89,15 +91,18 @@ def corpus_split() -> tuple[list[str], list[str]]:
     return texts[:-VALIDATION_SPEECHES], texts[-VALIDATION_SPEECHES:]
 
 
-def shared_tokenizer(zoo_dir: Path, vocab_size: int) -> PreTrainedTokenizerFast:
-    """Train the zoo tokenizer once (cached under zoo_dir/tokenizer-<vocab>) and load it."""
+def shared_tokenizer(zoo_dir: Path, vocab_size: int) -> tuple[PreTrainedTokenizerFast, torch.Tensor, torch.Tensor]:
+    """The zoo tokenizer and the (training, held-out) token streams, built once under zoo_dir/tokenizer-<vocab>."""
     path = zoo_dir / f"tokenizer-{vocab_size}"
-    if not (path / "tokenizer.json").exists():
-        train, _ = corpus_split()
+    if not (path / "streams.pt").exists():
+        train, held_out = corpus_split()
         tmp = path.with_name(path.name + ".tmp")
-        save_tokenizer(train_bpe_tokenizer(train, vocab_size), tmp)
+        tokenizer = train_bpe_tokenizer(train, vocab_size)
+        save_tokenizer(tokenizer, tmp)
+        torch.save({"train": token_stream(train, tokenizer), "heldout": token_stream(held_out, tokenizer)}, tmp / "streams.pt")
         tmp.rename(path)
-    return AutoTokenizer.from_pretrained(path)
+    streams = torch.load(path / "streams.pt")
+    return AutoTokenizer.from_pretrained(path), streams["train"], streams["heldout"]
 
 
 def token_stream(texts: list[str], tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
@@ -150,9 +155,7 @@ def build(variant: str, size: str = "tiny", zoo_dir: str | Path = "zoo", seed: i
     if (out / "metrics.json").exists():
         return out
     zoo_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = shared_tokenizer(zoo_dir, shape.vocab_size)
-    train_texts, val_texts = corpus_split()
-    train_stream, val_stream = token_stream(train_texts, tokenizer), token_stream(val_texts, tokenizer)
+    tokenizer, train_stream, val_stream = shared_tokenizer(zoo_dir, shape.vocab_size)
 
     torch.manual_seed(seed)
     config = QuantkitConfig(
@@ -170,7 +173,7 @@ def build(variant: str, size: str = "tiny", zoo_dir: str | Path = "zoo", seed: i
     generator = torch.Generator().manual_seed(seed)
     curve = []
     start = time.time()
-    for step in (bar := tqdm(range(steps), desc=f"zoo {variant}-{size}", unit="step")):
+    for step in (bar := tqdm(range(steps), desc=f"zoo {variant}-{size}", unit="step", mininterval=1 if sys.stderr.isatty() else 30)):
         starts = torch.randint(0, len(train_stream) - shape.seq_len, (shape.batch_size,), generator=generator)
         batch = windows(train_stream, starts.tolist(), shape.seq_len, tokenizer.bos_token_id)
         loss = model(batch, labels=batch).loss
@@ -198,8 +201,6 @@ def build(variant: str, size: str = "tiny", zoo_dir: str | Path = "zoo", seed: i
     (tmp / "README.md").write_text(_model_card(metrics))
     (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     tmp.rename(out)
     return out
