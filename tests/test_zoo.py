@@ -20,10 +20,27 @@ def test_corpus_is_pinned_real_english():
     assert " the " in train[0] and sum(len(t) for t in train) > 10_000_000
 
 
-def test_build_trains_writes_artifacts_and_resumes(tmp_path):
-    steps = 12
-    out = zoo.build("ga_gatednorm", zoo_dir=tmp_path, steps=steps)
-    assert out == tmp_path / "ga_gatednorm-tiny"
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def zoo_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("zoo")
+
+
+@pytest.mark.parametrize("variant", zoo.TABLE2_PRESETS)
+def test_table2_presets_build(variant, zoo_dir):
+    out = zoo.build(variant, zoo_dir=zoo_dir, steps=STEPS)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert {k: getattr(model.config, k) for k in zoo.PRESETS[variant]} == zoo.PRESETS[variant]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["heldout"]["loss"] < json.loads((out / "loss_curve.json").read_text())[0]["loss"]
+
+
+def test_build_trains_writes_artifacts_and_resumes(zoo_dir):
+    steps = STEPS
+    out = zoo.build("ga_gatednorm", zoo_dir=zoo_dir, steps=steps)
+    assert out == zoo_dir / "ga_gatednorm-tiny"
     metrics = json.loads((out / "metrics.json").read_text())
     curve = json.loads((out / "loss_curve.json").read_text())
     assert len(curve) == steps and (out / "loss_curve.png").stat().st_size > 1000
@@ -37,9 +54,9 @@ def test_build_trains_writes_artifacts_and_resumes(tmp_path):
     tok = AutoTokenizer.from_pretrained(out)
     assert model.config.gated_norm_rank == 16 and len(tok) == model.config.vocab_size
     # the shared tokenizer is trained once; a finished checkpoint is reused, not retrained
-    assert (tmp_path / f"tokenizer-{vocab}" / "streams.pt").exists()
+    assert (zoo_dir / f"tokenizer-{vocab}" / "streams.pt").exists()
     stamp = (out / "metrics.json").stat().st_mtime_ns
-    assert zoo.build("ga_gatednorm", zoo_dir=tmp_path, steps=steps) == out
+    assert zoo.build("ga_gatednorm", zoo_dir=zoo_dir, steps=steps) == out
     assert (out / "metrics.json").stat().st_mtime_ns == stamp
 
 

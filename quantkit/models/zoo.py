@@ -185,7 +185,7 @@ def build(variant: str, size: str = "tiny", zoo_dir: str | Path = "zoo", seed: i
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         curve.append({"step": step, "loss": loss.item(), "lr": schedule.get_last_lr()[0]})
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
     train_seconds = time.time() - start
     metrics = {"variant": variant, "size": size, "flags": PRESETS[variant], "variant_name": config.variant_name,
                "steps": steps, "seed": seed, "train_seconds": round(train_seconds, 1),
