@@ -1,0 +1,1 @@
+"""Quantization recipes and the writer of quantized checkpoints (see docs/checkpoint-format.md)."""

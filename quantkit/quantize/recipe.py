@@ -1,0 +1,146 @@
+"""Quantization recipes: YAML files in `configs/recipes/`, validated on load.
+
+A recipe names a scheme and what happens before it:
+
+    name: w4a4_nvfp4_sq          # must equal the file name
+    scheme: nvfp4                # bf16 | fp8_block | nvfp4  (backend quantkit)
+                                 # FP8_BLOCK | NVFP4         (backend llmcompressor, the peers' presets)
+    backend: quantkit            # default
+    activation_scale: per_token  # nvfp4 only: per_token (paper 000) | static (compressed-tensors convention)
+    smoothquant: {alpha: 0.5, num_sequences: 256, seq_len: 512}   # optional
+    calibration: {num_sequences: 64, seq_len: 512}                # static activation scales only
+    ignore: ["re:.*\\.g_proj$"]  # added to DEFAULT_IGNORE; names or "re:<regex>" on module names
+
+Linear layers whose names match the ignore list stay in the checkpoint's original precision.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "configs" / "recipes"
+# lm_head stays BF16 (paper 000 App. A.4.2); GatedNorm's rank-r gates are tiny (shared/DESIGN.md)
+DEFAULT_IGNORE = ("lm_head", r"re:.*\.gate_down$", r"re:.*\.gate_up$")
+SCHEMES = {"quantkit": ("bf16", "fp8_block", "nvfp4"), "llmcompressor": ("FP8_BLOCK", "NVFP4")}
+ACTIVATION_SCALES = ("per_token", "static")
+_KEYS = {"name", "description", "scheme", "backend", "activation_scale", "smoothquant", "calibration", "ignore"}
+
+
+@dataclass(frozen=True)
+class SmoothQuantSettings:
+    alpha: float = 0.5
+    num_sequences: int = 256
+    seq_len: int = 512
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    num_sequences: int = 64
+    seq_len: int = 512
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    scheme: str
+    backend: str = "quantkit"
+    description: str = ""
+    activation_scale: str | None = None
+    smoothquant: SmoothQuantSettings | None = None
+    calibration: CalibrationSettings | None = None
+    ignore: tuple[str, ...] = field(default=DEFAULT_IGNORE)
+
+    def ignores(self, module_name: str) -> bool:
+        """Whether the Linear `module_name` stays unquantized."""
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.fullmatch(pattern[3:], module_name):
+                    return True
+            elif module_name == pattern or module_name.endswith("." + pattern):
+                return True
+        return False
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """Load and validate a recipe by name (configs/recipes/<name>.yaml) or path; ValueError names the problem."""
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = RECIPES_DIR / f"{name_or_path}.yaml"
+        if not path.exists():
+            raise ValueError(f"unknown recipe {str(name_or_path)!r}; available: {available_recipes()}")
+    if not path.exists():
+        raise FileNotFoundError(f"recipe file {path} does not exist")
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a recipe is a YAML mapping, got {type(data).__name__}")
+    recipe = parse_recipe(data, source=str(path))
+    if recipe.name != path.stem:
+        raise ValueError(f"{path}: name {recipe.name!r} differs from the file name {path.stem!r}")
+    return recipe
+
+
+def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
+    unknown = sorted(set(data) - _KEYS)
+    if unknown:
+        raise ValueError(f"{source}: unknown recipe key(s) {unknown}; known: {sorted(_KEYS)}")
+    for key in ("name", "scheme"):
+        if key not in data:
+            raise ValueError(f"{source}: missing required key {key!r}")
+    backend = data.get("backend", "quantkit")
+    if backend not in SCHEMES:
+        raise ValueError(f"{source}: backend {backend!r} is not one of {list(SCHEMES)}")
+    scheme = data["scheme"]
+    if scheme not in SCHEMES[backend]:
+        raise ValueError(f"{source}: scheme {scheme!r} is not one of {list(SCHEMES[backend])} for backend {backend!r}")
+    activation_scale = data.get("activation_scale")
+    if scheme == "nvfp4":
+        activation_scale = activation_scale or "per_token"
+        if activation_scale not in ACTIVATION_SCALES:
+            raise ValueError(f"{source}: activation_scale {activation_scale!r} is not one of {list(ACTIVATION_SCALES)}")
+    elif activation_scale is not None:
+        raise ValueError(f"{source}: activation_scale applies to scheme nvfp4 only (scheme is {scheme!r})")
+    smoothquant = _settings(SmoothQuantSettings, data.get("smoothquant"), f"{source}: smoothquant")
+    if smoothquant is not None and not 0.0 <= smoothquant.alpha <= 1.0:
+        raise ValueError(f"{source}: smoothquant.alpha must be in [0, 1], got {smoothquant.alpha}")
+    if smoothquant is not None and scheme == "bf16":
+        raise ValueError(f"{source}: smoothquant with scheme bf16 changes nothing worth measuring")
+    calibration = _settings(CalibrationSettings, data.get("calibration"), f"{source}: calibration")
+    ignore = data.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+        raise ValueError(f"{source}: ignore must be a list of module names or 're:<regex>' strings")
+    for pattern in ignore:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as err:
+                raise ValueError(f"{source}: ignore pattern {pattern!r} is not a valid regex: {err}") from None
+    return Recipe(
+        name=data["name"], scheme=scheme, backend=backend, description=data.get("description", ""),
+        activation_scale=activation_scale, smoothquant=smoothquant, calibration=calibration,
+        ignore=DEFAULT_IGNORE + tuple(p for p in ignore if p not in DEFAULT_IGNORE),
+    )
+
+
+def _settings(cls, value, where: str):
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a mapping")
+    fields = set(cls.__dataclass_fields__)
+    unknown = sorted(set(value) - fields)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(fields)}")
+    settings = cls(**value)
+    for name in ("num_sequences", "seq_len"):
+        if not isinstance(getattr(settings, name), int) or getattr(settings, name) <= 0:
+            raise ValueError(f"{where}.{name} must be a positive integer")
+    return settings

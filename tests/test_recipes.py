@@ -1,0 +1,58 @@
+"""Recipes in configs/recipes load, validate and name their problems."""
+
+import pytest
+
+from quantkit.quantize.recipe import DEFAULT_IGNORE, available_recipes, load_recipe, parse_recipe
+
+REQUIRED = {"bf16", "w8a8_fp8_block", "w8a8_fp8_block_sq", "w4a4_nvfp4", "w4a4_nvfp4_sq", "fp8_block_ct", "nvfp4_ct"}
+
+
+def test_every_shipped_recipe_loads():
+    assert REQUIRED <= set(available_recipes())
+    for name in available_recipes():
+        recipe = load_recipe(name)
+        assert recipe.name == name and recipe.ignore[: len(DEFAULT_IGNORE)] == DEFAULT_IGNORE
+    assert load_recipe("w4a4_nvfp4").activation_scale == "per_token"
+    assert load_recipe("w4a4_nvfp4_static").activation_scale == "static"
+    assert load_recipe("w8a8_fp8_block_sq").smoothquant.alpha == 0.5
+    assert load_recipe("nvfp4_ct").backend == "llmcompressor"
+
+
+def test_ignore_list():
+    recipe = parse_recipe({"name": "x", "scheme": "nvfp4", "ignore": [r"re:.*\.g_proj$", "o_proj"]})
+    assert recipe.ignores("lm_head")
+    assert recipe.ignores("model.layers.3.post_attention_layernorm.gate_up")
+    assert recipe.ignores("model.layers.0.self_attn.g_proj")
+    assert recipe.ignores("model.layers.0.self_attn.o_proj")
+    assert not recipe.ignores("model.layers.0.mlp.up_proj")
+    assert not recipe.ignores("model.layers.0.self_attn.g_proj_extra")
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"name": "x"}, "missing required key 'scheme'"),
+        ({"name": "x", "scheme": "int4"}, "scheme 'int4' is not one of"),
+        ({"name": "x", "scheme": "nvfp4", "backend": "gptq"}, "backend 'gptq'"),
+        ({"name": "x", "scheme": "NVFP4"}, "for backend 'quantkit'"),
+        ({"name": "x", "scheme": "fp8_block", "activation_scale": "static"}, "nvfp4 only"),
+        ({"name": "x", "scheme": "nvfp4", "activation_scale": "per_group"}, "activation_scale 'per_group'"),
+        ({"name": "x", "scheme": "nvfp4", "smoothquant": {"alpha": 1.5}}, "alpha must be in"),
+        ({"name": "x", "scheme": "nvfp4", "smoothquant": {"beta": 1}}, "unknown key"),
+        ({"name": "x", "scheme": "nvfp4", "smoothquant": {"num_sequences": 0}}, "positive integer"),
+        ({"name": "x", "scheme": "nvfp4", "ignore": ["re:(("]}, "not a valid regex"),
+        ({"name": "x", "scheme": "nvfp4", "weights": "int4"}, "unknown recipe key"),
+    ],
+)
+def test_bad_recipes_name_the_problem(data, message):
+    with pytest.raises(ValueError, match=message):
+        parse_recipe(data)
+
+
+def test_unknown_recipe_name_lists_the_available_ones(tmp_path):
+    with pytest.raises(ValueError, match="unknown recipe 'w3a3'.*w4a4_nvfp4"):
+        load_recipe("w3a3")
+    bad = tmp_path / "mine.yaml"
+    bad.write_text("name: other\nscheme: bf16\n")
+    with pytest.raises(ValueError, match="differs from the file name"):
+        load_recipe(bad)
