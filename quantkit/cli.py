@@ -47,11 +47,26 @@ def _zoo_list(_: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    """Write a quantized checkpoint (docs/checkpoint-format.md)."""
+    from quantkit.quantize.checkpoint import quantize_checkpoint
+
+    out = quantize_checkpoint(args.model, args.recipe, args.out, overwrite=args.overwrite)
+    print(f"{args.recipe}: {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="quantkit", description=quantkit.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"quantkit {quantkit.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions of the serving/eval stack and the registered vLLM plugin").set_defaults(func=_info)
+    quantize = sub.add_parser("quantize", help="write a quantized checkpoint: quantkit quantize MODEL RECIPE OUT")
+    quantize.add_argument("model", help="checkpoint directory")
+    quantize.add_argument("recipe", help="recipe name (configs/recipes) or YAML path")
+    quantize.add_argument("out", help="output directory (written atomically)")
+    quantize.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    quantize.set_defaults(func=_quantize)
     zoo = sub.add_parser("zoo", help="small checkpoints of each variant, trained from scratch offline").add_subparsers(dest="zoo_command", required=True)
     build = zoo.add_parser("build", help="train variants (or 'table2' for the paper's three rows)")
     build.add_argument("variants", nargs="+", help="preset names (see `quantkit zoo list`) or 'table2'")

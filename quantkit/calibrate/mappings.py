@@ -1,0 +1,338 @@
+"""Which layers SmoothQuant smooths, and how a smoothing factor folds into each kind of layer.
+
+SmoothQuant (Xiao et al. 2023; paper 000 App. A.4.2 applies it before FP8 and NVFP4) migrates activation
+outliers into weights: a *smoothing layer* divides its output channel j by s_j, and every *consumer* (a
+linear reading exactly that output) multiplies its input column j by s_j. The product is unchanged, so
+the model computes the same function; only the ranges the quantizer sees move.
+
+Mappings per decoder layer (Llama, Qwen2, Qwen3, Mistral and quantkit's own family):
+
+| smoothing layer          | consumers                                  | when |
+|--------------------------|--------------------------------------------|------|
+| input_layernorm          | q_proj, k_proj, v_proj (+ g_proj with GA)  | always (the GA gate reads the same normed input) |
+| post_attention_layernorm | gate_proj, up_proj                         | always |
+| v_proj                   | o_proj                                     | include_v_o, only where attention is linear in v |
+| up_proj                  | down_proj                                  | include_up_down (up enters act(gate)*up linearly) |
+
+The final norm feeds lm_head, which stays BF16 (paper 000 App. A.4.2): it is not smoothed.
+
+v_proj -> o_proj needs everything between the two to commute with a per-channel scale of v. Softmax
+attention is a convex combination of value rows (it does); the GA gate multiplies per head or per channel
+(it does); the learnable sink v' replaces v at position 0 (it does, if v' is divided by s too). V-scale
+(v * r/(r+C), r = ||v||^2) and head-wise RMSNorm (o_h / RMS(o_h)) are not homogeneous per channel in v:
+the mapping is refused there. With GQA, o_proj column h*D+d reads KV channel (h//G)*D+d (transformers'
+repeat_kv), so one factor per KV channel is repeated across the G query heads of its group.
+
+Folding a factor into each kind of smoothing layer (`fold_output`, registered per module class):
+- RMSNorm (also PreAffine): weight /= s. PreAffine's pre_scale acts before the normalization; untouched.
+- DyT: y = weight * tanh(alpha x) + bias: weight /= s and bias /= s.
+- GatedNorm / GatedDyT: y' = sigmoid(gate_up(silu(gate_down(y)))) * y. Dividing y by s would change the
+  gate's input, so gate_down's columns are multiplied by s as well: the gate value stays the same and y'
+  is divided by s exactly. Statistics are taken at the consumers' input, i.e. after the gate.
+- LayerNorm: weight /= s and bias /= s.
+- Linear (v_proj, up_proj): rows and bias /= s.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+from transformers.models.mistral.modeling_mistral import MistralAttention, MistralMLP, MistralRMSNorm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Qwen3RMSNorm
+
+from quantkit.models.modeling import QuantkitAttention, QuantkitNorm
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("norm", "v_o", "up_down")
+
+
+class SmoothQuantMappingError(ValueError):
+    """The model's structure cannot be smoothed (as asked); the message names the modules."""
+
+
+@dataclass(frozen=True)
+class SmoothMapping:
+    """One smoothing layer and the linears that read its output.
+
+    `kv_groups` / `head_dim` describe v_proj -> o_proj under GQA: consumer input channel h*D+d reads the
+    smoothing layer's channel (h // kv_groups)*D + d. `extra_divide` names parameters that hold further
+    copies of the smoothed channels (the attention sink's v', shape (kv_heads, head_dim)): they are divided
+    by s together with the smoothing layer.
+    """
+
+    smooth: str
+    consumers: tuple[str, ...]
+    kind: str
+    kv_groups: int = 1
+    head_dim: int = 0
+    extra_divide: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.smooth} -> {', '.join(c.rsplit('.', 1)[-1] for c in self.consumers)}"
+
+    def channel_index(self, in_features: int, device: torch.device | None = None) -> torch.Tensor:
+        """For each consumer input channel, the smoothing-layer channel it reads (int64, length in_features)."""
+        idx = torch.arange(in_features, device=device)
+        if self.kind != "v_o" or self.kv_groups == 1:
+            return idx
+        head, d = idx // self.head_dim, idx % self.head_dim
+        return (head // self.kv_groups) * self.head_dim + d
+
+
+# ---------------------------------------------------------------------------------------------------
+# Folding: divide a smoothing layer's output channel j by s_j, exactly (registered per module class)
+
+FoldFn = Callable[[nn.Module, torch.Tensor], None]
+_FOLDS: dict[type, FoldFn] = {}
+
+
+def folds(*classes: type) -> Callable[[FoldFn], FoldFn]:
+    """Register `fn(module, s)` as the way to divide the output channels of `classes` by s."""
+
+    def register(fn: FoldFn) -> FoldFn:
+        for cls in classes:
+            _FOLDS[cls] = fn
+        return fn
+
+    return register
+
+
+def fold_fn_for(module: nn.Module) -> FoldFn | None:
+    """The registered fold for `module`'s exact class (subclasses may change the forward: not inherited)."""
+    return _FOLDS.get(type(module))
+
+
+def fold_output(module: nn.Module, s: torch.Tensor) -> None:
+    """Divide `module`'s output channel j by s[j] by rescaling its parameters in place."""
+    fn = fold_fn_for(module)
+    if fn is None:
+        raise SmoothQuantMappingError(f"no SmoothQuant fold registered for {type(module).__name__}")
+    fn(module, s)
+
+
+@torch.no_grad()
+def scale_(param: torch.Tensor, factor: torch.Tensor) -> None:
+    """param *= factor (broadcast), computed in float32 and rounded once to param's dtype."""
+    param.copy_((param.float() * factor.to(param.device, torch.float32)).to(param.dtype))
+
+
+@folds(LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm)
+def _fold_rmsnorm(norm: nn.Module, s: torch.Tensor) -> None:
+    scale_(norm.weight, 1.0 / s)
+
+
+@folds(nn.LayerNorm)
+def _fold_layernorm(norm: nn.LayerNorm, s: torch.Tensor) -> None:
+    scale_(norm.weight, 1.0 / s)
+    if norm.bias is not None:
+        scale_(norm.bias, 1.0 / s)
+
+
+@folds(QuantkitNorm)
+def fold_quantkit_norm(norm: QuantkitNorm, s: torch.Tensor, fold_gate: bool = True) -> None:
+    """RMSNorm/PreAffine: weight /= s; DyT: weight and bias /= s; GatedNorm: also gate_down columns *= s.
+
+    `fold_gate=False` exists only to demonstrate (in tests) that the gate fold is what keeps GatedNorm
+    function-preserving.
+    """
+    scale_(norm.weight, 1.0 / s)
+    if hasattr(norm, "bias"):  # DyT beta
+        scale_(norm.bias, 1.0 / s)
+    if hasattr(norm, "gate_down") and fold_gate:  # gate_down(y / s * s) == gate_down(y)
+        scale_(norm.gate_down.weight, s[None, :])
+
+
+@folds(nn.Linear)
+def _fold_linear_rows(linear: nn.Linear, s: torch.Tensor) -> None:
+    scale_(linear.weight, (1.0 / s)[:, None])
+    if linear.bias is not None:
+        scale_(linear.bias, 1.0 / s)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Architectures: which decoder structure each supports, and where v->o / up->down are valid
+
+@dataclass(frozen=True)
+class DecoderFamily:
+    """A Llama-style decoder: model.model.layers[i].{input_layernorm, self_attn, post_attention_layernorm, mlp}.
+
+    `linear_attention`: attention classes whose output is linear in v per channel (v->o allowed, subject to
+    `check_attention`). `glu_mlps`: MLP classes computing down(act(gate(x)) * up(x)) (up->down allowed).
+    """
+
+    linear_attention: tuple[type, ...]
+    glu_mlps: tuple[type, ...]
+
+
+_STOCK = DecoderFamily(
+    linear_attention=(LlamaAttention, Qwen2Attention, Qwen3Attention, MistralAttention),
+    glu_mlps=(LlamaMLP, Qwen2MLP, Qwen3MLP, MistralMLP),
+)
+ARCHITECTURES: dict[str, DecoderFamily] = {
+    "LlamaForCausalLM": _STOCK,
+    "Qwen2ForCausalLM": _STOCK,
+    "Qwen3ForCausalLM": _STOCK,
+    "MistralForCausalLM": _STOCK,
+    "QuantkitForCausalLM": DecoderFamily(linear_attention=(QuantkitAttention,), glu_mlps=(Qwen3MLP,)),
+}
+
+# Parameters of an attention module (its own, not its submodules') and what they mean for v -> o.
+_ATTN_COMMUTING = {"sink_key": "the sink key k' (does not touch v)", "sink_value": "the sink value v' (divided by s too)"}
+_ATTN_NONLINEAR_IN_V = {
+    "v_scale_theta": "V-scale (v * r/(r+C) with r = ||v||^2) is not homogeneous per channel in v",
+    "o_norm": "head-wise RMSNorm (o_h / RMS(o_h) * lambda) normalizes each head's output by its RMS over all channels",
+}
+# Submodules of attention that do not sit between v_proj and o_proj (q/k norms act on q and k)
+_ATTN_SUBMODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "g_proj", "q_norm", "k_norm", "rotary_emb"}
+
+
+@dataclass(frozen=True)
+class MappingPlan:
+    """The mappings to smooth, plus a line for each optional mapping that was not applied, and why."""
+
+    architecture: str
+    mappings: tuple[SmoothMapping, ...]
+    skipped: tuple[str, ...]
+
+
+def resolve_mappings(model: nn.Module, include_v_o: bool = False, include_up_down: bool = False) -> MappingPlan:
+    """The SmoothQuant mappings of `model`.
+
+    Raises SmoothQuantMappingError naming every module that could not be mapped (missing, of a class with
+    no registered fold, or a linear that no mapping accounts for), and when include_v_o / include_up_down
+    asks for a mapping that is not function-preserving for this model (naming the reason).
+    """
+    architecture = type(model).__name__
+    family = ARCHITECTURES.get(architecture)
+    if family is None:
+        family = DecoderFamily(linear_attention=(), glu_mlps=())
+        logger.warning(
+            "SmoothQuant: architecture %s is not registered (%s); trying the Llama-style decoder structure "
+            "with norm mappings only", architecture, sorted(ARCHITECTURES),
+        )
+    layers = _decoder_layers(model, architecture)
+    problems: list[str] = []
+    mappings: list[SmoothMapping] = []
+    skipped: list[str] = []
+    for i, layer in enumerate(layers):
+        prefix = f"model.layers.{i}"
+        mappings += _layer_mappings(layer, prefix, family, include_v_o, include_up_down, problems, skipped)
+    if problems:
+        raise SmoothQuantMappingError(
+            f"SmoothQuant cannot map {architecture}: " + "; ".join(problems)
+            + f". Registered architectures: {sorted(ARCHITECTURES)}; foldable smoothing layers: "
+            + f"{sorted(c.__name__ for c in _FOLDS)}"
+        )
+    return MappingPlan(architecture, tuple(mappings), tuple(dict.fromkeys(skipped)))
+
+
+def _decoder_layers(model: nn.Module, architecture: str) -> nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        children = [name for name, _ in model.named_children()]
+        raise SmoothQuantMappingError(
+            f"SmoothQuant cannot map {architecture}: no decoder layers at model.model.layers (top-level "
+            f"modules: {children}); registered architectures: {sorted(ARCHITECTURES)}"
+        )
+    return layers
+
+
+def _layer_mappings(
+    layer: nn.Module, prefix: str, family: DecoderFamily, include_v_o: bool, include_up_down: bool,
+    problems: list[str], skipped: list[str],
+) -> list[SmoothMapping]:
+    def module(path: str, linear: bool = False, foldable: bool = False) -> nn.Module | None:
+        try:
+            found = layer.get_submodule(path)
+        except AttributeError:
+            problems.append(f"{prefix}.{path} (missing)")
+            return None
+        if linear and not isinstance(found, nn.Linear):
+            problems.append(f"{prefix}.{path} ({type(found).__name__}, expected nn.Linear)")
+            return None
+        if foldable and fold_fn_for(found) is None:
+            problems.append(f"{prefix}.{path} ({type(found).__name__}: no fold registered)")
+            return None
+        return found
+
+    ln1 = module("input_layernorm", foldable=True)
+    ln2 = module("post_attention_layernorm", foldable=True)
+    attn = module("self_attn")
+    mlp = module("mlp")
+    qkv = [module(f"self_attn.{n}", linear=True) for n in ("q_proj", "k_proj", "v_proj")]
+    o_proj = module("self_attn.o_proj", linear=True)
+    gate, up, down = (module(f"mlp.{n}", linear=True) for n in ("gate_proj", "up_proj", "down_proj"))
+    has_g = attn is not None and isinstance(getattr(attn, "g_proj", None), nn.Linear)
+
+    accounted = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"} | ({"self_attn.g_proj"} if has_g else set())
+    for norm_name, norm in (("input_layernorm", ln1), ("post_attention_layernorm", ln2)):
+        if isinstance(norm, QuantkitNorm):  # the GatedNorm gate's own linears: folded with the norm, kept BF16
+            accounted |= {f"{norm_name}.gate_down", f"{norm_name}.gate_up"}
+    unmapped = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear) and n not in accounted]
+    problems += [f"{prefix}.{n} (a linear no mapping accounts for)" for n in unmapped]
+    if None in (ln1, ln2, attn, mlp, o_proj, gate, up, down) or None in qkv:
+        return []
+
+    attn_consumers = ("q_proj", "k_proj", "v_proj") + (("g_proj",) if has_g else ())
+    out = [
+        SmoothMapping(f"{prefix}.input_layernorm", tuple(f"{prefix}.self_attn.{n}" for n in attn_consumers), "norm"),
+        SmoothMapping(f"{prefix}.post_attention_layernorm", (f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"), "norm"),
+    ]
+
+    v_o_problem = _v_o_problem(attn, family)
+    if include_v_o:
+        if v_o_problem:
+            raise SmoothQuantMappingError(
+                f"v_proj -> o_proj smoothing is not function-preserving for {prefix}.self_attn: {v_o_problem}. "
+                "Smooth without it (include_v_o=False)."
+            )
+        v_proj = qkv[2]
+        head_dim = attn.head_dim
+        heads = o_proj.in_features // head_dim
+        kv_heads = v_proj.out_features // head_dim
+        if o_proj.in_features != heads * head_dim or v_proj.out_features != kv_heads * head_dim or heads % kv_heads:
+            raise SmoothQuantMappingError(
+                f"{prefix}.self_attn: v_proj out {v_proj.out_features} / o_proj in {o_proj.in_features} are not whole "
+                f"heads of head_dim {head_dim} with whole GQA groups"
+            )
+        extra = (f"{prefix}.self_attn.sink_value",) if hasattr(attn, "sink_value") else ()
+        out.append(SmoothMapping(f"{prefix}.self_attn.v_proj", (f"{prefix}.self_attn.o_proj",), "v_o",
+                                 kv_groups=heads // kv_heads, head_dim=head_dim, extra_divide=extra))
+    else:
+        skipped.append("v_proj -> o_proj: " + (f"not valid here ({v_o_problem})" if v_o_problem else "not requested (include_v_o=False)"))
+
+    if include_up_down:
+        if type(mlp) not in family.glu_mlps:
+            raise SmoothQuantMappingError(
+                f"up_proj -> down_proj smoothing needs an MLP known to compute down(act(gate(x)) * up(x)); "
+                f"{prefix}.mlp is {type(mlp).__name__} (known: {[c.__name__ for c in family.glu_mlps]})"
+            )
+        out.append(SmoothMapping(f"{prefix}.mlp.up_proj", (f"{prefix}.mlp.down_proj",), "up_down"))
+    else:
+        skipped.append("up_proj -> down_proj: not requested (include_up_down=False)")
+    return out
+
+
+def _v_o_problem(attn: nn.Module, family: DecoderFamily) -> str | None:
+    """Why v_proj -> o_proj would not be function-preserving for `attn`, or None if it is."""
+    if type(attn) not in family.linear_attention:
+        return (f"{type(attn).__name__} is not a known attention whose output is linear in v "
+                f"(known: {[c.__name__ for c in family.linear_attention]})")
+    reasons = [why for name, why in _ATTN_NONLINEAR_IN_V.items() if hasattr(attn, name)]
+    if reasons:
+        return "; ".join(reasons)
+    unknown = [n for n, _ in attn.named_parameters(recurse=False) if n not in _ATTN_COMMUTING]
+    unknown += [n for n, _ in attn.named_children() if n not in _ATTN_SUBMODULES]
+    if unknown:
+        return f"attention has parameters/modules {unknown} whose effect on v is unknown"
+    return None

@@ -1,0 +1,331 @@
+"""SmoothQuant (Xiao et al. 2023), the calibration step before FP8 / NVFP4 in paper 000 App. A.4.2.
+
+    s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)
+
+X_j: channel j at the consumers' input over the calibration set (`stats.channel_max`); W_j: column j of
+all consumers stacked (max over every consuming linear). The smoothing layer's output channel j is
+divided by s_j and the consumers' column j multiplied by s_j (`mappings.fold_output`): the model computes
+the same function, which is checked, not assumed — logits on held-out text before and after must agree
+within `tolerance`, or the folds are undone and FunctionPreservationError is raised.
+
+Clamping: a channel whose max|X_j| or max|W_j| is 0 (dead, or a zero weight column) gets s_j = 1 — there
+is nothing to migrate and the formula would give 0 or inf; every other s_j is clamped to
+[SCALE_MIN, SCALE_MAX] = [1e-4, 1e4], which keeps folded parameters finite in bf16/fp16 (and is far
+outside what real checkpoints need). All factors are computed from the unsmoothed weights and a single
+calibration pass, then folded: no fold changes another mapping's activation statistics, and the only
+weight two mappings share (up_proj: columns for post_attention_layernorm, rows for up->down) is read
+along different axes.
+
+    from quantkit.calibrate import smooth_model
+    report = smooth_model(model, None, tokenizer, alpha=0.5, num_sequences=256, seq_len=512)
+    print(report.summary())
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from quantkit.calibrate.mappings import (
+    MappingPlan,
+    SmoothMapping,
+    SmoothQuantMappingError,
+    fold_output,
+    resolve_mappings,
+    scale_,
+)
+from quantkit.calibrate.stats import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, calibration_batches, channel_max
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ALPHA = 0.5
+SCALE_MIN, SCALE_MAX = 1e-4, 1e4
+# max |logit change| / max |logit| allowed after folding. In float32 the fold changes only rounding (~1e-5
+# relative on the tiny test models). In bf16/fp16 every folded weight is re-rounded to 8/11 mantissa bits,
+# which moves logits by ~1-2% on random tiny models (more with injected outliers: they are chaotic): the
+# default there only catches gross mapping errors. Power-of-two factors make the fold exact in any dtype.
+DEFAULT_TOLERANCE = 1e-3
+LOW_PRECISION_TOLERANCE = 5e-2
+DEFAULT_VERIFY_SEQUENCES = 4
+
+
+class FunctionPreservationError(RuntimeError):
+    """Smoothing changed the model's logits beyond the tolerance (the folds have been undone)."""
+
+
+class NonFiniteStatisticsError(FloatingPointError):
+    """Calibration activations contain NaN or Inf; the message names the layers."""
+
+
+@dataclass
+class MappingReport:
+    """What smoothing did to one mapping. Activation maxima after are max_j(max|X_j| / s_j) (exact by the
+    fold's construction); weight maxima after are measured on the folded consumers."""
+
+    name: str
+    kind: str
+    smooth: str
+    consumers: tuple[str, ...]
+    channels: int
+    scale_min: float
+    scale_median: float
+    scale_max: float
+    act_max_before: float
+    act_max_after: float
+    weight_max_before: float
+    weight_max_after: float
+
+
+@dataclass
+class SmoothQuantReport:
+    architecture: str
+    alpha: float
+    num_sequences: int
+    seq_len: int
+    mappings: list[MappingReport]
+    skipped: list[str]
+    max_logit_change: float
+    logit_scale: float
+    relative_logit_change: float
+    tolerance: float
+    scales: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # smoothing layer -> s (float32)
+
+    def to_dict(self) -> dict:
+        """JSON-serializable (scales summarized per mapping, tensors left out)."""
+        out = asdict(self)
+        out.pop("scales")
+        return out
+
+    def summary(self) -> str:
+        """A Markdown table: one row per mapping, then the function-preservation check."""
+        rows = [
+            "| mapping | channels | s min / median / max | max|X| before -> after | max|W| before -> after |",
+            "|---|---|---|---|---|",
+        ]
+        rows += [
+            f"| {m.name} | {m.channels} | {m.scale_min:.3g} / {m.scale_median:.3g} / {m.scale_max:.3g} | "
+            f"{m.act_max_before:.4g} -> {m.act_max_after:.4g} | {m.weight_max_before:.4g} -> {m.weight_max_after:.4g} |"
+            for m in self.mappings
+        ]
+        rows.append("")
+        rows.append(
+            f"{self.architecture}, alpha={self.alpha}, {self.num_sequences} x {self.seq_len} tokens; "
+            f"max |logit change| {self.max_logit_change:.3g} (logit scale {self.logit_scale:.3g}, relative "
+            f"{self.relative_logit_change:.3g} <= tolerance {self.tolerance:.3g})"
+        )
+        rows += [f"skipped: {s}" for s in self.skipped]
+        return "\n".join(rows)
+
+
+def smoothing_factors(
+    act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float = DEFAULT_ALPHA, power_of_two: bool = False,
+) -> torch.Tensor:
+    """s_j = act_max_j^alpha / weight_max_j^(1-alpha) in float32; s_j = 1 where either max is 0, else clamped
+    to [SCALE_MIN, SCALE_MAX]. power_of_two rounds s_j to the nearest power of two (in log space): folding
+    then changes only exponents, so it is bit-exact in any dtype, at factors within sqrt(2) of the formula."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"SmoothQuant alpha must be in [0, 1], got {alpha}")
+    x, w = act_max.float(), weight_max.float()
+    s = x.pow(alpha) / w.pow(1.0 - alpha)
+    s = s.clamp(SCALE_MIN, SCALE_MAX)
+    if power_of_two:
+        s = torch.exp2(torch.log2(s).round())
+    return torch.where((x > 0) & (w > 0), s, torch.ones_like(s))
+
+
+def _to_smoothing_channels(mapping: SmoothMapping, per_input: torch.Tensor, channels: int) -> torch.Tensor:
+    """Reduce a per-consumer-input-channel maximum to the smoothing layer's channels (max over a GQA group)."""
+    idx = mapping.channel_index(per_input.numel(), per_input.device)
+    out = torch.zeros(channels, dtype=per_input.dtype, device=per_input.device)
+    return out.scatter_reduce(0, idx, per_input, "amax", include_self=False)
+
+
+def _smoothing_channels(model: nn.Module, mapping: SmoothMapping) -> int:
+    smooth = model.get_submodule(mapping.smooth)
+    return smooth.out_features if isinstance(smooth, nn.Linear) else smooth.weight.numel()
+
+
+def _weight_col_max(model: nn.Module, mapping: SmoothMapping) -> torch.Tensor:
+    cols = [model.get_submodule(c).weight.detach().abs().amax(0).float() for c in mapping.consumers]
+    return torch.stack(cols).amax(0)
+
+
+@torch.no_grad()
+def fold_mapping(model: nn.Module, mapping: SmoothMapping, s: torch.Tensor) -> None:
+    """Divide the smoothing layer's channel j (and its `extra_divide` copies) by s_j; multiply consumers' columns."""
+    fold_output(model.get_submodule(mapping.smooth), s)
+    for name in mapping.extra_divide:
+        param = model.get_parameter(name)
+        scale_(param, (1.0 / s).view(param.shape))
+    for name in mapping.consumers:
+        linear = model.get_submodule(name)
+        scale_(linear.weight, s[mapping.channel_index(linear.in_features, s.device)][None, :])
+
+
+def _check_finite(plan: MappingPlan, maxima: dict[str, torch.Tensor]) -> None:
+    bad = []
+    for m in plan.mappings:
+        for c in m.consumers:
+            x = maxima[c]
+            if not torch.isfinite(x).all():
+                kinds = ("NaN" if torch.isnan(x).any() else "") + ("Inf" if torch.isinf(x).any() else "")
+                bad.append(f"{c} ({kinds} in {int((~torch.isfinite(x)).sum())} channels; mapping {m.name})")
+    if bad:
+        raise NonFiniteStatisticsError(
+            "SmoothQuant: non-finite activation statistics at the input of " + "; ".join(bad[:8])
+            + (f"; and {len(bad) - 8} more" if len(bad) > 8 else "")
+            + ". The model produces NaN/Inf on the calibration data (check the checkpoint and dtype)."
+        )
+
+
+def _check_shared_input(plan: MappingPlan, maxima: dict[str, torch.Tensor]) -> None:
+    """Consumers of one mapping must read the same tensor; differing statistics mean the mapping is wrong."""
+    for m in plan.mappings:
+        first = maxima[m.consumers[0]]
+        for c in m.consumers[1:]:
+            if not torch.equal(maxima[c], first):
+                raise SmoothQuantMappingError(
+                    f"SmoothQuant mapping {m.name}: {c} and {m.consumers[0]} do not read the same input "
+                    "(their activation statistics differ); the mapping does not fit this model"
+                )
+
+
+def _as_tokens(calibration, tokenizer, num_sequences: int | None, seq_len: int | None, max_positions: int | None) -> torch.Tensor:
+    """(N, T) int64 tokens from texts (None = held-out speeches), a token tensor, or an iterable of token batches."""
+    if isinstance(calibration, str):
+        calibration = [calibration]
+    if calibration is None or (isinstance(calibration, Sequence) and calibration and isinstance(calibration[0], str)):
+        if tokenizer is None:
+            raise ValueError("calibration from text needs a tokenizer")
+        seq_len = seq_len or (min(DEFAULT_SEQ_LEN, max_positions) if max_positions else DEFAULT_SEQ_LEN)
+        if max_positions and seq_len > max_positions:
+            raise ValueError(f"seq_len={seq_len} exceeds the model's max_position_embeddings={max_positions}")
+        return calibration_batches(tokenizer, num_sequences or DEFAULT_NUM_SEQUENCES, seq_len, calibration)
+    if isinstance(calibration, torch.Tensor):
+        tokens = calibration
+    elif isinstance(calibration, Iterable):
+        batches = [torch.as_tensor(b) for b in calibration]
+        batches = [b[None] if b.dim() == 1 else b for b in batches]
+        if not batches or len({b.shape[1] for b in batches}) != 1:
+            raise ValueError(f"token batches must be non-empty and of one length, got shapes {[tuple(b.shape) for b in batches]}")
+        tokens = torch.cat(batches)
+    else:
+        raise TypeError(f"calibration must be None, a list of texts, a token tensor or token batches; got {type(calibration).__name__}")
+    if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32) or len(tokens) == 0:
+        raise ValueError(f"calibration tokens must be a non-empty (N, T) integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
+    if seq_len is not None and tokens.shape[1] != seq_len:
+        raise ValueError(f"calibration tokens have length {tokens.shape[1]}, but seq_len={seq_len} was asked")
+    if num_sequences is not None:
+        if len(tokens) < num_sequences:
+            raise ValueError(f"num_sequences={num_sequences} asked, but only {len(tokens)} token sequences were given")
+        tokens = tokens[:num_sequences]
+    return tokens.long()
+
+
+@torch.no_grad()
+def _logits(model: nn.Module, tokens: torch.Tensor, batch_size: int) -> torch.Tensor:
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        return torch.cat([
+            model(input_ids=tokens[i : i + batch_size].to(device), use_cache=False).logits.float()
+            for i in range(0, len(tokens), batch_size)
+        ])
+    finally:
+        model.train(was_training)
+
+
+def smooth_model(
+    model: nn.Module,
+    calibration: Sequence[str] | torch.Tensor | Iterable[torch.Tensor] | None = None,
+    tokenizer=None,
+    alpha: float = DEFAULT_ALPHA,
+    num_sequences: int | None = None,
+    seq_len: int | None = None,
+    include_v_o: bool = False,
+    include_up_down: bool = False,
+    power_of_two: bool = False,
+    tolerance: float | None = None,
+    batch_size: int = 8,
+    verify_tokens: torch.Tensor | None = None,
+    progress: bool = True,
+) -> SmoothQuantReport:
+    """Smooth `model` in place and verify that it still computes the same function.
+
+    calibration: None (the zoo's held-out speeches, tokenized with `tokenizer`), a list of texts, an (N, T)
+    token tensor, or an iterable of token batches. Texts are cut into `num_sequences` windows of `seq_len`
+    (defaults: 4096 as in paper 000, and min(512, max_position_embeddings)); token input is used as given
+    (num_sequences keeps the first N). include_v_o / include_up_down add the optional mappings (see
+    `quantkit.calibrate.mappings`; v->o is refused where it is not function-preserving). power_of_two:
+    round factors to powers of two (bit-exact folding in bf16). tolerance: max |logit change| / max |logit|
+    allowed (default 1e-3; 5e-2 for bf16/fp16 parameters unless power_of_two), checked on `verify_tokens`
+    (default: the first 4 calibration sequences).
+
+    Raises SmoothQuantMappingError (structure), NonFiniteStatisticsError (NaN/Inf calibration statistics,
+    model untouched), FunctionPreservationError (logits changed; folds undone, up to rounding).
+    """
+    plan = resolve_mappings(model, include_v_o=include_v_o, include_up_down=include_up_down)
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"SmoothQuant alpha must be in [0, 1], got {alpha}")
+    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    tokens = _as_tokens(calibration, tokenizer, num_sequences, seq_len, max_positions)
+    dtype = next(model.parameters()).dtype
+    if tolerance is None:
+        exact = power_of_two or dtype in (torch.float32, torch.float64)
+        tolerance = DEFAULT_TOLERANCE if exact else LOW_PRECISION_TOLERANCE
+    verify = tokens[:DEFAULT_VERIFY_SEQUENCES] if verify_tokens is None else verify_tokens
+
+    consumers = [c for m in plan.mappings for c in m.consumers]
+    maxima = channel_max(model, tokens, consumers, batch_size=batch_size, progress=progress)
+    _check_finite(plan, maxima)
+    _check_shared_input(plan, maxima)
+
+    scales: dict[str, torch.Tensor] = {}
+    reports: list[MappingReport] = []
+    before: list[tuple[float, float]] = []
+    for m in plan.mappings:
+        channels = _smoothing_channels(model, m)
+        x = _to_smoothing_channels(m, maxima[m.consumers[0]], channels)
+        w = _to_smoothing_channels(m, _weight_col_max(model, m).to(x.device), channels)
+        scales[m.smooth] = smoothing_factors(x, w, alpha, power_of_two)
+        before.append((x, w))
+
+    reference = _logits(model, verify, batch_size)
+    for m in plan.mappings:
+        fold_mapping(model, m, scales[m.smooth])
+    change = max(
+        (_logits(model, verify[i : i + batch_size], batch_size) - reference[i : i + batch_size]).abs().max().item()
+        for i in range(0, len(verify), batch_size)
+    )
+    scale = reference.abs().max().item()
+    relative = change / max(scale, torch.finfo(torch.float32).tiny)
+    if not relative <= tolerance:  # also catches NaN
+        for m in reversed(plan.mappings):
+            fold_mapping(model, m, 1.0 / scales[m.smooth])
+        raise FunctionPreservationError(
+            f"SmoothQuant changed the logits of {plan.architecture}: max |logit change| {change:.4g} "
+            f"= {relative:.3g} of the logit scale {scale:.4g}, above the tolerance {tolerance:.3g}; "
+            "the folds have been undone (up to rounding). A mapping is not function-preserving for this model."
+        )
+
+    for m, (x, w) in zip(plan.mappings, before):
+        s = scales[m.smooth]
+        w_after = _to_smoothing_channels(m, _weight_col_max(model, m).to(x.device), len(s))
+        reports.append(MappingReport(
+            name=m.name, kind=m.kind, smooth=m.smooth, consumers=m.consumers, channels=len(s),
+            scale_min=s.min().item(), scale_median=s.median().item(), scale_max=s.max().item(),
+            act_max_before=x.max().item(), act_max_after=(x / s).max().item(),
+            weight_max_before=w.max().item(), weight_max_after=w_after.max().item(),
+        ))
+    report = SmoothQuantReport(
+        architecture=plan.architecture, alpha=alpha, num_sequences=tokens.shape[0], seq_len=tokens.shape[1],
+        mappings=reports, skipped=list(plan.skipped), max_logit_change=change, logit_scale=scale,
+        relative_logit_change=relative, tolerance=tolerance, scales={k: v.cpu() for k, v in scales.items()},
+    )
+    logger.info("SmoothQuant done:\n%s", report.summary())
+    return report

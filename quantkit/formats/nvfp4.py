@@ -1,0 +1,232 @@
+"""NVFP4 W4A4 (paper 000, App. A.4.2): E2M1 elements in groups of 16 along K, two-stage scaling.
+
+Conventions (the reference numerics; kernels and the serving path must match them bit for bit):
+
+- Values: E2M1 codes, 4 bits = ``sign << 3 | magnitude index`` into {0, .5, 1, 1.5, 2, 3, 4, 6};
+  code 0b1000 is -0. The sign bit is set exactly when the scaled value is < 0, so a small negative
+  value that rounds to zero encodes as -0 (0x8) while +0.0 and -0.0 inputs encode as +0 (0x0), as
+  ModelOpt and compressed-tensors do.
+- Scales are DECODE scales: ``x ~= e2m1(code) * float(block_scale) * global_scale``.
+  * ``block_scale``: one float8_e4m3fn per 16 consecutive elements along K,
+    ``e4m3(group_amax / (6 * global_scale))``.
+  * ``global_scale`` (the second stage, float32): weights: per tensor, ``amax / (448 * 6)``, a 0-d
+    tensor. Activations: ``mode="per_token"`` (the paper's): per row, ``row_amax / (448 * 6)``, shape
+    (..., 1); ``mode="static"``: a calibrated per-tensor decode scale passed in, e.g.
+    ``calibrated_amax / (448 * 6)`` -- the reciprocal of compressed-tensors' ``input_global_scale``.
+  Encoding divides by ``float(block_scale) * global_scale`` (that product first, as ModelOpt does).
+- Rounding: E2M1 round to nearest, ties to even (bounds: <=0.25 -> 0, <0.75 -> .5, <=1.25 -> 1,
+  <1.75 -> 1.5, <=2.5 -> 2, <3.5 -> 3, <=5 -> 4, else 6), saturating at +-6. Block scales: E4M3 round
+  to nearest even, clamped to [2**-9, 448] (448: the static activation mode can see values beyond the
+  calibrated amax; those saturate).
+- Zeros: a group whose float32 block scale is 0 (all-zero group) gets block scale 1.0 (ModelOpt's
+  rule); an all-zero tensor/row gets global scale 1.0. Everything decodes to zeros, never NaN.
+  A nonzero group whose block scale would underflow E4M3 (group_amax < ~2e-6 * global amax) gets the
+  smallest subnormal 2**-9 instead of 0 -- ModelOpt divides by that 0 there (inf codes); nothing
+  else in this module departs from ModelOpt's ``NVFP4QTensor.quantize``.
+- Padding: K is zero-padded to a multiple of 16. ``packed``/``block_scale`` keep the padded length;
+  ``NVFP4Tensor.k`` holds the original K and ``dequantize_nvfp4`` crops to it.
+- Nibble order (``pack_fp4``): byte j of a row holds element 2j in its LOW nibble and element 2j+1
+  in its HIGH nibble: ``byte = code[2j] | code[2j+1] << 4`` -- the order of ModelOpt
+  (``NVFP4QTensor.quantize``) and compressed-tensors (``pack_fp4_to_uint8``), i.e. of the NVFP4
+  checkpoints vLLM loads.
+- All arithmetic in float32 (inputs of other float dtypes are converted first); NaN/Inf inputs are
+  refused with a ValueError naming the tensor and its shape.
+- Error bound per element, with ``S = float(block_scale) * global_scale`` and ``y = x / S``:
+  ``|x - deq| <= S * h(|y|)``, h = 0.25 (|y| <= 2), 0.5 (<= 4), 1 (<= 6) (half the grid step at the
+  element's magnitude); beyond 6 (block scale rounded down, or static mode) the error is
+  ``S * (|y| - 6)`` (saturation), at most ``0.4 * S`` while the block scale is an E4M3 normal.
+
+Parity (tests/test_formats_parity.py): weights bit-exact with ModelOpt 0.42's pure-torch
+``NVFP4QTensor.quantize``/``dequantize``, and with compressed-tensors 0.17's TENSOR_GROUP NVFP4 for the
+same global scale (see the test's docstring for where float32 rounding of ``1/global`` can differ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from quantkit.formats.constants import (
+    E2M1_BOUNDS,
+    E2M1_SIGN_BIT,
+    E2M1_TIES_UP,
+    E2M1_VALUES,
+    F4E2M1_MAX,
+    F8E4M3_DTYPE,
+    F8E4M3_MAX,
+    F8E4M3_MIN_SUBNORMAL,
+    NVFP4_GLOBAL_DIVISOR,
+    NVFP4_GROUP,
+)
+from quantkit.formats.fp8 import check_quantizable
+
+__all__ = [
+    "NVFP4Tensor",
+    "nvfp4_global_scale",
+    "round_to_e2m1",
+    "e2m1_to_float",
+    "pack_fp4",
+    "unpack_fp4",
+    "nvfp4_block_scales",
+    "quantize_nvfp4",
+    "dequantize_nvfp4",
+    "quantize_nvfp4_weight",
+    "quantize_nvfp4_activation",
+]
+
+
+@dataclass(frozen=True)
+class NVFP4Tensor:
+    """An NVFP4-encoded tensor of logical shape (..., k).
+
+    packed:       uint8 (..., K_pad // 2), two E2M1 codes a byte (low nibble first), K_pad = ceil(k/16)*16
+    block_scale:  float8_e4m3fn (..., K_pad // 16), decode scale of each group of 16
+    global_scale: float32 decode scale, 0-d (per tensor) or (..., 1) (per token)
+    k:            the original (unpadded) length of the last dimension
+    """
+
+    packed: torch.Tensor
+    block_scale: torch.Tensor
+    global_scale: torch.Tensor
+    k: int
+
+    def __post_init__(self) -> None:
+        lead, k_pad = tuple(self.packed.shape[:-1]), 2 * self.packed.shape[-1]
+        if self.packed.dtype != torch.uint8:
+            raise ValueError(f"NVFP4Tensor: packed must be uint8, got {self.packed.dtype}")
+        if self.block_scale.dtype != F8E4M3_DTYPE:
+            raise ValueError(f"NVFP4Tensor: block_scale must be float8_e4m3fn, got {self.block_scale.dtype}")
+        if tuple(self.block_scale.shape) != (*lead, k_pad // NVFP4_GROUP) or k_pad % NVFP4_GROUP:
+            raise ValueError(
+                f"NVFP4Tensor: packed {tuple(self.packed.shape)} and block_scale "
+                f"{tuple(self.block_scale.shape)} disagree (one scale per {NVFP4_GROUP} elements)"
+            )
+        if not k_pad - NVFP4_GROUP < self.k <= k_pad:
+            raise ValueError(f"NVFP4Tensor: k={self.k} does not pad to {k_pad}")
+        if self.global_scale.dtype != torch.float32 or tuple(self.global_scale.shape) not in ((), (*lead, 1)):
+            raise ValueError(
+                f"NVFP4Tensor: global_scale must be float32 of shape () or {(*lead, 1)}, "
+                f"got {self.global_scale.dtype} {tuple(self.global_scale.shape)}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], self.k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_nvfp4(self, dtype=dtype)
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Second-stage decode scale amax / (448 * 6), float32; 1.0 where that is 0 (all-zero tensor/row)."""
+    scale = amax.float() / NVFP4_GLOBAL_DIVISOR
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def round_to_e2m1(y: torch.Tensor) -> torch.Tensor:
+    """Scaled float32 values -> E2M1 codes (uint8, 0..15): nearest, ties to even, saturate at +-6."""
+    a = y.abs()
+    magnitude = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for bound in E2M1_BOUNDS:  # count the midpoints passed; on a midpoint, go up only towards an even mantissa
+        magnitude += (a >= bound) if bound in E2M1_TIES_UP else (a > bound)
+    return magnitude | (y < 0).to(torch.uint8) * E2M1_SIGN_BIT
+
+
+def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (any integer dtype, 0..15) -> float32 values (code 8 -> -0.0)."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes (..., 2n) -> uint8 (..., n): byte j = code[2j] | code[2j+1] << 4 (low nibble first)."""
+    if codes.dtype != torch.uint8 or codes.ndim == 0 or codes.shape[-1] % 2:
+        raise ValueError(
+            f"pack_fp4: need uint8 codes with an even last dimension, got {codes.dtype} {tuple(codes.shape)}"
+        )
+    if codes.numel() and int(codes.max()) > 0xF:
+        raise ValueError("pack_fp4: codes must be 4-bit (0..15)")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 (..., n) -> uint8 codes (..., 2n); inverse of `pack_fp4`."""
+    if packed.dtype != torch.uint8 or packed.ndim == 0:
+        raise ValueError(f"unpack_fp4: need a uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def nvfp4_block_scales(group_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Group amax (..., G) and decode global scale (() or (..., 1)) -> E4M3 block decode scales (..., G)."""
+    scale = group_amax / (F4E2M1_MAX * global_scale)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return scale.clamp(F8E4M3_MIN_SUBNORMAL, F8E4M3_MAX).to(F8E4M3_DTYPE)
+
+
+def _as_global_scale(global_scale: torch.Tensor | float, lead: tuple[int, ...], fn: str) -> torch.Tensor:
+    gs = torch.as_tensor(global_scale, dtype=torch.float32)
+    if tuple(gs.shape) != (*lead, 1) and gs.numel() == 1:
+        gs = gs.reshape(())
+    elif tuple(gs.shape) != (*lead, 1):
+        raise ValueError(f"{fn}: global_scale must be a scalar or of shape {(*lead, 1)}, got {tuple(gs.shape)}")
+    if not bool(torch.all(torch.isfinite(gs) & (gs > 0))):
+        raise ValueError(f"{fn}: global_scale must be finite and > 0 (a decode scale, amax / 2688)")
+    return gs
+
+
+def quantize_nvfp4(
+    x: torch.Tensor, global_scale: torch.Tensor | float, *, name: str | None = None
+) -> NVFP4Tensor:
+    """Encode x (..., K) with a given second-stage DECODE scale (scalar, or (..., 1) per row)."""
+    check_quantizable(x, "quantize_nvfp4", name=name)
+    return _quantize_nvfp4(x, _as_global_scale(global_scale, tuple(x.shape[:-1]), "quantize_nvfp4").to(x.device))
+
+
+def _quantize_nvfp4(x: torch.Tensor, gs: torch.Tensor) -> NVFP4Tensor:
+    k = x.shape[-1]
+    k_pad = -(-k // NVFP4_GROUP) * NVFP4_GROUP
+    groups = torch.nn.functional.pad(x.float(), (0, k_pad - k)).unflatten(-1, (-1, NVFP4_GROUP))
+    block_scale = nvfp4_block_scales(groups.abs().amax(dim=-1), gs)
+    scaled = groups / (block_scale.float() * gs).unsqueeze(-1)
+    codes = round_to_e2m1(scaled.flatten(-2))
+    return NVFP4Tensor(packed=pack_fp4(codes), block_scale=block_scale, global_scale=gs, k=k)
+
+
+def dequantize_nvfp4(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """NVFP4Tensor -> values (..., k) = e2m1 * (float(block_scale) * global_scale), in `dtype`."""
+    values = e2m1_to_float(unpack_fp4(t.packed)).unflatten(-1, (-1, NVFP4_GROUP))
+    out = values * (t.block_scale.float() * t.global_scale).unsqueeze(-1)
+    return out.flatten(-2)[..., : t.k].to(dtype)
+
+
+def quantize_nvfp4_weight(w: torch.Tensor, *, name: str | None = None) -> NVFP4Tensor:
+    """Weight (N, K) -> NVFP4Tensor with a per-tensor global decode scale amax(|w|) / 2688."""
+    check_quantizable(w, "quantize_nvfp4_weight", name=name, ndim=2)
+    return _quantize_nvfp4(w, nvfp4_global_scale(w.float().abs().amax()))
+
+
+def quantize_nvfp4_activation(
+    x: torch.Tensor,
+    mode: Literal["per_token", "static"] = "per_token",
+    global_scale: torch.Tensor | float | None = None,
+    *,
+    name: str | None = None,
+) -> NVFP4Tensor:
+    """Activations (..., K) -> NVFP4Tensor.
+
+    per_token (the paper's): dynamic second-stage scale per row, row_amax / 2688, shape (..., 1).
+    static (compressed-tensors' NVFP4): the calibrated per-tensor decode scale `global_scale`; group
+    scales are dynamic in both modes.
+    """
+    if mode == "per_token":
+        if global_scale is not None:
+            raise ValueError("quantize_nvfp4_activation: mode='per_token' computes its own scale; pass no global_scale")
+        check_quantizable(x, "quantize_nvfp4_activation", name=name)
+        return _quantize_nvfp4(x, nvfp4_global_scale(x.float().abs().amax(dim=-1, keepdim=True)))
+    if mode == "static":
+        if global_scale is None:
+            raise ValueError("quantize_nvfp4_activation: mode='static' needs the calibrated global_scale (amax / 2688)")
+        return quantize_nvfp4(x, global_scale, name=name)
+    raise ValueError(f"quantize_nvfp4_activation: mode must be 'per_token' or 'static', got {mode!r}")

@@ -1,0 +1,104 @@
+"""`quantkit quantize MODEL RECIPE OUT`: write a quantized checkpoint (format: docs/checkpoint-format.md).
+
+Two phases kept apart (gpt-fast): this module computes the quantized state dict and writes it;
+`quantkit.quantize.fake_quant` (transformers) and the vLLM plugin know how to run it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import quantkit.models  # noqa: F401  (registers model_type "quantkit")
+from quantkit.calibrate import calibration_batches, channel_max, smooth_model
+from quantkit.formats import nvfp4_global_scale
+from quantkit.quantize.recipe import CalibrationSettings, Recipe, load_recipe
+from quantkit.quantize.schemes import encode_weight
+
+FORMAT_VERSION = 1
+WEIGHT_BLOCK = [128, 128]
+
+
+def quantizable_linears(model: torch.nn.Module, recipe: Recipe) -> dict[str, torch.nn.Linear]:
+    """The Linear modules the recipe quantizes, by qualified name (ignore list applied)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not recipe.ignores(n)}
+
+
+def quantization_config(recipe: Recipe, quantized: list[str], ignored: list[str]) -> dict:
+    """The `quantization_config` entry of config.json."""
+    config = {
+        "quant_method": "quantkit",
+        "format_version": FORMAT_VERSION,
+        "recipe": recipe.name,
+        "scheme": recipe.scheme,
+        "weight_block_size": WEIGHT_BLOCK if recipe.scheme == "fp8_block" else None,
+        "group_size": 16 if recipe.scheme == "nvfp4" else None,
+        "activation_scale": recipe.activation_scale if recipe.scheme == "nvfp4" else "per_token",
+        "quantized_modules": quantized,
+        "ignored_modules": ignored,
+        "smoothquant": None if recipe.smoothquant is None else vars(recipe.smoothquant),
+    }
+    return config
+
+
+def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: str | Path, *, overwrite: bool = False) -> Path:
+    """Quantize the checkpoint in `model_dir` with `recipe`; write it atomically to `out_dir`."""
+    recipe = load_recipe(recipe) if isinstance(recipe, (str, Path)) else recipe
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if not (model_dir / "config.json").exists():
+        raise FileNotFoundError(f"{model_dir} is not a checkpoint directory (no config.json)")
+    if recipe.backend != "quantkit":
+        raise ValueError(f"recipe {recipe.name!r} uses backend {recipe.backend!r}; run it through that backend")
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} exists; pass overwrite=True (--overwrite) to replace it")
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    smoothquant_report = None
+    if recipe.smoothquant is not None:  # folds into the float32 weights; verified function-preserving
+        sq = recipe.smoothquant
+        smoothquant_report = smooth_model(
+            model, tokenizer=tokenizer, alpha=sq.alpha, num_sequences=sq.num_sequences, seq_len=sq.seq_len
+        )
+    linears = quantizable_linears(model, recipe) if recipe.scheme != "bf16" else {}
+    input_amax = {}
+    if recipe.activation_scale == "static":  # compressed-tensors convention: one calibrated scale per tensor
+        cal = recipe.calibration or CalibrationSettings()
+        tokens = calibration_batches(tokenizer, cal.num_sequences, min(cal.seq_len, model.config.max_position_embeddings))
+        maxima = channel_max(model, tokens, list(linears), desc="static activation calibration")
+        input_amax = {name: m.max().reshape(1) for name, m in maxima.items()}
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    for name, module in tqdm(linears.items(), desc=f"quantize {recipe.name}", unit="linear"):
+        state.pop(f"{name}.weight")
+        for suffix, tensor in encode_weight(recipe.scheme, module.weight.detach(), name).items():
+            state[f"{name}.{suffix}"] = tensor.contiguous()
+        if name in input_amax:
+            state[f"{name}.input_global_scale"] = nvfp4_global_scale(input_amax[name]).float()
+    ignored = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in linears)
+    if recipe.scheme == "bf16":
+        state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "quantkit_recipe": recipe.name})
+    config = model.config.to_dict()
+    config["architectures"] = [type(model).__name__]
+    config["dtype"] = "bfloat16" if recipe.scheme == "bf16" else "float32"
+    if recipe.scheme != "bf16":
+        config["quantization_config"] = quantization_config(recipe, sorted(linears), ignored)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    tokenizer.save_pretrained(tmp)
+    if smoothquant_report is not None:
+        (tmp / "smoothquant.json").write_text(json.dumps(smoothquant_report.to_dict(), indent=2))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir

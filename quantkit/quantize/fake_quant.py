@@ -1,0 +1,74 @@
+"""Fake-quant forward in transformers: the numerical reference the vLLM serving path is held against.
+
+`load_fake_quant_model(dir)` rebuilds the model from a quantkit checkpoint: every quantized Linear
+becomes a `FakeQuantLinear` whose weight is the checkpoint's decoded weight (exact) and whose input is
+quantized-dequantized per token (FP8, NVFP4) or with the static NVFP4 scale, then multiplied in float32.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import quantkit.models  # noqa: F401
+from quantkit.quantize.schemes import SCHEMES, decode_weight, fake_quant_activation
+
+_WEIGHT_SUFFIXES = ("weight", "weight_scale", "weight_packed", "weight_global_scale", "input_global_scale")
+
+
+class FakeQuantLinear(torch.nn.Module):
+    """y = fake_quant(x) @ W_decoded^T + b, in float32, cast to the input dtype."""
+
+    def __init__(self, scheme: str, weight: torch.Tensor, bias: torch.Tensor | None, input_global_scale: torch.Tensor | None) -> None:
+        super().__init__()
+        self.scheme = scheme
+        self.register_buffer("weight", weight.float())
+        self.register_buffer("bias", None if bias is None else bias.float())
+        self.register_buffer("input_global_scale", input_global_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq = fake_quant_activation(self.scheme, x, self.input_global_scale)
+        return torch.nn.functional.linear(xq, self.weight, self.bias).to(x.dtype)
+
+
+def read_quantization_config(model_dir: str | Path) -> dict:
+    """config.json's quantization_config, checked: quant_method quantkit, known scheme, version 1."""
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{model_dir} has no config.json")
+    qc = json.loads(config_path.read_text()).get("quantization_config")
+    if qc is None:
+        raise ValueError(f"{model_dir}: config.json has no quantization_config (not a quantized checkpoint)")
+    if qc.get("quant_method") != "quantkit":
+        raise ValueError(f"{model_dir}: quant_method {qc.get('quant_method')!r} is not 'quantkit'")
+    if qc.get("scheme") not in SCHEMES or qc.get("format_version") != 1:
+        raise ValueError(f"{model_dir}: unsupported scheme/format {qc.get('scheme')!r} v{qc.get('format_version')}")
+    return qc
+
+
+def load_fake_quant_model(model_dir: str | Path) -> torch.nn.Module:
+    """Model with FakeQuantLinear modules, from a quantkit-quantized checkpoint (float32, eval mode)."""
+    model_dir = Path(model_dir)
+    qc = read_quantization_config(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    state = load_file(str(model_dir / "model.safetensors"))
+    for name in qc["quantized_modules"]:
+        linear = model.get_submodule(name)
+        tensors = {s: state.pop(f"{name}.{s}") for s in _WEIGHT_SUFFIXES if f"{name}.{s}" in state}
+        weight = decode_weight(qc["scheme"], tensors, linear.in_features)
+        if tuple(weight.shape) != tuple(linear.weight.shape):
+            raise ValueError(f"{model_dir}: {name} decodes to {tuple(weight.shape)}, the model expects {tuple(linear.weight.shape)}")
+        bias = state.pop(f"{name}.bias", None)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, FakeQuantLinear(qc["scheme"], weight, bias, tensors.get("input_global_scale")))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k.rsplit(".", 1)[0] not in qc["quantized_modules"]]  # those are set above
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: checkpoint inconsistent with its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model

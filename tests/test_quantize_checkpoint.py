@@ -1,0 +1,125 @@
+"""`quantkit quantize` writes checkpoints in docs/checkpoint-format.md; the fake-quant model reads them exactly."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from quantkit.formats import dequantize_fp8_block, quantize_fp8_block, quantize_nvfp4_weight
+from quantkit.quantize.checkpoint import quantize_checkpoint
+from quantkit.quantize.fake_quant import FakeQuantLinear, load_fake_quant_model
+
+IDS = torch.tensor([[0, 5, 9, 44, 100, 7, 300, 12, 81, 3]])
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    from quantkit.models.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("src") / "m", attn_output_gate="headwise", gated_norm_rank=16)
+
+
+def _kl(ref_logits, logits) -> float:
+    p, q = torch.log_softmax(ref_logits, -1), torch.log_softmax(logits, -1)
+    return (p.exp() * (p - q)).sum(-1).mean().item()
+
+
+def test_fp8_block_checkpoint_contents(source, tmp_path):
+    out = quantize_checkpoint(source, "w8a8_fp8_block", tmp_path / "fp8")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "quantkit" and qc["scheme"] == "fp8_block" and qc["weight_block_size"] == [128, 128]
+    assert "lm_head" in qc["ignored_modules"] and "model.layers.0.input_layernorm.gate_down" in qc["ignored_modules"]
+    assert "model.layers.0.self_attn.g_proj" in qc["quantized_modules"]
+    state = load_file(out / "model.safetensors")
+    ref = load_file(source / "model.safetensors")
+    w = ref["model.layers.1.mlp.down_proj.weight"]
+    q, s = quantize_fp8_block(w)
+    assert state["model.layers.1.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert torch.equal(state["model.layers.1.mlp.down_proj.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(state["model.layers.1.mlp.down_proj.weight_scale"], s)
+    assert torch.equal(state["lm_head.weight"], ref["lm_head.weight"])  # ignored: unchanged
+    assert torch.equal(state["model.layers.0.input_layernorm.gate_down.weight"], ref["model.layers.0.input_layernorm.gate_down.weight"])
+
+
+def test_nvfp4_checkpoint_contents(source, tmp_path):
+    out = quantize_checkpoint(source, "w4a4_nvfp4", tmp_path / "nvfp4")
+    state = load_file(out / "model.safetensors")
+    w = load_file(source / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    t = quantize_nvfp4_weight(w)
+    name = "model.layers.0.self_attn.q_proj"
+    assert f"{name}.weight" not in state
+    assert torch.equal(state[f"{name}.weight_packed"], t.packed)
+    assert torch.equal(state[f"{name}.weight_scale"].view(torch.uint8), t.block_scale.view(torch.uint8))
+    assert torch.equal(state[f"{name}.weight_global_scale"], t.global_scale.reshape(1))
+
+
+def test_fake_quant_reference(source, tmp_path):
+    ref = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref_logits = ref(IDS).logits
+    kl = {}
+    for recipe in ("w8a8_fp8_block", "w4a4_nvfp4"):
+        model = load_fake_quant_model(quantize_checkpoint(source, recipe, tmp_path / recipe))
+        layer = model.get_submodule("model.layers.1.mlp.down_proj")
+        assert isinstance(layer, FakeQuantLinear)
+        assert isinstance(model.get_submodule("lm_head"), torch.nn.Linear)
+        if recipe == "w8a8_fp8_block":  # decoded weight = the format's dequantization, exactly
+            w = ref.get_submodule("model.layers.1.mlp.down_proj").weight
+            assert torch.equal(layer.weight, dequantize_fp8_block(*quantize_fp8_block(w)))
+        with torch.no_grad():
+            kl[recipe] = _kl(ref_logits, model(IDS).logits)
+    # quantization costs something, FP8 far less than NVFP4
+    assert 0 < kl["w8a8_fp8_block"] < kl["w4a4_nvfp4"] < 1.0, kl
+
+
+def test_bf16_recipe_and_errors(source, tmp_path):
+    out = quantize_checkpoint(source, "bf16", tmp_path / "bf16")
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert all(t.dtype == torch.bfloat16 for t in load_file(out / "model.safetensors").values())
+    with pytest.raises(FileExistsError, match="overwrite"):
+        quantize_checkpoint(source, "bf16", out)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        quantize_checkpoint(tmp_path / "nothing", "bf16", tmp_path / "x")
+    with pytest.raises(ValueError, match="backend 'llmcompressor'"):
+        quantize_checkpoint(source, "nvfp4_ct", tmp_path / "ct")
+    with pytest.raises(ValueError, match="no quantization_config"):
+        load_fake_quant_model(out)
+    assert not list(tmp_path.glob(".*tmp*")), "no temporary directories left behind"
+
+
+def test_cli(source, tmp_path):
+    quantkit = Path(sys.executable).parent / "quantkit"
+    out = subprocess.run([quantkit, "quantize", str(source), "w8a8_fp8_block", str(tmp_path / "q")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "q" / "model.safetensors").exists()
+
+
+def test_smoothquant_and_static_recipes(source, tmp_path):
+    """SQ recipes fold SmoothQuant first (report saved); the static NVFP4 recipe stores calibrated scales."""
+    from quantkit.quantize.recipe import parse_recipe
+
+    quick = dict(num_sequences=8, seq_len=64)
+    sq = parse_recipe({"name": "sq", "scheme": "nvfp4", "smoothquant": {"alpha": 0.5, **quick}})
+    out = quantize_checkpoint(source, sq, tmp_path / "sq")
+    report = json.loads((out / "smoothquant.json").read_text())
+    assert report["relative_logit_change"] <= report["tolerance"]
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["smoothquant"]["alpha"] == 0.5
+    plain = load_file(quantize_checkpoint(source, "w4a4_nvfp4", tmp_path / "plain") / "model.safetensors")
+    smoothed = load_file(out / "model.safetensors")
+    assert not torch.equal(smoothed["model.layers.0.mlp.gate_proj.weight_scale"].float(), plain["model.layers.0.mlp.gate_proj.weight_scale"].float())
+
+    static = parse_recipe({"name": "st", "scheme": "nvfp4", "activation_scale": "static", "calibration": quick})
+    out = quantize_checkpoint(source, static, tmp_path / "static")
+    state = load_file(out / "model.safetensors")
+    scale = state["model.layers.0.self_attn.q_proj.input_global_scale"]
+    assert scale.shape == (1,) and scale.item() > 0
+    model = load_fake_quant_model(out)
+    assert torch.equal(model.get_submodule("model.layers.0.self_attn.q_proj").input_global_scale, scale)
+    with torch.no_grad():
+        assert torch.isfinite(model(IDS).logits).all()

@@ -1,0 +1,306 @@
+"""SmoothQuant: mappings per variant, exact folding (function preserved), and that smoothing smooths.
+
+Models are tiny float32 QuantkitForCausalLM / Llama / Qwen3 built in memory with `randomize_parameters`
+(embeddings N(0, 1), so the residual stream and DyT's tanh are O(1)), with outlier channels injected so
+that every mapping has something to migrate. Two injections, each in its own model: "norms" (one channel
+of each norm weight x30: activation outliers at q/k/v(/g) and gate/up inputs) and "projections" (one row
+of v_proj and of up_proj x30: outliers at o_proj and down_proj inputs). Kept apart because a large v_proj
+or up_proj row also enlarges every column max of that weight, which (correctly) damps the norm mapping's
+factors. The control for each mapping: the injected channel is the largest and smoothing shrinks it.
+Hidden size 72 and intermediate 136 are deliberately not multiples of 16.
+"""
+
+import copy
+import functools
+import json
+import logging
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from quantkit.calibrate import (
+    FunctionPreservationError,
+    NonFiniteStatisticsError,
+    SmoothQuantMappingError,
+    calibration_batches,
+    channel_max,
+    heldout_texts,
+    resolve_mappings,
+    smooth_model,
+    smoothing_factors,
+)
+from quantkit.calibrate import mappings as mappings_module
+from quantkit.models import QuantkitConfig, QuantkitForCausalLM
+from quantkit.models.modeling import QuantkitNorm
+from quantkit.models.tiny import randomize_parameters
+
+SHAPE = dict(
+    vocab_size=96, hidden_size=72, intermediate_size=136, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
+    bos_token_id=0, eos_token_id=0, pad_token_id=0,
+)
+VARIANTS = {
+    "baseline": {},
+    "ga_headwise": dict(attn_output_gate="headwise"),
+    "ga_elementwise": dict(attn_output_gate="elementwise"),
+    "pre_affine": dict(pre_affine=True),
+    "gated_norm": dict(gated_norm_rank=16),
+    "glu": dict(hidden_act="sigmoid"),
+    "dyt": dict(norm_type="dyt"),
+    "gated_dyt": dict(norm_type="dyt", gated_norm_rank=16),
+    "v_scale": dict(value_scale=True),
+    "headwise_rmsnorm": dict(headwise_rmsnorm=True),
+    "attention_sink": dict(attention_sink=True),
+}
+NO_V_O = {"v_scale", "headwise_rmsnorm"}  # attention not linear in v: v_proj -> o_proj refused
+OUTLIER = {"input_layernorm": 5, "post_attention_layernorm": 7, "v_proj": 3, "up_proj": 9}
+
+
+INJECTIONS = {"norms": ("input_layernorm", "post_attention_layernorm"), "projections": ("self_attn.v_proj", "mlp.up_proj")}
+
+
+def randomize(model: nn.Module, injection: str | None = "norms") -> nn.Module:
+    """Random parameters, N(0, 1) embeddings, and one persistent outlier channel x30 per injected layer."""
+    randomize_parameters(model, 0.05)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)
+        for layer in model.model.layers:
+            for path in INJECTIONS.get(injection, ()):
+                layer.get_submodule(path).weight[OUTLIER[path.rsplit(".", 1)[-1]]] *= 30
+    return model.eval()
+
+
+def quantkit_model(seed: int = 0, injection: str | None = "norms", **flags) -> QuantkitForCausalLM:
+    torch.manual_seed(seed)
+    return randomize(QuantkitForCausalLM(QuantkitConfig(**SHAPE, **flags)), injection)
+
+
+def tokens(n: int = 16, length: int = 32, seed: int = 1) -> torch.Tensor:
+    out = torch.randint(1, SHAPE["vocab_size"], (n, length), generator=torch.Generator().manual_seed(seed))
+    out[:, 0] = SHAPE["bos_token_id"]  # BOS at position 0 (the attention-sink variant requires it)
+    return out
+
+
+@torch.no_grad()
+def logits(model: nn.Module, toks: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=toks, use_cache=False).logits
+
+
+def relative_change(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def check_preserved_and_smoothed(model: nn.Module, include_v_o: bool, injection: str, **kwargs) -> dict:
+    """Smooth `model`; assert logits unchanged (own check, not only the report's), consumer weights changed,
+    and for each injected mapping: the outlier channel is the largest, halves at least, and so does the
+    spread max/median of max |x| at the consumers' input (measured with hooks after smoothing)."""
+    calib, held_out = tokens(16, 32, seed=1), tokens(4, 32, seed=2)
+    plan = resolve_mappings(model, include_v_o=include_v_o, include_up_down=True)
+    consumers = [c for m in plan.mappings for c in m.consumers]
+    before_stats = channel_max(model, calib, consumers, progress=False)
+    before_weights = {c: model.get_submodule(c).weight.detach().clone() for c in consumers}
+    reference = logits(model, held_out)
+
+    report = smooth_model(model, calib, include_v_o=include_v_o, include_up_down=True, progress=False, **kwargs)
+
+    change = relative_change(logits(model, held_out), reference)
+    assert change < 1e-4, f"held-out logits moved by {change:.3g} of their scale"
+    assert report.relative_logit_change < 1e-4
+    after_stats = channel_max(model, calib, consumers, progress=False)
+    checked = 0
+    for m, r in zip(plan.mappings, report.mappings):
+        c = m.consumers[0]
+        before, after = before_stats[c], after_stats[c]
+        if (m.kind == "norm") == (injection == "norms"):
+            # the control: the injected channel is the largest, and smoothing shrinks it and the spread
+            j = before.argmax()
+            smooth = m.smooth.rsplit(".", 1)[-1]
+            assert (j % m.head_dim if m.kind == "v_o" else j) == OUTLIER[smooth], f"{m.name}: largest channel {j} is not the injected one"
+            assert after[j] < before[j] / 2, f"{m.name}: outlier channel {j} did not shrink ({before[j]:.3g} -> {after[j]:.3g})"
+            assert after.max() / after.median() < (before.max() / before.median()) / 2, f"{m.name}: spread did not shrink"
+            checked += 1
+        # the report's prediction max|X|/s matches the measured range after smoothing
+        assert r.act_max_after == pytest.approx(after.max().item(), rel=1e-4)
+        assert r.act_max_before == pytest.approx(before.max().item(), rel=1e-6)
+        assert not torch.allclose(model.get_submodule(c).weight, before_weights[c]), f"{c} unchanged"
+    assert checked >= 2
+    json.dumps(report.to_dict())
+    return {"relative_logit_change": change, "report": report}
+
+
+@pytest.mark.parametrize("injection", list(INJECTIONS))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_smoothing_preserves_function_and_shrinks_outliers(variant, injection):
+    model = quantkit_model(injection=injection, **VARIANTS[variant])
+    result = check_preserved_and_smoothed(model, include_v_o=variant not in NO_V_O, injection=injection)
+    report = result["report"]
+    kinds = {m.kind for m in report.mappings}
+    assert kinds == ({"norm", "up_down"} if variant in NO_V_O else {"norm", "v_o", "up_down"})
+    if variant.startswith("ga_"):  # the gate reads the normed input: it is a consumer of input_layernorm
+        assert report.mappings[0].consumers[-1].endswith("self_attn.g_proj")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_power_of_two_factors_fold_bit_exactly_in_bf16(variant):
+    model = quantkit_model(**VARIANTS[variant]).to(torch.bfloat16)
+    reference = logits(model, tokens(4, 32, seed=2))
+    report = smooth_model(model, tokens(8, 32), include_v_o=variant not in NO_V_O, include_up_down=True,
+                          power_of_two=True, progress=False)
+    assert report.tolerance == 1e-3
+    assert torch.equal(logits(model, tokens(4, 32, seed=2)), reference)
+    s = torch.cat(list(report.scales.values()))
+    assert torch.equal(s, torch.exp2(torch.log2(s).round())) and (s != 1).any()
+
+
+def _stock_config(cls, **overrides):
+    return cls(**{**SHAPE, **overrides})
+
+
+@pytest.mark.parametrize("injection", list(INJECTIONS))
+@pytest.mark.parametrize(
+    "model_cls, config",
+    [
+        (Qwen3ForCausalLM, _stock_config(Qwen3Config)),
+        # MQA (4 query heads share 1 KV head) and biases on q/k/v/o and the MLP
+        (LlamaForCausalLM, _stock_config(LlamaConfig, num_key_value_heads=1, attention_bias=True, mlp_bias=True)),
+    ],
+    ids=["qwen3", "llama_mqa_bias"],
+)
+def test_stock_architectures(model_cls, config, injection):
+    torch.manual_seed(0)
+    model = randomize(model_cls(config), injection)
+    result = check_preserved_and_smoothed(model, include_v_o=True, injection=injection)
+    assert result["report"].architecture == model_cls.__name__
+
+
+def test_v_o_refused_where_attention_is_not_linear_in_v():
+    for flags, reason in ((dict(value_scale=True), "V-scale"), (dict(headwise_rmsnorm=True), "head-wise RMSNorm")):
+        model = quantkit_model(**flags)
+        with pytest.raises(SmoothQuantMappingError, match=f"v_proj -> o_proj .*not function-preserving.*{reason}"):
+            smooth_model(model, tokens(), include_v_o=True, progress=False)
+        report = smooth_model(model, tokens(), progress=False)  # skipped by default, with the reason
+        assert any("v_proj -> o_proj: not valid here" in s and reason in s for s in report.skipped)
+        assert {m.kind for m in report.mappings} == {"norm"}
+
+
+def test_unknown_structure_errors_name_the_modules():
+    class Mystery(nn.Module):
+        def __init__(self, hidden):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(hidden))
+
+        def forward(self, x):
+            return x * self.weight
+
+    model = quantkit_model()
+    model.model.layers[1].post_attention_layernorm = Mystery(SHAPE["hidden_size"])
+    model.model.layers[0].mlp.extra = nn.Linear(4, 4)
+    with pytest.raises(SmoothQuantMappingError) as err:
+        resolve_mappings(model)
+    message = str(err.value)
+    assert "model.layers.1.post_attention_layernorm (Mystery: no fold registered)" in message
+    assert "model.layers.0.mlp.extra (a linear no mapping accounts for)" in message
+
+    del model.model.layers[0].self_attn.v_proj
+    with pytest.raises(SmoothQuantMappingError, match=r"model\.layers\.0\.self_attn\.v_proj \(missing\)"):
+        resolve_mappings(model)
+
+    with pytest.raises(SmoothQuantMappingError, match=r"no decoder layers at model\.model\.layers.*'encoder'"):
+        resolve_mappings(nn.ModuleDict({"encoder": nn.Linear(2, 2)}))
+
+    class UnregisteredLM(QuantkitForCausalLM):  # same structure, unknown name: norm mappings only
+        pass
+
+    model = UnregisteredLM(QuantkitConfig(**SHAPE))
+    assert {m.kind for m in resolve_mappings(model).mappings} == {"norm"}
+    with pytest.raises(SmoothQuantMappingError, match=r"model\.layers\.0\.mlp is Qwen3MLP"):
+        resolve_mappings(model, include_up_down=True)
+    with pytest.raises(SmoothQuantMappingError, match="QuantkitAttention is not a known attention"):
+        resolve_mappings(model, include_v_o=True)
+
+    model = quantkit_model()
+    model.model.layers[0].mlp = nn.Sequential()  # not a known GLU MLP; up_proj etc. missing
+    with pytest.raises(SmoothQuantMappingError, match=r"model\.layers\.0\.mlp\.up_proj \(missing\)"):
+        resolve_mappings(model, include_up_down=True)
+
+
+def test_nan_statistics_error_names_the_layer_and_leaves_the_model():
+    model = quantkit_model()
+    with torch.no_grad():
+        model.model.layers[1].input_layernorm.weight[3] = float("nan")
+    state = copy.deepcopy(model.state_dict())
+    with pytest.raises(NonFiniteStatisticsError, match=r"model\.layers\.1\.self_attn\.q_proj \(NaN in 1 channels"):
+        smooth_model(model, tokens(), progress=False)
+    assert all(torch.equal(v.nan_to_num(), state[k].nan_to_num()) for k, v in model.state_dict().items())
+
+
+def test_gated_norm_needs_the_gate_down_fold():
+    """Without multiplying gate_down's columns by s, GatedNorm is not function-preserving."""
+    held_out = tokens(4, 32, seed=2)
+    model = quantkit_model(gated_norm_rank=16)
+    reference = logits(model, held_out)
+    report = smooth_model(model, tokens(), progress=False)
+    assert relative_change(logits(model, held_out), reference) < 1e-4
+    with torch.no_grad():  # undo only the gate_down part of each fold
+        for name, s in report.scales.items():
+            model.get_submodule(name).gate_down.weight.div_(s[None, :])
+    assert relative_change(logits(model, held_out), reference) > 1e-2
+
+
+def test_gated_norm_without_gate_fold_fails_the_check_and_is_undone(monkeypatch):
+    monkeypatch.setitem(mappings_module._FOLDS, QuantkitNorm,
+                        functools.partial(mappings_module.fold_quantkit_norm, fold_gate=False))
+    model = quantkit_model(gated_norm_rank=16)
+    state = copy.deepcopy(model.state_dict())
+    with pytest.raises(FunctionPreservationError, match=r"max \|logit change\| .* above the tolerance 0\.001"):
+        smooth_model(model, tokens(), progress=False)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, state[k], rtol=1e-5, atol=1e-7)
+
+
+def test_smoothing_factors_formula_and_clamps():
+    x = torch.tensor([16.0, 1.0, 0.0, 4.0, 1e12])
+    w = torch.tensor([1.0, 4.0, 2.0, 0.0, 1e-12])
+    s = smoothing_factors(x, w, alpha=0.5)
+    torch.testing.assert_close(s[:2], torch.tensor([4.0, 0.5]))
+    assert s[2] == 1 and s[3] == 1  # dead activation / zero weight column: nothing to migrate
+    assert s[4] == 1e4  # clamped to SCALE_MAX
+    torch.testing.assert_close(smoothing_factors(x[:2], w[:2], alpha=1.0), x[:2])
+    torch.testing.assert_close(smoothing_factors(torch.tensor([3.0]), torch.tensor([1.0]), power_of_two=True), torch.tensor([2.0]))
+    with pytest.raises(ValueError, match="alpha must be in"):
+        smoothing_factors(x, w, alpha=1.5)
+
+
+def test_calibration_batches_from_the_heldout_corpus(caplog):
+    from quantkit.models.tokenizer import train_bpe_tokenizer
+
+    texts = heldout_texts()
+    tokenizer = train_bpe_tokenizer(texts, 300)
+    batch = calibration_batches(tokenizer, num_sequences=8, seq_len=64)
+    assert batch.shape == (8, 64) and batch.dtype == torch.long
+    assert (batch[:, 0] == tokenizer.bos_token_id).all()
+    assert len({tuple(row.tolist()) for row in batch}) == 8
+    with caplog.at_level(logging.WARNING, logger="quantkit.calibrate.stats"):
+        calibration_batches(tokenizer, num_sequences=4096, seq_len=128, texts=texts[:1])
+    assert "windows overlap" in caplog.text
+
+    # end to end from text (the default corpus), on the variant that needs BOS at position 0
+    torch.manual_seed(0)
+    model = randomize(QuantkitForCausalLM(QuantkitConfig(**{**SHAPE, "vocab_size": len(tokenizer)}, attention_sink=True)))
+    report = smooth_model(model, None, tokenizer, num_sequences=8, seq_len=64, progress=False)
+    assert (report.num_sequences, report.seq_len) == (8, 64)
+    assert report.relative_logit_change < 1e-4
+
+
+def test_token_input_validation():
+    model = quantkit_model()
+    with pytest.raises(ValueError, match="only 16 token sequences"):
+        smooth_model(model, tokens(16), num_sequences=32, progress=False)
+    with pytest.raises(ValueError, match="seq_len=64"):
+        smooth_model(model, tokens(16, 32), seq_len=64, progress=False)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        smooth_model(model, ["some text"], progress=False)
+    report = smooth_model(model, [tokens(4), tokens(4, seed=3)], progress=False)  # iterable of batches
+    assert report.num_sequences == 8
