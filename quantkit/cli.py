@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as metadata
 import sys
+from pathlib import Path
 
 import quantkit
 
@@ -56,6 +57,19 @@ def _quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quality(args: argparse.Namespace) -> int:
+    """Per-layer SNR and model KL of quantized checkpoints against their source, on held-out text."""
+    import json
+
+    from quantkit.quantize.quality import quality_table
+
+    table, rows = quality_table(args.model, args.quantized, num_sequences=args.num_sequences, seq_len=args.seq_len)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="quantkit", description=quantkit.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"quantkit {quantkit.__version__}")
@@ -67,6 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     quantize.add_argument("out", help="output directory (written atomically)")
     quantize.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     quantize.set_defaults(func=_quantize)
+    quality = sub.add_parser("quality", help="per-layer SNR and KL of quantized checkpoints vs their source")
+    quality.add_argument("model", help="source checkpoint directory")
+    quality.add_argument("quantized", nargs="+", help="quantized checkpoint directories")
+    quality.add_argument("--num-sequences", type=int, default=16)
+    quality.add_argument("--seq-len", type=int, default=256)
+    quality.add_argument("--json", help="also write the per-layer figures to this JSON file")
+    quality.set_defaults(func=_quality)
     zoo = sub.add_parser("zoo", help="small checkpoints of each variant, trained from scratch offline").add_subparsers(dest="zoo_command", required=True)
     build = zoo.add_parser("build", help="train variants (or 'table2' for the paper's three rows)")
     build.add_argument("variants", nargs="+", help="preset names (see `quantkit zoo list`) or 'table2'")

@@ -123,3 +123,18 @@ def test_smoothquant_and_static_recipes(source, tmp_path):
     assert torch.equal(model.get_submodule("model.layers.0.self_attn.q_proj").input_global_scale, scale)
     with torch.no_grad():
         assert torch.isfinite(model(IDS).logits).all()
+
+
+def test_quality_table(source, tmp_path):
+    """Per-layer SNR and KL: FP8 beats NVFP4 on every measure; SmoothQuant's reference is the smoothed source."""
+    from quantkit.quantize.quality import quality_table
+    from quantkit.quantize.recipe import parse_recipe
+
+    sq = parse_recipe({"name": "fp8_sq", "scheme": "fp8_block", "smoothquant": {"alpha": 0.5, "num_sequences": 8, "seq_len": 64}})
+    dirs = [quantize_checkpoint(source, r, tmp_path / n) for n, r in [("fp8", "w8a8_fp8_block"), ("nvfp4", "w4a4_nvfp4"), ("sq", sq)]]
+    table, (fp8, nvfp4, fp8_sq) = quality_table(source, dirs, num_sequences=4, seq_len=64)
+    assert table.count("\n") == 4 and "| w8a8_fp8_block |" in table
+    assert fp8["min_snr_db"] > nvfp4["min_snr_db"] + 6 and 0 < fp8["kl"] < nvfp4["kl"]
+    assert set(fp8["layer_snr_db"]) == set(json.loads((dirs[0] / "config.json").read_text())["quantization_config"]["quantized_modules"])
+    # FP8 per-layer SNR ~ 30 dB; with the right (smoothed) reference the SQ checkpoint is comparable, not negative
+    assert fp8_sq["min_snr_db"] > 20 and abs(fp8_sq["mean_snr_db"] - fp8["mean_snr_db"]) < 6
