@@ -52,7 +52,7 @@ $(LLMC_STAMP): Makefile
 	$(LLMC_VENV)/bin/python -c "import llmcompressor, compressed_tensors; print('llmcompressor environment ready:', compressed_tensors.__version__)"
 	@touch $@
 
-test: $(MAIN_STAMP)
+test: $(MAIN_STAMP) $(LLMC_STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # The zoo: checkpoints of each variant trained from scratch on an offline corpus (quantkit/models/zoo.py).

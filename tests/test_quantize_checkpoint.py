@@ -86,8 +86,6 @@ def test_bf16_recipe_and_errors(source, tmp_path):
         quantize_checkpoint(source, "bf16", out)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         quantize_checkpoint(tmp_path / "nothing", "bf16", tmp_path / "x")
-    with pytest.raises(ValueError, match="backend 'llmcompressor'"):
-        quantize_checkpoint(source, "nvfp4_ct", tmp_path / "ct")
     with pytest.raises(ValueError, match="no quantization_config"):
         load_fake_quant_model(out)
     assert not list(tmp_path.glob(".*tmp*")), "no temporary directories left behind"
@@ -138,3 +136,28 @@ def test_quality_table(source, tmp_path):
     assert set(fp8["layer_snr_db"]) == set(json.loads((dirs[0] / "config.json").read_text())["quantization_config"]["quantized_modules"])
     # FP8 per-layer SNR ~ 30 dB; with the right (smoothed) reference the SQ checkpoint is comparable, not negative
     assert fp8_sq["min_snr_db"] > 20 and abs(fp8_sq["mean_snr_db"] - fp8["mean_snr_db"]) < 6
+
+
+def test_llmcompressor_peer_recipes(source, tmp_path):
+    """The peers' presets run through llmcompressor in its own venv; their weights match our formats."""
+    from quantkit.formats import quantize_nvfp4
+    from quantkit.quantize.recipe import parse_recipe
+
+    name = "model.layers.1.mlp.down_proj"
+    w = load_file(source / "model.safetensors")[f"{name}.weight"]
+    out = quantize_checkpoint(source, "fp8_block_ct", tmp_path / "fp8_ct")
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors"
+    state = load_file(out / "model.safetensors")
+    q, scale = quantize_fp8_block(w)
+    assert torch.equal(state[f"{name}.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(state[f"{name}.weight_scale"].float(), scale)
+
+    nvfp4_ct = parse_recipe({"name": "nvfp4_ct", "scheme": "NVFP4", "backend": "llmcompressor",
+                             "calibration": {"num_sequences": 4, "seq_len": 64}})
+    out = quantize_checkpoint(source, nvfp4_ct, tmp_path / "nvfp4_ct")
+    state = load_file(out / "model.safetensors")
+    assert f"{name}.input_global_scale" in state  # compressed-tensors' static activation scale (encode convention)
+    ours = quantize_nvfp4(w, 1.0 / state[f"{name}.weight_global_scale"].float().reshape(()))
+    same = (state[f"{name}.weight_packed"] == ours.packed).float().mean().item()
+    assert same > 0.999, f"only {same:.4f} of the packed bytes agree with quantkit's NVFP4 at CT's global scale"

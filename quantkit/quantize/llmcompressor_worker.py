@@ -1,0 +1,37 @@
+"""Runs INSIDE the llmcompressor venv (see llmcompressor_backend): one oneshot() quantization job.
+
+    python -m quantkit.quantize.llmcompressor_worker JOB.json
+JOB: {"model": dir, "out": dir, "scheme": "FP8_BLOCK" | "NVFP4", "ignore": [...], "calibration": tokens.pt?}
+"""
+
+import json
+import sys
+
+import torch
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import quantkit.models  # noqa: F401  (registers model_type "quantkit")
+
+
+def main(job_path: str) -> None:
+    job = json.loads(open(job_path).read())
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
+    recipe = QuantizationModifier(targets="Linear", scheme=job["scheme"], ignore=job["ignore"])
+    if "calibration" in job:
+        from datasets import Dataset
+
+        tokens = torch.load(job["calibration"])
+        data = Dataset.from_dict({"input_ids": tokens.tolist(), "attention_mask": torch.ones_like(tokens).tolist()})
+        # "basic" pipeline: plain forward passes (the sequential pipeline's fx tracing cannot wrap our forward)
+        oneshot(model=model, recipe=recipe, dataset=data, num_calibration_samples=len(tokens),
+                max_seq_length=tokens.shape[1], pipeline="basic")
+    else:
+        oneshot(model=model, recipe=recipe)
+    model.save_pretrained(job["out"], save_compressed=True)
+    AutoTokenizer.from_pretrained(job["model"]).save_pretrained(job["out"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
