@@ -161,3 +161,40 @@ def test_llmcompressor_peer_recipes(source, tmp_path):
     ours = quantize_nvfp4(w, 1.0 / state[f"{name}.weight_global_scale"].float().reshape(()))
     same = (state[f"{name}.weight_packed"] == ours.packed).float().mean().item()
     assert same > 0.999, f"only {same:.4f} of the packed bytes agree with quantkit's NVFP4 at CT's global scale"
+
+
+def test_modelopt_export(source, tmp_path):
+    """ModelOpt's presets export from CPU; NVFP4 weights bit-exact with ours at ModelOpt's global scale;
+    FP8 per-channel weights bit-exact with our per-row FP8; the ignore list stays unquantized."""
+    from quantkit.formats import quantize_fp8_per_token, quantize_nvfp4
+    from quantkit.quantize.recipe import parse_recipe
+
+    w = load_file(source / "model.safetensors")
+    calibration = {"num_sequences": 4, "seq_len": 64}
+    nvfp4 = parse_recipe({"name": "nvfp4_modelopt", "backend": "modelopt", "scheme": "NVFP4", "calibration": calibration})
+    out = quantize_checkpoint(source, nvfp4, tmp_path / "nvfp4_mo")
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "modelopt" and config["quant_algo"] == "NVFP4"
+    state = load_file(out / "model.safetensors")
+    checked = 0
+    for key, weight in w.items():
+        module = key.removesuffix(".weight")
+        if f"{module}.weight_scale_2" not in state:
+            continue
+        assert state[f"{module}.input_scale"].item() > 0  # static calibrated activation global scale
+        ours = quantize_nvfp4(weight.to(torch.bfloat16), state[f"{module}.weight_scale_2"].float().reshape(()))
+        assert torch.equal(state[f"{module}.weight"], ours.packed), module
+        assert torch.equal(state[f"{module}.weight_scale"].view(torch.uint8), ours.block_scale.view(torch.uint8)), module
+        checked += 1
+    layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    assert checked == layers * 8  # q, k, v, o, g_proj, gate, up, down per layer
+    for ignored in ("lm_head", "model.layers.0.input_layernorm.gate_down"):
+        assert state[f"{ignored}.weight"].dtype == torch.bfloat16 and f"{ignored}.weight_scale" not in state
+
+    fp8 = parse_recipe({"name": "fp8_mo", "backend": "modelopt", "scheme": "FP8_PER_CHANNEL_PER_TOKEN", "calibration": calibration})
+    out = quantize_checkpoint(source, fp8, tmp_path / "fp8_mo")
+    state = load_file(out / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj"
+    q, scale = quantize_fp8_per_token(w[f"{name}.weight"].to(torch.bfloat16))
+    assert torch.equal(state[f"{name}.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.allclose(state[f"{name}.weight_scale"].float().reshape(-1), scale.reshape(-1), rtol=1e-6)

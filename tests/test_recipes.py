@@ -16,6 +16,7 @@ def test_every_shipped_recipe_loads():
     assert load_recipe("w4a4_nvfp4_static").activation_scale == "static"
     assert load_recipe("w8a8_fp8_block_sq").smoothquant.alpha == 0.5
     assert load_recipe("nvfp4_ct").backend == "llmcompressor"
+    assert load_recipe("nvfp4_modelopt").backend == "modelopt"
 
 
 def test_ignore_list():
@@ -42,6 +43,8 @@ def test_ignore_list():
         ({"name": "x", "scheme": "nvfp4", "smoothquant": {"num_sequences": 0}}, "positive integer"),
         ({"name": "x", "scheme": "nvfp4", "ignore": ["re:(("]}, "not a valid regex"),
         ({"name": "x", "scheme": "nvfp4", "weights": "int4"}, "unknown recipe key"),
+        ({"name": "x", "scheme": "NVFP4", "backend": "modelopt", "smoothquant": {}}, "backend quantkit only"),
+        ({"name": "x", "scheme": "FP8_BLOCK", "backend": "modelopt"}, "for backend 'modelopt'"),
     ],
 )
 def test_bad_recipes_name_the_problem(data, message):

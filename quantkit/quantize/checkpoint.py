@@ -20,6 +20,7 @@ import quantkit.models  # noqa: F401  (registers model_type "quantkit")
 from quantkit.calibrate import calibration_batches, channel_max, smooth_model
 from quantkit.formats import nvfp4_global_scale
 from quantkit.quantize.llmcompressor_backend import quantize_with_llmcompressor
+from quantkit.quantize.modelopt_backend import quantize_with_modelopt
 from quantkit.quantize.recipe import CalibrationSettings, Recipe, load_recipe
 from quantkit.quantize.schemes import encode_weight
 
@@ -59,6 +60,8 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
         raise FileExistsError(f"{out_dir} exists; pass overwrite=True (--overwrite) to replace it")
     if recipe.backend == "llmcompressor":
         return quantize_with_llmcompressor(model_dir, recipe, out_dir)
+    if recipe.backend == "modelopt":
+        return quantize_with_modelopt(model_dir, recipe, out_dir)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -5,7 +5,8 @@ A recipe names a scheme and what happens before it:
     name: w4a4_nvfp4_sq          # must equal the file name
     scheme: nvfp4                # bf16 | fp8_block | nvfp4  (backend quantkit)
                                  # FP8_BLOCK | NVFP4         (backend llmcompressor, the peers' presets)
-    backend: quantkit            # default
+                                 # NVFP4 | FP8_PER_CHANNEL_PER_TOKEN (backend modelopt, NVIDIA's export)
+    backend: quantkit            # default; llmcompressor | modelopt run the peers' own code
     activation_scale: per_token  # nvfp4 only: per_token (paper 000) | static (compressed-tensors convention)
     smoothquant: {alpha: 0.5, num_sequences: 256, seq_len: 512}   # optional
     calibration: {num_sequences: 64, seq_len: 512}                # static activation scales only
@@ -26,7 +27,11 @@ import yaml
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "configs" / "recipes"
 # lm_head stays BF16 (paper 000 App. A.4.2); GatedNorm's rank-r gates are tiny (shared/DESIGN.md)
 DEFAULT_IGNORE = ("lm_head", r"re:.*\.gate_down$", r"re:.*\.gate_up$")
-SCHEMES = {"quantkit": ("bf16", "fp8_block", "nvfp4"), "llmcompressor": ("FP8_BLOCK", "NVFP4")}
+SCHEMES = {
+    "quantkit": ("bf16", "fp8_block", "nvfp4"),
+    "llmcompressor": ("FP8_BLOCK", "NVFP4"),
+    "modelopt": ("NVFP4", "FP8_PER_CHANNEL_PER_TOKEN"),
+}
 ACTIVATION_SCALES = ("per_token", "static")
 _KEYS = {"name", "description", "scheme", "backend", "activation_scale", "smoothquant", "calibration", "ignore"}
 
@@ -102,6 +107,10 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     if scheme not in SCHEMES[backend]:
         raise ValueError(f"{source}: scheme {scheme!r} is not one of {list(SCHEMES[backend])} for backend {backend!r}")
     activation_scale = data.get("activation_scale")
+    if backend != "quantkit":
+        for key in ("activation_scale", "smoothquant"):
+            if key in data:
+                raise ValueError(f"{source}: {key} applies to backend quantkit only; backend {backend!r} runs its own preset")
     if scheme == "nvfp4":
         activation_scale = activation_scale or "per_token"
         if activation_scale not in ACTIVATION_SCALES:

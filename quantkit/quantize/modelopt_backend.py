@@ -1,0 +1,85 @@
+"""Export through nvidia-modelopt for the schemes it has (recipes with `backend: modelopt`).
+
+    NVFP4                       mtq.NVFP4_DEFAULT_CFG: W4A4, weights with a per-tensor global scale,
+                                activations with a STATIC calibrated global scale (`input_scale`)
+    FP8_PER_CHANNEL_PER_TOKEN   mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG: FP8 E4M3 weights with one scale per
+                                output channel, dynamic per-token activations
+
+ModelOpt has no 128x128-block FP8 W8A8 scheme and no per-token NVFP4 activation scale, so these are
+comparison rows, not the paper's schemes. Calibration ("max") runs on CPU over held-out corpus
+sequences; the output is ModelOpt's unified Hugging Face checkpoint (`quant_method: "modelopt"`,
+plus `hf_quant_config.json`), which vLLM serves on CUDA. Written atomically like ours.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from quantkit.quantize.recipe import CalibrationSettings, Recipe
+
+CONFIGS = {"NVFP4": "NVFP4_DEFAULT_CFG", "FP8_PER_CHANNEL_PER_TOKEN": "FP8_PER_CHANNEL_PER_TOKEN_CFG"}
+
+
+@contextmanager
+def _cpu_safe_fp4_check():
+    """ModelOpt 0.42 asks `torch.cuda.get_device_capability` before its pure-torch NVFP4 path and crashes
+    on CPU-only torch; answer "no FP4 hardware" there (which selects that pure-torch path)."""
+    import modelopt.torch.quantization.qtensor.nvfp4_tensor as nvfp4_tensor
+
+    original = nvfp4_tensor.fp4_compatible
+    nvfp4_tensor.fp4_compatible = lambda: torch.cuda.is_available() and original()
+    try:
+        yield
+    finally:
+        nvfp4_tensor.fp4_compatible = original
+
+
+def modelopt_config(recipe: Recipe, model: torch.nn.Module) -> dict:
+    """ModelOpt's preset for the recipe's scheme, with the recipe's ignore list disabled by exact module name."""
+    import modelopt.torch.quantization as mtq
+
+    config = copy.deepcopy(getattr(mtq, CONFIGS[recipe.scheme]))
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and recipe.ignores(name):
+            config["quant_cfg"][f"{name}.*"] = {"enable": False}
+    return config
+
+
+def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Path:
+    """Calibrate and export `model_dir` with ModelOpt's preset for `recipe.scheme` into `out_dir`."""
+    from quantkit.calibrate import calibration_batches
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # modelopt warns about the transformers version on import
+        import modelopt.torch.quantization as mtq
+        from modelopt.torch.export import export_hf_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    cal = recipe.calibration or CalibrationSettings()
+    tokens = calibration_batches(tokenizer, cal.num_sequences, min(cal.seq_len, model.config.max_position_embeddings))
+
+    def forward_loop(m: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for row in tqdm(tokens, desc=f"modelopt calibration {recipe.name}", unit="seq"):
+                m(row[None])
+
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with _cpu_safe_fp4_check():
+        mtq.quantize(model, modelopt_config(recipe, model), forward_loop)
+        export_hf_checkpoint(model, export_dir=str(tmp))
+    tokenizer.save_pretrained(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
