@@ -113,11 +113,17 @@ def dequantize_fp8_block(
     return (q.float() * full).to(dtype)
 
 
-def quantize_fp8_per_token(x: torch.Tensor, *, name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations (..., K) -> (q float8_e4m3fn (..., K), scale float32 (..., 1)), one scale per row."""
+def quantize_fp8_per_token(
+    x: torch.Tensor, *, row_amax: torch.Tensor | None = None, name: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations (..., K) -> (q float8_e4m3fn (..., K), scale float32 (..., 1)), one scale per row.
+
+    row_amax (..., 1): max |x| of each whole row when x holds only a slice of it (a tensor-parallel shard
+    of K); default: computed from x.
+    """
     check_quantizable(x, "quantize_fp8_per_token", name=name)
     xf = x.float()
-    scale = fp8_scale_from_amax(xf.abs().amax(dim=-1, keepdim=True))
+    scale = fp8_scale_from_amax(xf.abs().amax(dim=-1, keepdim=True) if row_amax is None else row_amax.float())
     return to_e4m3(xf / scale), scale
 
 

@@ -212,11 +212,14 @@ def quantize_nvfp4_activation(
     mode: Literal["per_token", "static"] = "per_token",
     global_scale: torch.Tensor | float | None = None,
     *,
+    row_amax: torch.Tensor | None = None,
     name: str | None = None,
 ) -> NVFP4Tensor:
     """Activations (..., K) -> NVFP4Tensor.
 
-    per_token (the paper's): dynamic second-stage scale per row, row_amax / 2688, shape (..., 1).
+    per_token (the paper's): dynamic second-stage scale per row, row_amax / 2688, shape (..., 1);
+    `row_amax` (..., 1) gives the max |x| of each whole row when x is a slice of it (a tensor-parallel
+    shard of K), default: computed from x.
     static (compressed-tensors' NVFP4): the calibrated per-tensor decode scale `global_scale`; group
     scales are dynamic in both modes.
     """
@@ -224,7 +227,8 @@ def quantize_nvfp4_activation(
         if global_scale is not None:
             raise ValueError("quantize_nvfp4_activation: mode='per_token' computes its own scale; pass no global_scale")
         check_quantizable(x, "quantize_nvfp4_activation", name=name)
-        return _quantize_nvfp4(x, nvfp4_global_scale(x.float().abs().amax(dim=-1, keepdim=True)))
+        amax = x.float().abs().amax(dim=-1, keepdim=True) if row_amax is None else row_amax.float()
+        return _quantize_nvfp4(x, nvfp4_global_scale(amax))
     if mode == "static":
         if global_scale is None:
             raise ValueError("quantize_nvfp4_activation: mode='static' needs the calibrated global_scale (amax / 2688)")

@@ -37,17 +37,37 @@ def build_tiny_checkpoint(
     values that next-token distributions are far from uniform and every variant flag changes the output,
     so logprob comparisons are meaningful. `config_overrides` may set any `QuantkitConfig` field.
     """
+    return _build(QuantkitConfig, QuantkitForCausalLM, out_dir, vocab_size, seed, dtype, init_std, config_overrides)
+
+
+STOCK_ARCHITECTURES = ("qwen3", "llama")
+
+
+def build_tiny_stock_checkpoint(
+    out_dir: str | Path, architecture: str = "qwen3", vocab_size: int = 512, seed: int = 0,
+    dtype: torch.dtype = torch.float32, init_std: float = 0.05,
+) -> Path:
+    """Like `build_tiny_checkpoint`, for a stock transformers architecture (Qwen3ForCausalLM, LlamaForCausalLM)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+    if architecture not in classes:
+        raise ValueError(f"unknown stock architecture {architecture!r}; expected one of {list(STOCK_ARCHITECTURES)}")
+    return _build(*classes[architecture], out_dir, vocab_size, seed, dtype, init_std, {})
+
+
+def _build(config_class, model_class, out_dir, vocab_size, seed, dtype, init_std, overrides) -> Path:
     out_dir = Path(out_dir)
     tokenizer = train_bpe_tokenizer(stdlib_docstrings(), vocab_size)
-    config = QuantkitConfig(
+    config = config_class(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **{**TINY_SHAPE, **config_overrides},
+        **{**TINY_SHAPE, **overrides},
     )
     torch.manual_seed(seed)
-    model = QuantkitForCausalLM(config)
+    model = model_class(config)
     randomize_parameters(model, init_std)
     model.to(dtype).save_pretrained(out_dir)
     save_tokenizer(tokenizer, out_dir)

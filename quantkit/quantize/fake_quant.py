@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import quantkit.models  # noqa: F401
-from quantkit.quantize.schemes import SCHEMES, decode_weight, fake_quant_activation
+from quantkit.quantize.schemes import decode_weight, fake_quant_activation
+from quantkit.serve.checkpoint_check import validate_quantkit_config
 
 _WEIGHT_SUFFIXES = ("weight", "weight_scale", "weight_packed", "weight_global_scale", "input_global_scale")
 
@@ -23,20 +24,22 @@ _WEIGHT_SUFFIXES = ("weight", "weight_scale", "weight_packed", "weight_global_sc
 class FakeQuantLinear(torch.nn.Module):
     """y = fake_quant(x) @ W_decoded^T + b, in float32, cast to the input dtype."""
 
-    def __init__(self, scheme: str, weight: torch.Tensor, bias: torch.Tensor | None, input_global_scale: torch.Tensor | None) -> None:
+    def __init__(self, scheme: str, weight: torch.Tensor, bias: torch.Tensor | None, input_global_scale: torch.Tensor | None,
+                 quantize_activations: bool = True) -> None:
         super().__init__()
         self.scheme = scheme
+        self.quantize_activations = quantize_activations
         self.register_buffer("weight", weight.float())
         self.register_buffer("bias", None if bias is None else bias.float())
         self.register_buffer("input_global_scale", input_global_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xq = fake_quant_activation(self.scheme, x, self.input_global_scale)
+        xq = fake_quant_activation(self.scheme, x, self.input_global_scale) if self.quantize_activations else x.float()
         return torch.nn.functional.linear(xq, self.weight, self.bias).to(x.dtype)
 
 
 def read_quantization_config(model_dir: str | Path) -> dict:
-    """config.json's quantization_config, checked: quant_method quantkit, known scheme, version 1."""
+    """config.json's quantization_config, checked (quant_method quantkit, `validate_quantkit_config`)."""
     config_path = Path(model_dir) / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{model_dir} has no config.json")
@@ -45,13 +48,14 @@ def read_quantization_config(model_dir: str | Path) -> dict:
         raise ValueError(f"{model_dir}: config.json has no quantization_config (not a quantized checkpoint)")
     if qc.get("quant_method") != "quantkit":
         raise ValueError(f"{model_dir}: quant_method {qc.get('quant_method')!r} is not 'quantkit'")
-    if qc.get("scheme") not in SCHEMES or qc.get("format_version") != 1:
-        raise ValueError(f"{model_dir}: unsupported scheme/format {qc.get('scheme')!r} v{qc.get('format_version')}")
+    validate_quantkit_config(qc, f"{config_path} quantization_config")
     return qc
 
 
-def load_fake_quant_model(model_dir: str | Path) -> torch.nn.Module:
-    """Model with FakeQuantLinear modules, from a quantkit-quantized checkpoint (float32, eval mode)."""
+def load_fake_quant_model(model_dir: str | Path, quantize_activations: bool = True) -> torch.nn.Module:
+    """Model with FakeQuantLinear modules, from a quantkit-quantized checkpoint (float32, eval mode).
+
+    quantize_activations=False gives the weight-only ablation (decoded weights, float32 activations)."""
     model_dir = Path(model_dir)
     qc = read_quantization_config(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
@@ -66,7 +70,7 @@ def load_fake_quant_model(model_dir: str | Path) -> torch.nn.Module:
             raise ValueError(f"{model_dir}: {name} decodes to {tuple(weight.shape)}, the model expects {tuple(linear.weight.shape)}")
         bias = state.pop(f"{name}.bias", None)
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, FakeQuantLinear(qc["scheme"], weight, bias, tensors.get("input_global_scale")))
+        setattr(model.get_submodule(parent), child, FakeQuantLinear(qc["scheme"], weight, bias, tensors.get("input_global_scale"), quantize_activations))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k.rsplit(".", 1)[0] not in qc["quantized_modules"]]  # those are set above
     if missing or unexpected:

@@ -53,12 +53,17 @@ def decode_weight(scheme: str, tensors: dict[str, torch.Tensor], in_features: in
     raise ValueError(f"unknown scheme {scheme!r}; expected one of {list(SCHEMES)}")
 
 
-def fake_quant_activation(scheme: str, x: torch.Tensor, input_global_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantize-dequantize activations (..., K) as the scheme does at run time; float32 result."""
+def fake_quant_activation(
+    scheme: str, x: torch.Tensor, input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Quantize-dequantize activations (..., K) as the scheme does at run time; float32 result.
+
+    row_amax (..., 1): per-token scales from the whole row when x is a tensor-parallel slice of it.
+    """
     if scheme == "fp8_block":
-        return dequantize_fp8_per_token(*quantize_fp8_per_token(x))
+        return dequantize_fp8_per_token(*quantize_fp8_per_token(x, row_amax=row_amax))
     if scheme == "nvfp4":
         if input_global_scale is None:
-            return dequantize_nvfp4(quantize_nvfp4_activation(x, "per_token"))
+            return dequantize_nvfp4(quantize_nvfp4_activation(x, "per_token", row_amax=row_amax))
         return dequantize_nvfp4(quantize_nvfp4_activation(x, "static", input_global_scale.reshape(())))
     raise ValueError(f"unknown scheme {scheme!r}; expected one of {list(SCHEMES)}")

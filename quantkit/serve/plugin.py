@@ -20,10 +20,12 @@ TRACE_ENV = "QUANTKIT_PLUGIN_TRACE"
 
 
 def register() -> None:
-    """Register quantkit's config type with transformers and its architectures with vLLM (idempotent)."""
+    """Register quantkit's config type with transformers, its architectures and its quantization method
+    (`quant_method: "quantkit"`) with vLLM (idempotent)."""
     from vllm import ModelRegistry
 
     import quantkit.models  # noqa: F401  (registers model_type "quantkit" with AutoConfig)
+    import quantkit.serve.quant_method  # noqa: F401  (@register_quantization_config("quantkit"))
 
     for arch, target in ARCHITECTURES.items():
         if arch not in ModelRegistry.get_supported_archs():

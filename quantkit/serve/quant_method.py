@@ -1,0 +1,235 @@
+"""vLLM quantization method `quant_method: "quantkit"` (checkpoints from `quantkit quantize`).
+
+Registered by the plugin (`quantkit.serve.plugin.register`). Serves both schemes of
+docs/checkpoint-format.md in any vLLM Linear (fused qkv_proj / gate_up_proj, column / row parallel):
+
+    fp8_block  E4M3 weights with 128x128 block decode scales; activations E4M3 with a per-token scale
+    nvfp4      E2M1 weights, E4M3 group-16 scales, per-tensor FP32 global scale; activations the same with
+               a per-token global scale (paper 000) or the checkpoint's static `input_global_scale`
+
+Parameters held by a layer (per TP partition: N = output rows of this rank, K = its input columns):
+
+    fp8_block  weight (N, K) float8_e4m3fn; weight_scale (N, ceil(K/128)) float32 -- the checkpoint's
+               block scales repeated over the 128 rows of each block, so that the fused shards (q, k, v or
+               gate, up) need not be multiples of 128 rows
+    nvfp4      weight_packed (N, K_pad/2) uint8; weight_scale (N, K_pad/16) float8_e4m3fn;
+               weight_global_scale (N,) float32 -- each shard's per-tensor scale repeated over its rows;
+               [static] input_global_scale (num_shards,) float32 -- one per fused shard (equal: same input)
+
+Kernels: on CPU, "torch-emulation" -- weights decoded once to float32 at load with `quantkit.formats`,
+activations quantized and decoded on every call with the same functions, matmul in float32; bit-for-bit
+the numerics of the transformers fake-quant reference (`quantkit.quantize.fake_quant`). On CUDA the Triton
+kernels of `quantkit.kernels`. The kernel of each layer is logged at load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import Parameter
+from vllm.distributed import get_tp_group
+from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    LinearMethodBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from quantkit.formats import FP8_WEIGHT_BLOCK, NVFP4_GROUP, NVFP4Tensor, dequantize_nvfp4
+from quantkit.quantize.schemes import fake_quant_activation
+from quantkit.serve.checkpoint_check import validate_quantkit_config
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM configures that logger tree
+
+FP8_BLOCK = FP8_WEIGHT_BLOCK  # 128: weight blocks are FP8_BLOCK x FP8_BLOCK
+
+
+@register_quantization_config("quantkit")
+class QuantkitQuantConfig(QuantizationConfig):
+    """The `quantization_config` of a quantkit checkpoint (docs/checkpoint-format.md)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        validate_quantkit_config(config)
+        self.scheme = config["scheme"]
+        self.activation_scale = config["activation_scale"]
+        self.quantized_modules = set(config["quantized_modules"])
+        self.recipe = config.get("recipe", "?")
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "quantkit"
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 89  # CUDA: FP8 tensor cores (Ada / Hopper) for the Triton kernels
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "QuantkitQuantConfig":
+        return cls(config)
+
+    def _checkpoint_names(self, prefix: str) -> list[str]:
+        """vLLM layer prefix -> the checkpoint's module names (a fused layer has one per shard)."""
+        parent, _, leaf = prefix.rpartition(".")
+        shards = self.packed_modules_mapping.get(leaf, [leaf])
+        return [f"{parent}.{s}" if parent else s for s in shards]
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if not isinstance(layer, LinearBase):
+            return None
+        names = self._checkpoint_names(prefix)
+        quantized = [n in self.quantized_modules for n in names]
+        if not any(quantized):
+            return UnquantizedLinearMethod()
+        if not all(quantized):
+            raise ValueError(
+                f"{prefix}: vLLM fuses {names} into one layer, but the checkpoint quantized only "
+                f"{[n for n, q in zip(names, quantized) if q]}; quantize all of them or none"
+            )
+        return QuantkitLinearMethod(self, prefix)
+
+
+class QuantkitLinearMethod(LinearMethodBase):
+    """One quantized Linear (possibly fused); see the module docstring for its parameters."""
+
+    def __init__(self, config: QuantkitQuantConfig, prefix: str) -> None:
+        self.config = config
+        self.prefix = prefix
+        self.kernel = "unset"
+
+    # ------------------------------------------------------------------ parameters and their loading
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        sharded_k = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
+        layer.quantkit_shards = list(output_partition_sizes)
+        layer.quantkit_in_features = k
+        scheme = self.config.scheme
+        if scheme == "fp8_block":
+            if sharded_k and k % FP8_BLOCK:
+                raise ValueError(f"{self.prefix}: fp8_block under tensor parallelism needs in_features/tp ({k}) to be a multiple of {FP8_BLOCK}")
+            self._add(layer, "weight", torch.empty(n, k, dtype=torch.float8_e4m3fn), columns_per_entry=1)
+            self._add(layer, "weight_scale", torch.empty(n, -(-k // FP8_BLOCK), dtype=torch.float32), columns_per_entry=FP8_BLOCK, rows_per_entry=FP8_BLOCK)
+        else:
+            if sharded_k and k % NVFP4_GROUP:
+                raise ValueError(f"{self.prefix}: nvfp4 under tensor parallelism needs in_features/tp ({k}) to be a multiple of {NVFP4_GROUP}")
+            groups = -(-k // NVFP4_GROUP)
+            self._add(layer, "weight_packed", torch.empty(n, groups * NVFP4_GROUP // 2, dtype=torch.uint8), columns_per_entry=2)
+            self._add(layer, "weight_scale", torch.empty(n, groups, dtype=torch.float8_e4m3fn), columns_per_entry=NVFP4_GROUP)
+            self._add(layer, "weight_global_scale", torch.empty(n, dtype=torch.float32), per_shard_scalar="rows")
+            if self.config.activation_scale == "static":
+                shards = len(output_partition_sizes)
+                self._add(layer, "input_global_scale", torch.empty(shards, dtype=torch.float32), per_shard_scalar="one")
+
+    def _add(self, layer, name: str, data: torch.Tensor, *, columns_per_entry: int = 1, rows_per_entry: int = 1,
+             per_shard_scalar: str | None = None) -> None:
+        param = Parameter(data, requires_grad=False)
+        prefix = self.prefix
+
+        def weight_loader(param: Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+            index, rank_shard = _shard_of(layer, shard_id, prefix)
+            rows = layer.quantkit_shards[index]
+            offset = sum(layer.quantkit_shards[:index])
+            if per_shard_scalar is not None:
+                if loaded.numel() != 1:
+                    raise ValueError(f"{prefix}.{name}: expected one scale per checkpoint module, got shape {tuple(loaded.shape)}")
+                if per_shard_scalar == "rows":
+                    param.data[offset : offset + rows] = loaded.reshape(())
+                else:
+                    param.data[index] = loaded.reshape(())
+                return
+            if rows_per_entry > 1:  # block rows -> one row per output row
+                loaded = loaded.repeat_interleave(rows_per_entry, 0)
+            part = loaded[rank_shard * rows : (rank_shard + 1) * rows]
+            columns = param.shape[1]
+            if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
+                part = part[:, layer.tp_rank * columns : (layer.tp_rank + 1) * columns]
+            target = param.data[offset : offset + rows]
+            if part.shape != target.shape or part.dtype != target.dtype:
+                raise ValueError(
+                    f"{prefix}.{name} (shard {shard_id}): the checkpoint tensor {tuple(loaded.shape)} {loaded.dtype} does not "
+                    f"match the layer ({target.dtype}, {tuple(target.shape)} for this shard and rank; quantization_config "
+                    f"scheme {self.config.scheme!r}): the checkpoint is inconsistent with its quantization_config"
+                )
+            target.copy_(part)
+
+        param.weight_loader = weight_loader
+        layer.register_parameter(name, param)
+
+    # ------------------------------------------------------------------ after loading: pick the kernel
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        k = layer.quantkit_in_features
+        if self.config.scheme == "fp8_block":
+            scale = layer.weight_scale.data.repeat_interleave(FP8_BLOCK, 1)[:, :k]
+            weight = layer.weight.data.float() * scale
+            del layer.weight, layer.weight_scale
+        else:
+            t = NVFP4Tensor(layer.weight_packed.data, layer.weight_scale.data, layer.weight_global_scale.data[:, None], k)
+            weight = dequantize_nvfp4(t)
+            del layer.weight_packed, layer.weight_scale, layer.weight_global_scale
+            if self.config.activation_scale == "static":
+                scales = layer.input_global_scale.data
+                if not torch.all(scales == scales[0]):
+                    raise ValueError(f"{self.prefix}: fused shards have different static input_global_scale {scales.tolist()}; they read the same input")
+                layer.input_global_scale = Parameter(scales[:1].clone(), requires_grad=False)
+        layer.weight_dequantized = Parameter(weight, requires_grad=False)
+        self.kernel = "torch-emulation"
+        logger.info("quantkit: %s scheme=%s activations=%s kernel=%s", self.prefix, self.config.scheme,
+                    self.config.activation_scale, self.kernel)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        input_global_scale = getattr(layer, "input_global_scale", None)
+        xq = fake_quant_activation(self.config.scheme, x, input_global_scale, _row_amax(layer, x, input_global_scale))
+        out = torch.nn.functional.linear(xq, layer.weight_dequantized, None if bias is None else bias.float())
+        return out.to(x.dtype)
+
+
+def _row_amax(layer: torch.nn.Module, x: torch.Tensor, input_global_scale: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-token amax over the WHOLE input row for a row-parallel layer under TP (each rank holds a slice
+    of K), so that per-token scales equal the unsharded model's; None where x is the whole row."""
+    if input_global_scale is not None or not isinstance(layer, RowParallelLinear) or layer.tp_size == 1:
+        return None
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group)
+    return amax
+
+
+def _shard_of(layer: torch.nn.Module, shard_id: str | int | None, prefix: str) -> tuple[int, int]:
+    """(index of the fused shard in this layer, which TP slice of that shard's rows this rank holds)."""
+    if isinstance(layer, QKVParallelLinear):
+        if shard_id not in ("q", "k", "v"):
+            raise ValueError(f"{prefix}: a quantkit checkpoint stores q_proj, k_proj, v_proj separately (got shard {shard_id!r})")
+        index = "qkv".index(shard_id)
+        return index, layer.tp_rank if shard_id == "q" else layer.tp_rank // layer.num_kv_head_replicas
+    if isinstance(layer, MergedColumnParallelLinear):
+        if not isinstance(shard_id, int):
+            raise ValueError(f"{prefix}: a quantkit checkpoint stores the fused projections separately (got shard {shard_id!r})")
+        return shard_id, layer.tp_rank
+    if isinstance(layer, ColumnParallelLinear):
+        return 0, layer.tp_rank
+    return 0, 0  # RowParallelLinear (rows not sharded), ReplicatedLinear
