@@ -67,9 +67,11 @@ quantize eval report gate:
 	@echo "make $@: not available yet — this stage of the pipeline is still being built (see README, 'Status')." >&2
 	@exit 2
 
+# Triton GEMMs vs torch baselines (benchmarks/README.md), e.g. BENCH_ARGS=--quick (the only mode without a GPU).
+# No setup prerequisite: the GPU machines carry torch and triton but no vLLM and no network.
+BENCH_ARGS ?=
 bench:
-	@echo "make bench: not available yet — the Triton GEMM benchmarks arrive with the kernels (see README, 'Status')." >&2
-	@exit 2
+	$(PY) benchmarks/bench_gemm.py $(BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV) $(LLMC_VENV)

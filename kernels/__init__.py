@@ -1,6 +1,15 @@
 """Triton kernels (import name `quantkit.kernels`).
 
 Every kernel has a pure-torch reference and is tested against it through the Triton interpreter on CPU
-(TRITON_INTERPRET=1). Interpreter facts (triton 3.9): bf16 `tl.dot` is wrong there (cast tiles to fp32),
-fp8 `tl.dot` is right, `tl.dot_scaled` misreads E4M3 scales.
+(TRITON_INTERPRET=1); where the interpreter computes differently from a GPU, `interpreter_quirks` says how
+and the kernels work around it. One module a job:
+
+  rowwise_absmax      row-wise max |x| (the example kernel)
+  fp_codes            device functions: float32 <-> E4M3 / E2M1 codes, bit-exact with quantkit.formats
+  quantize_fp8        fused FP8 per-token activation quantizer
+  quantize_nvfp4      fused NVFP4 activation quantizer (per-token or static second stage)
+  gemm_tiles          GEMM tile settings and program -> output tile mapping
+  fp8_gemm            FP8 W8A8 GEMM: 128x128 block-scaled weights, per-token activations
+  nvfp4_gemm          NVFP4 W4A4 GEMM for Hopper: E2M1 -> bf16 tiles, bf16 MMA, second stage in the epilogue
+  interpreter_quirks  what triton 3.9's interpreter gets wrong (bf16 dot, bf16/fp8 casts) and the switch
 """

@@ -16,14 +16,20 @@ Parameters held by a layer (per TP partition: N = output rows of this rank, K = 
                weight_global_scale (N,) float32 -- each shard's per-tensor scale repeated over its rows;
                [static] input_global_scale (num_shards,) float32 -- one per fused shard (equal: same input)
 
-Kernels: on CPU, "torch-emulation" -- weights decoded once to float32 at load with `quantkit.formats`,
-activations quantized and decoded on every call with the same functions, matmul in float32; bit-for-bit
-the numerics of the transformers fake-quant reference (`quantkit.quantize.fake_quant`). On CUDA the Triton
-kernels of `quantkit.kernels`. The kernel of each layer is logged at load.
+Kernels (logged per layer at load; QUANTKIT_KERNEL=auto|triton|torch):
+- "torch-emulation" (CPU): weights decoded once to float32 at load with `quantkit.formats`, activations
+  quantized and decoded on every call with the same functions, matmul in float32 -- the numerics of the
+  transformers fake-quant reference (`quantkit.quantize.fake_quant`) bit for bit;
+- "triton" (CUDA): `quantkit.kernels` -- fused per-token activation quantizer, then the FP8 block GEMM or
+  the NVFP4 GEMM on the packed weights (bf16 MMA, float32 accumulation). Untested on a GPU so far; its
+  kernels are tested through the Triton interpreter and this dispatch by tests/test_quant_method_kernels.py.
+Under tensor parallelism a row-parallel layer holds a slice of K: the per-token amax is all-reduced (max)
+over the TP group first, so the scales equal those of the unsharded model.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -183,30 +189,74 @@ class QuantkitLinearMethod(LinearMethodBase):
     # ------------------------------------------------------------------ after loading: pick the kernel
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        k = layer.quantkit_in_features
-        if self.config.scheme == "fp8_block":
-            scale = layer.weight_scale.data.repeat_interleave(FP8_BLOCK, 1)[:, :k]
-            weight = layer.weight.data.float() * scale
-            del layer.weight, layer.weight_scale
-        else:
-            t = NVFP4Tensor(layer.weight_packed.data, layer.weight_scale.data, layer.weight_global_scale.data[:, None], k)
-            weight = dequantize_nvfp4(t)
-            del layer.weight_packed, layer.weight_scale, layer.weight_global_scale
-            if self.config.activation_scale == "static":
-                scales = layer.input_global_scale.data
-                if not torch.all(scales == scales[0]):
-                    raise ValueError(f"{self.prefix}: fused shards have different static input_global_scale {scales.tolist()}; they read the same input")
-                layer.input_global_scale = Parameter(scales[:1].clone(), requires_grad=False)
-        layer.weight_dequantized = Parameter(weight, requires_grad=False)
-        self.kernel = "torch-emulation"
+        if self.config.activation_scale == "static":
+            scales = layer.input_global_scale.data
+            if not torch.all(scales == scales[0]):
+                raise ValueError(f"{self.prefix}: fused shards have different static input_global_scale {scales.tolist()}; they read the same input")
+            layer.input_global_scale = Parameter(scales[:1].clone(), requires_grad=False)
+        self.kernel = select_kernel(layer)
+        if self.kernel == "torch-emulation":  # decode the weights once; activations are quantized per call
+            k = layer.quantkit_in_features
+            if self.config.scheme == "fp8_block":
+                scale = layer.weight_scale.data.repeat_interleave(FP8_BLOCK, 1)[:, :k]
+                weight = layer.weight.data.float() * scale
+                del layer.weight, layer.weight_scale
+            else:
+                t = NVFP4Tensor(layer.weight_packed.data, layer.weight_scale.data, layer.weight_global_scale.data[:, None], k)
+                weight = dequantize_nvfp4(t)
+                del layer.weight_packed, layer.weight_scale, layer.weight_global_scale
+            layer.weight_dequantized = Parameter(weight, requires_grad=False)
         logger.info("quantkit: %s scheme=%s activations=%s kernel=%s", self.prefix, self.config.scheme,
                     self.config.activation_scale, self.kernel)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         input_global_scale = getattr(layer, "input_global_scale", None)
-        xq = fake_quant_activation(self.config.scheme, x, input_global_scale, _row_amax(layer, x, input_global_scale))
-        out = torch.nn.functional.linear(xq, layer.weight_dequantized, None if bias is None else bias.float())
-        return out.to(x.dtype)
+        row_amax = _row_amax(layer, x, input_global_scale)
+        if self.kernel == "torch-emulation":
+            xq = fake_quant_activation(self.config.scheme, x, input_global_scale, row_amax)
+            out = torch.nn.functional.linear(xq, layer.weight_dequantized, None if bias is None else bias.float())
+            return out.to(x.dtype)
+        return _apply_triton(self.config.scheme, layer, x, bias, input_global_scale, row_amax)
+
+
+KERNEL_ENV = "QUANTKIT_KERNEL"  # auto (default) | triton | torch
+
+
+def select_kernel(layer: torch.nn.Module) -> str:
+    """"triton" on CUDA, "torch-emulation" elsewhere; QUANTKIT_KERNEL=triton|torch forces one (triton off
+    CUDA needs TRITON_INTERPRET=1: a correctness check, not a fast path)."""
+    choice = os.environ.get(KERNEL_ENV, "auto")
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"{KERNEL_ENV}={choice!r}: expected auto, triton or torch")
+    on_cuda = next(layer.parameters()).is_cuda
+    if choice == "triton" or (choice == "auto" and on_cuda):
+        return "triton"
+    return "torch-emulation"
+
+
+def _apply_triton(scheme: str, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                  input_global_scale: torch.Tensor | None, row_amax: torch.Tensor | None) -> torch.Tensor:
+    """quantkit.kernels: fused activation quantizer + GEMM. Under TP, row-parallel layers quantize with the
+    whole row's amax through the reference quantizer (pure torch), then run the same GEMM."""
+    from quantkit.formats import quantize_fp8_per_token, quantize_nvfp4_activation
+    from quantkit.kernels import fp8_gemm, nvfp4_gemm, quantize_fp8, quantize_nvfp4
+
+    x2 = x.reshape(-1, x.shape[-1])
+    if scheme == "fp8_block":
+        if row_amax is None:
+            xq, xs = quantize_fp8.quantize_fp8_per_token(x2)
+        else:
+            xq, xs = quantize_fp8_per_token(x2, row_amax=row_amax.reshape(-1, 1))
+        out = fp8_gemm.fp8_block_gemm(xq, xs, layer.weight, layer.weight_scale, bias, out_dtype=x.dtype)
+    else:
+        if row_amax is None:
+            packed, block_scale, global_scale = quantize_nvfp4.quantize_nvfp4_per_token(x2, input_global_scale)
+        else:
+            t = quantize_nvfp4_activation(x2, "per_token", row_amax=row_amax.reshape(-1, 1))
+            packed, block_scale, global_scale = t.packed, t.block_scale, t.global_scale
+        out = nvfp4_gemm.nvfp4_gemm(packed, block_scale, global_scale, layer.weight_packed, layer.weight_scale,
+                                    layer.weight_global_scale, bias, out_dtype=x.dtype)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _row_amax(layer: torch.nn.Module, x: torch.Tensor, input_global_scale: torch.Tensor | None) -> torch.Tensor | None:

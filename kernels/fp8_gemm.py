@@ -1,0 +1,126 @@
+"""FP8 E4M3 W8A8 GEMM with 128x128 block-scaled weights and per-token activations (Triton).
+
+`fp8_block_gemm(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16)` -> y (M, N):
+
+    y[m, n] = sum_kb (x_q[m, kb] . w_q[n, kb]) * x_scale[m] * w_scale[n // 128, kb]  (+ bias[n])
+    (or w_scale[n, kb] when w_scale has one row per output row, see below)
+
+x_q (M, K) float8_e4m3fn with x_scale (M, 1) float32 (per-token DECODE scales, as
+`quantkit.formats.quantize_fp8_per_token` or `quantkit.kernels.quantize_fp8` write them); w_q (N, K)
+float8_e4m3fn with w_scale (ceil(N/128), ceil(K/128)) float32 (DECODE scale per 128x128 block, edge
+blocks partial, as `quantkit.formats.quantize_fp8_block` and the checkpoint's `weight_scale`) -- or
+(N, ceil(K/128)), each block row repeated over its rows: vLLM's fused layers, whose shards (q, k, v) need
+not start on a multiple of 128 rows, hold it so (`quantkit.serve.quant_method`); bias (N,)
+of any float dtype. kb runs over K blocks of 128: each block's FP8 dot is scaled and added to a float32
+accumulator inside the K loop (as vLLM's ``w8a8_block_fp8_matmul``); output cast once at the end.
+K and N need not be multiples of 128 (masked loads read zeros past the edges).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantkit.formats.constants import F8E4M3_DTYPE, FP8_WEIGHT_BLOCK
+from quantkit.kernels.gemm_tiles import GemmTiles, grid_size, tile_indices
+from quantkit.kernels.interpreter_quirks import interpreting, round_to_bf16
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def fp8_tiles(m: int) -> GemmTiles:
+    """Default tiles by M (decode: thin M tiles; prefill: 128x128); block_k is the scale block, 128."""
+    if m <= 16:
+        return GemmTiles(16, 64, FP8_WEIGHT_BLOCK, num_warps=4, num_stages=4)
+    if m <= 64:
+        return GemmTiles(64, 128, FP8_WEIGHT_BLOCK, num_warps=4, num_stages=4)
+    return GemmTiles(128, 128, FP8_WEIGHT_BLOCK, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _fp8_block_gemm_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr,
+    M, N, K, stride_xm, stride_wn, stride_wsn, stride_ym,
+    HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = tile_indices(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # (BLOCK_K, BLOCK_N) view of w^T
+    x_scale = tl.load(x_scale_ptr + offs_m, mask=m_ok, other=0.0)
+    w_scale_ptrs = w_scale_ptr + (offs_n // SCALE_BLOCK) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - kb * BLOCK_K
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & n_ok[None, :], other=0.0)
+        w_scale = tl.load(w_scale_ptrs + kb, mask=n_ok, other=0.0)
+        acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ROUND_BF16:
+        acc = round_to_bf16(acc)
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"fp8_block_gemm: {msg}")
+
+
+def fp8_block_gemm(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    tiles: GemmTiles | None = None,
+) -> torch.Tensor:
+    """y (M, N) = (x_q * x_scale) @ (w_q * w_scale)^T (+ bias), float32 accumulation, `out_dtype` output."""
+    for name, t in (("x_q", x_q), ("w_q", w_q)):
+        ok = t.dtype == F8E4M3_DTYPE and t.ndim == 2
+        _check(ok, f"{name} must be 2-D float8_e4m3fn, got {t.dtype} {tuple(t.shape)}")
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    _check(w_q.shape[1] == k, f"x_q {tuple(x_q.shape)} and w_q {tuple(w_q.shape)} disagree on K")
+    _check(
+        x_scale.dtype == torch.float32 and tuple(x_scale.shape) == (m, 1),
+        f"x_scale must be float32 of shape {(m, 1)}, got {x_scale.dtype} {tuple(x_scale.shape)}",
+    )
+    blocks = (triton.cdiv(n, FP8_WEIGHT_BLOCK), triton.cdiv(k, FP8_WEIGHT_BLOCK))
+    rows = (n, blocks[1])
+    _check(
+        w_scale.dtype == torch.float32 and tuple(w_scale.shape) in (blocks, rows),
+        f"w_scale must be float32 of shape {blocks} (or {rows}, one row per output row) for w_q {(n, k)}, "
+        f"got {w_scale.dtype} {tuple(w_scale.shape)}",
+    )
+    scale_rows = FP8_WEIGHT_BLOCK if tuple(w_scale.shape) == blocks else 1
+    bias_ok = bias is None or (bias.is_floating_point() and tuple(bias.shape) == (n,))
+    _check(bias_ok, f"bias must be a float tensor of shape {(n,)}")
+    _check(out_dtype in OUT_DTYPES, f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    tensors = (x_q, x_scale, w_q, w_scale) + (() if bias is None else (bias,))
+    _check(len({t.device for t in tensors}) == 1, "all tensors must be on one device")
+    tiles = tiles or fp8_tiles(m)
+    _check(tiles.block_k == FP8_WEIGHT_BLOCK, f"tiles.block_k must be the scale block {FP8_WEIGHT_BLOCK}")
+    x_q, w_q = x_q.contiguous(), w_q.contiguous()
+    x_scale, w_scale = x_scale.contiguous(), w_scale.contiguous()
+    y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    _fp8_block_gemm_kernel[grid_size(m, n, tiles)](
+        x_q, x_scale, w_q, w_scale, bias if bias is not None else y, y,
+        m, n, k, x_q.stride(0), w_q.stride(0), w_scale.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, ROUND_BF16=out_dtype == torch.bfloat16 and interpreting(),
+        SCALE_BLOCK=scale_rows, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return y

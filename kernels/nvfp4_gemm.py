@@ -1,0 +1,180 @@
+"""NVFP4 W4A4 GEMM for GPUs without FP4 tensor cores (Hopper): dequantize tiles to bf16, bf16 MMA (Triton).
+
+`nvfp4_gemm(a_packed, a_block_scale, a_global, w_packed, w_block_scale, w_global, bias=None,
+out_dtype=torch.bfloat16)` -> y (M, N):
+
+    y[m, n] = a_global[m] * w_global[n] * sum_k (e2m1(a)[m, k] * a_bs[m, k // 16]) * (e2m1(w)[n, k] * w_bs[n, k // 16])
+
+Operands as `quantkit.formats.quantize_nvfp4_*` / `quantkit.kernels.quantize_nvfp4` and the checkpoint
+(docs/checkpoint-format.md) hold them, with Kp = K zero-padded to a multiple of 16:
+a_packed (M, Kp/2) uint8 and w_packed (N, Kp/2) uint8 (element 2j in the LOW nibble of byte j);
+a_block_scale (M, Kp/16) and w_block_scale (N, Kp/16) float8_e4m3fn; a_global float32 (M, 1) per token,
+or one number ((), (1,), (1, 1) or a Python float) for static activation scales; w_global float32, one
+number, or (N,) -- one per output row, for vLLM's fused layers whose shards (q, k, v) keep their own
+per-tensor scales. All DECODE scales. bias (N,) of any float dtype.
+
+Each K step unpacks BLOCK_K / 2 bytes per row into the low-nibble and high-nibble halves (elements 2j and
+2j + 1; a dot product does not care about the order of K as long as both operands share it), multiplies
+each E2M1 value by its group scale -- exact in bf16: a 2-bit by 4-bit significand product, magnitudes
+2**-10 .. 2688 -- and accumulates two bf16 dots in float32 (float32 tiles under the interpreter, where
+bf16 ``tl.dot`` is wrong). The second-stage scales multiply the accumulator once, in the epilogue.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantkit.formats.constants import F8E4M3_DTYPE, NVFP4_GROUP
+from quantkit.kernels.fp8_gemm import OUT_DTYPES
+from quantkit.kernels.fp_codes import e2m1_value
+from quantkit.kernels.gemm_tiles import GemmTiles, grid_size, tile_indices
+from quantkit.kernels.interpreter_quirks import interpreting, round_to_bf16
+
+_GROUP_BYTES = tl.constexpr(NVFP4_GROUP // 2)  # a packed group of 16 E2M1 codes
+
+
+def nvfp4_tiles(m: int) -> GemmTiles:
+    """Default tiles by M (decode: thin M tiles; prefill: 128x128); block_k = 128 elements = 64 bytes."""
+    if m <= 16:
+        return GemmTiles(16, 64, 128, num_warps=4, num_stages=4)
+    if m <= 64:
+        return GemmTiles(64, 128, 128, num_warps=4, num_stages=4)
+    return GemmTiles(128, 128, 128, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _nvfp4_gemm_kernel(
+    a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, bias_ptr, y_ptr,
+    M, N, K_BYTES, stride_am, stride_asm, stride_agm, stride_wgn, stride_wn, stride_wsn, stride_ym,
+    HAS_BIAS: tl.constexpr, TILE: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    BYTES: tl.constexpr = BLOCK_K // 2
+    pid_m, pid_n = tile_indices(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_b = tl.arange(0, BYTES)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    # A as (BLOCK_M, BYTES); W as (BYTES, BLOCK_N), the transposed view the dot wants. Byte j of a row
+    # holds elements 2j, 2j + 1 of group j // 8: its scale is loaded once per byte (repeated addresses).
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_b[None, :]
+    a_scale_ptrs = a_scale_ptr + offs_m.to(tl.int64)[:, None] * stride_asm + offs_b[None, :] // _GROUP_BYTES
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_b[:, None]
+    w_scale_ptrs = w_scale_ptr + offs_n.to(tl.int64)[None, :] * stride_wsn + offs_b[:, None] // _GROUP_BYTES
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for b0 in range(0, K_BYTES, BYTES):
+        a_mask = m_ok[:, None] & (offs_b[None, :] < K_BYTES - b0)
+        w_mask = (offs_b[:, None] < K_BYTES - b0) & n_ok[None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0)
+        a_scale = tl.load(a_scale_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=w_mask, other=0)
+        w_scale = tl.load(w_scale_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        a_lo = (e2m1_value(a) * a_scale).to(TILE)
+        a_hi = (e2m1_value(a >> 4) * a_scale).to(TILE)
+        w_lo = (e2m1_value(w) * w_scale).to(TILE)
+        w_hi = (e2m1_value(w >> 4) * w_scale).to(TILE)
+        acc = tl.dot(a_lo, w_lo, acc)
+        acc = tl.dot(a_hi, w_hi, acc)
+        a_ptrs += BYTES
+        a_scale_ptrs += BYTES // _GROUP_BYTES
+        w_ptrs += BYTES
+        w_scale_ptrs += BYTES // _GROUP_BYTES
+    a_global = tl.load(a_global_ptr + offs_m * stride_agm, mask=m_ok, other=0.0)
+    w_global = tl.load(w_global_ptr + offs_n * stride_wgn, mask=n_ok, other=0.0)
+    acc = acc * a_global[:, None] * w_global[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ROUND_BF16:
+        acc = round_to_bf16(acc)
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"nvfp4_gemm: {msg}")
+
+
+def _one_number(t: torch.Tensor | float, name: str, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(t, dtype=torch.float32, device=device)
+    _check(t.numel() == 1, f"{name} must be one number here, got shape {tuple(t.shape)}")
+    return t.reshape(1)
+
+
+def nvfp4_gemm(
+    a_packed: torch.Tensor,
+    a_block_scale: torch.Tensor,
+    a_global: torch.Tensor | float,
+    w_packed: torch.Tensor,
+    w_block_scale: torch.Tensor,
+    w_global: torch.Tensor | float,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    tiles: GemmTiles | None = None,
+) -> torch.Tensor:
+    """y (M, N) = dequant(a) @ dequant(w)^T (+ bias), float32 accumulation, `out_dtype` output."""
+    for name, t in (("a_packed", a_packed), ("w_packed", w_packed)):
+        _check(t.dtype == torch.uint8 and t.ndim == 2, f"{name} must be 2-D uint8, got {t.dtype} {tuple(t.shape)}")
+    m, k_bytes = a_packed.shape
+    n = w_packed.shape[0]
+    _check(
+        w_packed.shape[1] == k_bytes,
+        f"a_packed {tuple(a_packed.shape)} and w_packed {tuple(w_packed.shape)} disagree on Kp/2",
+    )
+    _check(
+        k_bytes % (NVFP4_GROUP // 2) == 0,
+        f"packed rows must hold Kp/2 bytes, Kp a multiple of {NVFP4_GROUP}; got {k_bytes}",
+    )
+    for name, t, rows in (("a_block_scale", a_block_scale, m), ("w_block_scale", w_block_scale, n)):
+        want = (rows, 2 * k_bytes // NVFP4_GROUP)
+        _check(
+            t.dtype == F8E4M3_DTYPE and tuple(t.shape) == want,
+            f"{name} must be float8_e4m3fn of shape {want}, got {t.dtype} {tuple(t.shape)}",
+        )
+    device = a_packed.device
+    if isinstance(a_global, torch.Tensor) and a_global.numel() != 1:
+        _check(
+            a_global.dtype == torch.float32 and tuple(a_global.shape) == (m, 1),
+            f"a_global must be float32 (M, 1) = {(m, 1)} or one number, got {a_global.dtype} {tuple(a_global.shape)}",
+        )
+        a_global = a_global.contiguous()
+    else:
+        a_global = _one_number(a_global, "a_global", device)
+    if isinstance(w_global, torch.Tensor) and w_global.numel() != 1:
+        _check(
+            w_global.dtype == torch.float32 and tuple(w_global.shape) == (n,),
+            f"w_global must be float32 (N,) = {(n,)} or one number, got {w_global.dtype} {tuple(w_global.shape)}",
+        )
+        w_global = w_global.contiguous()
+    else:
+        w_global = _one_number(w_global, "w_global", device)
+    bias_ok = bias is None or (bias.is_floating_point() and tuple(bias.shape) == (n,))
+    _check(bias_ok, f"bias must be a float tensor of shape {(n,)}")
+    _check(out_dtype in OUT_DTYPES, f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    tensors = (a_packed, a_block_scale, a_global, w_packed, w_block_scale, w_global) + (() if bias is None else (bias,))
+    _check(len({t.device for t in tensors}) == 1, "all tensors must be on one device")
+    tiles = tiles or nvfp4_tiles(m)
+    _check(
+        tiles.block_k >= 32 and tiles.block_k & (tiles.block_k - 1) == 0,
+        f"tiles.block_k must be a power of two >= 32 (each dot spans >= 16 elements), got {tiles.block_k}",
+    )
+    a_packed, w_packed = a_packed.contiguous(), w_packed.contiguous()
+    a_block_scale, w_block_scale = a_block_scale.contiguous(), w_block_scale.contiguous()
+    y = torch.empty((m, n), dtype=out_dtype, device=device)
+    interpret = interpreting()
+    _nvfp4_gemm_kernel[grid_size(m, n, tiles)](
+        a_packed, a_block_scale, a_global, w_packed, w_block_scale, w_global, bias if bias is not None else y, y,
+        m, n, k_bytes, a_packed.stride(0), a_block_scale.stride(0), 1 if a_global.numel() != 1 else 0,
+        1 if w_global.numel() != 1 else 0,
+        w_packed.stride(0), w_block_scale.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None,
+        TILE=tl.float32 if interpret else tl.bfloat16,
+        ROUND_BF16=interpret and out_dtype == torch.bfloat16,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return y

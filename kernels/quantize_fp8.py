@@ -1,0 +1,77 @@
+"""Fused FP8 E4M3 per-token activation quantizer (Triton), bit-exact with
+`quantkit.formats.quantize_fp8_per_token`.
+
+`quantize_fp8_per_token(x)`: x (M, K) float32/bfloat16/float16 -> (q (M, K) float8_e4m3fn,
+scale (M, 1) float32). One program quantizes BLOCK_M rows in two sweeps over K: the row amax, then
+``q = e4m3(x / scale)`` with the DECODE scale ``scale = amax / 448`` (1.0 for an all-zero row or one
+whose scale underflows), all in float32 with correctly rounded division (`tl.div_rn`), RNE and
+saturation at +-448 by integer ops (`quantkit.kernels.fp_codes.e4m3_code`); -0.0 stays 0x80.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantkit.formats.constants import F8E4M3_DTYPE, F8E4M3_MAX
+from quantkit.formats.fp8 import check_quantizable
+from quantkit.kernels.fp_codes import e4m3_code
+
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_E4M3_MAX = tl.constexpr(F8E4M3_MAX)
+
+
+def check_tile(fn: str, name: str, value: int, least: int = 1) -> None:
+    """Tile sizes are powers of two (tl.arange) of at least `least`."""
+    if not isinstance(value, int) or value < least or value & (value - 1):
+        raise ValueError(f"{fn}: {name} must be a power of two >= {least}, got {value!r}")
+
+
+@triton.jit
+def _quantize_fp8_per_token_kernel(
+    x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qm
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (cols[None, :] < K)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    scale = tl.div_rn(amax, tl.full((BLOCK_M,), _E4M3_MAX, tl.float32))
+    scale = tl.where(scale > 0, scale, 1.0)
+    tl.store(scale_ptr + rows, scale, mask=row_ok)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (cols[None, :] < K)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.div_rn(x, tl.broadcast_to(scale[:, None], (BLOCK_M, BLOCK_K)))
+        tl.store(q_rows + cols[None, :], e4m3_code(y).to(tl.uint8), mask=mask)
+
+
+def quantize_fp8_per_token(
+    x: torch.Tensor, *, block_m: int = 16, block_k: int = 512
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float32/bfloat16/float16 -> (q float8_e4m3fn (M, K), decode scale float32 (M, 1)).
+
+    block_m, block_k: the tile one program handles per step (powers of two); they change speed only.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
+        got = getattr(x, "dtype", type(x).__name__)
+        raise TypeError(f"quantize_fp8_per_token: x must be a float32/bfloat16/float16 tensor, got {got}")
+    check_quantizable(x, "quantize_fp8_per_token", name="x", ndim=2)
+    check_tile("quantize_fp8_per_token", "block_m", block_m)
+    check_tile("quantize_fp8_per_token", "block_k", block_k)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    _quantize_fp8_per_token_kernel[(triton.cdiv(m, block_m),)](
+        x, q, scale, m, k, x.stride(0), q.stride(0), BLOCK_M=block_m, BLOCK_K=block_k
+    )
+    return q.view(F8E4M3_DTYPE), scale

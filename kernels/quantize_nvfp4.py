@@ -1,0 +1,147 @@
+"""Fused NVFP4 activation quantizer (Triton), bit-exact with `quantkit.formats.quantize_nvfp4_activation`.
+
+`quantize_nvfp4_per_token(x, global_scale=None)`: x (M, K) float32/bfloat16/float16 ->
+(packed uint8 (M, Kp/2), block_scale float8_e4m3fn (M, Kp/16), global float32 (M, 1)), Kp = K rounded
+up to a multiple of 16 (zero padded). All scales are DECODE scales:
+``x ~= e2m1(code) * float(block_scale) * global``.
+
+- global: per token (``global_scale=None``, mode "per_token"): ``row_amax / 2688``, 1.0 for an all-zero
+  row; static (mode "static"): the calibrated decode scale ``global_scale``, the same for every row.
+- block_scale: ``e4m3(clamp(group_amax / (6 * global), 2**-9, 448))``, 1.0 for an all-zero group.
+- codes: ``e2m1(x / (float(block_scale) * global))`` (the product first), nearest, ties to even,
+  saturating at +-6, sign bit set exactly when the scaled value is < 0; byte j of a row holds element 2j
+  in its LOW nibble and element 2j+1 in its HIGH nibble.
+
+One program handles BLOCK_M rows: a sweep over K for the row amax (per-token mode only), then a sweep
+that loads the even and odd elements of BLOCK_K / 16 groups as two (BLOCK_M, groups, 8) tiles, so that
+the group amax is a reduction over the last axis and the two nibbles of a byte sit at the same index.
+Division is correctly rounded (`tl.div_rn`); E4M3 and E2M1 rounding by integer ops (`fp_codes`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantkit.formats.constants import (
+    F4E2M1_MAX,
+    F8E4M3_DTYPE,
+    F8E4M3_MAX,
+    F8E4M3_MIN_SUBNORMAL,
+    NVFP4_GLOBAL_DIVISOR,
+    NVFP4_GROUP,
+)
+from quantkit.formats.fp8 import check_quantizable
+from quantkit.kernels.fp_codes import e2m1_code, e4m3_code, e4m3_positive_value
+from quantkit.kernels.quantize_fp8 import INPUT_DTYPES, check_tile
+
+_E2M1_MAX = tl.constexpr(F4E2M1_MAX)
+_E4M3_MAX = tl.constexpr(F8E4M3_MAX)
+_E4M3_MIN_SUBNORMAL = tl.constexpr(F8E4M3_MIN_SUBNORMAL)
+_GLOBAL_DIVISOR = tl.constexpr(NVFP4_GLOBAL_DIVISOR)
+_GROUP = tl.constexpr(NVFP4_GROUP)
+_PAIRS = tl.constexpr(NVFP4_GROUP // 2)  # bytes of a packed group
+
+
+@triton.jit
+def _quantize_nvfp4_kernel(
+    x_ptr, packed_ptr, block_scale_ptr, global_ptr, static_global_ptr,
+    M, K, K_PAD, stride_xm, stride_pm, stride_sm,
+    STATIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    GROUPS: tl.constexpr = BLOCK_K // _GROUP
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    if STATIC:
+        gs = tl.full((BLOCK_M,), 0.0, tl.float32) + tl.load(static_global_ptr)
+    else:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = row_ok[:, None] & (cols[None, :] < K)
+            x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        gs = tl.div_rn(amax, tl.full((BLOCK_M,), _GLOBAL_DIVISOR, tl.float32))
+        gs = tl.where(gs > 0, gs, 1.0)
+    tl.store(global_ptr + rows, gs, mask=row_ok)
+
+    # (group, pair) indices of one BLOCK_K tile: element 16 g + 2 j (even) and 16 g + 2 j + 1 (odd).
+    group = tl.arange(0, GROUPS)[None, :, None]
+    pair = tl.arange(0, _PAIRS)[None, None, :]
+    row3 = row_ok[:, None, None]
+    x_rows = x_ptr + rows64[:, None, None] * stride_xm
+    gs2 = tl.broadcast_to(gs[:, None], (BLOCK_M, GROUPS))
+    for k0 in range(0, K_PAD, BLOCK_K):
+        even = k0 + group * _GROUP + pair * 2
+        x_even = tl.load(x_rows + even, mask=row3 & (even < K), other=0.0).to(tl.float32)
+        x_odd = tl.load(x_rows + even + 1, mask=row3 & (even + 1 < K), other=0.0).to(tl.float32)
+        group_amax = tl.maximum(tl.max(tl.abs(x_even), axis=2), tl.max(tl.abs(x_odd), axis=2))
+        scale = tl.div_rn(group_amax, _E2M1_MAX * gs2)
+        scale = tl.where(scale == 0, 1.0, scale)
+        scale_code = e4m3_code(tl.minimum(tl.maximum(scale, _E4M3_MIN_SUBNORMAL), _E4M3_MAX))
+        denominator = tl.broadcast_to((e4m3_positive_value(scale_code) * gs2)[:, :, None], (BLOCK_M, GROUPS, _PAIRS))
+        byte = e2m1_code(tl.div_rn(x_even, denominator)) | (e2m1_code(tl.div_rn(x_odd, denominator)) << 4)
+        byte_col = k0 // 2 + group * _PAIRS + pair
+        tl.store(
+            packed_ptr + rows64[:, None, None] * stride_pm + byte_col,
+            byte.to(tl.uint8),
+            mask=row3 & (byte_col < K_PAD // 2),
+        )
+        group_col = k0 // _GROUP + tl.arange(0, GROUPS)[None, :]
+        tl.store(
+            block_scale_ptr + rows64[:, None] * stride_sm + group_col,
+            scale_code.to(tl.uint8),
+            mask=row_ok[:, None] & (group_col < K_PAD // _GROUP),
+        )
+
+
+def _static_global(global_scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """A calibrated decode scale (a number or a one-element tensor) -> float32 tensor (1,) on `device`."""
+    gs = torch.as_tensor(global_scale, dtype=torch.float32)
+    if gs.numel() != 1:
+        raise ValueError(
+            "quantize_nvfp4_per_token: global_scale must be one number (a per-tensor decode scale), "
+            f"got shape {tuple(gs.shape)}"
+        )
+    if not (torch.isfinite(gs) & (gs > 0)).all():
+        raise ValueError(
+            f"quantize_nvfp4_per_token: global_scale must be finite and > 0 (amax / 2688), got {gs.item()}"
+        )
+    return gs.reshape(1).to(device)
+
+
+def quantize_nvfp4_per_token(
+    x: torch.Tensor,
+    global_scale: torch.Tensor | float | None = None,
+    *,
+    block_m: int = 16,
+    block_k: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (packed uint8 (M, Kp/2), block_scale float8_e4m3fn (M, Kp/16), global float32 (M, 1)).
+
+    global_scale None: per-token second stage row_amax / 2688; else the static calibrated DECODE scale
+    (a number or a one-element tensor), used for every row. block_m, block_k (powers of two, block_k a
+    multiple of 16): the tile of one program step; they change speed only.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
+        got = getattr(x, "dtype", type(x).__name__)
+        raise TypeError(f"quantize_nvfp4_per_token: x must be a float32/bfloat16/float16 tensor, got {got}")
+    check_quantizable(x, "quantize_nvfp4_per_token", name="x", ndim=2)
+    check_tile("quantize_nvfp4_per_token", "block_m", block_m)
+    check_tile("quantize_nvfp4_per_token", "block_k", block_k, least=NVFP4_GROUP)
+    static = global_scale is not None
+    static_global = _static_global(global_scale, x.device) if static else torch.empty(1, device=x.device)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    k_pad = triton.cdiv(k, NVFP4_GROUP) * NVFP4_GROUP
+    packed = torch.empty((m, k_pad // 2), dtype=torch.uint8, device=x.device)
+    block_scale = torch.empty((m, k_pad // NVFP4_GROUP), dtype=torch.uint8, device=x.device)
+    global_out = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    _quantize_nvfp4_kernel[(triton.cdiv(m, block_m),)](
+        x, packed, block_scale, global_out, static_global,
+        m, k, k_pad, x.stride(0), packed.stride(0), block_scale.stride(0),
+        STATIC=static, BLOCK_M=block_m, BLOCK_K=block_k,
+    )
+    return packed, block_scale.view(F8E4M3_DTYPE), global_out
