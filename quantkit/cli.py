@@ -70,6 +70,62 @@ def _quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def _describe(model_dir: str) -> str:
+    """One line: what vLLM will run for this checkpoint (refuses unservable ones, see checkpoint_check)."""
+    import torch
+
+    from quantkit.serve.checkpoint_check import check_servable
+
+    qc = check_servable(model_dir)
+    if qc is None:
+        return f"{model_dir}: unquantized"
+    if qc.get("quant_method") != "quantkit":
+        return f"{model_dir}: quant_method {qc.get('quant_method')!r} (vLLM's own kernels)"
+    kernel = "triton" if torch.cuda.is_available() else "torch-emulation"
+    return (f"{model_dir}: quant_method quantkit, recipe {qc.get('recipe')}, scheme {qc['scheme']}, activations "
+            f"{qc['activation_scale']}, {len(qc['quantized_modules'])} quantized Linear modules, kernel {kernel} "
+            "(per layer in vLLM's log)")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Replace this process with vLLM's OpenAI-compatible server on the checkpoint (plugin loaded by vLLM)."""
+    import os
+
+    from quantkit.serve.engine import cpu_engine_kwargs, offline_environment
+
+    print(_describe(args.model), flush=True)
+    offline_environment()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", args.host,
+            "--port", str(args.port), "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+            "--tensor-parallel-size", str(args.tensor_parallel_size)]
+    cpu = cpu_engine_kwargs()
+    if cpu:
+        argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(cpu["kv_cache_memory_bytes"])]
+    argv += args.vllm_args
+    print(" ".join(argv), flush=True)
+    os.execv(sys.executable, argv)
+    return 0  # not reached
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """Greedy offline generation through vLLM; prints each continuation and the decode throughput."""
+    from quantkit.serve.offline import generate
+
+    print(_describe(args.model), flush=True)
+    run = generate(args.model, args.prompts, max_tokens=args.max_tokens, tensor_parallel_size=args.tensor_parallel_size,
+                   dtype=args.dtype, max_model_len=args.max_model_len, with_logprobs=False)
+    for prompt, g in zip(args.prompts, run.generations):
+        print(f"--- {prompt!r}\n{g.text}")
+    print(f"{run.generated_tokens} tokens in {run.seconds:.2f} s: {run.tokens_per_second:.1f} tokens/s")
+    return 0
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto", help="vLLM dtype (auto: the checkpoint's)")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="quantkit", description=quantkit.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"quantkit {quantkit.__version__}")
@@ -88,6 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     quality.add_argument("--seq-len", type=int, default=256)
     quality.add_argument("--json", help="also write the per-layer figures to this JSON file")
     quality.set_defaults(func=_quality)
+    serve = sub.add_parser("serve", help="OpenAI-compatible server (vLLM) on a checkpoint: quantkit serve MODEL_DIR")
+    serve.add_argument("model", help="checkpoint directory (quantized by quantkit, compressed-tensors, or unquantized)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    _add_engine_arguments(serve)
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: passed to vLLM's server unchanged")
+    serve.set_defaults(func=_serve)
+    gen = sub.add_parser("generate", help="greedy offline generation through vLLM, with tokens/s")
+    gen.add_argument("model", help="checkpoint directory")
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    _add_engine_arguments(gen)
+    gen.set_defaults(func=_generate)
     zoo = sub.add_parser("zoo", help="small checkpoints of each variant, trained from scratch offline").add_subparsers(dest="zoo_command", required=True)
     build = zoo.add_parser("build", help="train variants (or 'table2' for the paper's three rows)")
     build.add_argument("variants", nargs="+", help="preset names (see `quantkit zoo list`) or 'table2'")
@@ -98,7 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     build.set_defaults(func=_zoo_build)
     zoo.add_parser("list", help="presets and sizes").set_defaults(func=_zoo_list)
     args = parser.parse_args(argv)
-    return args.func(args)
+    if getattr(args, "vllm_args", None) and args.vllm_args[0] == "--":
+        args.vllm_args = args.vllm_args[1:]
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:  # bad input: the message names the problem
+        print(f"quantkit {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -152,3 +152,56 @@ def test_checkpoint_errors(sources, tmp_path):
         check_servable(tmp_path / "corrupt")
     with pytest.raises(CheckpointError, match="no config.json"):
         check_servable(tmp_path / "nothing")
+
+
+def test_quantkit_serve_openai_server(sources, tmp_path):
+    """`quantkit serve` starts vLLM's OpenAI server on a quantized checkpoint; its greedy completion equals offline
+    generation, and the engine log names the quant method and kernel of every quantized layer."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    quantized = quantize_checkpoint(sources["variant"], "w4a4_nvfp4", tmp_path / "nvfp4")
+    offline = generate(quantized, [PROMPTS[0]], max_tokens=8, max_model_len=256, with_logprobs=False).generations[0].text
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "server.log"
+    command = [str(Path(sys.executable).parent / "quantkit"), "serve", str(quantized), "--port", str(port), "--max-model-len", "256"]
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 240
+        while True:
+            assert server.poll() is None, log.read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.time() < deadline, "server did not come up:\n" + log.read_text()[-3000:]
+                time.sleep(2)
+        body = json.dumps({"model": str(quantized), "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body.encode(), {"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        assert reply["choices"][0]["text"] == offline
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    text = log.read_text()
+    assert "quant_method quantkit, recipe w4a4_nvfp4, scheme nvfp4" in text
+    assert "quantkit: model.layers.0.self_attn.qkv_proj scheme=nvfp4 activations=per_token kernel=torch-emulation" in text
+
+
+def test_cli_refuses_bad_checkpoints(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "config.json").write_text("{}")
+    quantkit = Path(sys.executable).parent / "quantkit"
+    for command in ("serve", "generate"):
+        run = subprocess.run([str(quantkit), command, str(tmp_path)] + (["hi"] if command == "generate" else []), capture_output=True, text=True)
+        assert run.returncode == 2 and "no *.safetensors weights" in run.stderr, run.stderr[-2000:]
