@@ -205,3 +205,25 @@ def test_cli_refuses_bad_checkpoints(tmp_path):
     for command in ("serve", "generate"):
         run = subprocess.run([str(quantkit), command, str(tmp_path)] + (["hi"] if command == "generate" else []), capture_output=True, text=True)
         assert run.returncode == 2 and "no *.safetensors weights" in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("recipe, kernel", [("fp8_block_ct", "EmulationFp8BlockScaledMMKernel"), ("nvfp4_ct", "EmulationNvFp4LinearKernel")])
+def test_peer_checkpoints_served_on_cpu(recipe, kernel, sources, tmp_path, capfd):
+    """The peers' compressed-tensors checkpoints (llmcompressor) are served on CPU by the emulation kernels the plugin
+    registers; the log names the kernel; the output is quantized (differs from the source) but close to it."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.quantize.recipe import load_recipe, parse_recipe
+
+    settings = {k: v for k, v in vars(load_recipe(recipe)).items() if k in ("name", "scheme", "backend")}
+    quantized = quantize_checkpoint(sources["variant"], parse_recipe({**settings, "calibration": {"num_sequences": 4, "seq_len": 64}}),
+                                    tmp_path / recipe)
+    assert json.loads((quantized / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
+    tok = AutoTokenizer.from_pretrained(quantized)
+    run = generate(quantized, [tok(p)["input_ids"] for p in PROMPTS], max_tokens=DECODE_TOKENS, max_model_len=256, dtype="float32")
+    assert f"Using {kernel}" in capfd.readouterr().out
+    token_ids = [g.token_ids for g in run.generations]
+    source = AutoModelForCausalLM.from_pretrained(sources["variant"], dtype=torch.float32).eval()
+    diff = token_diffs([torch.tensor(g.logprobs) for g in run.generations], reference_logprobs(source, token_ids))
+    print(f"{recipe}: {kernel}, |logprob - unquantized source| mean {diff.mean():.3f}, max {diff.max():.3f}")
+    assert (diff <= EXACT).float().mean() < CONTROL_MAX_EXACT_FRACTION and diff.mean() < 0.5

@@ -1,0 +1,62 @@
+"""CPU kernels for the peers' checkpoints (compressed-tensors FP8_BLOCK and NVFP4 from llmcompressor).
+
+vLLM's CPU backend has an FP8-block kernel only on AMX CPUs (Sapphire Rapids+) and no NVFP4 kernel at
+all, so without these the comparison rows could not be served here. `register_cpu_emulation_kernels()`
+(called by the plugin in every vLLM process) appends, as the LAST choice on the CPU platform:
+
+- `EmulationFp8BlockScaledMMKernel` (ours): vLLM's own activation quantizer (QuantFP8, the checkpoint's
+  1x128 activation groups) runs unchanged; the GEMM decodes A and B with their block scales and
+  multiplies in float32. vLLM logs "Using EmulationFp8BlockScaledMMKernel" for each such layer.
+- vLLM's `EmulationNvFp4LinearKernel` (dequantize -> matmul, with the checkpoint's static activation
+  global scale), which vLLM registers for CUDA/ROCm only.
+
+On CUDA nothing changes: vLLM's own kernels serve these checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.kernels import linear as linear_kernels
+from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
+from vllm.logger import init_logger
+from vllm.platforms import PlatformEnum, current_platform
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM configures that logger tree
+
+
+class EmulationFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
+    """W8A8 FP8 with block-scaled weights in plain torch: decode, float32 matmul (CPU fallback)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        logger.info_once("Using EmulationFp8BlockScaledMMKernel (quantkit, CPU) for FP8 block-scaled GEMM")
+
+    @classmethod
+    def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+        return (True, None) if current_platform.is_cpu() else (False, "quantkit's FP8-block emulation is for CPU")
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        return  # keep the checkpoint layout: weight (N, K) E4M3, block scales (ceil(N/bn), ceil(K/bk))
+
+    def apply_block_scaled_mm(self, A: torch.Tensor, B: torch.Tensor, As: torch.Tensor, Bs: torch.Tensor) -> torch.Tensor:
+        """A (M, K) E4M3 with As (M, ceil(K/g)) per-group decode scales; B (N, K) E4M3 with Bs block scales."""
+        a = A.float() * _expand(As.float(), A.shape)
+        b = B.float() * _expand(Bs.float(), B.shape)
+        return a @ b.T
+
+
+def _expand(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Repeat a (rows / br, cols / bc) grid of block scales to `shape` (edge blocks cropped)."""
+    rows, cols = shape
+    br, bc = -(-rows // scale.shape[0]), -(-cols // scale.shape[1])
+    return scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+
+
+def register_cpu_emulation_kernels() -> None:
+    """Append the emulation kernels to vLLM's CPU kernel lists (idempotent)."""
+    for table, kernel in ((linear_kernels._POSSIBLE_FP8_BLOCK_KERNELS, EmulationFp8BlockScaledMMKernel),
+                          (linear_kernels._POSSIBLE_NVFP4_KERNELS, EmulationNvFp4LinearKernel)):
+        kernels = table.setdefault(PlatformEnum.CPU, [])
+        if kernel not in kernels:
+            kernels.append(kernel)
