@@ -56,8 +56,11 @@ def generate(
     max_model_len: int = 1024,
     seed: int = 0,
     with_logprobs: bool = True,
+    warmup: bool = False,
 ) -> GenerationRun:
-    """Start vLLM on `model_dir`, decode `max_tokens` greedily for each prompt, shut the engine down."""
+    """Start vLLM on `model_dir`, decode `max_tokens` greedily for each prompt, shut the engine down.
+
+    warmup: first generate 2 tokens for one unrelated prompt, untimed (for throughput figures)."""
     import torch
     from vllm import LLM, SamplingParams
 
@@ -81,6 +84,8 @@ def generate(
         inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                                 prompt_logprobs=0 if with_logprobs else None, logprobs=0 if with_logprobs else None)
+        if warmup:
+            llm.generate(["warm-up"], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
         start = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False)
         seconds = time.perf_counter() - start
