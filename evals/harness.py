@@ -1,15 +1,83 @@
 """Run lm-evaluation-harness tasks against a local checkpoint, offline.
 
 The `vllm` backend is the deployment path (the checkpoint served by vLLM with quantkit's plugin
-loaded in the engine processes); `hf` runs the transformers model. Generation is greedy.
+loaded in the engine processes); `hf` runs the transformers model. Determinism: the tasks' own
+generation settings apply (ours are greedy, temperature 0); Python, NumPy, torch, few-shot and vLLM
+seeds are all `seed`. vLLM batches requests, so logits can differ in the last bits between runs with
+different batch compositions (`limit`, task order); hf runs one request at a time (batch size 1).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from quantkit.serve.engine import cpu_engine_kwargs, offline_environment
+
+BACKENDS = ("vllm", "hf")
+
+
+class _DropCustomDatasetNotice(logging.Filter):
+    """lm-eval logs a usage hint for every task with a `custom_dataset` (all our offline tasks)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed" not in record.getMessage()
+
+
+@contextmanager
+def open_lm(model_dir: str | Path, backend: str = "vllm", seed: int = 1234, max_model_len: int = 1024,
+            dtype: str = "float32") -> Iterator[Any]:
+    """An lm-eval LM on `model_dir` (vLLM engine or transformers model), shut down on exit."""
+    offline_environment()
+    from lm_eval.api.registry import get_model
+
+    logging.getLogger("lm_eval.api.task").addFilter(_DropCustomDatasetNotice())
+    if backend == "vllm":
+        model_args: dict[str, Any] = dict(
+            pretrained=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
+            **cpu_engine_kwargs(),
+        )
+    elif backend == "hf":
+        model_args = dict(pretrained=str(model_dir), dtype=dtype, device="cpu", max_length=max_model_len, batch_size=1)
+    else:
+        raise ValueError(f"unknown lm-eval backend {backend!r}; expected one of {BACKENDS}")
+    lm = get_model(backend)(**model_args)
+    try:
+        yield lm
+    finally:
+        if backend == "vllm":  # stop the engine process now, not at interpreter exit
+            lm.model.llm_engine.engine_core.shutdown()
+
+
+def evaluate_tasks(
+    lm: Any,
+    tasks: list[str],
+    task_manager: Any,
+    limit: int | None = None,
+    seed: int = 1234,
+    gen_kwargs: dict[str, Any] | None = None,
+    allow_unsafe_code: bool = False,
+) -> dict[str, Any]:
+    """lm_eval.simple_evaluate on an open LM with per-sample logs and every seed set to `seed`."""
+    import lm_eval
+
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        task_manager=task_manager,
+        limit=limit,
+        gen_kwargs=gen_kwargs or None,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+        log_samples=True,
+        bootstrap_iters=1000,
+        confirm_run_unsafe_code=allow_unsafe_code,
+    )
 
 
 def run_lm_eval(
@@ -24,33 +92,8 @@ def run_lm_eval(
 ) -> dict[str, Any]:
     """Evaluate `tasks` (names, or YAML tasks under `include_path`); return lm-eval's results dict."""
     offline_environment()
-    import lm_eval
-    from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
-    if backend == "vllm":
-        model_args: dict[str, Any] = dict(
-            pretrained=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
-            **cpu_engine_kwargs(),
-        )
-    elif backend == "hf":
-        model_args = dict(pretrained=str(model_dir), dtype=dtype, device="cpu")
-    else:
-        raise ValueError(f"unknown lm-eval backend {backend!r}; expected 'vllm' or 'hf'")
     task_manager = TaskManager(include_path=str(include_path) if include_path else None)
-    lm = get_model(backend)(**model_args)
-    try:
-        return lm_eval.simple_evaluate(
-            model=lm,
-            tasks=tasks,
-            task_manager=task_manager,
-            limit=limit,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-            log_samples=True,
-        )
-    finally:
-        if backend == "vllm":  # stop the engine process now, not at interpreter exit
-            lm.model.llm_engine.engine_core.shutdown()
+    with open_lm(model_dir, backend, seed=seed, max_model_len=max_model_len, dtype=dtype) as lm:
+        return evaluate_tasks(lm, tasks, task_manager, limit=limit, seed=seed)

@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=32)
     _add_engine_arguments(gen)
     gen.set_defaults(func=_generate)
+    from quantkit.evals.suite import add_eval_parser
+
+    add_eval_parser(sub)
     zoo = sub.add_parser("zoo", help="small checkpoints of each variant, trained from scratch offline").add_subparsers(dest="zoo_command", required=True)
     build = zoo.add_parser("build", help="train variants (or 'table2' for the paper's three rows)")
     build.add_argument("variants", nargs="+", help="preset names (see `quantkit zoo list`) or 'table2'")

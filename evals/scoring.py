@@ -1,0 +1,147 @@
+"""How the suite's generated answers are checked (lm-eval `process_results` functions live here).
+
+Conventions (every function returns 1 for correct, 0 for wrong, per sample; lm-eval averages):
+- Numbers (GSM8K, MGSM): the final answer is the content of the last `\\boxed{...}`, else the number after
+  the last `####`, else after the last "answer is", else the last number in the response. Numbers compare
+  as values (|a - b| <= 1e-6): `1,000` and `1000` are equal, `\\frac{1}{2}` is `1/2` (a comma followed by exactly three digits
+  groups thousands, any other comma is a decimal comma), `-57/2` equals `-28.5`, a trailing `.0`, `$` or
+  `%` does not matter.
+- MATH: the last `\\boxed{...}` or "final answer is $...$" of the response against the boxed answer of the
+  reference solution, after a light LaTeX normalization (`normalize_math`); no symbolic equivalence.
+- Code (HumanEval, MBPP, CRUXEval, MultiPL-E): the program runs (`execution.run_program`, opt-in only);
+  pass@1 with one greedy sample, unbiased pass@k with `repeats: n` samples.
+"""
+
+from __future__ import annotations
+
+import re
+
+from quantkit.evals.execution import pass_at_k, run_program
+
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+"
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (balanced braces), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
+def parse_number(text: str) -> float | None:
+    """The value of a number written as in the module docstring, or None."""
+    text = text.strip().strip("$%").replace(" ", "").rstrip(".")
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", text):
+        text = text.replace(",", "")
+    text = text.replace(",", ".")
+    try:
+        if "/" in text:
+            num, den = text.split("/")
+            return float(num) / float(den)
+        return float(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def final_number(response: str) -> float | None:
+    """The response's final numeric answer (module docstring order), or None."""
+    boxed = last_boxed(response)
+    if boxed is not None:
+        candidates = re.findall(_NUMBER, re.sub(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", boxed))
+    elif "####" in response:
+        candidates = re.findall(_NUMBER, response.rsplit("####", 1)[1])[:1]
+    elif "answer is" in response:
+        candidates = re.findall(_NUMBER, response.rsplit("answer is", 1)[1])[:1]
+    else:
+        candidates = re.findall(_NUMBER, response)
+    return parse_number(candidates[-1]) if candidates else None
+
+
+def numbers_match(response: str, gold: str) -> int:
+    predicted, expected = final_number(response), parse_number(gold)
+    if expected is None:
+        raise ValueError(f"gold answer {gold!r} is not a number")
+    return int(predicted is not None and abs(predicted - expected) <= 1e-6)
+
+
+def normalize_math(answer: str) -> str:
+    """Strip spacing and presentation-only LaTeX: `\\left`, `\\right`, `\\!`, `dfrac`/`tfrac`, `$`, a final '.'."""
+    answer = re.sub(r"\\left|\\right|\\!|\\,|\\;|\$|\s", "", answer)
+    answer = answer.replace("dfrac", "frac").replace("tfrac", "frac")
+    return answer.rstrip(".")
+
+
+def math_answer(response: str) -> str | None:
+    boxed = last_boxed(response)
+    if boxed is not None:
+        return boxed
+    found = re.findall(r"final answer is \$(.*?)\$", response)
+    return found[-1] if found else None
+
+
+# --- lm-eval process_results(doc, results) -> {metric: value} -------------------------------------
+
+def process_numeric(doc: dict, results: list[str]) -> dict[str, int]:
+    return {"exact_match": numbers_match(results[0], doc["answer"])}
+
+
+def process_math(doc: dict, results: list[str]) -> dict[str, int]:
+    predicted = math_answer(results[0])
+    return {"exact_match": int(predicted is not None and normalize_math(predicted) == normalize_math(doc["answer"]))}
+
+
+def _pass_at_1(programs: list[str], language: str = "py") -> dict[str, float]:
+    passed = sum(run_program(p, language) for p in programs)
+    return {"pass@1": pass_at_k(len(programs), passed, 1)}
+
+
+def humaneval_program(doc: dict, completion: str) -> str:
+    return f"{doc['prompt']}{completion}\n\n{doc['test']}\n\ncheck({doc['entry_point']})\n"
+
+
+def mbpp_program(doc: dict, completion: str) -> str:
+    tests = "\n".join(doc["test_list"])
+    return f"{completion.split('[DONE]')[0]}\n\n{doc.get('test_setup_code') or ''}\n{tests}\n"
+
+
+def cruxeval_program(doc: dict, completion: str) -> str:
+    """`assert f(...) == ...` answers: the predicted output (after '==') or input (inside `f(...)`)."""
+    line = next((ln for ln in completion.strip().splitlines() if ln.strip()), "").strip()
+    line = line.split("[/ANSWER]")[0].strip()
+    if doc["mode"] == "output":
+        predicted = line.split("==", 1)[1].strip() if "==" in line else line
+        return f"{doc['code']}\nassert f({doc['input']}) == {predicted}\n"
+    predicted = line.removeprefix("assert").strip()
+    if "==" in predicted:
+        predicted = predicted.rsplit("==", 1)[0].strip()
+    if predicted.startswith("f(") and predicted.endswith(")"):
+        predicted = predicted[2:-1]
+    return f"{doc['code']}\nassert f({predicted}) == {doc['output']}\n"
+
+
+def _completions(results: list) -> list[str]:
+    """One greedy completion ([str]), or the n samples of a `repeats: n` task kept by its filter ([[str, ...]])."""
+    return list(results[0]) if results and isinstance(results[0], list) else list(results)
+
+
+def process_humaneval(doc: dict, results: list) -> dict[str, float]:
+    return _pass_at_1([humaneval_program(doc, r) for r in _completions(results)])
+
+
+def process_mbpp(doc: dict, results: list) -> dict[str, float]:
+    return _pass_at_1([mbpp_program(doc, r) for r in _completions(results)])
+
+
+def process_cruxeval(doc: dict, results: list) -> dict[str, float]:
+    return _pass_at_1([cruxeval_program(doc, r) for r in _completions(results)])
+
+
+def process_multiple(doc: dict, results: list) -> dict[str, float]:
+    """MultiPL-E: prompt + completion + the language's tests, run by its toolchain."""
+    return _pass_at_1([doc["prompt"] + r + "\n" + doc["tests"] for r in _completions(results)], doc["language"])

@@ -1,0 +1,284 @@
+"""Evaluation suites (configs/suites/*.yaml) run through lm-eval, with stamped results and per-sample logs.
+
+    evaluate(model_dir, suite="mini", backend="vllm", out_dir=..., limit=None, allow_code=False) -> dict
+
+Suites: `smoke` (CI: 4 items of one task per benchmark, 32 generated tokens), `mini` (the offline
+items extracted by `make setup`), `full` (paper 000 Table 2; needs the hub). A suite maps Table 2
+benchmark names to lm-eval tasks; benchmarks listed under `code` execute model output and run only with
+`allow_code=True`. Each task is its own `simple_evaluate` call on one open engine (per-task timings).
+
+out_dir receives, each written atomically:
+    results.json          stamp (model, recipe, suite + version, backend, seeds, versions, date),
+                          per-benchmark and per-task scores, seconds, truncated prompts
+    samples/<task>.jsonl  one line per item: doc_id, score (the task's primary metric), answer (chosen
+                          choice index, or the filtered generation), prompt, target, lm-eval's raw record
+Prompts longer than the context are cut from the left by lm-eval (the end of a prompt is kept, the BOS
+and first tokens are lost); `truncated_prompts` counts them per task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata as metadata
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from tqdm import tqdm
+
+from quantkit.evals.execution import ALLOW_ENV
+from quantkit.evals.extract import data_dir, is_current
+
+logger = logging.getLogger(__name__)
+
+SUITES_DIR = Path(__file__).resolve().parents[1] / "configs" / "suites"
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+TASK_CONFIGS = {"mini": [TASKS_DIR / "mini"], "full": [TASKS_DIR / "mini", TASKS_DIR / "full"]}
+DEFAULT_SEED = 1234
+MAX_CONTEXT = 4096  # default max_model_len cap: the checkpoint's max_position_embeddings when smaller
+
+
+@dataclass
+class Suite:
+    """A validated suite file: Table 2 benchmark -> lm-eval tasks, and how to run them."""
+
+    name: str
+    version: int
+    description: str
+    task_configs: str
+    benchmarks: dict[str, list[str]]
+    code: list[str] = field(default_factory=list)
+    limit: int | None = None
+    gen_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def tasks(self, allow_code: bool) -> list[str]:
+        return [t for b, ts in self.benchmarks.items() if allow_code or b not in self.code for t in ts]
+
+
+def available_suites() -> list[str]:
+    return sorted(p.stem for p in SUITES_DIR.glob("*.yaml"))
+
+
+def load_suite(name_or_path: str | Path) -> Suite:
+    """A suite by name (configs/suites/<name>.yaml) or YAML path; ValueError names the problem."""
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = SUITES_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        raise ValueError(f"unknown suite {str(name_or_path)!r}; known: {', '.join(available_suites())} (or a YAML path)")
+    raw = yaml.safe_load(path.read_text())
+    required = {"name", "version", "description", "task_configs", "benchmarks"}
+    allowed = required | {"code", "limit", "gen_kwargs"}
+    if not isinstance(raw, dict) or required - raw.keys() or raw.keys() - allowed:
+        raise ValueError(f"{path}: a suite needs keys {sorted(required)} (optional: code, limit, gen_kwargs)")
+    suite = Suite(**raw)
+    if suite.task_configs not in TASK_CONFIGS:
+        raise ValueError(f"{path}: task_configs must be one of {sorted(TASK_CONFIGS)}")
+    if not suite.benchmarks or not all(isinstance(v, list) and v for v in suite.benchmarks.values()):
+        raise ValueError(f"{path}: benchmarks must map names to non-empty task lists")
+    if unknown := set(suite.code) - suite.benchmarks.keys():
+        raise ValueError(f"{path}: code lists unknown benchmarks {sorted(unknown)}")
+    return suite
+
+
+def model_stamp(model_dir: str | Path) -> dict[str, Any]:
+    """What was evaluated: path, architecture, and the quantization recipe when the checkpoint has one."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    qc = config.get("quantization_config") or {}
+    return dict(path=str(Path(model_dir).resolve()), name=Path(model_dir).resolve().name,
+                architectures=config.get("architectures"), recipe=qc.get("recipe"),
+                quant_method=qc.get("quant_method"), scheme=qc.get("scheme"))
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for dist in ("quantkit", "lm_eval", "vllm", "torch", "transformers"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "missing"
+    return out
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+@contextmanager
+def _code_execution(allowed: bool) -> Iterator[None]:
+    saved = os.environ.get(ALLOW_ENV)
+    if allowed:
+        os.environ[ALLOW_ENV] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ALLOW_ENV, None)
+        else:
+            os.environ[ALLOW_ENV] = saved
+
+
+def _primary_metric(task_result: dict[str, Any]) -> tuple[str, str]:
+    """(metric, filter) of the first reported metric (`acc,none` -> ("acc", "none"))."""
+    for key in task_result:
+        if "," in key and "_stderr" not in key:
+            metric, _, filt = key.partition(",")
+            return metric, filt
+    raise ValueError(f"no metric in lm-eval result {sorted(task_result)}")
+
+
+def _sample_record(task: str, sample: dict[str, Any], metric: str) -> dict[str, Any]:
+    resps = sample["filtered_resps"]
+    if resps and isinstance(resps[0], (list, tuple)) and len(resps[0]) == 2 and isinstance(resps[0][1], bool):
+        answer: Any = max(range(len(resps)), key=lambda i: resps[i][0])  # multiple choice: argmax log-likelihood
+    else:
+        answer = resps[0] if resps else None
+    args = sample.get("arguments") or [[None]]
+    return dict(task=task, doc_id=sample["doc_id"], score=sample.get(metric), answer=answer,
+                prompt=args[0][0], target=sample.get("target"), lm_eval=sample)
+
+
+def _is_choice(records: list[dict[str, Any]]) -> bool:
+    return bool(records) and isinstance(records[0]["answer"], int)
+
+
+def _truncated(tokenizer: Any, records: list[dict[str, Any]], max_model_len: int, gen_budget: int) -> int:
+    """Prompts whose tokens plus the generation budget exceed the context (lm-eval cuts them from the left)."""
+    prompts = {r["prompt"] for r in records if isinstance(r["prompt"], str)}
+    return sum(len(tokenizer(p)["input_ids"]) + gen_budget > max_model_len for p in prompts)
+
+
+def _benchmark_scores(suite: Suite, tasks: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per benchmark: item-weighted mean of its tasks' primary metric."""
+    out = {}
+    for bench, names in suite.benchmarks.items():
+        ran = [tasks[t] for t in names if t in tasks]
+        if ran:
+            n = sum(t["n"] for t in ran)
+            score = sum(t["score"] * t["n"] for t in ran) / n if n else float("nan")
+            out[bench] = dict(score=score, metric=ran[0]["metric"], n=n, tasks=[t for t in names if t in tasks])
+    return out
+
+
+def evaluate(
+    model_dir: str | Path,
+    suite: str | Path = "mini",
+    backend: str = "vllm",
+    out_dir: str | Path | None = None,
+    limit: int | None = None,
+    allow_code: bool = False,
+    seed: int = DEFAULT_SEED,
+    max_model_len: int | None = None,
+    dtype: str = "auto",
+) -> dict[str, Any]:
+    """Run `suite` on `model_dir`; write results.json and samples/*.jsonl into out_dir (default
+    runs/eval/<model>-<suite>); return the results dict. `limit` (items per task) overrides the suite's."""
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    from quantkit.evals.harness import BACKENDS, evaluate_tasks, open_lm
+
+    spec = load_suite(suite)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").exists():
+        raise FileNotFoundError(f"{model_dir} is not a checkpoint directory (no config.json)")
+    if not is_current(data_dir()):
+        raise FileNotFoundError(f"offline eval items missing or stale in {data_dir()}: run `make setup` "
+                                "(or `python -m quantkit.evals.extract`)")
+    out_dir = Path(out_dir) if out_dir is not None else Path("runs") / "eval" / f"{model_dir.resolve().name}-{spec.name}"
+    limit = limit if limit is not None else spec.limit
+    config = json.loads((model_dir / "config.json").read_text())
+    max_model_len = max_model_len or min(config.get("max_position_embeddings", MAX_CONTEXT), MAX_CONTEXT)
+    tasks = spec.tasks(allow_code)
+    skipped = [b for b in spec.code if not allow_code]
+    if skipped:
+        logger.warning("skipping %s: they execute model output; pass --allow-code-execution to run them", ", ".join(skipped))
+
+    task_manager = TaskManager(include_path=[str(p) for p in TASK_CONFIGS[spec.task_configs]],
+                               include_defaults=spec.task_configs == "full")
+    if unknown := [t for t in tasks if t not in task_manager.all_tasks]:
+        raise ValueError(f"suite {spec.name}: unknown lm-eval tasks {unknown}")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    per_task: dict[str, dict[str, Any]] = {}
+    started = time.perf_counter()
+    with _code_execution(allow_code), open_lm(model_dir, backend, seed=seed, max_model_len=max_model_len, dtype=dtype) as lm:
+        startup = time.perf_counter() - started
+        for task in (bar := tqdm(tasks, desc=f"eval {spec.name}", unit="task")):
+            bar.set_postfix_str(task)
+            t0 = time.perf_counter()
+            out = evaluate_tasks(lm, [task], task_manager, limit=limit, seed=seed, gen_kwargs=spec.gen_kwargs,
+                                 allow_unsafe_code=allow_code)
+            seconds = time.perf_counter() - t0
+            n_items = truncated = 0
+            for name, samples in out["samples"].items():  # a group's leaves, or the task itself
+                metric, filt = _primary_metric(out["results"][name])
+                records = sorted((_sample_record(name, s, metric) for s in samples if s.get("filter", filt) == filt),
+                                 key=lambda r: r["doc_id"])
+                _atomic_write(out_dir / "samples" / f"{name}.jsonl",
+                              "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
+                n_items += len(records)
+                budget = (out["configs"][name].get("generation_kwargs") or {}).get("max_gen_toks", 256)
+                truncated += _truncated(tokenizer, records, max_model_len, 1 if _is_choice(records) else budget)
+            metric, filt = _primary_metric(out["results"][task])
+            per_task[task] = dict(score=out["results"][task][f"{metric},{filt}"], metric=metric, filter=filt, n=n_items,
+                                  seconds=round(seconds, 2), truncated_prompts=truncated, lm_eval=out["results"][task])
+    results = dict(
+        out_dir=str(out_dir.resolve()),
+        model=model_stamp(model_dir),
+        suite=dict(name=spec.name, version=spec.version, description=spec.description, limit=limit,
+                   gen_kwargs=spec.gen_kwargs, code_executed=allow_code, skipped_benchmarks=skipped),
+        backend=backend,
+        settings=dict(max_model_len=max_model_len, dtype=dtype, decoding="greedy (temperature 0) unless the task says otherwise"),
+        seeds=dict(python=seed, numpy=seed, torch=seed, fewshot=seed, vllm=seed),
+        versions=_versions(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        host=dict(machine=platform.machine(), processor=platform.processor(), cpus=os.cpu_count()),
+        seconds=dict(engine_startup=round(startup, 2), total=round(time.perf_counter() - started, 2)),
+        benchmarks=_benchmark_scores(spec, per_task),
+        tasks=per_task,
+    )
+    _atomic_write(out_dir / "results.json", json.dumps(results, indent=1, default=str) + "\n")
+    return results
+
+
+def _run(args: argparse.Namespace) -> int:
+    results = evaluate(args.model, suite=args.suite, backend=args.backend, out_dir=args.out, limit=args.limit,
+                       allow_code=args.allow_code_execution, seed=args.seed, max_model_len=args.max_model_len)
+    for bench, r in results["benchmarks"].items():
+        print(f"{bench:<10} {r['metric']:<12} {r['score']:.4f}  (n={r['n']})")
+    print(f"results: {results['out_dir']}/results.json")
+    return 0
+
+
+def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`quantkit eval MODEL_DIR [--suite] [--backend] [--out] [--limit] [--allow-code-execution]`."""
+    parser = subparsers.add_parser("eval", help="score a checkpoint on an evaluation suite with lm-eval (vLLM or hf)")
+    parser.add_argument("model", help="checkpoint directory")
+    parser.add_argument("--suite", default="mini", help=f"suite name ({', '.join(available_suites())}) or YAML path")
+    parser.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
+    parser.add_argument("--out", default=None, help="output directory (default: runs/eval/<model>-<suite>)")
+    parser.add_argument("--limit", type=int, default=None, help="items per task (default: the suite's)")
+    parser.add_argument("--allow-code-execution", action="store_true",
+                        help="run code benchmarks: executes model-written programs in subprocesses")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help=f"context (default: the checkpoint's max_position_embeddings, at most {MAX_CONTEXT})")
+    parser.set_defaults(func=_run)
+    return parser

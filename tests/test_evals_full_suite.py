@@ -1,0 +1,78 @@
+"""The full (hub) suite, as far as it can be checked offline: every lm-eval task name exists in the
+installed registry, and our own task configs (SuperGPQA, MultiPL-E, MBPP) load, render prompts on
+fixture docs and score through lm-eval: reference answers 1.0, wrong answers 0.0 (code executed)."""
+
+import shutil
+
+import lm_eval
+import pytest
+from datasets import Dataset
+from lm_eval.api.task import ConfigurableTask
+from lm_eval.tasks import TaskManager
+from lm_eval.tasks._yaml_loader import load_yaml
+
+from quantkit.evals.execution import ALLOW_ENV
+from quantkit.evals.extract import extract
+from quantkit.evals.suite import TASKS_DIR, load_suite
+from test_evals_scorers import ReferenceLM
+
+FIXTURES = {
+    "qk_supergpqa": [dict(
+        question="Which gas makes up most of Earth's atmosphere?", options=["Oxygen", "Argon", "Nitrogen", "CO2", "Neon"],
+        answer_letter="C", reference="Air is about 78% nitrogen. The answer is (C).")],
+    "qk_mbpp_full": [dict(
+        task_id=11, text="Write a python function to add two numbers.", code="def add(a, b):\n    return a + b",
+        test_list=["assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(-1, 1) == 0"], test_setup_code="",
+        challenge_test_list=[], reference="def add(a, b):\n    return a + b\n")],
+    "qk_multiple_cpp": [dict(
+        language="cpp", prompt="#include<cassert>\n// Sum of a and b.\nlong add(long a, long b) {\n",
+        tests="}\nint main() {\n    auto candidate = add;\n    assert(candidate((1), (2)) == (3));\n}\n", reference="    return a + b;")],
+    "qk_multiple_js": [dict(
+        language="js", prompt="//Sum of a and b.\nfunction add(a, b){\n",
+        tests="\nconst assert = require('node:assert');\nassert.deepEqual(add(1, 2), 3);\n", reference="  return a + b;\n}")],
+    "qk_multiple_sh": [dict(
+        language="sh", prompt="#!/bin/bash\n# Sum of $1 and $2.\nadd() {\n",
+        tests="}\n\nset -e\n[[ $(add 1 2) = 3 ]]\n", reference="    echo $(( $1 + $2 ))")],
+    "qk_multiple_rs": [dict(
+        language="rs", prompt="/// Sum of a and b.\nfn add(a: isize, b: isize) -> isize {\n",
+        tests="}\n\nfn main() {\n    assert_eq!(add(1, 2), 3);\n}\n", reference="    a + b")],
+}
+TOOLS = {"qk_multiple_cpp": "g++", "qk_multiple_js": "node", "qk_multiple_sh": "bash", "qk_multiple_rs": "rustc"}
+
+
+def test_full_suite_names_exist_in_lm_eval_registry():
+    suite = load_suite("full")
+    manager = TaskManager(include_path=[str(TASKS_DIR / "mini"), str(TASKS_DIR / "full")])
+    missing = [t for t in suite.tasks(allow_code=True) if t not in manager.all_tasks]
+    assert missing == []
+
+
+def _fixture_task(name: str) -> ConfigurableTask:
+    path = TASKS_DIR / "full" / f"{name}.yaml"
+    config = load_yaml(path)
+    docs = FIXTURES[name]
+    config["custom_dataset"] = lambda **_: {config["test_split"]: Dataset.from_list(docs)}
+    return ConfigurableTask(config=config)
+
+
+@pytest.fixture(scope="module")
+def small_task_manager():
+    """simple_evaluate builds lm-eval's full registry (~10 s) unless given one; ours is never looked up."""
+    return TaskManager(include_path=str(TASKS_DIR / "full"), include_defaults=False)
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_own_full_configs_render_and_score(name, small_task_manager, monkeypatch):
+    if name in TOOLS and shutil.which(TOOLS[name]) is None:
+        pytest.skip(f"{TOOLS[name]} not installed")
+    extract()  # qk_mbpp_full's few-shot exemplars come from the offline extraction
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    doc = FIXTURES[name][0]
+    prompt = _fixture_task(name).fewshot_context(_fixture_task(name).test_docs()[0], num_fewshot=0)
+    assert (doc.get("question") or doc.get("text") or doc.get("prompt")) in prompt
+    for gold, expected in ((True, 1.0), (False, 0.0)):
+        out = lm_eval.simple_evaluate(model=ReferenceLM(gold), tasks=[_fixture_task(name)], confirm_run_unsafe_code=True,
+                                      bootstrap_iters=0, task_manager=small_task_manager)
+        result = out["results"][name]
+        (key,) = [k for k in result if "," in k and "_stderr" not in k]
+        assert result[key] == expected, (name, gold, out["samples"][name][0]["filtered_resps"])

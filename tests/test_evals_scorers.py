@@ -1,0 +1,72 @@
+"""Scorer check of the offline mini-suite through lm-eval itself: a model that answers every item from
+its reference scores 1.0 on every task, one that always answers wrongly scores 0.0.
+
+The "model" is an lm-eval LM subclass that reads each request's doc (`reference`: the gold choice's
+letter, or the text a perfect model would generate); everything else - prompts, filters, our
+process_results, code execution, aggregation - is lm-eval's machinery on the real extracted items.
+"""
+
+import os
+
+import lm_eval
+import pytest
+from lm_eval.api.model import LM
+from lm_eval.tasks import TaskManager
+
+from quantkit.evals.execution import ALLOW_ENV
+from quantkit.evals.extract import extract
+from quantkit.evals.suite import TASK_CONFIGS, load_suite
+
+WRONG = "The answer is \\boxed{-987654321}."
+
+
+class ReferenceLM(LM):
+    """Answers from `doc["reference"]` (gold=True) or with a wrong answer (gold=False)."""
+
+    def __init__(self, gold: bool) -> None:
+        super().__init__()
+        self.gold = gold
+
+    def loglikelihood(self, requests):
+        out = []
+        for request in requests:
+            _context, continuation = request.args
+            right = (continuation.strip() == request.doc["reference"]) == self.gold
+            out.append((0.0 if right else -5.0, right))
+        return out
+
+    def generate_until(self, requests):
+        return [request.doc["reference"] if self.gold else WRONG for request in requests]
+
+    def loglikelihood_rolling(self, requests):
+        raise NotImplementedError("no rolling log-likelihood task in the suite")
+
+
+@pytest.fixture(scope="module")
+def mini_tasks():
+    extract()  # idempotent: a no-op after `make setup`
+    suite = load_suite("mini")
+    return suite.tasks(allow_code=True), TaskManager(include_path=[str(p) for p in TASK_CONFIGS["mini"]], include_defaults=False)
+
+
+@pytest.mark.parametrize("gold, expected", [(True, 1.0), (False, 0.0)])
+def test_reference_answers_score_one_and_wrong_answers_zero(mini_tasks, gold, expected, monkeypatch):
+    tasks, task_manager = mini_tasks
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    out = lm_eval.simple_evaluate(model=ReferenceLM(gold), tasks=tasks, task_manager=task_manager,
+                                  confirm_run_unsafe_code=True, bootstrap_iters=0, log_samples=False)
+    scores = {}
+    for task in tasks:
+        result = out["results"][task]
+        (key,) = [k for k in result if "," in k and "_stderr" not in k]
+        scores[task] = result[key]
+    assert scores == {task: expected for task in tasks}
+    assert sum(out["n-samples"][t]["effective"] for t in tasks) == 3435
+
+
+def test_code_tasks_refuse_without_opt_in(mini_tasks, monkeypatch):
+    tasks, task_manager = mini_tasks
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    with pytest.raises(ValueError, match="unsafe"):  # lm-eval's own gate on `unsafe_code: true`
+        lm_eval.simple_evaluate(model=ReferenceLM(True), tasks=["qk_mbpp"], task_manager=task_manager)
+    assert os.environ.get(ALLOW_ENV) is None
