@@ -120,6 +120,23 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_study(args: argparse.Namespace) -> int:
+    """The deployment study of a pipeline spec (pipelines/study.py); finished stages are skipped."""
+    from quantkit.pipelines.study import Study, StageError, load_spec
+
+    spec = load_spec(args.spec, model=args.model)
+    try:
+        run_dir = Study(spec, args.run_dir).run(until=args.until)
+    except StageError as err:
+        print(f"quantkit run: {err}", file=sys.stderr)
+        return 1
+    print(f"study {spec.name}: {run_dir}")
+    report = run_dir / "report" / "report.md"
+    if report.exists():
+        print(report.read_text())
+    return 0
+
+
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="vLLM dtype (auto: the checkpoint's)")
     parser.add_argument("--max-model-len", type=int, default=1024)
@@ -157,9 +174,18 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=32)
     _add_engine_arguments(gen)
     gen.set_defaults(func=_generate)
+    run = sub.add_parser("run", help="the whole deployment study of a pipeline spec (make quantize eval MODEL=...)")
+    run.add_argument("spec", nargs="?", default="pipelines/default.yaml", help="pipeline YAML (default: pipelines/default.yaml)")
+    run.add_argument("--model", help="hub id | local checkpoint dir | zoo:<preset>; replaces the spec's models")
+    run.add_argument("--until", default="report", help="last stage: checkpoint, quantize, eval, degradation, report")
+    run.add_argument("--run-dir", help="run directory (default: <runs_dir>/<name>[-<model>])")
+    run.set_defaults(func=_run_study)
     from quantkit.evals.suite import add_eval_parser
+    from quantkit.report.cli import add_gate_parser, add_report_parser
 
     add_eval_parser(sub)
+    add_report_parser(sub)
+    add_gate_parser(sub)
     zoo = sub.add_parser("zoo", help="small checkpoints of each variant, trained from scratch offline").add_subparsers(dest="zoo_command", required=True)
     build = zoo.add_parser("build", help="train variants (or 'table2' for the paper's three rows)")
     build.add_argument("variants", nargs="+", help="preset names (see `quantkit zoo list`) or 'table2'")

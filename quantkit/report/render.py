@@ -1,0 +1,290 @@
+"""Render a results file as paper 000's Table 2: Markdown, CSV, JSON and a self-contained HTML page.
+
+Layout: rows in file order under their `section` headings; columns are the benchmarks present, grouped
+Knowledge / STEM / Code / Multilingual / Other (quantkit.report.benchmarks), then Avg (plain mean of the
+row's benchmark scores) and Delta Avg vs the BF16 row of the same variant, then mean flip rate, KL and the
+noise floor of Delta Avg, and the checkpoint's outlier figures, each only when some row has it. Units:
+points 0-100; Delta = recipe - BF16, negative = worse. Markdown/HTML round to 2 decimals (as the paper),
+CSV/JSON keep full precision. Every file is written atomically (temporary file, then os.replace).
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from quantkit.report.benchmarks import Benchmark
+from quantkit.report.plots import plot_benchmark_degradation, plot_variant_degradation
+from quantkit.report.results import Results, load_results
+from quantkit.report.table import Table, TableRow, build_table
+
+DASH = "–"
+REPORT_FILES = ("report.md", "report.csv", "report.json", "report.html")
+
+
+def _score(x: float | None) -> str:
+    return DASH if x is None else f"{x:.2f}"
+
+
+def _delta(x: float | None) -> str:
+    return DASH if x is None else f"{x:+.2f}"
+
+
+def _noise(x: float | None) -> str:
+    return DASH if x is None else f"±{x:.2f}"
+
+
+def _pct(x: float | None) -> str:
+    return DASH if x is None else f"{100 * x:.1f}%"
+
+
+def _kl(x: float | None) -> str:
+    return DASH if x is None else f"{x:.4f}"
+
+
+def _outlier(x: float | None) -> str:
+    return DASH if x is None else f"{x:.4g}"
+
+
+def _extra_columns(table: Table) -> list[tuple[str, Callable[[TableRow], str]]]:
+    """(header, cell) of the columns after the benchmarks: Avg, Delta Avg, then those some row has."""
+    cols: list[tuple[str, Callable[[TableRow], str]]] = [
+        ("Avg", lambda r: _score(r.avg)),
+        ("ΔAvg", lambda r: _delta(r.degradation.delta_avg) if r.degradation else ""),
+    ]
+    if table.has_noise:
+        cols.append(("Noise", lambda r: _noise(r.degradation.noise_avg) if r.degradation else ""))
+    if table.has_flips:
+        cols.append(("Flips", lambda r: _pct(r.flips_mean) if r.degradation else ""))
+    if table.has_kl:
+        cols.append(("KL", lambda r: _kl(r.row.kl) if r.degradation else ""))
+    for key in table.outlier_keys:
+        cols.append((key, lambda r, k=key: _outlier(r.row.outliers.get(k))))
+    return cols
+
+
+def _lead_columns(table: Table) -> list[tuple[str, Callable[[TableRow], str]]]:
+    cols: list[tuple[str, Callable[[TableRow], str]]] = [("#", lambda r: r.row.row_id or "")] if table.has_ids else []
+    return cols + [("Type", lambda r: r.row.precision), ("Add", lambda r: r.row.label)]
+
+
+def _group_spans(columns: tuple[Benchmark, ...]) -> list[tuple[str, int]]:
+    spans: list[tuple[str, int]] = []
+    for b in columns:
+        if spans and spans[-1][0] == b.group:
+            spans[-1] = (b.group, spans[-1][1] + 1)
+        else:
+            spans.append((b.group, 1))
+    return spans
+
+
+def _title(results: Results) -> str:
+    parts = [f"study {results.study}" if results.study else None,
+             f"suite {results.suite}" + (f" v{results.suite_version}" if results.suite_version else "") if results.suite else None,
+             results.created]
+    return "; ".join(p for p in parts if p)
+
+
+NOTES = ("Scores in points (0-100). Avg: plain mean of the row's benchmark columns. ΔAvg and Δ: score minus the "
+         "BF16 row of the same variant (negative = worse). Noise: half-width of the 95% paired-bootstrap CI of "
+         "the delta (noise floor). Flips: mean over benchmarks of the fraction of items whose correctness "
+         "changed vs BF16. KL: nats/token vs BF16 on held-out text.")
+
+
+def _md_row(cells: list[str]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def to_markdown(table: Table) -> str:
+    """Two tables: Table 2 (scores, Avg, ΔAvg, diagnostics) and the per-benchmark degradation vs BF16."""
+    lead, extra = _lead_columns(table), _extra_columns(table)
+    groups = [g for g, n in _group_spans(table.columns) for g in [g] + [""] * (n - 1)]
+    width = len(lead) + len(table.columns) + len(extra)
+    lines = ["# Table 2" + (f": {_title(table.results)}" if _title(table.results) else ""), "", NOTES, "",
+             _md_row([h for h, _ in lead] + groups + [h for h, _ in extra]),
+             _md_row(["---"] * len(lead) + ["---:"] * (len(table.columns) + len(extra))),
+             _md_row([""] * len(lead) + [f"**{b.label}**" for b in table.columns] + [""] * len(extra))]
+    section = None
+    for r in table.rows:
+        if table.has_sections and r.row.section != section:
+            section = r.row.section
+            lines.append(_md_row([f"*{section or ''}*"] + [""] * (width - 1)))
+        lines.append(_md_row([f(r) for _, f in lead] + [_score(r.row.scores.get(b.key)) for b in table.columns]
+                             + [f(r) for _, f in extra]))
+    degraded = [r for r in table.rows if r.degradation]
+    if degraded:
+        lines += ["", "## Degradation vs BF16 (points, ± noise floor where known)", "",
+                  _md_row([h for h, _ in lead] + [b.label for b in table.columns] + ["ΔAvg"]),
+                  _md_row(["---"] * len(lead) + ["---:"] * (len(table.columns) + 1))]
+        for r in degraded:
+            d = r.degradation
+            cells = [_delta(d.delta.get(b.key)) + (f" ±{d.noise[b.key]:.2f}" if b.key in d.noise else "")
+                     for b in table.columns]
+            avg = _delta(d.delta_avg) + (f" ±{d.noise_avg:.2f}" if d.noise_avg is not None else "")
+            lines.append(_md_row([f(r) for _, f in lead] + cells + [avg]))
+    return "\n".join(lines) + "\n"
+
+
+def _clean(value: Any) -> Any:
+    """Floats rounded to 10 decimals (drops binary noise such as -1.7199999999999989), recursively."""
+    if isinstance(value, float):
+        return round(value, 10)
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    return value
+
+
+def _row_record(table: Table, r: TableRow) -> dict[str, Any]:
+    """One row of report.json (full precision; benchmark dicts keyed by canonical benchmark key)."""
+    d = r.degradation
+    return {
+        "id": r.row.row_id, "section": r.row.section, "variant": r.row.variant, "label": r.row.label,
+        "model": r.row.model, "recipe": r.row.recipe, "precision": r.row.precision,
+        "scores": {b.key: r.row.scores[b.key] for b in table.columns if b.key in r.row.scores},
+        "avg": r.avg,
+        "delta": d.delta if d else None, "delta_avg": d.delta_avg if d else None,
+        "noise": d.noise if d else None, "noise_avg": d.noise_avg if d else None,
+        "flips": r.row.flips or None, "flips_mean": r.flips_mean, "kl": r.row.kl, "outliers": r.row.outliers or None,
+    }
+
+
+def to_json(table: Table) -> str:
+    res = table.results
+    doc = {"report_version": 1, "study": res.study, "suite": res.suite, "suite_version": res.suite_version,
+           "created": res.created, "source": res.source,
+           "columns": [{"key": b.key, "label": b.label, "group": b.group} for b in table.columns],
+           "rows": [_clean(_row_record(table, r)) for r in table.rows]}
+    return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+
+
+def to_csv(table: Table) -> str:
+    """One line per results row: identity, scores by label, avg, delta_avg, the optional figures some row has,
+    per-benchmark deltas (and noise, flips where present) by canonical key, outlier figures."""
+    keys = [b.key for b in table.columns]
+    columns: list[tuple[str, Callable[[TableRow], Any]]] = [
+        ("id", lambda r: r.row.row_id), ("section", lambda r: r.row.section), ("variant", lambda r: r.row.variant),
+        ("label", lambda r: r.row.label), ("model", lambda r: r.row.model), ("recipe", lambda r: r.row.recipe),
+        ("precision", lambda r: r.row.precision)]
+    columns += [(b.label, lambda r, k=b.key: r.row.scores.get(k)) for b in table.columns]
+    columns += [("avg", lambda r: r.avg), ("delta_avg", lambda r: r.degradation and r.degradation.delta_avg)]
+    if table.has_noise:
+        columns.append(("noise_avg", lambda r: r.degradation and r.degradation.noise_avg))
+    if table.has_flips:
+        columns.append(("flips_mean", lambda r: r.flips_mean))
+    if table.has_kl:
+        columns.append(("kl", lambda r: r.row.kl))
+    columns += [(f"delta_{k}", lambda r, k=k: r.degradation and r.degradation.delta.get(k)) for k in keys]
+    if table.has_noise:
+        columns += [(f"noise_{k}", lambda r, k=k: r.degradation and r.degradation.noise.get(k)) for k in keys]
+    if table.has_flips:
+        columns += [(f"flips_{k}", lambda r, k=k: r.row.flips.get(k)) for k in keys]
+    columns += [(f"outlier_{k}", lambda r, k=k: r.row.outliers.get(k)) for k in table.outlier_keys]
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow([name for name, _ in columns])
+    for r in table.rows:
+        writer.writerow(["" if (v := get(r)) is None else _clean(v) for _, get in columns])
+    return buf.getvalue()
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:2em;color:#222}
+table{border-collapse:collapse;font-size:13px;margin:1em 0}
+th,td{padding:3px 7px;text-align:right;border-bottom:1px solid #eee;white-space:nowrap}
+th{border-bottom:1px solid #999}
+td.l,th.l{text-align:left}
+tr.section td{text-align:left;font-style:italic;background:#f4f4f4;border-top:1px solid #999}
+thead tr:first-child th{border-top:2px solid #222}
+tbody tr:last-child td{border-bottom:2px solid #222}
+.neg{color:#b00020}.pos{color:#1b7a1b}
+.notes{font-size:12px;color:#555;max-width:70em}
+figure{margin:1em 0}figcaption{font-size:12px;color:#555}
+"""
+
+
+def _cell(text: str, cls: str = "", tag: str = "td", attrs: str = "") -> str:
+    cls_attr = f' class="{cls}"' if cls else ""
+    return f"<{tag}{cls_attr}{attrs}>{html.escape(text)}</{tag}>"
+
+
+def _sign_class(x: float | None) -> str:
+    return "" if x is None or x == 0 else ("neg" if x < 0 else "pos")
+
+
+def to_html(table: Table) -> str:
+    """Self-contained page: inline CSS, the Table 2 with grouped headers, degradation table, inline SVG plots."""
+    lead, extra = _lead_columns(table), _extra_columns(table)
+    width = len(lead) + len(table.columns) + len(extra)
+    head1 = [_cell(h, "l", "th", ' rowspan="2"') for h, _ in lead]
+    head1 += [_cell(g, "", "th", f' colspan="{n}" style="text-align:center"') for g, n in _group_spans(table.columns)]
+    head1 += [_cell(h, "", "th", ' rowspan="2"') for h, _ in extra]
+    head2 = [_cell(b.label, "", "th") for b in table.columns]
+    body, section = [], None
+    for r in table.rows:
+        if table.has_sections and r.row.section != section:
+            section = r.row.section
+            body.append(f'<tr class="section"><td colspan="{width}">{html.escape(section or "")}</td></tr>')
+        cells = [_cell(f(r), "l") for _, f in lead] + [_cell(_score(r.row.scores.get(b.key))) for b in table.columns]
+        for header, f in extra:
+            value = r.degradation.delta_avg if header == "ΔAvg" and r.degradation else None
+            cells.append(_cell(f(r), _sign_class(value)))
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    parts = [f"<h1>Table 2{': ' + html.escape(_title(table.results)) if _title(table.results) else ''}</h1>",
+             f'<p class="notes">{html.escape(NOTES)}</p>',
+             "<table><thead><tr>" + "".join(head1) + "</tr><tr>" + "".join(head2) + "</tr></thead><tbody>"
+             + "".join(body) + "</tbody></table>"]
+    degraded = [r for r in table.rows if r.degradation]
+    if degraded:
+        rows_html = []
+        for r in degraded:
+            d = r.degradation
+            cells = [_cell(f(r), "l") for _, f in lead]
+            for b in table.columns:
+                text = _delta(d.delta.get(b.key)) + (f" ±{d.noise[b.key]:.2f}" if b.key in d.noise else "")
+                cells.append(_cell(text, _sign_class(d.delta.get(b.key))))
+            cells.append(_cell(_delta(d.delta_avg) + (f" ±{d.noise_avg:.2f}" if d.noise_avg is not None else ""),
+                               _sign_class(d.delta_avg)))
+            rows_html.append("<tr>" + "".join(cells) + "</tr>")
+        header = "".join([_cell(h, "l", "th") for h, _ in lead] + [_cell(b.label, "", "th") for b in table.columns]
+                         + [_cell("ΔAvg", "", "th")])
+        parts += ["<h2>Degradation vs BF16 (points, ± noise floor where known)</h2>",
+                  f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows_html)}</tbody></table>", "<h2>Plots</h2>"]
+        for svg, caption in ((plot_benchmark_degradation(table), "Delta vs BF16 per benchmark and Avg (points)"),
+                             (plot_variant_degradation(table), "Delta Avg vs BF16 per variant and precision (points)")):
+            parts.append(f"<figure>{svg}<figcaption>{html.escape(caption)}</figcaption></figure>")
+    title = html.escape(f"quantkit report: {_title(table.results) or table.results.source}")
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+            f"<style>{_CSS}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) to a temporary file beside `path`, then os.replace it into place."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a report is for reading
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def render_report(results: Results | dict | str | Path, out_dir: str | Path) -> dict[str, Path]:
+    """Validate `results` (a Results, a parsed dict, or a JSON path) and write report.{md,csv,json,html} to out_dir."""
+    res = results if isinstance(results, Results) else load_results(results)
+    table = build_table(res)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, render in zip(REPORT_FILES, (to_markdown, to_csv, to_json, to_html)):
+        paths[name] = out / name
+        write_atomic(paths[name], render(table))
+    return paths
