@@ -66,10 +66,23 @@ ZOO_DIR      ?= zoo
 zoo: $(MAIN_STAMP)
 	$(VENV)/bin/quantkit zoo build $(ZOO_VARIANTS) --size $(ZOO_SIZE) --out $(ZOO_DIR)
 
-# Stages of the study, reserved until their issues land.
-quantize eval report gate:
-	@echo "make $@: not available yet — this stage of the pipeline is still being built (see README, 'Status')." >&2
-	@exit 2
+# The deployment study (pipelines/study.py): `make quantize eval MODEL=<hub id | local dir | zoo:preset>`;
+# no MODEL: the embedded default (the zoo's Table 2 trio). Finished stages are cached in the run directory.
+PIPELINE ?= pipelines/default.yaml
+MODEL    ?=
+STUDY     = $(VENV)/bin/quantkit run $(PIPELINE) $(if $(MODEL),--model $(MODEL))
+quantize: $(MAIN_STAMP) $(LLMC_STAMP)
+	$(STUDY) --until quantize
+eval: $(MAIN_STAMP) $(LLMC_STAMP)
+	$(STUDY) --until report
+
+# Re-render a results JSON; gate one against a baseline (thresholds: configs/gate.yaml).
+RESULTS  ?= runs/default/results.json
+BASELINE ?= tests/baselines/tiny_study_results.json
+report: $(MAIN_STAMP)
+	$(VENV)/bin/quantkit report $(RESULTS) --out $(dir $(RESULTS))report
+gate: $(MAIN_STAMP)
+	$(VENV)/bin/quantkit gate --baseline $(BASELINE) --current $(RESULTS) --config configs/gate.yaml
 
 # Triton GEMMs vs torch baselines (benchmarks/README.md), e.g. BENCH_ARGS=--quick (the only mode without a GPU).
 # No setup prerequisite: the GPU machines carry torch and triton but no vLLM and no network.

@@ -29,8 +29,11 @@ class _DropCustomDatasetNotice(logging.Filter):
 
 @contextmanager
 def open_lm(model_dir: str | Path, backend: str = "vllm", seed: int = 1234, max_model_len: int = 1024,
-            dtype: str = "float32") -> Iterator[Any]:
-    """An lm-eval LM on `model_dir` (vLLM engine or transformers model), shut down on exit."""
+            dtype: str = "float32", tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> Iterator[Any]:
+    """An lm-eval LM on `model_dir` (vLLM engine or transformers model), shut down on exit.
+
+    vLLM only: tensor_parallel_size shards the model over that many GPUs (or CPU ranks); data_parallel_size
+    > 1 makes lm-eval run that many engine replicas (through ray, which lm-eval requires for it)."""
     offline_environment()
     from lm_eval.api.registry import get_model
 
@@ -38,7 +41,7 @@ def open_lm(model_dir: str | Path, backend: str = "vllm", seed: int = 1234, max_
     if backend == "vllm":
         model_args: dict[str, Any] = dict(
             pretrained=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
-            **cpu_engine_kwargs(),
+            tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size, **cpu_engine_kwargs(),
         )
     elif backend == "hf":
         model_args = dict(pretrained=str(model_dir), dtype=dtype, device="cpu", max_length=max_model_len, batch_size=1)
@@ -48,7 +51,7 @@ def open_lm(model_dir: str | Path, backend: str = "vllm", seed: int = 1234, max_
     try:
         yield lm
     finally:
-        if backend == "vllm":  # stop the engine process now, not at interpreter exit
+        if backend == "vllm" and data_parallel_size == 1:  # stop the engine process now, not at interpreter exit
             lm.model.llm_engine.engine_core.shutdown()
 
 

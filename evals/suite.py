@@ -184,6 +184,8 @@ def evaluate(
     seed: int = DEFAULT_SEED,
     max_model_len: int | None = None,
     dtype: str = "auto",
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
 ) -> dict[str, Any]:
     """Run `suite` on `model_dir`; write results.json and samples/*.jsonl into out_dir (default
     runs/eval/<model>-<suite>); return the results dict. `limit` (items per task) overrides the suite's."""
@@ -218,7 +220,8 @@ def evaluate(
 
     per_task: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
-    with _code_execution(allow_code), open_lm(model_dir, backend, seed=seed, max_model_len=max_model_len, dtype=dtype) as lm:
+    with _code_execution(allow_code), open_lm(model_dir, backend, seed=seed, max_model_len=max_model_len, dtype=dtype,
+                                                 tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size) as lm:
         startup = time.perf_counter() - started
         for task in (bar := tqdm(tasks, desc=f"eval {spec.name}", unit="task")):
             bar.set_postfix_str(task)
@@ -245,7 +248,8 @@ def evaluate(
         suite=dict(name=spec.name, version=spec.version, description=spec.description, limit=limit,
                    gen_kwargs=spec.gen_kwargs, code_executed=allow_code, skipped_benchmarks=skipped),
         backend=backend,
-        settings=dict(max_model_len=max_model_len, dtype=dtype, decoding="greedy (temperature 0) unless the task says otherwise"),
+        settings=dict(max_model_len=max_model_len, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                      data_parallel_size=data_parallel_size, decoding="greedy (temperature 0) unless the task says otherwise"),
         seeds=dict(python=seed, numpy=seed, torch=seed, fewshot=seed, vllm=seed),
         versions=_versions(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -1,4 +1,5 @@
 """Orchestration (import name `quantkit.pipelines`): models x recipes x suite -> run directory.
 
-Pipeline specs are YAML files in this folder; the runner arrives with the "Pipeline" issue.
+Pipeline specs are YAML files in this folder (default.yaml: the embedded default study); the runner is
+`study.py` (`quantkit run SPEC`).
 """

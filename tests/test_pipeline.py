@@ -1,0 +1,116 @@
+"""The deployment study end to end on a tiny checkpoint: quantize -> vLLM + lm-eval (smoke suite) -> degradation ->
+results.json -> report; cached re-runs, resume after a crash, failures naming their stage; and the CI gate against
+the committed baseline (tests/baselines/tiny_study_results.json), which an injected regression turns red.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantkit.pipelines.study import Study, StageError, load_spec
+
+pytestmark = pytest.mark.slow
+
+BASELINE_RESULTS = Path(__file__).parent / "baselines" / "tiny_study_results.json"
+SPEC = """
+name: tiny
+models: {{tiny: {model}}}
+recipes: [bf16, w4a4_nvfp4]
+eval: {{suite: smoke, limit: 3, dtype: float32}}
+kl: {{num_sequences: 4, seq_len: 64}}
+runs_dir: {runs}
+"""
+
+
+def _spec(tmp_path: Path, model: Path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(SPEC.format(model=model, runs=tmp_path / "runs"))
+    return path
+
+
+def _mtimes(run_dir: Path) -> dict[str, float]:
+    """Modification times of the cached stage artifacts (the report is re-rendered on every run)."""
+    return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for stage in ("checkpoints", "evals", "degradation")
+            for p in (run_dir / stage).rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def study(tiny_checkpoint, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("study")
+    spec = load_spec(_spec(tmp, tiny_checkpoint))
+    return Study(spec), Study(spec).run()
+
+
+def test_study_writes_every_artifact(study):
+    _, run_dir = study
+    for path in ("spec.json", "checkpoints/tiny-bf16/config.json", "checkpoints/tiny-w4a4_nvfp4/config.json",
+                 "evals/tiny-bf16/results.json", "evals/tiny-w4a4_nvfp4/results.json", "degradation/tiny-w4a4_nvfp4.json",
+                 "results.json", "report/report.md", "report/report.html", "report/report.csv", "report/report.json"):
+        assert (run_dir / path).exists(), path
+    results = json.loads((run_dir / "results.json").read_text())
+    rows = {r["recipe"]: r for r in results["rows"]}
+    assert set(rows) == {"bf16", "w4a4_nvfp4"} and rows["w4a4_nvfp4"]["precision"] == "W4A4"
+    assert set(rows["bf16"]["scores"]) == {"MMLU", "MMMLU", "GSM8k", "MGSM", "Math"}  # code benchmarks need the opt-in
+    quantized = rows["w4a4_nvfp4"]
+    assert quantized["kl"] > 0 and set(quantized["noise_floor"]) == set(quantized["scores"])
+    assert all(0.0 <= f <= 1.0 for f in quantized["flips"].values())
+
+
+def test_cached_rerun_and_resume_after_crash(study):
+    studied, run_dir = study
+    before = _mtimes(run_dir)
+    studied.run()
+    assert _mtimes(run_dir) == before, "a re-run must not redo finished stages"
+
+    # a crash in the middle of the W4A4 eval: its results.json never written, some samples left behind
+    (run_dir / "evals" / "tiny-w4a4_nvfp4" / "results.json").unlink()
+    (run_dir / "degradation" / "tiny-w4a4_nvfp4.json").unlink()
+    studied.run()
+    after = _mtimes(run_dir)
+    redone = {k for k in after if after[k] != before.get(k)}
+    assert "evals/tiny-w4a4_nvfp4/results.json" in redone and "degradation/tiny-w4a4_nvfp4.json" in redone
+    assert not any(k.startswith(("evals/tiny-bf16", "checkpoints/")) for k in redone), redone
+
+
+def test_failures_name_stage_model_and_recipe(tmp_path, tiny_checkpoint):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken)
+    (broken / "tokenizer.json").unlink()
+    (broken / "tokenizer_config.json").unlink()
+    with pytest.raises(StageError, match=r"stage 'quantize' failed for model 'tiny' recipe 'bf16'.*tokenizer"):
+        Study(load_spec(_spec(tmp_path, broken))).run(until="quantize")
+    with pytest.raises(ValueError, match="unknown recipe 'w3a3'"):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(SPEC.format(model=tiny_checkpoint, runs=tmp_path).replace("w4a4_nvfp4", "w3a3"))
+        load_spec(bad)
+
+
+def test_gate_against_committed_baseline_and_injected_regression(study, tmp_path):
+    """CI's gate: the tiny study passes against the committed baseline; a checkpoint quantized with a broken
+    rounding (every E2M1 code one step smaller in magnitude, as a rounding bug would do) fails it."""
+    from quantkit.report.gate import load_thresholds, run_gate
+
+    _, run_dir = study
+    assert run_gate(BASELINE_RESULTS, run_dir / "results.json", load_thresholds()) == 0
+
+    regressed = tmp_path / "regressed"
+    shutil.copytree(run_dir, regressed, ignore=shutil.ignore_patterns("cache"))
+    for stale in ("evals/tiny-w4a4_nvfp4", "degradation", "results.json"):
+        target = regressed / stale
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    weights = regressed / "checkpoints" / "tiny-w4a4_nvfp4" / "model.safetensors"
+    state = load_file(weights)
+    for name, tensor in state.items():
+        if name.endswith("weight_packed"):
+            low, high = tensor & 0x0F, tensor >> 4
+            shrink = lambda code: torch.where(code & 0x7 > 0, code - 1, code)  # noqa: E731
+            state[name] = (shrink(low) | shrink(high) << 4).to(torch.uint8)
+    save_file(state, weights)
+    Study(load_spec(_spec(tmp_path, Path(json.loads((run_dir / "spec.json").read_text())["models"]["tiny"]))), regressed).run()
+    assert run_gate(BASELINE_RESULTS, regressed / "results.json", load_thresholds()) == 1
