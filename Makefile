@@ -71,9 +71,9 @@ zoo: $(MAIN_STAMP)
 PIPELINE ?= pipelines/default.yaml
 MODEL    ?=
 STUDY     = $(VENV)/bin/quantkit run $(PIPELINE) $(if $(MODEL),--model $(MODEL))
-quantize: $(MAIN_STAMP) $(LLMC_STAMP)
+quantize: $(MAIN_STAMP)
 	$(STUDY) --until quantize
-eval: $(MAIN_STAMP) $(LLMC_STAMP)
+eval: $(MAIN_STAMP)
 	$(STUDY) --until report
 
 # Re-render a results JSON; gate one against a baseline (thresholds: configs/gate.yaml).
