@@ -36,9 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=REPO / "zoo" / "ga-tiny", help="checkpoint (default: zoo/ga-tiny, `make zoo`)")
     p.add_argument("--recipes", nargs="+", default=list(RECIPES))
-    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompt-words", type=int, default=48)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--work", type=Path, default=REPO / "benchmarks" / ".work", help="quantized checkpoints (cache)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
@@ -68,10 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         quantized = args.work / f"{args.model.name}-{recipe}"
         if not quantized.exists():
             quantize_checkpoint(args.model, recipe, quantized)
-        run = generate(quantized, prompts, max_tokens=args.max_tokens, dtype=args.dtype, with_logprobs=False, warmup=True)
         qc = json.loads((quantized / "config.json").read_text()).get("quantization_config") or {}
-        rows.append({"recipe": recipe, "quant_method": qc.get("quant_method", "none"), "tokens": run.generated_tokens,
-                     "seconds": run.seconds, "tokens_per_second": run.tokens_per_second})
+        row = {"recipe": recipe, "quant_method": qc.get("quant_method", "none")}
+        try:
+            run = generate(quantized, prompts, max_tokens=args.max_tokens, dtype=args.dtype, with_logprobs=False, warmup=True)
+        except Exception as err:  # e.g. vLLM's CT FP8_BLOCK needs 128-row shards: keep the row, say why
+            rows.append({**row, "error": f"{type(err).__name__}: {err}".splitlines()[0][:200]})
+            print(f"{recipe}: failed: {rows[-1]['error']}", file=sys.stderr, flush=True)
+            continue
+        rows.append({**row, "tokens": run.generated_tokens, "seconds": run.seconds, "tokens_per_second": run.tokens_per_second})
         print(f"{recipe}: {run.tokens_per_second:.1f} tokens/s", file=sys.stderr, flush=True)
     base = next((r["tokens_per_second"] for r in rows if r["recipe"] == "bf16"), None)
     lines = [f"# Offline generation throughput: {meta['device']}", "",
@@ -83,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
              "recipes run vLLM's kernels (CPU: the emulation kernels quantkit's plugin registers)", "",
              "| recipe | quant_method | tokens | seconds | tokens/s | vs bf16 |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['recipe']} | {r['quant_method']} | failed: {r['error']} | | | |")
+            continue
         ratio = f"{r['tokens_per_second'] / base:.2f}x" if base else "-"
         lines.append(f"| {r['recipe']} | {r['quant_method']} | {r['tokens']} | {r['seconds']:.2f} | {r['tokens_per_second']:.1f} | {ratio} |")
     text = "\n".join(lines) + "\n"
