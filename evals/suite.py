@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +35,7 @@ from typing import Any
 import yaml
 from tqdm import tqdm
 
+from quantkit.atomic import write_text_atomic
 from quantkit.evals.execution import ALLOW_ENV
 from quantkit.evals.extract import data_dir, is_current
 
@@ -108,14 +108,6 @@ def _versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             out[dist] = "missing"
     return out
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 @contextmanager
@@ -234,7 +226,7 @@ def evaluate(
                 metric, filt = _primary_metric(out["results"][name])
                 records = sorted((_sample_record(name, s, metric) for s in samples if s.get("filter", filt) == filt),
                                  key=lambda r: r["doc_id"])
-                _atomic_write(out_dir / "samples" / f"{name}.jsonl",
+                write_text_atomic(out_dir / "samples" / f"{name}.jsonl",
                               "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
                 n_items += len(records)
                 budget = (out["configs"][name].get("generation_kwargs") or {}).get("max_gen_toks", 256)
@@ -258,7 +250,7 @@ def evaluate(
         benchmarks=_benchmark_scores(spec, per_task),
         tasks=per_task,
     )
-    _atomic_write(out_dir / "results.json", json.dumps(results, indent=1, default=str) + "\n")
+    write_text_atomic(out_dir / "results.json", json.dumps(results, indent=1, default=str) + "\n")
     return results
 
 

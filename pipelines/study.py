@@ -10,6 +10,7 @@ Spec (YAML, see pipelines/default.yaml):
     recipes: [bf16, w8a8_fp8_block, w4a4_nvfp4, w4a4_nvfp4_sq]   # bf16 is every model's baseline
     eval: {suite: mini, backend: vllm, limit: null, allow_code: false, seed: 1234, dtype: bfloat16}
     kl: {num_sequences: 16, seq_len: 128}
+    diagnose: {num_sequences: 16, seq_len: 128}   # quantkit.diagnose on each source checkpoint
     parallel: {tensor_parallel_size: 1, data_parallel_size: 1}   # vLLM TP; lm-eval DP (engine replicas)
     runs_dir: runs
 
@@ -17,6 +18,7 @@ Run directory runs/<name>[-<model label>]/, every artifact written atomically (t
 presence means "done" and a re-run skips it; a run killed mid-way loses only the stage in flight:
 
     spec.json                       the resolved spec
+    diagnostics/<label>/            `quantkit diagnose` of the source checkpoint (JSON, summary, figures)
     checkpoints/<label>-<recipe>/   `quantkit quantize` output (bf16 too: the baseline checkpoint)
     evals/<label>-<recipe>/         `quantkit.evals.suite.evaluate` output (results.json, samples/)
     degradation/<label>-<recipe>.json   flips, paired bootstrap (noise floor), held-out KL vs bf16
@@ -40,11 +42,13 @@ from typing import Any
 import yaml
 from tqdm import tqdm
 
+from quantkit.atomic import write_text_atomic
+
 logger = logging.getLogger(__name__)
 
-STAGES = ("checkpoint", "quantize", "eval", "degradation", "report")
+STAGES = ("checkpoint", "diagnose", "quantize", "eval", "degradation", "report")
 BASELINE = "bf16"
-SPEC_KEYS = {"name", "models", "zoo", "recipes", "eval", "kl", "parallel", "runs_dir"}
+SPEC_KEYS = {"name", "models", "zoo", "recipes", "eval", "kl", "diagnose", "parallel", "runs_dir"}
 EVAL_DEFAULTS = dict(suite="mini", backend="vllm", limit=None, allow_code=False, seed=1234, dtype="bfloat16")
 
 
@@ -60,6 +64,7 @@ class StudySpec:
     zoo: dict[str, Any] = field(default_factory=lambda: dict(size="tiny", dir="zoo"))
     eval: dict[str, Any] = field(default_factory=lambda: dict(EVAL_DEFAULTS))
     kl: dict[str, int] = field(default_factory=lambda: dict(num_sequences=16, seq_len=128))
+    diagnose: dict[str, int] = field(default_factory=lambda: dict(num_sequences=16, seq_len=128))
     parallel: dict[str, int] = field(default_factory=lambda: dict(tensor_parallel_size=1, data_parallel_size=1))
     runs_dir: str = "runs"
 
@@ -98,10 +103,7 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
 
 
 def _atomic_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=1, default=str) + "\n")
 
 
 def resolve_source(source: str, spec: StudySpec) -> Path:
@@ -150,7 +152,7 @@ class Study:
         _atomic_json(self.dir / "spec.json", vars(self.spec))
         stages = STAGES[: STAGES.index(until) + 1]
         work = [(s, label, recipe) for s in stages if s != "report" for label in self.spec.models
-                for recipe in (self.spec.recipes if s != "checkpoint" else [None])
+                for recipe in (self.spec.recipes if s not in ("checkpoint", "diagnose") else [None])
                 if not (s == "degradation" and recipe == BASELINE)]
         for stage, label, recipe in (bar := tqdm(work, desc=f"study {self.spec.name}", unit="stage")):
             bar.set_postfix_str(f"{stage} {label} {recipe or ''}".strip())
@@ -175,6 +177,17 @@ class Study:
         if label not in self.sources:
             self._checkpoint(label, None)
         return self.sources[label]
+
+    def _diagnose(self, label: str, _: None) -> None:
+        out = self.dir / "diagnostics" / label
+        if (out / "diagnostics.json").exists():
+            return
+        from quantkit.diagnose import diagnose, write_diagnostics
+        from quantkit.quantize.recipe import load_recipe
+
+        recipes = [r for r in self.spec.recipes
+                   if (rec := load_recipe(r)).backend == "quantkit" and rec.scheme != "bf16" and rec.smoothquant is None]
+        write_diagnostics(diagnose(self._source(label), recipes=recipes, progress=False, **self.spec.diagnose), out)
 
     def _quantize(self, label: str, recipe: str) -> None:
         out = self.checkpoint_dir(label, recipe)
@@ -205,9 +218,15 @@ class Study:
     def _report(self, *_: None) -> None:
         results = study_results(self)
         _atomic_json(self.dir / "results.json", results)
+        from quantkit.diagnose import figure_svgs
         from quantkit.report import render_report
 
-        render_report(results, self.dir / "report")
+        figures = {}
+        for label in self.spec.models:
+            path = self.dir / "diagnostics" / label / "diagnostics.json"
+            if path.exists():
+                figures.update({f"{label}: {name}": svg for name, svg in figure_svgs(json.loads(path.read_text())).items()})
+        render_report(results, self.dir / "report", figures=figures)
 
 
 def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
@@ -238,7 +257,7 @@ def study_results(study: Study) -> dict[str, Any]:
     """The report's input (docs/report-format.md, schema_version 1) from the run directory."""
     rows, suite = [], None
     for label in study.spec.models:
-        outliers = _outliers(study._source(label))
+        outliers = _outliers(study, label)
         for recipe in study.spec.recipes:
             ev = json.loads((study.eval_dir(label, recipe) / "results.json").read_text())
             suite = ev["suite"]
@@ -264,14 +283,17 @@ def _precision(recipe: str) -> str:
     return label + ("+SQ" if r.smoothquant else "") + (" (static)" if r.activation_scale == "static" else "")
 
 
-def _outliers(source: Path) -> dict[str, float] | None:
-    """The zoo's outlier figures of the source checkpoint (metrics.json), when it has them."""
-    metrics = source / "metrics.json"
-    if not metrics.exists():
+OUTLIER_FIGURES = ("max_residual", "max_linear_input", "top_sink_ratio", "sink_rate_mean", "first_token_mass_mean",
+                   "max_residual_kurtosis")
+
+
+def _outliers(study: Study, label: str) -> dict[str, float] | None:
+    """Headline diagnostics of the source checkpoint (quantkit.diagnose summary) for the report's outlier columns."""
+    path = study.dir / "diagnostics" / label / "diagnostics.json"
+    if not path.exists():
         return None
-    heldout = json.loads(metrics.read_text()).get("heldout", {})
-    keys = ("max_abs_residual", "max_abs_linear_input")
-    return {k: heldout[k] for k in keys if k in heldout} or None
+    summary = json.loads(path.read_text())["summary"]
+    return {k: summary[k] for k in OUTLIER_FIGURES if isinstance(summary.get(k), (int, float)) and math.isfinite(summary[k])}
 
 
 def _now() -> str:

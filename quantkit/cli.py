@@ -181,11 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--run-dir", help="run directory (default: <runs_dir>/<name>[-<model>])")
     run.set_defaults(func=_run_study)
     from quantkit.evals.suite import add_eval_parser
+    from quantkit.diagnose.cli import add_diagnose_parser
     from quantkit.report.cli import add_gate_parser, add_report_parser
 
     add_eval_parser(sub)
     add_report_parser(sub)
     add_gate_parser(sub)
+    add_diagnose_parser(sub)
     zoo = sub.add_parser("zoo", help="small checkpoints of each variant, trained from scratch offline").add_subparsers(dest="zoo_command", required=True)
     build = zoo.add_parser("build", help="train variants (or 'table2' for the paper's three rows)")
     build.add_argument("variants", nargs="+", help="preset names (see `quantkit zoo list`) or 'table2'")

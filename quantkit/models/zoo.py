@@ -163,7 +163,8 @@ def build(variant: str, size: str = "tiny", zoo_dir: str | Path = "zoo", seed: i
         num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
         max_position_embeddings=max(1024, shape.seq_len), tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=None,  # BOS doubles as pad in our tokenizer: a padding_idx would freeze BOS's embedding at 0
         **PRESETS[variant], **shape.extra,
     )
     model = QuantkitForCausalLM(config)

@@ -17,7 +17,8 @@ from quantkit.report.table import Table, TableRow
 _RC = {"svg.hashsalt": "quantkit", "svg.fonttype": "none", "font.size": 9}
 
 
-def _svg(fig: Figure) -> str:
+def inline_svg(fig: Figure) -> str:
+    """The figure as an <svg> element for inline HTML (no XML prolog, no timestamp: reproducible)."""
     buf = io.StringIO()
     with matplotlib.rc_context(_RC):
         fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
@@ -59,7 +60,7 @@ def plot_benchmark_degradation(table: Table) -> str | None:
         ax = fig.add_subplot()
         _bars(ax, labels, series)
         ax.set_title("Degradation per benchmark")
-    return _svg(fig)
+    return inline_svg(fig)
 
 
 def plot_variant_degradation(table: Table) -> str | None:
@@ -82,4 +83,4 @@ def plot_variant_degradation(table: Table) -> str | None:
         ax = fig.add_subplot()
         _bars(ax, [names[v] for v in variants], series)
         ax.set_title("Degradation of Avg per variant")
-    return _svg(fig)
+    return inline_svg(fig)

@@ -14,12 +14,11 @@ import csv
 import html
 import io
 import json
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from quantkit.atomic import write_text_atomic
 from quantkit.report.benchmarks import Benchmark
 from quantkit.report.plots import plot_benchmark_degradation, plot_variant_degradation
 from quantkit.report.results import Results, load_results
@@ -218,8 +217,9 @@ def _sign_class(x: float | None) -> str:
     return "" if x is None or x == 0 else ("neg" if x < 0 else "pos")
 
 
-def to_html(table: Table) -> str:
-    """Self-contained page: inline CSS, the Table 2 with grouped headers, degradation table, inline SVG plots."""
+def to_html(table: Table, figures: dict[str, str] | None = None) -> str:
+    """Self-contained page: inline CSS, the Table 2 with grouped headers, degradation table, inline SVG plots,
+    then `figures` ({caption: inline <svg>}, e.g. each checkpoint's outlier diagnostics) when given."""
     lead, extra = _lead_columns(table), _extra_columns(table)
     width = len(lead) + len(table.columns) + len(extra)
     head1 = [_cell(h, "l", "th", ' rowspan="2"') for h, _ in lead]
@@ -259,32 +259,23 @@ def to_html(table: Table) -> str:
         for svg, caption in ((plot_benchmark_degradation(table), "Delta vs BF16 per benchmark and Avg (points)"),
                              (plot_variant_degradation(table), "Delta Avg vs BF16 per variant and precision (points)")):
             parts.append(f"<figure>{svg}<figcaption>{html.escape(caption)}</figcaption></figure>")
+    if figures:
+        parts.append("<h2>Outlier diagnostics</h2>")
+        parts += [f"<figure>{svg}<figcaption>{html.escape(caption)}</figcaption></figure>" for caption, svg in figures.items()]
     title = html.escape(f"quantkit report: {_title(table.results) or table.results.source}")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
             f"<style>{_CSS}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` (UTF-8) to a temporary file beside `path`, then os.replace it into place."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a report is for reading
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def render_report(results: Results | dict | str | Path, out_dir: str | Path) -> dict[str, Path]:
-    """Validate `results` (a Results, a parsed dict, or a JSON path) and write report.{md,csv,json,html} to out_dir."""
+def render_report(results: Results | dict | str | Path, out_dir: str | Path, figures: dict[str, str] | None = None) -> dict[str, Path]:
+    """Validate `results` (a Results, a parsed dict, or a JSON path) and write report.{md,csv,json,html} to out_dir;
+    `figures` ({caption: inline <svg>}) are appended to the HTML page."""
     res = results if isinstance(results, Results) else load_results(results)
     table = build_table(res)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for name, render in zip(REPORT_FILES, (to_markdown, to_csv, to_json, to_html)):
+    for name, render in zip(REPORT_FILES, (to_markdown, to_csv, to_json, lambda t: to_html(t, figures))):
         paths[name] = out / name
-        write_atomic(paths[name], render(table))
+        write_text_atomic(paths[name], render(table))
     return paths

@@ -1,0 +1,247 @@
+"""Forward hooks that accumulate the diagnostics statistics batch by batch (nothing is stored per token).
+
+`DiagnosticsObserver(model, ...)` is a context manager: hooks exist only inside the `with` block and are
+removed in `__exit__` (also when a forward pass raises), so an undiagnosed model pays nothing. Sites:
+
+- residual stream H_i (paper 000 sec. 2: H_{i+1} = H_i + F_i(H_i)): the input of decoder layer i for
+  i < D and the input of the final norm for i = D, i.e. the D + 1 states of the paper's H_avg;
+- every nn.Linear: its input x (max |x|, moments, per-channel max) and, per recipe that quantizes it, the
+  output error of fake-quantized x and W against the float product;
+- attention probabilities a[b, h, t, j] (query t, key j) returned by each layer's self_attn under
+  transformers' eager attention;
+- GatedNorm gates sigmoid(gate_up(...)) of the residual norms.
+
+Memory per model: O(layers x hidden) for the residual, O(in_features) per linear, O(layers x heads +
+N^2) for attention, plus one decoded copy of each quantized weight per scheme (float32).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.diagnose.stats import ChannelStats, Moments
+from quantkit.quantize.recipe import Recipe
+from quantkit.quantize.schemes import decode_weight, encode_weight, fake_quant_activation
+
+SINK_EPS = 0.3  # paper 002 eq. 1 (after Gu et al. 2025)
+SINK_WINDOW = 64  # T_eps of paper 002 eq. 1
+TOKEN_NORM_POSITIONS = 16  # paper 002 Fig. 1/5 compare token 0 with positions 1..15
+
+
+class NonFiniteStatisticsError(ValueError):
+    """A NaN or Inf activation met by a diagnostics hook; the message names the site."""
+
+
+def decoder_layers(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
+    """(model.model.layers, model.model.norm) of a decoder-only transformers model; ValueError otherwise."""
+    backbone = getattr(model, "model", None)
+    layers, norm = getattr(backbone, "layers", None), getattr(backbone, "norm", None)
+    if not isinstance(layers, nn.ModuleList) or norm is None:
+        raise ValueError(f"{type(model).__name__}: expected a decoder with .model.layers and .model.norm "
+                         "(Qwen3, Llama, quantkit family)")
+    return layers, norm
+
+
+def residual_norm_names(model: nn.Module) -> list[str]:
+    """Qualified names of the residual-stream norms: each layer's input/post-attention norm, the final norm."""
+    layers, _ = decoder_layers(model)
+    names = [f"model.layers.{i}.{attr}" for i in range(len(layers))
+             for attr in ("input_layernorm", "post_attention_layernorm") if hasattr(layers[i], attr)]
+    return names + ["model.norm"]
+
+
+@dataclass
+class ResidualState:
+    """Accumulators for one residual state H_i: moments, per-dim stats, massive-token counts."""
+
+    moments: Moments = field(default_factory=Moments)
+    channels: ChannelStats | None = None
+    massive: int = 0                      # tokens with max_j |h_tj| > ratio * median |h| of their sequence
+    massive_pos0: int = 0                 # ... of them at position 0
+    massive_positions: Counter = field(default_factory=Counter)
+    ratio_sum_pos0: float = 0.0           # sum over sequences of that ratio at position 0
+    ratio_sum_rest: float = 0.0           # ... at positions >= 1
+    tokens: int = 0
+    sequences: int = 0
+    token_norm_sum: torch.Tensor | None = None  # sum over sequences of ||h_t||_2, positions 0..15
+
+
+@dataclass
+class AttentionLayer:
+    """Accumulators for one layer's attention probabilities (per head, summed over sequences)."""
+
+    alpha_sum: torch.Tensor               # (H,) sum of alpha_0^{l,h} (paper 002 eq. 1)
+    sink_count: torch.Tensor              # (H,) number of sequences with alpha_0^{l,h} > eps
+    mass_sum: torch.Tensor                # (H,) sum of first-token mass M_0^{l,h} / T (paper 002 eq. 2)
+    map_sum: torch.Tensor                 # (N, N) sum over sequences and heads of a[:N, :N]
+    sequences: int = 0
+
+
+@dataclass
+class LinearStats:
+    moments: Moments = field(default_factory=Moments)
+    channel_max: torch.Tensor | None = None
+    signal: float = 0.0                   # sum y^2 (float product)
+    noise: dict[str, float] = field(default_factory=dict)  # recipe -> sum (y - y_q)^2
+
+
+class DiagnosticsObserver:
+    """Hooks collecting residual, linear-input, attention and gate statistics; use as a context manager.
+
+    `recipes`: {recipe name: (recipe, static NVFP4 input decode scale per linear, or None for per-token)}.
+    Call `begin_batch(input_ids)` before each forward pass (massive tokens are attributed to token ids).
+    """
+
+    def __init__(self, model: nn.Module, recipes: dict[str, tuple[Recipe, dict[str, torch.Tensor] | None]],
+                 massive_ratio: float, map_tokens: int) -> None:
+        self.model = model
+        self.layers, self.final_norm = decoder_layers(model)
+        self.massive_ratio = massive_ratio
+        self.map_tokens = map_tokens
+        self.recipes = recipes
+        self.residual = [ResidualState() for _ in range(len(self.layers) + 1)]
+        self.attention: list[AttentionLayer | None] = [None] * len(self.layers)
+        self.linears = {n: LinearStats() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        self.gates: dict[str, ChannelStats] = {}
+        self.massive_token_ids: Counter = Counter()
+        self._quantized: dict[tuple[str, str], torch.Tensor] = {}  # (linear, scheme) -> decoded weight
+        self._handles: list = []
+        self._ids: torch.Tensor | None = None
+        self._massive_any: torch.Tensor | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def __enter__(self) -> DiagnosticsObserver:
+        try:
+            for i, layer in enumerate(self.layers):
+                self._handles.append(layer.register_forward_pre_hook(self._residual_hook(i), with_kwargs=True))
+                self._handles.append(layer.self_attn.register_forward_hook(self._attention_hook(i)))
+            self._handles.append(self.final_norm.register_forward_pre_hook(self._residual_hook(len(self.layers)), with_kwargs=True))
+            for name in self.linears:
+                self._handles.append(self.model.get_submodule(name).register_forward_hook(self._linear_hook(name)))
+            for norm in residual_norm_names(self.model):
+                gate_up = getattr(self.model.get_submodule(norm), "gate_up", None)
+                if gate_up is not None:
+                    self._handles.append(gate_up.register_forward_hook(self._gate_hook(norm)))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._quantized.clear()
+
+    def begin_batch(self, input_ids: torch.Tensor) -> None:
+        self._ids = input_ids
+        self._massive_any = torch.zeros(input_ids.shape, dtype=torch.bool)
+
+    def end_batch(self) -> None:
+        """Count the token ids of positions that were massive in at least one residual state."""
+        if self._ids is not None and self._massive_any is not None:
+            self.massive_token_ids.update(self._ids[self._massive_any.to(self._ids.device)].tolist())
+        self._ids = self._massive_any = None
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def _residual_hook(self, i: int):
+        def hook(_module, args, kwargs):
+            h = (args[0] if args else kwargs["hidden_states"]).detach().float()  # (B, T, d)
+            _check_finite(h, f"residual stream H_{i}")
+            self._update_residual(self.residual[i], h)
+
+        return hook
+
+    def _update_residual(self, state: ResidualState, h: torch.Tensor) -> None:
+        b, t, d = h.shape
+        state.moments.update(h)
+        if state.channels is None:
+            state.channels = ChannelStats(d)
+            state.token_norm_sum = torch.zeros(min(t, TOKEN_NORM_POSITIONS), dtype=torch.float64)
+        state.channels.update(h)
+        a = h.abs()
+        median = a.reshape(b, -1).median(dim=1).values.clamp_min(torch.finfo(torch.float32).tiny)  # (B,)
+        ratio = a.amax(-1) / median[:, None]  # (B, T)
+        massive = ratio > self.massive_ratio
+        state.massive += int(massive.sum())
+        state.massive_pos0 += int(massive[:, 0].sum())
+        state.massive_positions.update(massive.nonzero()[:, 1].tolist())
+        state.ratio_sum_pos0 += ratio[:, 0].double().sum().item()
+        state.ratio_sum_rest += ratio[:, 1:].double().sum().item()
+        state.tokens += b * t
+        state.sequences += b
+        state.token_norm_sum += h[:, : len(state.token_norm_sum)].double().norm(dim=-1).sum(0)
+        if self._massive_any is not None:
+            self._massive_any |= massive.cpu()
+
+    def _attention_hook(self, i: int):
+        def hook(_module, _args, output):
+            probs = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+            if probs is None:
+                raise RuntimeError(f"layer {i}: self_attn returned no attention probabilities; load the model with "
+                                   "attn_implementation='eager'")
+            p = probs.detach().float()  # (B, H, T, T), rows sum to 1
+            _check_finite(p, f"attention probabilities of layer {i}")
+            b, heads, t, _ = p.shape
+            first = p[..., 0]  # (B, H, T): a_{t0}
+            alpha = first[..., : min(SINK_WINDOW, t)].mean(-1)  # (B, H), eq. 1 with s = 0
+            n = min(self.map_tokens, t)
+            if self.attention[i] is None:
+                self.attention[i] = AttentionLayer(torch.zeros(heads, dtype=torch.float64), torch.zeros(heads, dtype=torch.float64),
+                                                   torch.zeros(heads, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64))
+            acc = self.attention[i]
+            acc.alpha_sum += alpha.double().sum(0)
+            acc.sink_count += (alpha > SINK_EPS).double().sum(0)
+            acc.mass_sum += first.double().mean(-1).sum(0)
+            acc.map_sum += p[:, :, :n, :n].double().sum((0, 1))
+            acc.sequences += b
+
+        return hook
+
+    def _linear_hook(self, name: str):
+        def hook(module: nn.Linear, args, output):
+            x = args[0].detach()
+            _check_finite(x, f"input of {name}")
+            stats = self.linears[name]
+            stats.moments.update(x)
+            amax = x.reshape(-1, x.shape[-1]).abs().amax(0).float()
+            stats.channel_max = amax if stats.channel_max is None else torch.maximum(stats.channel_max, amax)
+            quantizing = [(r, s) for r, s in self.recipes.values() if not r.ignores(name)]
+            if not quantizing:
+                return
+            y = output.detach().double()
+            stats.signal += y.pow(2).sum().item()
+            for recipe, static_scale in quantizing:
+                w_q = self._quantized_weight(name, module, recipe.scheme)
+                x_q = fake_quant_activation(recipe.scheme, x, None if static_scale is None else static_scale[name])
+                y_q = F.linear(x_q, w_q, None if module.bias is None else module.bias.float())
+                stats.noise[recipe.name] = stats.noise.get(recipe.name, 0.0) + (y - y_q.double()).pow(2).sum().item()
+
+        return hook
+
+    def _quantized_weight(self, name: str, module: nn.Linear, scheme: str) -> torch.Tensor:
+        key = (name, scheme)
+        if key not in self._quantized:
+            w = module.weight.detach()
+            self._quantized[key] = decode_weight(scheme, encode_weight(scheme, w, name), module.in_features).to(w.device)
+        return self._quantized[key]
+
+    def _gate_hook(self, norm: str):
+        def hook(_module, _args, output):
+            g = torch.sigmoid(output.detach().float())
+            if norm not in self.gates:
+                self.gates[norm] = ChannelStats(g.shape[-1])
+            self.gates[norm].update(g)
+
+        return hook
+
+
+def _check_finite(x: torch.Tensor, where: str) -> None:
+    if not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise NonFiniteStatisticsError(f"{bad} non-finite value(s) (NaN/Inf) at the {where}, shape {tuple(x.shape)}")

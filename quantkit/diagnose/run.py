@@ -1,0 +1,339 @@
+"""Outlier diagnostics of a checkpoint on calibration windows (definitions: docs/diagnostics.md).
+
+    diagnose(model_dir, num_sequences, seq_len, recipes=...) -> dict      (JSON-serializable)
+    diagnose_model(model, tokens, recipes=...) -> dict                    (a model already in memory)
+    write_diagnostics(result, out_dir) -> [paths]                         (JSON, summary, PNG/SVG figures)
+
+Conventions: residual state i is H_i of paper 000 sec. 2 (input of decoder layer i; i = D is the input of
+the final norm); positions are 0-based, position 0 is the window's first token (BOS for
+`calibration_batches` windows); magnitudes are in the model's activation units; SNR in dB; floats in the
+result are rounded to 6 significant digits, and undefined or infinite values (kurtosis of a constant, SNR
+of an exact product or of an all-zero output) are null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from quantkit.atomic import write_text_atomic
+from quantkit.calibrate import calibration_batches, channel_max
+from quantkit.diagnose.observe import (
+    SINK_EPS,
+    SINK_WINDOW,
+    DiagnosticsObserver,
+    NonFiniteStatisticsError,
+    decoder_layers,
+    residual_norm_names,
+)
+from quantkit.diagnose.stats import snr_db
+from quantkit.formats import nvfp4_global_scale
+from quantkit.quantize.recipe import Recipe, load_recipe
+
+DEFAULT_RECIPES = ("w8a8_fp8_block", "w4a4_nvfp4", "w4a4_nvfp4_static")
+DEFAULT_NUM_SEQUENCES = 32
+DEFAULT_SEQ_LEN = 512
+MASSIVE_RATIO = 100.0  # token is massive when max_j |h_tj| > 100 x median |h| of its sequence (Sun et al. 2024: ~1000)
+MAP_TOKENS = 32        # attention maps are shown for the first 32 queries x keys
+TOP_K = 8
+NORM_PARAMS = {"weight": 1.0, "pre_scale": 1.0, "bias": 0.0, "alpha": None}  # parameter -> neutral value
+
+
+def resolve_recipes(names: Sequence[str]) -> list[Recipe]:
+    """Recipes whose quantization error diagnose can emulate: backend quantkit, fp8_block or nvfp4, no SmoothQuant."""
+    recipes = []
+    for name in names:
+        recipe = load_recipe(name)  # ValueError for an unknown name
+        if recipe.backend != "quantkit" or recipe.scheme not in ("fp8_block", "nvfp4"):
+            raise ValueError(f"recipe {recipe.name!r} (backend {recipe.backend}, scheme {recipe.scheme}): diagnose "
+                             "emulates quantkit's fp8_block and nvfp4 schemes only")
+        if recipe.smoothquant is not None:
+            raise ValueError(f"recipe {recipe.name!r} applies SmoothQuant first; diagnose measures the checkpoint as "
+                             "it is: use the recipe without SmoothQuant (e.g. w4a4_nvfp4)")
+        recipes.append(recipe)
+    return recipes
+
+
+def diagnose(
+    model_dir: str | Path, num_sequences: int = DEFAULT_NUM_SEQUENCES, seq_len: int = DEFAULT_SEQ_LEN,
+    recipes: Sequence[str] = DEFAULT_RECIPES, batch_size: int = 8, massive_ratio: float = MASSIVE_RATIO,
+    progress: bool = True,
+) -> dict:
+    """Diagnostics of the checkpoint in `model_dir` on `num_sequences` held-out windows of `seq_len` tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import quantkit.models  # noqa: F401  (registers model_type "quantkit")
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} is not a checkpoint directory (no config.json)")
+    if "quantization_config" in json.loads((model_dir / "config.json").read_text()):
+        raise ValueError(f"{model_dir} is a quantized checkpoint; diagnose its unquantized source (the recipes "
+                         "emulate the quantization)")
+    recipe_list = resolve_recipes(recipes)  # fail before loading anything
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    seq_len = min(seq_len, model.config.max_position_embeddings)
+    tokens = calibration_batches(tokenizer, num_sequences, seq_len)
+    result = diagnose_model(model, tokens, [r.name for r in recipe_list], batch_size=batch_size,
+                            massive_ratio=massive_ratio, progress=progress, tokenizer=tokenizer)
+    result["model"]["path"] = str(model_dir)
+    return result
+
+
+@torch.no_grad()
+def diagnose_model(
+    model: nn.Module, tokens: torch.Tensor, recipes: Sequence[str] = DEFAULT_RECIPES, batch_size: int = 8,
+    massive_ratio: float = MASSIVE_RATIO, map_tokens: int = MAP_TOKENS, top_k: int = TOP_K, progress: bool = False,
+    tokenizer: Any = None,
+) -> dict:
+    """Diagnostics of `model` on token windows `tokens` (N, T) int64; see the module docstring for conventions.
+
+    The model runs with eager attention for the duration (restored afterwards) and its hooks are removed on
+    return or error. `tokenizer` (optional) decodes the ids of massive tokens.
+    """
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"tokens must be (num_sequences, seq_len >= 2), got shape {tuple(tokens.shape)}")
+    recipe_list = resolve_recipes(recipes)
+    layers, _ = decoder_layers(model)
+    was_training, attn_impl = model.training, model.config._attn_implementation
+    model.eval()
+    try:
+        if attn_impl != "eager":
+            model.set_attn_implementation("eager")
+        plan = {r.name: (r, _static_scales(model, tokens, r, batch_size) if r.activation_scale == "static" else None)
+                for r in recipe_list}
+        device = next(model.parameters()).device
+        with DiagnosticsObserver(model, plan, massive_ratio, map_tokens) as obs:
+            for start in tqdm(range(0, len(tokens), batch_size), desc="diagnose", unit="batch", disable=not progress):
+                chunk = tokens[start: start + batch_size].to(device)
+                obs.begin_batch(chunk)
+                model(input_ids=chunk, use_cache=False)
+                obs.end_batch()
+    finally:
+        if model.config._attn_implementation != attn_impl:
+            model.set_attn_implementation(attn_impl)
+        model.train(was_training)
+    config = model.config
+    bos = getattr(config, "bos_token_id", None)
+    result = {
+        "model": {"architecture": type(model).__name__,
+                  "variant": getattr(config, "variant_name", config.model_type),
+                  "num_layers": len(layers), "hidden_size": config.hidden_size,
+                  "num_attention_heads": config.num_attention_heads},
+        "settings": {"num_sequences": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]), "recipes": list(plan),
+                     "massive_ratio": massive_ratio, "sink_eps": SINK_EPS, "sink_window": min(SINK_WINDOW, int(tokens.shape[1])),
+                     "attention_map_tokens": min(map_tokens, int(tokens.shape[1])), "top_k": top_k,
+                     "position0_is_bos": bos is not None and bool((tokens[:, 0] == bos).all())},
+        "residual": _residual(obs),
+        "norms": _norms(model, top_k),
+        "gates": _gates(obs, top_k),
+        "attention": _attention(obs),
+        "linears": _linears(obs, top_k),
+        "quant_snr_db": {name: {n: snr_db(s.signal, s.noise[name]) for n, s in obs.linears.items() if name in s.noise}
+                         for name in plan},
+    }
+    result["sink_dims"] = _sink_dims(obs, model, top_k)
+    result["massive"] = _massive(obs, massive_ratio, tokenizer, top_k)
+    result["summary"] = _summary(result)
+    return _clean(result)
+
+
+def _static_scales(model: nn.Module, tokens: torch.Tensor, recipe: Recipe, batch_size: int) -> dict[str, torch.Tensor]:
+    """Static NVFP4 input decode scale per quantized linear: amax over `tokens` / 2688, as `quantize` calibrates."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not recipe.ignores(n)]
+    maxima = channel_max(model, tokens, names, batch_size=batch_size, progress=False)
+    return {n: nvfp4_global_scale(m.max()) for n, m in maxima.items()}
+
+
+def _residual(obs: DiagnosticsObserver) -> dict:
+    states = obs.residual
+    return {
+        "states": [f"layers.{i}.input" for i in range(len(states) - 1)] + ["norm.input"],
+        "max_abs": [s.moments.max_abs for s in states],
+        "kurtosis": [s.moments.kurtosis for s in states],
+        "std": [s.moments.std for s in states],
+        "mean_abs_per_dim": [s.channels.mean_abs.tolist() for s in states],
+        "token_norm_pos0": [float(s.token_norm_sum[0] / s.sequences) for s in states],
+        "token_norm_pos1_15": [float(s.token_norm_sum[1:].mean() / s.sequences) if len(s.token_norm_sum) > 1 else None
+                               for s in states],
+    }
+
+
+def _sink_dims(obs: DiagnosticsObserver, model: nn.Module, top_k: int) -> list[dict]:
+    """Dimensions ranked by H_avg^j = mean over states and tokens of |H_ij| (paper 000 sec. 2), largest first."""
+    mean_abs = torch.stack([s.channels.mean_abs for s in obs.residual])  # (D+1, d)
+    max_abs = torch.stack([s.channels.max_abs for s in obs.residual]).amax(0)
+    h_avg = mean_abs.mean(0)
+    median = h_avg.median().clamp_min(1e-30)
+    layers, _ = decoder_layers(model)
+    norms = [getattr(layer, "input_layernorm", None) for layer in layers]
+    weights = {}  # input norm parameter (L, d) where every layer has one of the residual width
+    for attr in ("weight", "pre_scale"):
+        values = [getattr(n, attr, None) for n in norms]
+        if all(isinstance(v, torch.Tensor) and v.numel() == h_avg.numel() for v in values):
+            weights[attr] = torch.stack([v.detach().float().reshape(-1).cpu() for v in values])
+    out = []
+    for j in h_avg.argsort(descending=True)[:top_k].tolist():
+        entry = {"dim": j, "mean_abs": h_avg[j].item(), "ratio_to_median": (h_avg[j] / median).item(),
+                 "max_abs": max_abs[j].item()}
+        for attr, w in weights.items():
+            entry[f"input_norm_{attr}_mean"] = w[:, j].mean().item()
+        out.append(entry)
+    return out
+
+
+def _massive(obs: DiagnosticsObserver, ratio: float, tokenizer: Any, top_k: int) -> dict:
+    per_state = []
+    for s in obs.residual:
+        per_state.append({
+            "count": s.massive, "fraction": s.massive / s.tokens, "at_position0": s.massive_pos0,
+            "top_positions": [[p, c] for p, c in s.massive_positions.most_common(top_k)],
+            "mean_ratio_pos0": s.ratio_sum_pos0 / s.sequences,
+            "mean_ratio_rest": s.ratio_sum_rest / (s.tokens - s.sequences),
+        })
+    ids = [{"id": i, "count": c, "text": tokenizer.decode([i]) if tokenizer is not None else None}
+           for i, c in obs.massive_token_ids.most_common(top_k)]
+    return {"ratio": ratio, "per_state": per_state, "token_ids": ids}
+
+
+def _attention(obs: DiagnosticsObserver) -> dict:
+    layers = [a for a in obs.attention if a is not None]
+    if len(layers) != len(obs.attention):
+        raise RuntimeError("some layers' attention was never called in the forward pass")
+    per_layer_map = [a.map_sum / (a.sequences * len(a.alpha_sum)) for a in layers]
+    return {
+        "sink_rate": [(a.sink_count.sum() / (a.sequences * len(a.sink_count))).item() for a in layers],
+        "alpha": [(a.alpha_sum / a.sequences).tolist() for a in layers],
+        "first_token_mass": [(a.mass_sum / a.sequences).tolist() for a in layers],
+        "first_token_mass_layer": [(a.mass_sum.mean() / a.sequences).item() for a in layers],
+        "map": torch.stack(per_layer_map).mean(0).tolist(),
+    }
+
+
+def _norms(model: nn.Module, top_k: int) -> list[dict]:
+    """Residual norms' parameters; top dims by |value - neutral| (1 for scales, 0 for the DyT bias)."""
+    out = []
+    for name in residual_norm_names(model):
+        norm = model.get_submodule(name)
+        for param, neutral in NORM_PARAMS.items():
+            value = getattr(norm, param, None)
+            if not isinstance(value, torch.Tensor):
+                continue
+            v = value.detach().float().reshape(-1).cpu()
+            if not bool(torch.isfinite(v).all()):
+                raise NonFiniteStatisticsError(f"{name}.{param} holds non-finite values")
+            if v.numel() == 1 or neutral is None:
+                out.append({"name": name, "param": param, "values": v.tolist()})
+                continue
+            dev = (v - neutral).abs()
+            top = dev.argsort(descending=True)[:top_k].tolist()
+            out.append({"name": name, "param": param, "mean": v.mean().item(), "std": v.std().item(),
+                        "min": v.min().item(), "max": v.max().item(), "max_deviation": dev.max().item(),
+                        "top_dims": [{"dim": j, "value": v[j].item()} for j in top], "values": v.tolist()})
+    return out
+
+
+def _gates(obs: DiagnosticsObserver, top_k: int) -> list[dict]:
+    """GatedNorm gates sigmoid(...) per norm: mean over tokens and dims, and the most-closed dims."""
+    out = []
+    for name, g in obs.gates.items():
+        mean = g.mean_abs  # gates are positive
+        low = mean.argsort()[:top_k].tolist()
+        out.append({"name": name, "mean": mean.mean().item(),
+                    "lowest_dims": [{"dim": j, "mean_gate": mean[j].item()} for j in low]})
+    return out
+
+
+def _linears(obs: DiagnosticsObserver, top_k: int) -> dict:
+    out = {}
+    for name, s in obs.linears.items():
+        if s.channel_max is None:
+            continue  # not called in the forward pass (e.g. an unused head)
+        cm = s.channel_max
+        top = cm.argsort(descending=True)[:top_k].tolist()
+        out[name] = {"max_abs": s.moments.max_abs, "kurtosis": s.moments.kurtosis, "std": s.moments.std,
+                     "channel_max_ratio": (cm.max() / cm.median().clamp_min(1e-30)).item(),
+                     "top_channels": [{"channel": j, "max_abs": cm[j].item()} for j in top]}
+    return out
+
+
+def _summary(r: dict) -> dict:
+    """Headline figures: the row a report table shows per checkpoint."""
+    res, att = r["residual"], r["attention"]
+    i_max = max(range(len(res["max_abs"])), key=res["max_abs"].__getitem__)
+    massive = r["massive"]["per_state"]
+    total = sum(m["count"] for m in massive)
+    worst = {}
+    for recipe, snr in r["quant_snr_db"].items():
+        if snr:
+            name = min(snr, key=snr.get)
+            worst[recipe] = {"linear": name, "snr_db": snr[name], "mean_snr_db": sum(snr.values()) / len(snr)}
+    body = {n: s for n, s in r["linears"].items() if n != "lm_head"}  # lm_head stays BF16; as zoo metrics
+    linear_max = max(body.items(), key=lambda kv: kv[1]["max_abs"])
+    return {
+        "max_residual": res["max_abs"][i_max], "max_residual_state": res["states"][i_max],
+        "top_sink_dims": [d["dim"] for d in r["sink_dims"][:3]],
+        "top_sink_ratio": r["sink_dims"][0]["ratio_to_median"],
+        "sink_rate_mean": sum(att["sink_rate"]) / len(att["sink_rate"]), "sink_rate_max": max(att["sink_rate"]),
+        "first_token_mass_mean": sum(att["first_token_mass_layer"]) / len(att["first_token_mass_layer"]),
+        "massive_tokens": total, "massive_at_position0": sum(m["at_position0"] for m in massive),
+        "max_linear_input": linear_max[1]["max_abs"], "max_linear_input_at": linear_max[0],
+        "max_residual_kurtosis": max((k for k in res["kurtosis"] if not math.isnan(k)), default=float("nan")),
+        "worst_snr": worst,
+    }
+
+
+def _clean(x: Any) -> Any:
+    """JSON-ready copy: tensors to lists, floats to 6 significant digits, NaN/Inf to None."""
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, torch.Tensor):
+        return _clean(x.tolist())
+    if isinstance(x, float):
+        return float(f"{x:.6g}") if math.isfinite(x) else None
+    return x
+
+
+def summary_markdown(results: Sequence[dict]) -> str:
+    """One Markdown row per diagnosed checkpoint: the headline figures (see docs/diagnostics.md)."""
+    recipes = list(dict.fromkeys(k for r in results for k in r["summary"]["worst_snr"]))
+    head = ["model", "max abs residual (state)", "top sink dims (x median)", "sink rate (mean / max)",
+            "first-token mass", "massive tokens (pos 0)"] + [f"worst SNR {k} (dB, layer)" for k in recipes]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        s = r["summary"]
+        name = Path(r["model"].get("path", r["model"]["architecture"])).name
+        row = [name, f"{s['max_residual']:.3g} ({s['max_residual_state']})",
+               f"{', '.join(map(str, s['top_sink_dims']))} ({s['top_sink_ratio']:.3g}x)",
+               f"{s['sink_rate_mean']:.2f} / {s['sink_rate_max']:.2f}", f"{s['first_token_mass_mean']:.3f}",
+               f"{s['massive_tokens']} ({s['massive_at_position0']})"]
+        for k in recipes:
+            w = s["worst_snr"].get(k)
+            row.append("-" if w is None else f"{_fmt_db(w['snr_db'])} ({w['linear'].removeprefix('model.')})")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _fmt_db(v: float | None) -> str:
+    return "exact" if v is None else f"{v:.1f}"
+
+
+def write_diagnostics(result: dict, out_dir: str | Path) -> list[Path]:
+    """Write diagnostics.json, summary.md and the figures (PNG and SVG) to out_dir, each file atomically."""
+    from quantkit.diagnose.plots import write_figures
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [write_text_atomic(out_dir / "diagnostics.json", json.dumps(result, indent=1, allow_nan=False)),
+             write_text_atomic(out_dir / "summary.md", summary_markdown([result]) + "\n")]
+    return paths + write_figures(result, out_dir)

@@ -1,0 +1,201 @@
+"""Outlier diagnostics on constructed models with known answers (quantkit.diagnose, docs/diagnostics.md)."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from quantkit.diagnose import NonFiniteStatisticsError, diagnose, diagnose_model, figure_svgs, write_diagnostics
+from quantkit.diagnose.cli import add_diagnose_parser
+from quantkit.models import QuantkitConfig, QuantkitForCausalLM
+
+BOS = 1
+SHAPE = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=128, bos_token_id=BOS, eos_token_id=2,
+             pad_token_id=0)
+
+
+def _model(seed: int = 0, **flags) -> QuantkitForCausalLM:
+    torch.manual_seed(seed)
+    return QuantkitForCausalLM(QuantkitConfig(**SHAPE, **flags)).eval()
+
+
+def _tokens(n: int = 4, t: int = 40, seed: int = 1) -> torch.Tensor:
+    tokens = torch.randint(3, SHAPE["vocab_size"], (n, t), generator=torch.Generator().manual_seed(seed))
+    tokens[:, 0] = BOS
+    return tokens
+
+
+def _all_hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_injected_residual_sink_dimension_ranks_first():
+    model = _model()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 5] = 30.0  # every token carries 30 in dim 5 from H_0 on
+    r = diagnose_model(model, _tokens(), recipes=[])
+    assert r["sink_dims"][0]["dim"] == 5
+    assert r["sink_dims"][0]["ratio_to_median"] > 100
+    assert r["summary"]["top_sink_dims"][0] == 5
+    assert r["summary"]["max_residual"] >= 30.0
+    assert r["sink_dims"][0]["input_norm_weight_mean"] == pytest.approx(1.0)
+
+
+def test_attention_head_on_token_zero_gives_sink_rate_one():
+    """Layer 0: constant queries along the slowest RoPE pair, zero keys, a large learnable sink key there."""
+    model = _model(attention_sink=True, attention_bias=True)
+    attn, hd = model.model.layers[0].self_attn, SHAPE["head_dim"]
+    j = hd // 2 - 1  # rotate_half pairs (j, j + hd/2); frequency theta^(-(hd-2)/hd): ~no rotation over 40 tokens
+    with torch.no_grad():
+        attn.q_proj.weight.zero_()
+        attn.q_proj.bias.zero_()
+        attn.q_proj.bias.view(-1, hd)[:, j] = 1.0  # q_norm -> 4 e_j in every head
+        attn.k_proj.weight.zero_()
+        attn.k_proj.bias.zero_()  # keys of real tokens 0 -> logits 0
+        attn.sink_key.zero_()
+        attn.sink_key[:, j] = 50.0  # logit to position 0: 4 * 50 / sqrt(16) = 50
+    r = diagnose_model(model, _tokens(), recipes=[])
+    att = r["attention"]
+    assert att["sink_rate"][0] == 1.0
+    assert min(att["alpha"][0]) > 0.99
+    assert att["first_token_mass_layer"][0] > 0.99
+    assert att["map"][10][0] > 0.5  # averaged with layer 1
+    assert r["summary"]["sink_rate_max"] == 1.0
+
+
+def test_norm_weight_far_from_one_is_reported():
+    model = _model(pre_affine=True)
+    with torch.no_grad():
+        model.model.layers[1].post_attention_layernorm.weight[7] = 0.02
+        model.model.layers[0].input_layernorm.pre_scale[3] = 6.0
+    norms = {(n["name"], n["param"]): n for n in diagnose_model(model, _tokens(n=2), recipes=[])["norms"]}
+    post = norms[("model.layers.1.post_attention_layernorm", "weight")]
+    assert post["top_dims"][0] == {"dim": 7, "value": pytest.approx(0.02)}
+    assert post["min"] == pytest.approx(0.02)
+    assert norms[("model.layers.0.input_layernorm", "pre_scale")]["top_dims"][0]["dim"] == 3
+    assert norms[("model.layers.0.input_layernorm", "weight")]["max_deviation"] == 0.0
+
+
+def test_outlier_input_channel_lowers_nvfp4_snr():
+    """An intermediate channel 1e4-1e5 x the rest at down_proj's input (its weight column zeroed, so the
+    output is not dominated by it) costs NVFP4 its group of 16 and FP8 per-token nearly everything."""
+    tokens, name = _tokens(), "model.layers.0.mlp.down_proj"
+    recipes = ["w4a4_nvfp4", "w8a8_fp8_block"]
+    base = diagnose_model(_model(), tokens, recipes=recipes)["quant_snr_db"]
+    model = _model()
+    mlp = model.model.layers[0].mlp
+    with torch.no_grad():
+        mlp.gate_proj.weight[3] *= 300
+        mlp.up_proj.weight[3] *= 300
+        mlp.down_proj.weight[:, 3] = 0.0
+    r = diagnose_model(model, tokens, recipes=recipes)
+    assert r["linears"][name]["top_channels"][0]["channel"] == 3
+    assert r["linears"][name]["channel_max_ratio"] > 1e3
+    assert r["quant_snr_db"]["w4a4_nvfp4"][name] < base["w4a4_nvfp4"][name] - 3.0
+    assert r["quant_snr_db"]["w8a8_fp8_block"][name] < base["w8a8_fp8_block"][name] - 10.0
+    other = "model.layers.1.mlp.down_proj"  # untouched layer: same SNR within noise
+    assert r["quant_snr_db"]["w4a4_nvfp4"][other] == pytest.approx(base["w4a4_nvfp4"][other], abs=1.5)
+
+
+def test_hooks_removed_and_attention_restored_also_on_error():
+    model = _model(gated_norm_rank=4)
+    assert model.config._attn_implementation != "eager" and _all_hooks(model) == 0
+    r = diagnose_model(model, _tokens(n=2), recipes=["w4a4_nvfp4_static"])
+    assert r["gates"] and r["quant_snr_db"]["w4a4_nvfp4_static"]
+    assert _all_hooks(model) == 0
+    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteStatisticsError, match="layers.1.mlp.down_proj"):
+        diagnose_model(model, _tokens(n=2), recipes=[])
+    assert _all_hooks(model) == 0
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_streaming_statistics_equal_direct_computation():
+    model = _model(attn_implementation="eager")
+    tokens = _tokens(n=5, t=24)
+    r1 = diagnose_model(model, tokens, recipes=["w4a4_nvfp4"], batch_size=1, massive_ratio=3.0)
+    r4 = diagnose_model(model, tokens, recipes=["w4a4_nvfp4"], batch_size=4, massive_ratio=3.0)
+    for key in ("residual", "attention", "quant_snr_db", "massive", "sink_dims"):
+        assert json.dumps(r1[key]) == json.dumps(r4[key]) or _close(r1[key], r4[key]), key
+    with torch.no_grad():
+        out = model(tokens, output_hidden_states=True, output_attentions=True)
+    for i, h in enumerate(out.hidden_states[:-1]):  # the last entry is after the final norm
+        h = h.double()
+        kurt = ((h - h.mean()) ** 4).mean() / h.var(unbiased=False) ** 2
+        assert r1["residual"]["max_abs"][i] == pytest.approx(h.abs().max().item(), rel=1e-5)
+        assert r1["residual"]["kurtosis"][i] == pytest.approx(kurt.item(), rel=1e-4)
+        assert r1["residual"]["mean_abs_per_dim"][i] == pytest.approx(h.abs().mean((0, 1)).tolist(), rel=1e-4)
+    for layer, a in enumerate(out.attentions):  # (B, H, T, T)
+        alpha = a[..., :, 0].mean(-1)  # T < 64: the window is the whole sequence
+        assert r1["attention"]["alpha"][layer] == pytest.approx(alpha.mean(0).tolist(), rel=1e-4)
+        assert r1["attention"]["sink_rate"][layer] == pytest.approx((alpha > 0.3).double().mean().item())
+        assert r1["attention"]["first_token_mass_layer"][layer] == pytest.approx(alpha.mean().item(), rel=1e-4)
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return b == pytest.approx(a, rel=1e-4, abs=1e-9)
+    return a == b
+
+
+@pytest.mark.parametrize("flags", [
+    dict(norm_type="dyt", gated_norm_rank=4), dict(value_scale=True, headwise_rmsnorm=True),
+    dict(attn_output_gate="elementwise", hidden_act="sigmoid"), dict(attention_sink=True, pre_affine=True),
+])
+def test_variant_family(flags):
+    model = _model(**flags)
+    r = diagnose_model(model, _tokens(n=2, t=20), recipes=["w4a4_nvfp4"])
+    assert len(r["residual"]["max_abs"]) == 3 and len(r["attention"]["sink_rate"]) == 2
+    assert r["quant_snr_db"]["w4a4_nvfp4"] and _all_hooks(model) == 0
+    params = {n["param"] for n in r["norms"]}
+    assert ({"alpha", "bias"} <= params) == (flags.get("norm_type") == "dyt")
+    assert bool(r["gates"]) == bool(flags.get("gated_norm_rank"))
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+def test_stock_checkpoint_cli_outputs(tmp_path, architecture, capsys):
+    from quantkit.models.tiny import build_tiny_stock_checkpoint
+
+    model_dir = build_tiny_stock_checkpoint(tmp_path / architecture, architecture)
+    r = diagnose(model_dir, num_sequences=2, seq_len=32, recipes=["w4a4_nvfp4"], progress=False)
+    assert r["model"]["architecture"].lower().startswith(architecture)
+    assert r["settings"]["position0_is_bos"] and len(r["attention"]["sink_rate"]) == 2
+    assert r["norms"] and not r["gates"]
+    svgs = figure_svgs(r)
+    assert set(svgs) >= {"outliers", "residual_heatmap", "attention_map", "norm_weights", "quant_snr"}
+    assert all(s.startswith("<svg") for s in svgs.values())
+    paths = write_diagnostics(r, tmp_path / "out")
+    assert {p.name for p in paths} >= {"diagnostics.json", "summary.md", "outliers.png", "residual_heatmap.svg"}
+    assert json.loads((tmp_path / "out" / "diagnostics.json").read_text())["summary"] == r["summary"]
+    if architecture != "qwen3":
+        return
+    parser = argparse.ArgumentParser()
+    add_diagnose_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["diagnose", str(model_dir), "--out", str(tmp_path / "cli"), "--num-sequences", "1",
+                              "--seq-len", "16", "--recipes", "w8a8_fp8_block"])
+    assert args.func(args) == 0 and (tmp_path / "cli" / "attention_map.svg").exists()
+    assert "| model |" in capsys.readouterr().out
+
+
+def test_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="unknown recipe"):
+        diagnose_model(_model(), _tokens(n=1), recipes=["w3a3"])
+    with pytest.raises(ValueError, match="SmoothQuant"):
+        diagnose_model(_model(), _tokens(n=1), recipes=["w4a4_nvfp4_sq"])
+    with pytest.raises(FileNotFoundError, match="not a checkpoint directory"):
+        diagnose(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "quantkit"}}))
+    with pytest.raises(ValueError, match="quantized checkpoint"):
+        diagnose(tmp_path)
+    parser = argparse.ArgumentParser()
+    add_diagnose_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["diagnose", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert args.func(args) == 2
