@@ -165,8 +165,8 @@ class Study:
         try:
             getattr(self, f"_{stage}")(label, recipe)
         except Exception as err:
-            raise StageError(f"stage {stage!r} failed for model {label!r} recipe {recipe!r} "
-                             f"({self.dir}): {type(err).__name__}: {err}") from err
+            where = "" if label is None else f" for model {label!r}" + ("" if recipe is None else f" recipe {recipe!r}")
+            raise StageError(f"stage {stage!r} failed{where} ({self.dir}): {type(err).__name__}: {err}") from err
 
     # ------------------------------------------------------------------------------------ stages
 

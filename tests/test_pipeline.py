@@ -79,15 +79,22 @@ def test_cached_rerun_and_resume_after_crash(study):
 
 
 def test_failures_name_stage_model_and_recipe(tmp_path, tiny_checkpoint):
-    broken = tmp_path / "broken"
+    from quantkit.diagnose import diagnose, write_diagnostics
+
+    broken = tmp_path / "broken"  # a checkpoint without its tokenizer
     shutil.copytree(tiny_checkpoint, broken)
     (broken / "tokenizer.json").unlink()
     (broken / "tokenizer_config.json").unlink()
-    with pytest.raises(StageError, match=r"stage 'quantize' failed for model 'tiny' recipe 'bf16'.*tokenizer"):
-        Study(load_spec(_spec(tmp_path, broken))).run(until="quantize")
+    study = Study(load_spec(_spec(tmp_path, broken)))
+    with pytest.raises(StageError, match=r"stage 'diagnose' failed for model 'tiny' \(.*tokenizer"):
+        study.run(until="quantize")
+    # with the diagnose stage finished, the next stage to need the tokenizer is named, with its recipe
+    write_diagnostics(diagnose(tiny_checkpoint, num_sequences=2, seq_len=32, recipes=[], progress=False), study.dir / "diagnostics" / "tiny")
+    with pytest.raises(StageError, match=r"stage 'quantize' failed for model 'tiny' recipe 'bf16' \(.*tokenizer"):
+        study.run(until="quantize")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(SPEC.format(model=tiny_checkpoint, runs=tmp_path).replace("w4a4_nvfp4", "w3a3"))
     with pytest.raises(ValueError, match="unknown recipe 'w3a3'"):
-        bad = tmp_path / "bad.yaml"
-        bad.write_text(SPEC.format(model=tiny_checkpoint, runs=tmp_path).replace("w4a4_nvfp4", "w3a3"))
         load_spec(bad)
 
 
