@@ -18,8 +18,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-FP8_BLOCK = 128
-NVFP4_GROUP = 16
+from quantkit.formats.constants import FP8_WEIGHT_BLOCK as FP8_BLOCK
+from quantkit.formats.constants import NVFP4_GROUP
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", "weight_scale_2",
                   "input_scale", "weight_scale_inv")
 SCHEME_TENSORS = {  # suffix -> safetensors dtype
