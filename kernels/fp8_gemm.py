@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from quantkit.formats.constants import F8E4M3_DTYPE, FP8_WEIGHT_BLOCK
-from quantkit.kernels.gemm_tiles import GemmTiles, grid_size, tile_indices
-from quantkit.kernels.interpreter_quirks import interpreting, round_to_bf16
+from quantkit.kernels.gemm_tiles import GemmTiles, grid_size, store_tile, tile_indices
+from quantkit.kernels.interpreter_quirks import interpreting
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -64,12 +64,7 @@ def _fp8_block_gemm_kernel(
         acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if ROUND_BF16:
-        acc = round_to_bf16(acc)
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    store_tile(acc, y_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, HAS_BIAS, ROUND_BF16)
 
 
 def _check(cond: bool, msg: str) -> None:

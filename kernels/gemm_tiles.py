@@ -1,6 +1,6 @@
-"""Tiling shared by the GEMM kernels: the tile shape and launch settings, and which output tile a
-program computes (grouped ordering: GROUP_M consecutive programs walk down M over one weight tile, so
-it is read from L2 instead of HBM). Tiles change speed, never results.
+"""Tiling shared by the GEMM kernels: the tile shape and launch settings, which output tile a program
+computes (grouped ordering: GROUP_M consecutive programs walk down M over one weight tile, so it is read
+from L2 instead of HBM), and the common epilogue. Tiles change speed, never results.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
+
+from quantkit.kernels.interpreter_quirks import round_to_bf16
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,19 @@ def tile_indices(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
     pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
     pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
     return pid_m, pid_n
+
+
+@triton.jit
+def store_tile(acc, y_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
+               HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Epilogue: acc (BLOCK_M, BLOCK_N) float32 (+ bias[n]) -> y[offs_m, offs_n] in y's dtype, masked.
+    ROUND_BF16: round to nearest first (the interpreter's fp32 -> bf16 cast truncates)."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ROUND_BF16:
+        acc = round_to_bf16(acc)
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def grid_size(m: int, n: int, tiles: GemmTiles) -> tuple[int]:

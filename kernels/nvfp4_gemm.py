@@ -29,8 +29,8 @@ import triton.language as tl
 from quantkit.formats.constants import F8E4M3_DTYPE, NVFP4_GROUP
 from quantkit.kernels.fp8_gemm import OUT_DTYPES
 from quantkit.kernels.fp_codes import e2m1_value
-from quantkit.kernels.gemm_tiles import GemmTiles, grid_size, tile_indices
-from quantkit.kernels.interpreter_quirks import interpreting, round_to_bf16
+from quantkit.kernels.gemm_tiles import GemmTiles, grid_size, store_tile, tile_indices
+from quantkit.kernels.interpreter_quirks import interpreting
 
 _GROUP_BYTES = tl.constexpr(NVFP4_GROUP // 2)  # a packed group of 16 E2M1 codes
 
@@ -85,12 +85,7 @@ def _nvfp4_gemm_kernel(
     a_global = tl.load(a_global_ptr + offs_m * stride_agm, mask=m_ok, other=0.0)
     w_global = tl.load(w_global_ptr + offs_n * stride_wgn, mask=n_ok, other=0.0)
     acc = acc * a_global[:, None] * w_global[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if ROUND_BF16:
-        acc = round_to_bf16(acc)
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    store_tile(acc, y_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, HAS_BIAS, ROUND_BF16)
 
 
 def _check(cond: bool, msg: str) -> None:

@@ -64,7 +64,7 @@ def small_task_manager():
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_own_full_configs_render_and_score(name, small_task_manager, monkeypatch):
     if name in TOOLS and shutil.which(TOOLS[name]) is None:
-        pytest.skip(f"{TOOLS[name]} not installed")
+        pytest.skip(f"{name} executes programs with {TOOLS[name]}, a system tool (not a quantkit dependency) absent from PATH")
     extract()  # qk_mbpp_full's few-shot exemplars come from the offline extraction
     monkeypatch.setenv(ALLOW_ENV, "1")
     doc = FIXTURES[name][0]
