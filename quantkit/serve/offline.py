@@ -79,7 +79,10 @@ def generate(
                   tensor_parallel_size=tensor_parallel_size, **cpu_engine_kwargs())
     finally:
         for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
     try:
         inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
