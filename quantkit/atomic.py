@@ -1,10 +1,28 @@
-"""Atomic file writes: a temporary file beside the target, then os.replace (a reader never sees half a file)."""
+"""Atomic artifacts and exclusive locks: a reader never sees half an artifact, two writers never share one.
+
+- `write_text_atomic(path, text)`: a temporary file beside the target, then os.replace.
+- `atomic_dir(path)`: a context manager yielding a fresh temporary directory beside `path`; on success it is
+  renamed to `path`, on any failure (exception, Ctrl-C) it is removed. A SIGKILL leaves the temporary
+  directory behind; its name carries the writer's pid (`.NAME.PID.XXXX.tmp`), and the next `atomic_dir` for
+  the same target removes leftovers whose writer is dead.
+- `exclusive_lock(path, what)`: an advisory `flock` on a lock file, released when the process dies (also by
+  SIGKILL); `wait=False` refuses at once with `LockedError` naming the holder, `wait=True` blocks until free.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+
+class LockedError(RuntimeError):
+    """Another process holds the lock (the message names it and the lock file)."""
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
@@ -21,3 +39,70 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError as err:
+        return err.errno == errno.EPERM
+    return True
+
+
+def _remove_dead_temps(path: Path) -> None:
+    """Remove `.NAME.PID.*.tmp` siblings of `path` left by writers that no longer run (e.g. SIGKILLed)."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary directory; on success it becomes `path` (replacing it if `overwrite`).
+
+    Raises FileExistsError (before any work) when `path` exists and `overwrite` is false."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} already exists (pass overwrite to replace it)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_temps(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        if path.exists():
+            if not overwrite:
+                raise FileExistsError(f"{path} appeared while it was being written (another writer?)")
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent))
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | Path, what: str, *, wait: bool = False) -> Iterator[None]:
+    """Hold an exclusive advisory lock on the file `path` (created if missing) for the duration of the block.
+
+    `what` names the protected thing in the error ("run directory runs/default"). The lock file records the
+    holder's pid; the lock itself is the kernel's (flock), so a killed holder never leaves a stale lock."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise LockedError(f"{what} is in use by another quantkit process (pid {holder}; lock file {path}): "
+                              "wait for it to finish, or use another directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
