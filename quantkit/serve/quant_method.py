@@ -25,6 +25,11 @@ Kernels (logged per layer at load; QUANTKIT_KERNEL=auto|triton|torch):
   kernels are tested through the Triton interpreter and this dispatch by tests/test_quant_method_kernels.py.
 Under tensor parallelism a row-parallel layer holds a slice of K: the per-token amax is all-reduced (max)
 over the TP group first, so the scales equal those of the unsharded model.
+
+Parity capture (torch-emulation only; for tests/test_serve_quantized.py): with QUANTKIT_CAPTURE_DIR set, every
+call of a quantized layer saves {"prefix", "tp_rank", "x" (its input, float32), "xq" (the dequantized quantized
+input the matmul reads)} to `<dir>/<prefix>.<rank>.<call:05d>.pt`, so a reference can hold its activation codes
+equal to the served ones.
 """
 
 from __future__ import annotations
@@ -117,6 +122,8 @@ class QuantkitLinearMethod(LinearMethodBase):
         self.config = config
         self.prefix = prefix
         self.kernel = "unset"
+        self.capture_dir = os.environ.get(CAPTURE_ENV)
+        self.calls = 0
 
     # ------------------------------------------------------------------ parameters and their loading
 
@@ -214,12 +221,22 @@ class QuantkitLinearMethod(LinearMethodBase):
         row_amax = _row_amax(layer, x, input_global_scale)
         if self.kernel == "torch-emulation":
             xq = fake_quant_activation(self.config.scheme, x, input_global_scale, row_amax)
+            if self.capture_dir:
+                self._capture(layer, x, xq)
             out = torch.nn.functional.linear(xq, layer.weight_dequantized, None if bias is None else bias.float())
             return out.to(x.dtype)
         return _apply_triton(self.config.scheme, layer, x, bias, input_global_scale, row_amax)
 
+    def _capture(self, layer: torch.nn.Module, x: torch.Tensor, xq: torch.Tensor) -> None:
+        """Save this call's input and quantized input (see the module docstring, "Parity capture")."""
+        rank = getattr(layer, "tp_rank", 0)
+        path = os.path.join(self.capture_dir, f"{self.prefix}.{rank}.{self.calls:05d}.pt")
+        torch.save({"prefix": self.prefix, "tp_rank": rank, "x": x.float().clone(), "xq": xq.clone()}, path)
+        self.calls += 1
+
 
 KERNEL_ENV = "QUANTKIT_KERNEL"  # auto (default) | triton | torch
+CAPTURE_ENV = "QUANTKIT_CAPTURE_DIR"
 
 
 def select_kernel(layer: torch.nn.Module) -> str:
