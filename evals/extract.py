@@ -32,15 +32,15 @@ import json
 import logging
 import os
 import re
-import shutil
 import sys
-import tempfile
 import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from quantkit.atomic import atomic_dir
 
 logger = logging.getLogger(__name__)
 
@@ -238,10 +238,7 @@ def extract(out: Path | None = None, force: bool = False) -> dict[str, int]:
     out = Path(out) if out is not None else data_dir()
     if not force and is_current(out):
         return json.loads((out / "manifest.json").read_text())["counts"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
+    with atomic_dir(out, overwrite=True) as tmp:
         counts, digests = {}, {}
         for name, rows in _tables().items():
             text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows())
@@ -250,16 +247,6 @@ def extract(out: Path | None = None, force: bool = False) -> dict[str, int]:
             digests[name] = hashlib.sha256(text.encode()).hexdigest()
         manifest = dict(extractor_version=EXTRACTOR_VERSION, sources=_source_versions(), counts=counts, sha256=digests)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        if out.exists():  # replace: move the old one aside first, so `out` is never half-written
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=out.parent))
-            os.replace(out, old / "data")
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return counts
 
 

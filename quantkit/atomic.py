@@ -14,11 +14,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 class LockedError(RuntimeError):
@@ -50,10 +54,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _remove_dead_temps(path: Path) -> None:
-    """Remove `.NAME.PID.*.tmp` siblings of `path` left by writers that no longer run (e.g. SIGKILLed)."""
+    """Remove `.NAME.PID.XXXX.tmp` siblings of `path` left by writers that no longer run (e.g. SIGKILLed)."""
+    own = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.\w+\.tmp")  # mkdtemp's XXXX: letters, digits, _
     for tmp in path.parent.glob(f".{path.name}.*.tmp"):
-        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if (m := own.fullmatch(tmp.name)) and not _pid_alive(int(m.group(1))):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -90,17 +94,21 @@ def exclusive_lock(path: str | Path, what: str, *, wait: bool = False) -> Iterat
     """Hold an exclusive advisory lock on the file `path` (created if missing) for the duration of the block.
 
     `what` names the protected thing in the error ("run directory runs/default"). The lock file records the
-    holder's pid; the lock itself is the kernel's (flock), so a killed holder never leaves a stale lock."""
+    holder's pid; the lock itself is the kernel's (flock), so a killed holder never leaves a stale lock.
+    With `wait`, a busy lock logs one warning naming the holder, then blocks until it is free."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise LockedError(f"{what} is in use by another quantkit process (pid {holder}; lock file {path}): "
-                              "wait for it to finish, or use another directory") from None
+            if not wait:
+                raise LockedError(f"{what} is in use by another quantkit process (pid {holder}; lock file {path}): "
+                                  "wait for it to finish, or use another directory") from None
+            logger.warning("waiting for %s: in use by another quantkit process (pid %s; lock file %s)", what, holder, path)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield

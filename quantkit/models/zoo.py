@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,6 +23,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from quantkit.atomic import atomic_dir, exclusive_lock
 from quantkit.models import QuantkitConfig, QuantkitForCausalLM
 from quantkit.models.tokenizer import save_tokenizer, train_bpe_tokenizer
 
@@ -94,13 +94,13 @@ def corpus_split() -> tuple[list[str], list[str]]:
 def shared_tokenizer(zoo_dir: Path, vocab_size: int) -> tuple[PreTrainedTokenizerFast, torch.Tensor, torch.Tensor]:
     """The zoo tokenizer and the (training, held-out) token streams, built once under zoo_dir/tokenizer-<vocab>."""
     path = zoo_dir / f"tokenizer-{vocab_size}"
-    if not (path / "streams.pt").exists():
-        train, held_out = corpus_split()
-        tmp = path.with_name(path.name + ".tmp")
-        tokenizer = train_bpe_tokenizer(train, vocab_size)
-        save_tokenizer(tokenizer, tmp)
-        torch.save({"train": token_stream(train, tokenizer), "heldout": token_stream(held_out, tokenizer)}, tmp / "streams.pt")
-        tmp.rename(path)
+    with exclusive_lock(zoo_dir / f".{path.name}.lock", f"zoo tokenizer {path}", wait=True):
+        if not (path / "streams.pt").exists():  # built meanwhile by the process we waited for?
+            train, held_out = corpus_split()
+            tokenizer = train_bpe_tokenizer(train, vocab_size)
+            with atomic_dir(path, overwrite=True) as tmp:
+                save_tokenizer(tokenizer, tmp)
+                torch.save({"train": token_stream(train, tokenizer), "heldout": token_stream(held_out, tokenizer)}, tmp / "streams.pt")
     streams = torch.load(path / "streams.pt")
     return AutoTokenizer.from_pretrained(path), streams["train"], streams["heldout"]
 
@@ -142,20 +142,25 @@ def evaluate(model: QuantkitForCausalLM, stream: torch.Tensor, seq_len: int, max
 def build(variant: str, size: str = "tiny", zoo_dir: str | Path = "zoo", seed: int = 0, steps: int | None = None) -> Path:
     """Train `variant` at `size` from scratch; write checkpoint, loss curve, metrics and model card.
 
-    Returns the checkpoint directory `zoo_dir/<variant>-<size>`; an existing finished one is reused.
+    Returns the checkpoint directory `zoo_dir/<variant>-<size>`; an existing finished one is reused. A build
+    of the same checkpoint by another process is waited for (a lock per checkpoint), then reused.
     """
     if variant not in PRESETS:
         raise ValueError(f"unknown zoo variant {variant!r}; presets: {sorted(PRESETS)}")
     if size not in SIZES:
         raise ValueError(f"unknown zoo size {size!r}; sizes: {sorted(SIZES)}")
+    out = Path(zoo_dir) / f"{variant}-{size}"
+    if not (out / "metrics.json").exists():
+        with exclusive_lock(out.with_name(f".{out.name}.lock"), f"zoo checkpoint {out}", wait=True):
+            if not (out / "metrics.json").exists():  # built meanwhile by the process we waited for?
+                _train(variant, size, out, seed, steps or SIZES[size].steps)
+    return out
+
+
+def _train(variant: str, size: str, out: Path, seed: int, steps: int) -> None:
+    """Train one zoo checkpoint and write it (with loss curve, metrics and card) atomically to `out`."""
     shape = SIZES[size]
-    steps = steps or shape.steps
-    zoo_dir = Path(zoo_dir)
-    out = zoo_dir / f"{variant}-{size}"
-    if (out / "metrics.json").exists():
-        return out
-    zoo_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer, train_stream, val_stream = shared_tokenizer(zoo_dir, shape.vocab_size)
+    tokenizer, train_stream, val_stream = shared_tokenizer(out.parent, shape.vocab_size)
 
     torch.manual_seed(seed)
     config = QuantkitConfig(
@@ -194,17 +199,13 @@ def build(variant: str, size: str = "tiny", zoo_dir: str | Path = "zoo", seed: i
                "tokens_seen": steps * shape.batch_size * shape.seq_len, "corpus": CORPUS,
                "heldout": evaluate(model, val_stream, shape.seq_len), "shape": asdict(shape)}
 
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "loss_curve.json").write_text(json.dumps(curve))
-    _plot_curve(curve, tmp / "loss_curve.png", f"{variant}-{size}")
-    (tmp / "README.md").write_text(_model_card(metrics))
-    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
+    with atomic_dir(out, overwrite=True) as tmp:  # overwrite: a checkpoint dir without metrics.json is incomplete
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "loss_curve.json").write_text(json.dumps(curve))
+        _plot_curve(curve, tmp / "loss_curve.png", f"{variant}-{size}")
+        (tmp / "README.md").write_text(_model_card(metrics))
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
 
 
 def _plot_curve(curve: list[dict], path: Path, title: str) -> None:

@@ -7,8 +7,6 @@ Two phases kept apart (gpt-fast): this module computes the quantized state dict 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -17,6 +15,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quantkit.models  # noqa: F401  (registers model_type "quantkit")
+from quantkit.atomic import atomic_dir
 from quantkit.calibrate import calibration_batches, channel_max, smooth_model
 from quantkit.formats import nvfp4_global_scale
 from quantkit.quantize.llmcompressor_backend import quantize_with_llmcompressor
@@ -89,20 +88,15 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
     if recipe.scheme == "bf16":
         state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
 
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "quantkit_recipe": recipe.name})
     config = model.config.to_dict()
     config["architectures"] = [type(model).__name__]
     config["dtype"] = "bfloat16" if recipe.scheme == "bf16" else "float32"
     if recipe.scheme != "bf16":
         config["quantization_config"] = quantization_config(recipe, sorted(linears), ignored)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    tokenizer.save_pretrained(tmp)
-    if smoothquant_report is not None:
-        (tmp / "smoothquant.json").write_text(json.dumps(smoothquant_report.to_dict(), indent=2))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "quantkit_recipe": recipe.name})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        tokenizer.save_pretrained(tmp)
+        if smoothquant_report is not None:
+            (tmp / "smoothquant.json").write_text(json.dumps(smoothquant_report.to_dict(), indent=2))
     return out_dir
