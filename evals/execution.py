@@ -5,27 +5,63 @@ and by `suite.evaluate(..., allow_code=True)`); without it `run_program` raises 
 Our code tasks are also marked `unsafe_code: true`, so lm-eval refuses them without
 `confirm_run_unsafe_code`.
 
-Each program runs in a fresh subprocess (`python -I`, or the language's toolchain for MultiPL-E), in a
-temporary working directory, with a wall-clock timeout and a 4 GiB address-space limit. That is
-isolation from the evaluating process, not a security sandbox: run untrusted models' code in a container.
+Each step (compile, then run; `python -I` is a single run step) is a fresh subprocess in a new session, in a
+fresh temporary working directory (also its HOME and TMPDIR), stdin/stdout/stderr on /dev/null, with:
+
+- always: a wall-clock timeout, after which (and after every step) the whole process group gets SIGKILL;
+  rlimits on address space, file size and CPU seconds (`ceil(timeout) + 1`, SIGKILL one second later),
+  no core dumps; `COMPILE_LIMITS` and `RUN_LIMITS` give the values (compilers need more room);
+- process count: a fresh `pids` cgroup per step with `pids.max` (threads count too) where our cgroup is
+  writable (root), whose leftovers are then all killed, even those that left the process group;
+  otherwise RLIMIT_NPROC, which Linux enforces for non-root users only;
+- where the kernel allows it (Linux >= 5.12 with user namespaces): new user, mount and network namespaces,
+  so no network at all (only an unconfigured loopback), every mount read-only except the working
+  directory, and no capabilities once the program starts (its uid is unmapped), so it cannot undo that.
+
+`sandbox_report()` says which of these work on this machine (probed once, logged on first use).
+Not enforced: reading files the user may read, seeing and signalling the user's other processes (as root:
+all root processes), CPU use by many threads in parallel (only their sum is limited), lingering processes
+that left the process group when no pids cgroup is available. This is defence in depth, not a security
+boundary: run untrusted models' code in a container or VM.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
 import math
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 ALLOW_ENV = "QUANTKIT_ALLOW_CODE_EXECUTION"
 DEFAULT_TIMEOUT_S = 10.0
-MEMORY_LIMIT_BYTES = 4 << 30
 
-# MultiPL-E languages we can run: file suffix and the commands (`{src}`, `{exe}` substituted).
+
+@dataclass(frozen=True)
+class Limits:
+    memory_bytes: int  # RLIMIT_AS
+    file_bytes: int  # RLIMIT_FSIZE: largest file it may write
+    processes: int  # pids.max of its cgroup, else RLIMIT_NPROC
+
+
+COMPILE_LIMITS = Limits(memory_bytes=8 << 30, file_bytes=256 << 20, processes=256)
+RUN_LIMITS = Limits(memory_bytes=4 << 30, file_bytes=16 << 20, processes=64)
+
+# MultiPL-E languages we can run: file suffix and the commands (`{src}`, `{exe}` substituted); the last
+# command runs the program, those before it compile it.
 TOOLCHAINS: dict[str, tuple[str, list[list[str]]]] = {
     "py": (".py", [[sys.executable, "-I", "{src}"]]),
     "js": (".js", [["node", "{src}"]]),
@@ -43,8 +79,156 @@ def code_execution_allowed() -> bool:
     return os.environ.get(ALLOW_ENV) == "1"
 
 
-def _limit_memory() -> None:  # runs in the child before exec
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
+# Linux constants (<sched.h>, <sys/mount.h>, <linux/mount.h>); mount_setattr is syscall 442 on every
+# architecture but alpha.
+_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x20000, 0x10000000, 0x40000000
+_MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
+_SYS_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def _check(result: int) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _isolate(workdir: str) -> None:
+    """In the child: new user, mount and network namespaces; all mounts read-only but `workdir`."""
+    path = os.fsencode(workdir)
+    _check(_libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET))
+    _check(_libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None))  # nothing propagates to the host
+    _check(_libc.mount(path, path, None, _MS_BIND, None))  # its own mount, to keep writable
+    read_only, writable = _MountAttr(attr_set=_MOUNT_ATTR_RDONLY), _MountAttr(attr_clr=_MOUNT_ATTR_RDONLY)
+    _check(_libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, b"/", _AT_RECURSIVE, ctypes.byref(read_only),
+                         ctypes.sizeof(_MountAttr)))
+    _check(_libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, path, 0, ctypes.byref(writable),
+                         ctypes.sizeof(_MountAttr)))
+    os.chdir(workdir)  # the cwd set before the bind mount is the read-only directory beneath it
+
+
+def _pids_cgroup_parent() -> Path | None:
+    """Our own cgroup in the `pids` hierarchy (v1) or in cgroup v2 when it delegates `pids`, else None."""
+    with suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "pids" in controllers.split(","):
+                return Path("/sys/fs/cgroup/pids", path.lstrip("/"))
+            v2 = Path("/sys/fs/cgroup", path.lstrip("/"))
+            if controllers == "" and "pids" in (v2 / "cgroup.subtree_control").read_text().split():
+                return v2
+    return None
+
+
+def _new_pids_cgroup(parent: Path, max_processes: int) -> Path:
+    cgroup = Path(tempfile.mkdtemp(prefix="quantkit-exec-", dir=parent))
+    (cgroup / "pids.max").write_text(str(max_processes))
+    return cgroup
+
+
+def _kill_and_remove(cgroup: Path) -> None:
+    """SIGKILL everything left in `cgroup` (processes forked meanwhile included), then remove it."""
+    while pids := (cgroup / "cgroup.procs").read_text().split():
+        for pid in pids:
+            with suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        time.sleep(0.01)
+    cgroup.rmdir()
+
+
+def _probe(setup: Callable[[str], None]) -> bool:
+    """True when a program can start under `setup(workdir)` and write into its working directory."""
+    with tempfile.TemporaryDirectory(prefix="quantkit-probe-") as tmp:
+        try:
+            done = subprocess.run([sys.executable, "-I", "-c", "open('probe', 'w').close()"], cwd=tmp,
+                                  preexec_fn=lambda: setup(tmp), capture_output=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return False
+        return done.returncode == 0
+
+
+@functools.cache
+def _pids_cgroup() -> Path | None:
+    """The parent of our per-step pids cgroups, when we may create them."""
+    parent = _pids_cgroup_parent()
+    if parent is None:
+        return None
+    try:
+        _new_pids_cgroup(parent, 1).rmdir()
+    except OSError:
+        return None
+    return parent
+
+
+@functools.cache
+def _namespaces_work() -> bool:
+    return _probe(_isolate)
+
+
+def sandbox_report() -> dict[str, str]:
+    """What `run_program` enforces on this machine, beyond the timeout and rlimits (probed once)."""
+    cgroup, root = _pids_cgroup(), os.geteuid() == 0
+    isolated = _namespaces_work()
+    return {
+        "user": "root" if root else f"uid {os.geteuid()}",
+        "rlimits": "address space, CPU seconds, file size; no core dumps",
+        "process_count": f"pids cgroup under {cgroup}" if cgroup else
+                         "not enforced (root bypasses RLIMIT_NPROC)" if root else "RLIMIT_NPROC",
+        "leftover_processes": "killed (pids cgroup)" if cgroup else "process group killed; setsid() escapes",
+        "network": "none (network namespace)" if isolated else "NOT isolated",
+        "filesystem": "read-only outside the working directory (mount namespace)" if isolated
+                      else "NOT isolated (user's permissions)",
+    }
+
+
+def _child_setup(workdir: str, limits: Limits, cpu_seconds: int, cgroup: Path | None,
+                 isolate: bool) -> Callable[[], None]:
+    def setup() -> None:  # runs in the child, after setsid and before exec
+        if cgroup:
+            (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+        if isolate:
+            _isolate(workdir)
+        # after unshare, which creates the user namespace under the caller's own limits
+        for rlimit, soft, hard in ((resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes),
+                                   (resource.RLIMIT_FSIZE, limits.file_bytes, limits.file_bytes),
+                                   (resource.RLIMIT_NPROC, limits.processes, limits.processes),
+                                   (resource.RLIMIT_CPU, cpu_seconds, cpu_seconds + 1),  # SIGXCPU, SIGKILL
+                                   (resource.RLIMIT_CORE, 0, 0)):
+            resource.setrlimit(rlimit, (soft, hard))
+    return setup
+
+
+def _exited_unreaped(pid: int, timeout: float) -> bool:
+    """Wait up to `timeout` s for `pid` to exit, leaving it a zombie: its process group id stays reserved."""
+    deadline = time.monotonic() + timeout
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _run_step(argv: list[str], workdir: str, env: dict[str, str], limits: Limits, timeout: float) -> bool:
+    """True when `argv` exits with status 0 within `timeout`; then its process group (and cgroup) is killed."""
+    parent = _pids_cgroup()
+    cgroup = _new_pids_cgroup(parent, limits.processes) if parent else None
+    try:
+        proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_child_setup(workdir, limits, math.ceil(timeout) + 1, cgroup,
+                                                         _namespaces_work()))
+        finished = _exited_unreaped(proc.pid, timeout)
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait() == 0 and finished
+    finally:
+        if cgroup:
+            _kill_and_remove(cgroup)
 
 
 def run_program(source: str, language: str = "py", timeout: float = DEFAULT_TIMEOUT_S) -> bool:
@@ -58,23 +242,25 @@ def run_program(source: str, language: str = "py", timeout: float = DEFAULT_TIME
     suffix, steps = TOOLCHAINS[language]
     if shutil.which(steps[0][0]) is None:
         raise FileNotFoundError(f"{language} programs need {steps[0][0]!r} on PATH")
+    _log_report_once()
     with tempfile.TemporaryDirectory(prefix="quantkit-exec-") as tmp:
         src, exe = Path(tmp) / f"program{suffix}", Path(tmp) / "program"
         src.write_text(source, encoding="utf-8")
-        env = {"PATH": os.environ.get("PATH", ""), "HOME": tmp, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8",
+               "PYTHONHASHSEED": "0",
                # rustup's rustc proxy finds its toolchains through these (default: under the real $HOME)
                "RUSTUP_HOME": os.environ.get("RUSTUP_HOME", str(Path.home() / ".rustup")),
                "CARGO_HOME": os.environ.get("CARGO_HOME", str(Path.home() / ".cargo"))}
-        for step in steps:
-            argv = [arg.format(src=src, exe=exe) for arg in step]
-            try:
-                done = subprocess.run(argv, cwd=tmp, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                                      timeout=timeout, preexec_fn=_limit_memory if language == "py" else None)
-            except subprocess.TimeoutExpired:
-                return False
-            if done.returncode != 0:
+        for i, step in enumerate(steps):
+            limits = RUN_LIMITS if i == len(steps) - 1 else COMPILE_LIMITS
+            if not _run_step([arg.format(src=src, exe=exe) for arg in step], tmp, env, limits, timeout):
                 return False
     return True
+
+
+@functools.cache
+def _log_report_once() -> None:
+    log.info("code execution sandbox: %s", sandbox_report())
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
