@@ -14,16 +14,21 @@ Spec (YAML, see pipelines/default.yaml):
     parallel: {tensor_parallel_size: 1, data_parallel_size: 1}   # vLLM TP; lm-eval DP (engine replicas)
     runs_dir: runs
 
-Run directory runs/<name>[-<model label>]/, every artifact written atomically (temp + rename), so its
-presence means "done" and a re-run skips it; a run killed mid-way loses only the stage in flight:
+Run directory runs/<name>[-<model label>]/. The stages and what marks each done are one table (STAGES);
+every artifact is written atomically (quantkit.atomic: a temp dir or file beside it, renamed into place), so
+its presence means "done" and a re-run skips it; a run killed mid-way (even by SIGKILL) loses only the stage
+in flight, whose temp dir the next run removes. One `quantkit run` per run directory at a time (`.lock`;
+a second one refuses with LockedError naming the holder's pid):
 
     spec.json                       the resolved spec
     diagnostics/<label>/            `quantkit diagnose` of the source checkpoint (JSON, summary, figures)
     checkpoints/<label>-<recipe>/   `quantkit quantize` output (bf16 too: the baseline checkpoint)
     evals/<label>-<recipe>/         `quantkit.evals.suite.evaluate` output (results.json, samples/)
     degradation/<label>-<recipe>.json   flips, paired bootstrap (noise floor), held-out KL vs bf16
-    results.json                    the report's input (docs/report-format.md)
-    report/                         Markdown, CSV, JSON, HTML (quantkit.report)
+    timings.json                    wall seconds per (stage, model, recipe), merged over resumed runs: a stage
+                                    found done keeps the time of the run that made it (0 if unknown), `cached`
+    results.json                    the report's input (docs/report-format.md; timings in meta.timings)
+    report/                         Markdown, CSV, JSON, HTML (quantkit.report), with a "Time:" line
 
 A failing stage raises StageError naming the stage, model and recipe.
 """
@@ -34,7 +39,9 @@ import json
 import logging
 import math
 import os
-import shutil
+import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,11 +49,10 @@ from typing import Any
 import yaml
 from tqdm import tqdm
 
-from quantkit.atomic import write_text_atomic
+from quantkit.atomic import atomic_dir, exclusive_lock, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("checkpoint", "diagnose", "quantize", "eval", "degradation", "report")
 BASELINE = "bf16"
 SPEC_KEYS = {"name", "models", "zoo", "recipes", "eval", "kl", "diagnose", "parallel", "runs_dir"}
 EVAL_DEFAULTS = dict(suite="mini", backend="vllm", limit=None, allow_code=False, seed=1234, dtype="bfloat16")
@@ -132,6 +138,7 @@ class Study:
         self.spec = spec
         self.dir = Path(run_dir) if run_dir is not None else Path(spec.runs_dir) / spec.name
         self.sources: dict[str, Path] = {}
+        self.timings: dict[tuple[str, str, str], dict[str, Any]] = {}
 
     def checkpoint_dir(self, label: str, recipe: str) -> Path:
         return self.dir / "checkpoints" / f"{label}-{recipe}"
@@ -143,30 +150,51 @@ class Study:
         return self.dir / "degradation" / f"{label}-{recipe}.json"
 
     def run(self, until: str = "report") -> Path:
-        """Run every stage up to `until` (inclusive); return the run directory."""
-        if until not in STAGES:
-            raise ValueError(f"unknown stage {until!r}; stages: {list(STAGES)}")
-        from quantkit.serve.engine import offline_environment
+        """Run every stage up to `until` (inclusive); return the run directory.
 
-        offline_environment(cache_dir=self.dir / "cache")
-        _atomic_json(self.dir / "spec.json", vars(self.spec))
-        stages = STAGES[: STAGES.index(until) + 1]
-        work = [(s, label, recipe) for s in stages if s != "report" for label in self.spec.models
-                for recipe in (self.spec.recipes if s not in ("checkpoint", "diagnose") else [None])
-                if not (s == "degradation" and recipe == BASELINE)]
-        for stage, label, recipe in (bar := tqdm(work, desc=f"study {self.spec.name}", unit="stage")):
-            bar.set_postfix_str(f"{stage} {label} {recipe or ''}".strip())
-            self._do(stage, label, recipe)
-        if "report" in stages:
-            self._do("report", None, None)
+        Holds the run directory's lock throughout: a second concurrent run raises LockedError at once."""
+        names = [stage.name for stage in STAGES]
+        if until not in names:
+            raise ValueError(f"unknown stage {until!r}; stages: {names}")
+        with exclusive_lock(self.dir / ".lock", f"run directory {self.dir}"):
+            from quantkit.serve.engine import offline_environment
+
+            offline_environment(cache_dir=self.dir / "cache")
+            _atomic_json(self.dir / "spec.json", vars(self.spec))
+            self.timings = read_timings(self.dir)
+            work = [(stage, label, recipe) for stage in STAGES[: names.index(until) + 1] for label, recipe in self.targets(stage)]
+            for stage, label, recipe in (bar := tqdm(work, desc=f"study {self.spec.name}", unit="stage")):
+                bar.set_postfix_str(_where(stage.name, label, recipe))
+                self._do(stage, label, recipe)
         return self.dir
 
-    def _do(self, stage: str, label: str | None, recipe: str | None) -> None:
-        try:
-            getattr(self, f"_{stage}")(label, recipe)
-        except Exception as err:
-            where = "" if label is None else f" for model {label!r}" + ("" if recipe is None else f" recipe {recipe!r}")
-            raise StageError(f"stage {stage!r} failed{where} ({self.dir}): {type(err).__name__}: {err}") from err
+    def targets(self, stage: Stage) -> list[tuple[str | None, str | None]]:
+        """(model label, recipe) pairs the stage runs for; None where the stage is not per model / recipe."""
+        if stage.scope == "study":
+            return [(None, None)]
+        if stage.scope == "model":
+            return [(label, None) for label in self.spec.models]
+        return [(label, recipe) for label in self.spec.models for recipe in self.spec.recipes
+                if stage.scope == "recipe" or recipe != BASELINE]
+
+    def _do(self, stage: Stage, label: str | None, recipe: str | None) -> None:
+        """Run one stage unless its artifact exists; record and log its wall time."""
+        key = (stage.name, label or "", recipe or "")
+        done = stage.artifact(self, label, recipe)
+        if done is not None and done.exists():
+            self.timings[key] = {"seconds": self.timings.get(key, {}).get("seconds", 0.0), "cached": True}
+            tqdm.write(f"stage {_where(stage.name, label, recipe)}: cached", file=sys.stderr)
+        else:
+            start = time.perf_counter()
+            try:
+                stage.run(self, label, recipe)
+            except Exception as err:
+                where = "" if label is None else f" for model {label!r}" + ("" if recipe is None else f" recipe {recipe!r}")
+                raise StageError(f"stage {stage.name!r} failed{where} ({self.dir}): {type(err).__name__}: {err}") from err
+            seconds = time.perf_counter() - start
+            self.timings[key] = {"seconds": round(seconds, 2), "cached": False}
+            tqdm.write(f"stage {_where(stage.name, label, recipe)}: {seconds:.1f} s", file=sys.stderr)
+        write_timings(self.dir, self.timings)
 
     # ------------------------------------------------------------------------------------ stages
 
@@ -179,41 +207,32 @@ class Study:
         return self.sources[label]
 
     def _diagnose(self, label: str, _: None) -> None:
-        out = self.dir / "diagnostics" / label
-        if (out / "diagnostics.json").exists():
-            return
         from quantkit.diagnose import diagnose, write_diagnostics
         from quantkit.quantize.recipe import load_recipe
 
         recipes = [r for r in self.spec.recipes
                    if (rec := load_recipe(r)).backend == "quantkit" and rec.scheme != "bf16" and rec.smoothquant is None]
-        write_diagnostics(diagnose(self._source(label), recipes=recipes, progress=False, **self.spec.diagnose), out)
+        result = diagnose(self._source(label), recipes=recipes, progress=False, **self.spec.diagnose)
+        with atomic_dir(self.dir / "diagnostics" / label, overwrite=True) as tmp:
+            write_diagnostics(result, tmp)
 
     def _quantize(self, label: str, recipe: str) -> None:
-        out = self.checkpoint_dir(label, recipe)
-        if (out / "config.json").exists():
-            return
         from quantkit.quantize.checkpoint import quantize_checkpoint
 
-        quantize_checkpoint(self._source(label), recipe, out)
+        quantize_checkpoint(self._source(label), recipe, self.checkpoint_dir(label, recipe), overwrite=True)
 
     def _eval(self, label: str, recipe: str) -> None:
-        out = self.eval_dir(label, recipe)
-        if (out / "results.json").exists():
-            return
         from quantkit.evals.suite import evaluate
 
-        if out.exists():  # a run killed mid-eval: its partial samples are redone
-            shutil.rmtree(out)
-        e = self.spec.eval
-        evaluate(self.checkpoint_dir(label, recipe), suite=e["suite"], backend=e["backend"], out_dir=out,
-                 limit=e["limit"], allow_code=e["allow_code"], seed=e["seed"], dtype=e["dtype"], **self.spec.parallel)
+        out, e = self.eval_dir(label, recipe), self.spec.eval
+        with atomic_dir(out, overwrite=True) as tmp:  # a killed eval leaves only a temp dir, never a half `out`
+            results = evaluate(self.checkpoint_dir(label, recipe), suite=e["suite"], backend=e["backend"], out_dir=tmp,
+                               limit=e["limit"], allow_code=e["allow_code"], seed=e["seed"], dtype=e["dtype"],
+                               **self.spec.parallel)
+            _atomic_json(tmp / "results.json", {**results, "out_dir": str(out.resolve())})  # not the temp dir
 
     def _degradation(self, label: str, recipe: str) -> None:
-        out = self.degradation_file(label, recipe)
-        if out.exists():
-            return
-        _atomic_json(out, degradation(self, label, recipe))
+        _atomic_json(self.degradation_file(label, recipe), degradation(self, label, recipe))
 
     def _report(self, *_: None) -> None:
         results = study_results(self)
@@ -227,6 +246,47 @@ class Study:
             if path.exists():
                 figures.update({f"{label}: {name}": svg for name, svg in figure_svgs(json.loads(path.read_text())).items()})
         render_report(results, self.dir / "report", figures=figures)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the study. `scope`: "model" (once per model), "recipe" (per model and recipe), "quantized"
+    (per model and recipe but the baseline) or "study" (once). `artifact(study, label, recipe)` is the file whose
+    presence means done (None: the stage always runs); `run(study, label, recipe)` makes it, atomically."""
+
+    name: str
+    scope: str
+    artifact: Callable[[Study, str | None, str | None], Path | None]
+    run: Callable[[Study, str | None, str | None], None]
+
+
+STAGES = (
+    Stage("checkpoint", "model", lambda s, label, _: None, Study._checkpoint),  # a zoo build is cached in the zoo
+    Stage("diagnose", "model", lambda s, label, _: s.dir / "diagnostics" / label / "diagnostics.json", Study._diagnose),
+    Stage("quantize", "recipe", lambda s, label, recipe: s.checkpoint_dir(label, recipe) / "config.json", Study._quantize),
+    Stage("eval", "recipe", lambda s, label, recipe: s.eval_dir(label, recipe) / "results.json", Study._eval),
+    Stage("degradation", "quantized", Study.degradation_file, Study._degradation),
+    Stage("report", "study", lambda s, *_: None, Study._report),
+)
+
+
+def _where(stage: str, label: str | None, recipe: str | None) -> str:
+    return " ".join(x for x in (stage, label, recipe) if x)
+
+
+def read_timings(run_dir: Path) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """timings.json of a run directory as {(stage, model, recipe): {seconds, cached}} ({} when absent)."""
+    path = run_dir / "timings.json"
+    entries = json.loads(path.read_text())["entries"] if path.exists() else []
+    return {(e["stage"], e["model"], e["recipe"]): {"seconds": e["seconds"], "cached": e["cached"]} for e in entries}
+
+
+def write_timings(run_dir: Path, timings: dict[tuple[str, str, str], dict[str, Any]]) -> None:
+    _atomic_json(run_dir / "timings.json", {"entries": _timing_entries(timings)})
+
+
+def _timing_entries(timings: dict[tuple[str, str, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    return [dict(stage=stage, model=model, recipe=recipe, **t) for (stage, model, recipe), t in timings.items()]
 
 
 def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
@@ -272,7 +332,17 @@ def study_results(study: Study) -> dict[str, Any]:
                 row["outliers"] = outliers
             rows.append(row)
     return dict(schema_version=1, study=study.spec.name, suite=suite["name"], suite_version=str(suite["version"]),
-                created=_now(), rows=rows)
+                created=_now(), rows=rows, meta=dict(timings=timing_summary(study.timings)))
+
+
+def timing_summary(timings: dict[tuple[str, str, str], dict[str, Any]]) -> dict[str, Any]:
+    """Wall seconds per stage and in total, and the per (stage, model, recipe) entries; the report stage, in
+    flight while results.json is written, is left out."""
+    entries = [e for e in _timing_entries(timings) if e["stage"] != "report"]
+    stages: dict[str, float] = {}
+    for e in entries:
+        stages[e["stage"]] = round(stages.get(e["stage"], 0.0) + e["seconds"], 2)
+    return dict(stages=stages, total=round(sum(stages.values()), 2), entries=entries)
 
 
 def _precision(recipe: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,11 @@ def test_study_writes_every_artifact(study):
     quantized = rows["w4a4_nvfp4"]
     assert quantized["kl"] > 0 and set(quantized["noise_floor"]) == set(quantized["scores"])
     assert all(0.0 <= f <= 1.0 for f in quantized["flips"].values())
+    timings = results["meta"]["timings"]  # wall seconds per stage, also in timings.json and the report
+    assert list(timings["stages"]) == ["checkpoint", "diagnose", "quantize", "eval", "degradation"]
+    assert timings["total"] == pytest.approx(sum(timings["stages"].values()), abs=0.05)
+    assert {(e["stage"], e["recipe"]) for e in timings["entries"] if not e["cached"]} >= {("eval", "bf16"), ("eval", "w4a4_nvfp4")}
+    assert "Time: checkpoint" in (run_dir / "report" / "report.md").read_text()
 
 
 def test_cached_rerun_and_resume_after_crash(study):
@@ -68,14 +74,24 @@ def test_cached_rerun_and_resume_after_crash(study):
     studied.run()
     assert _mtimes(run_dir) == before, "a re-run must not redo finished stages"
 
-    # a crash in the middle of the W4A4 eval: its results.json never written, some samples left behind
-    (run_dir / "evals" / "tiny-w4a4_nvfp4" / "results.json").unlink()
+    timings = json.loads((run_dir / "timings.json").read_text())["entries"]
+    assert all(e["cached"] for e in timings if e["stage"] not in ("checkpoint", "report")), timings
+
+    # a crash (SIGKILL) in the middle of the W4A4 eval: no evals/tiny-w4a4_nvfp4, only its writer's temp dir
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftover = run_dir / "evals" / f".tiny-w4a4_nvfp4.{dead.pid}.x1y2z3.tmp"
+    (run_dir / "evals" / "tiny-w4a4_nvfp4").rename(leftover)
+    (leftover / "results.json").unlink()
     (run_dir / "degradation" / "tiny-w4a4_nvfp4.json").unlink()
     studied.run()
     after = _mtimes(run_dir)
     redone = {k for k in after if after[k] != before.get(k)}
     assert "evals/tiny-w4a4_nvfp4/results.json" in redone and "degradation/tiny-w4a4_nvfp4.json" in redone
     assert not any(k.startswith(("evals/tiny-bf16", "checkpoints/")) for k in redone), redone
+    assert not leftover.exists()
+    redone_eval = json.loads((run_dir / "evals" / "tiny-w4a4_nvfp4" / "results.json").read_text())
+    assert redone_eval["out_dir"] == str((run_dir / "evals" / "tiny-w4a4_nvfp4").resolve())
 
 
 def test_failures_name_stage_model_and_recipe(tmp_path, tiny_checkpoint):

@@ -97,16 +97,39 @@ NOTES = ("Scores in points (0-100). Avg: plain mean of the row's benchmark colum
          "changed vs BF16. KL: nats/token vs BF16 on held-out text.")
 
 
+def timing_line(timings: Any) -> str | None:
+    """"Time: checkpoint 12 s, quantize 30 s, ... (total 342 s)" from a results file's `meta.timings` (the study's
+    wall seconds per stage), or None when there are none."""
+    stages = timings.get("stages") if isinstance(timings, dict) else None
+    if not isinstance(stages, dict) or not stages:
+        return None
+    return "Time: " + ", ".join(f"{k} {_seconds(v)}" for k, v in stages.items()) + f" (total {_seconds(sum(stages.values()))})"
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.0f} s" if x >= 10 else f"{x:.1f} s"
+
+
+def _timings(results: Results | dict | str | Path) -> Any:
+    """`meta.timings` of a results document (a parsed Results keeps no meta)."""
+    if isinstance(results, Results):
+        return None
+    doc = results if isinstance(results, dict) else json.loads(Path(results).read_text(encoding="utf-8"))
+    return doc["meta"].get("timings") if isinstance(doc.get("meta"), dict) else None
+
+
 def _md_row(cells: list[str]) -> str:
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
-def to_markdown(table: Table) -> str:
-    """Two tables: Table 2 (scores, Avg, ΔAvg, diagnostics) and the per-benchmark degradation vs BF16."""
+def to_markdown(table: Table, time_line: str | None = None) -> str:
+    """Two tables: Table 2 (scores, Avg, ΔAvg, diagnostics) and the per-benchmark degradation vs BF16; `time_line`
+    (timing_line) under the notes."""
     lead, extra = _lead_columns(table), _extra_columns(table)
     groups = [g for g, n in _group_spans(table.columns) for g in [g] + [""] * (n - 1)]
     width = len(lead) + len(table.columns) + len(extra)
     lines = ["# Table 2" + (f": {_title(table.results)}" if _title(table.results) else ""), "", NOTES, "",
+             *([time_line, ""] if time_line else []),
              _md_row([h for h, _ in lead] + groups + [h for h, _ in extra]),
              _md_row(["---"] * len(lead) + ["---:"] * (len(table.columns) + len(extra))),
              _md_row([""] * len(lead) + [f"**{b.label}**" for b in table.columns] + [""] * len(extra))]
@@ -217,9 +240,10 @@ def _sign_class(x: float | None) -> str:
     return "" if x is None or x == 0 else ("neg" if x < 0 else "pos")
 
 
-def to_html(table: Table, figures: dict[str, str] | None = None) -> str:
+def to_html(table: Table, figures: dict[str, str] | None = None, time_line: str | None = None) -> str:
     """Self-contained page: inline CSS, the Table 2 with grouped headers, degradation table, inline SVG plots,
-    then `figures` ({caption: inline <svg>}, e.g. each checkpoint's outlier diagnostics) when given."""
+    then `figures` ({caption: inline <svg>}, e.g. each checkpoint's outlier diagnostics) when given; `time_line`
+    (timing_line) under the notes."""
     lead, extra = _lead_columns(table), _extra_columns(table)
     width = len(lead) + len(table.columns) + len(extra)
     head1 = [_cell(h, "l", "th", ' rowspan="2"') for h, _ in lead]
@@ -238,6 +262,7 @@ def to_html(table: Table, figures: dict[str, str] | None = None) -> str:
         body.append("<tr>" + "".join(cells) + "</tr>")
     parts = [f"<h1>Table 2{': ' + html.escape(_title(table.results)) if _title(table.results) else ''}</h1>",
              f'<p class="notes">{html.escape(NOTES)}</p>',
+             *([f'<p class="notes">{html.escape(time_line)}</p>'] if time_line else []),
              "<table><thead><tr>" + "".join(head1) + "</tr><tr>" + "".join(head2) + "</tr></thead><tbody>"
              + "".join(body) + "</tbody></table>"]
     degraded = [r for r in table.rows if r.degradation]
@@ -269,13 +294,14 @@ def to_html(table: Table, figures: dict[str, str] | None = None) -> str:
 
 def render_report(results: Results | dict | str | Path, out_dir: str | Path, figures: dict[str, str] | None = None) -> dict[str, Path]:
     """Validate `results` (a Results, a parsed dict, or a JSON path) and write report.{md,csv,json,html} to out_dir;
-    `figures` ({caption: inline <svg>}) are appended to the HTML page."""
+    `figures` ({caption: inline <svg>}) are appended to the HTML page; the study's `meta.timings` give a "Time:" line."""
     res = results if isinstance(results, Results) else load_results(results)
-    table = build_table(res)
+    table, time_line = build_table(res), timing_line(_timings(results))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for name, render in zip(REPORT_FILES, (to_markdown, to_csv, to_json, lambda t: to_html(t, figures))):
+    for name, render in zip(REPORT_FILES, (lambda t: to_markdown(t, time_line), to_csv, to_json,
+                                            lambda t: to_html(t, figures, time_line))):
         paths[name] = out / name
         write_text_atomic(paths[name], render(table))
     return paths
