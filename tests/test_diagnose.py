@@ -114,15 +114,43 @@ def test_hooks_removed_and_attention_restored_also_on_error():
     assert model.config._attn_implementation == "sdpa"
 
 
+def _threshold_in_widest_gap(values: torch.Tensor, low: float, high: float) -> float:
+    """The midpoint of the widest gap between sorted `values` inside (low, high): a threshold no value is near."""
+    v = torch.cat([torch.tensor([low, high]), values[(values > low) & (values < high)]]).double().sort().values
+    i = int((v[1:] - v[:-1]).argmax())
+    threshold = float(v[i] + v[i + 1]) / 2
+    assert (v[i + 1] - v[i]) / threshold > 1e-3  # >> float32 noise, so counts above it are stable
+    return threshold
+
+
 def test_streaming_statistics_equal_direct_computation():
+    """Batch size 1 vs 4, and both vs the direct computation from one full-batch forward.
+
+    Tolerances: continuous statistics agree to rel 1e-5 (max |h|) / 1e-4 (means, kurtosis, alpha): the forwards
+    differ only by float32 summation order (different GEMM shapes choose different blockings, per ISA), relative
+    ~ lambda sqrt(K) u ~ 1e-6 per op (u = 2**-24, K <= 128), a few ops deep; kurtosis, a ratio of 4th and
+    squared 2nd moments, amplifies that by <= 4 + 4 = 8. Thresholded counts are discontinuous, so the test makes
+    them stable: the massive-token ratio is placed in the widest gap of the data's own max/median ratios
+    (far from every token), and the sink rate (alpha > SINK_EPS = 0.3, fixed by paper 002) may differ from the
+    direct count only by heads whose alpha lies within 1e-4 of 0.3.
+    """
     model = _model(attn_implementation="eager")
     tokens = _tokens(n=5, t=24)
-    r1 = diagnose_model(model, tokens, recipes=["w4a4_nvfp4"], batch_size=1, massive_ratio=3.0)
-    r4 = diagnose_model(model, tokens, recipes=["w4a4_nvfp4"], batch_size=4, massive_ratio=3.0)
-    for key in ("residual", "attention", "quant_snr_db", "massive", "sink_dims"):
-        assert json.dumps(r1[key]) == json.dumps(r4[key]) or _close(r1[key], r4[key]), key
     with torch.no_grad():
         out = model(tokens, output_hidden_states=True, output_attentions=True)
+    ratios = []
+    for h in out.hidden_states[:-1]:  # the observer's per-token max/median ratio (quantkit.diagnose.observe)
+        a = h.abs()
+        ratios.append((a.amax(-1) / a.reshape(a.shape[0], -1).median(dim=1).values[:, None]).flatten())
+    massive_ratio = _threshold_in_widest_gap(torch.cat(ratios), 2.5, 4.0)  # many tokens on both sides
+    r1 = diagnose_model(model, tokens, recipes=["w4a4_nvfp4"], batch_size=1, massive_ratio=massive_ratio)
+    r4 = diagnose_model(model, tokens, recipes=["w4a4_nvfp4"], batch_size=4, massive_ratio=massive_ratio)
+    for key in ("residual", "attention", "quant_snr_db", "massive", "sink_dims"):
+        if key == "attention":  # sink_rate: thresholded, compared with the direct count below
+            a1, a4 = ({k: v for k, v in r[key].items() if k != "sink_rate"} for r in (r1, r4))
+            assert json.dumps(a1) == json.dumps(a4) or _close(a1, a4), key
+            continue
+        assert json.dumps(r1[key]) == json.dumps(r4[key]) or _close(r1[key], r4[key]), key
     for i, h in enumerate(out.hidden_states[:-1]):  # the last entry is after the final norm
         h = h.double()
         kurt = ((h - h.mean()) ** 4).mean() / h.var(unbiased=False) ** 2
@@ -132,7 +160,9 @@ def test_streaming_statistics_equal_direct_computation():
     for layer, a in enumerate(out.attentions):  # (B, H, T, T)
         alpha = a[..., :, 0].mean(-1)  # T < 64: the window is the whole sequence
         assert r1["attention"]["alpha"][layer] == pytest.approx(alpha.mean(0).tolist(), rel=1e-4)
-        assert r1["attention"]["sink_rate"][layer] == pytest.approx((alpha > 0.3).double().mean().item())
+        near = ((alpha - 0.3).abs() <= 1e-4).double().mean().item()  # heads float32 noise may move across 0.3
+        for r in (r1, r4):
+            assert abs(r["attention"]["sink_rate"][layer] - (alpha > 0.3).double().mean().item()) <= near + 1e-12
         assert r1["attention"]["first_token_mass_layer"][layer] == pytest.approx(alpha.mean().item(), rel=1e-4)
 
 

@@ -1,7 +1,14 @@
 """vLLM on CPU serves a tiny quantkit checkpoint through quantkit's plugin, matching transformers.
 
-Tolerance: both sides run in float32, so prompt logprobs agree to |diff| <= 1e-3 nats (measured ~1e-5;
-the remaining gap is kernel summation order).
+Tolerance (derived, not measured): both sides run in float32 without quantization, so they differ only by
+summation order (vLLM's CPU kernels and oneDNN GEMMs on fused weights vs torch ops; the order depends on the
+machine's ISA and the batch shape). A length-K dot product carries a relative error ~ lambda sqrt(K) u
+(u = 2**-24; Higham & Mary 2019: 1.4e-5 at K = 512, lambda = 10); a handful of such ops precede each logit of
+this 2-layer model, and log_softmax moves a logprob by at most 2 max|d logit|: ~1e-4 at most, so
+|diff| <= LOGPROB_ATOL = 1e-3 nats holds on every machine with 10x to spare. There is no discontinuity (no
+quantization; the tokens are fixed), so no flip can occur. Non-triviality: the reference logprobs must vary
+across tokens by more than 10 x LOGPROB_ATOL (they vary by ~0.8 on the tiny checkpoint), so that agreement
+within the tolerance is not the agreement of two near-constant outputs.
 """
 
 import os
@@ -57,9 +64,9 @@ def test_prompt_logprobs_match_transformers(tiny_checkpoint, vllm_run):
         hf_lp = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
         diff = (hf_lp - torch.tensor(vllm_lp[1:])).abs()
         worst = max(worst, diff.max().item() if len(diff) else 0.0)
-        # the random model is far from uniform, so agreement is not trivial
+        # the random model is far from uniform, so agreement is not trivial (see the module docstring)
         if len(ids) > 4:
-            assert hf_lp.std() > 0.5
+            assert hf_lp.std() > 10 * LOGPROB_ATOL
     assert worst <= LOGPROB_ATOL, f"max |logprob diff| {worst:.2e} > {LOGPROB_ATOL}"
 
 
