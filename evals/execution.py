@@ -44,6 +44,8 @@ from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantkit.errors import QuantkitError
+
 log = logging.getLogger(__name__)
 
 ALLOW_ENV = "QUANTKIT_ALLOW_CODE_EXECUTION"
@@ -71,7 +73,7 @@ TOOLCHAINS: dict[str, tuple[str, list[list[str]]]] = {
 }
 
 
-class CodeExecutionRefused(RuntimeError):
+class CodeExecutionRefused(QuantkitError, RuntimeError):
     """Code execution was not enabled by the user."""
 
 

@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 
 from quantkit.atomic import atomic_dir
+from quantkit.errors import QuantkitError
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ LETTERS = "ABCDEFGHIJ"
 _DEFAULT_DIR = Path(__file__).resolve().parent / "tasks" / "offline"
 
 
-class MissingExtractionError(FileNotFoundError):
+class MissingExtractionError(QuantkitError, FileNotFoundError):
     """The offline items have not been extracted (or are stale)."""
 
 

@@ -36,8 +36,9 @@ import yaml
 from tqdm import tqdm
 
 from quantkit.atomic import write_text_atomic
+from quantkit.checkpoints import check_checkpoint_dir
 from quantkit.evals.execution import ALLOW_ENV
-from quantkit.evals.extract import data_dir, is_current
+from quantkit.evals.extract import MissingExtractionError, data_dir, is_current
 
 logger = logging.getLogger(__name__)
 
@@ -180,21 +181,25 @@ def evaluate(
     data_parallel_size: int = 1,
 ) -> dict[str, Any]:
     """Run `suite` on `model_dir`; write results.json and samples/*.jsonl into out_dir (default
-    runs/eval/<model>-<suite>); return the results dict. `limit` (items per task) overrides the suite's."""
-    from lm_eval.tasks import TaskManager
-    from transformers import AutoTokenizer
-
+    runs/eval/<model>-<suite>); return the results dict. `limit` (items per task) overrides the suite's.
+    Bad input (suite, backend, checkpoint, missing offline items) raises before any engine starts."""
     from quantkit.evals.harness import BACKENDS, evaluate_tasks, open_lm
+    from quantkit.serve.checkpoint_check import check_servable
 
     spec = load_suite(suite)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     model_dir = Path(model_dir)
-    if not (model_dir / "config.json").exists():
-        raise FileNotFoundError(f"{model_dir} is not a checkpoint directory (no config.json)")
+    if backend == "vllm":
+        check_servable(model_dir)
+    else:
+        check_checkpoint_dir(model_dir)
     if not is_current(data_dir()):
-        raise FileNotFoundError(f"offline eval items missing or stale in {data_dir()}: run `make setup` "
-                                "(or `python -m quantkit.evals.extract`)")
+        raise MissingExtractionError(f"offline eval items missing or stale in {data_dir()}: run `make setup` "
+                                     "(or `python -m quantkit.evals.extract`)")
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
     out_dir = Path(out_dir) if out_dir is not None else Path("runs") / "eval" / f"{model_dir.resolve().name}-{spec.name}"
     limit = limit if limit is not None else spec.limit
     config = json.loads((model_dir / "config.json").read_text())

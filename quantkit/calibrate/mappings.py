@@ -46,6 +46,7 @@ from transformers.models.mistral.modeling_mistral import MistralAttention, Mistr
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Qwen3RMSNorm
 
+from quantkit.errors import QuantkitError
 from quantkit.models.modeling import QuantkitAttention, QuantkitNorm
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 KINDS = ("norm", "v_o", "up_down")
 
 
-class SmoothQuantMappingError(ValueError):
+class SmoothQuantMappingError(QuantkitError, ValueError):
     """The model's structure cannot be smoothed (as asked); the message names the modules."""
 
 

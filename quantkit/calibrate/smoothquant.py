@@ -39,6 +39,7 @@ from quantkit.calibrate.mappings import (
     scale_,
 )
 from quantkit.calibrate.stats import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, calibration_batches, channel_max
+from quantkit.errors import NonFiniteStatisticsError, QuantkitError
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +54,8 @@ LOW_PRECISION_TOLERANCE = 5e-2
 DEFAULT_VERIFY_SEQUENCES = 4
 
 
-class FunctionPreservationError(RuntimeError):
+class FunctionPreservationError(QuantkitError, RuntimeError):
     """Smoothing changed the model's logits beyond the tolerance (the folds have been undone)."""
-
-
-class NonFiniteStatisticsError(FloatingPointError):
-    """Calibration activations contain NaN or Inf; the message names the layers."""
 
 
 @dataclass
@@ -266,8 +263,8 @@ def smooth_model(
     allowed (default 1e-3; 5e-2 for bf16/fp16 parameters unless power_of_two), checked on `verify_tokens`
     (default: the first 4 calibration sequences).
 
-    Raises SmoothQuantMappingError (structure), NonFiniteStatisticsError (NaN/Inf calibration statistics,
-    model untouched), FunctionPreservationError (logits changed; folds undone, up to rounding).
+    Raises SmoothQuantMappingError (structure), NonFiniteStatisticsError (NaN/Inf calibration statistics or
+    logits, model untouched), FunctionPreservationError (logits changed; folds undone, up to rounding).
     """
     plan = resolve_mappings(model, include_v_o=include_v_o, include_up_down=include_up_down)
     if not 0.0 <= alpha <= 1.0:
@@ -296,6 +293,9 @@ def smooth_model(
         before.append((x, w))
 
     reference = _logits(model, verify, batch_size)
+    if not torch.isfinite(reference).all():  # the check below could not tell a bad fold from a bad model
+        raise NonFiniteStatisticsError(f"SmoothQuant: {plan.architecture} produces NaN/Inf logits before smoothing "
+                                       "(check the checkpoint and dtype); the model is untouched")
     for m in plan.mappings:
         fold_mapping(model, m, scales[m.smooth])
     change = max(

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from quantkit.checkpoints import check_checkpoint_dir
 from quantkit.diagnose.run import (
     DEFAULT_NUM_SEQUENCES,
     DEFAULT_RECIPES,
@@ -15,16 +15,17 @@ from quantkit.diagnose.run import (
     summary_markdown,
     write_diagnostics,
 )
+from quantkit.errors import BAD_INPUT, print_error
 
 
 def _diagnose(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("diagnostics") / Path(args.model).resolve().name
     try:
+        check_checkpoint_dir(args.model)
         result = diagnose(args.model, args.num_sequences, args.seq_len, recipes=args.recipes,
                           batch_size=args.batch_size, massive_ratio=args.massive_ratio)
-    except (ValueError, FileNotFoundError) as err:  # bad input or NaN statistics: the message names it
-        print(f"quantkit diagnose: error: {err}", file=sys.stderr)
-        return 2
+    except BAD_INPUT as err:  # bad input or NaN statistics: the message names it
+        return print_error("diagnose", err)
     paths = write_diagnostics(result, out)
     print(summary_markdown([result]))
     print(f"{args.model} -> {out} ({len(paths)} files)")

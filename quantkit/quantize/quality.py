@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quantkit.models  # noqa: F401
 from quantkit.calibrate import calibration_batches, smooth_model
+from quantkit.checkpoints import check_checkpoint_dir
 from quantkit.quantize.fake_quant import load_fake_quant_model, read_quantization_config
 
 
@@ -64,6 +65,10 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
 
 def quality_table(reference_dir: str | Path, quantized_dirs: list[str | Path], num_sequences: int = 16, seq_len: int = 256) -> tuple[str, list[dict]]:
     """Markdown table (one row per quantized checkpoint) and the per-checkpoint dicts, on held-out text."""
+    for model_dir in (reference_dir, *quantized_dirs):  # every input, before any model is loaded
+        check_checkpoint_dir(model_dir)
+    for model_dir in quantized_dirs:
+        read_quantization_config(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(reference_dir)
     tokens = calibration_batches(tokenizer, num_sequences, seq_len)
     rows = [quality(reference_dir, d, tokens) for d in quantized_dirs]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from quantkit.errors import print_error
 from quantkit.report.gate import Thresholds, load_thresholds, run_gate
 from quantkit.report.render import render_report
 from quantkit.report.results import ResultsError
@@ -16,8 +16,7 @@ def _report(args: argparse.Namespace) -> int:
     try:
         paths = render_report(args.results, out)
     except ResultsError as err:
-        print(f"quantkit report: error: {err}", file=sys.stderr)
-        return 2
+        return print_error("report", err)
     print(f"{args.results} -> {', '.join(str(p) for p in paths.values())}")
     return 0
 
@@ -27,8 +26,7 @@ def _gate(args: argparse.Namespace) -> int:
         thresholds = load_thresholds(args.config, max_drop=args.max_drop, max_avg_drop=args.max_avg_drop,
                                      max_kl_ratio=args.max_kl_ratio, min_kl_increase=args.min_kl_increase)
     except ResultsError as err:
-        print(f"quantkit gate: error: {err}", file=sys.stderr)
-        return 2
+        return print_error("gate", err)
     return run_gate(args.baseline, args.current, thresholds, verbose=args.verbose)
 
 

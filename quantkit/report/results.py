@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantkit.errors import QuantkitError
 from quantkit.report.benchmarks import resolve
 
 SCHEMA_VERSION = 1
@@ -25,7 +26,7 @@ _ROW_KEYS = {"id", "section", "variant", "label", "model", "recipe", "precision"
              "flips", "kl", "outliers", "meta"}
 
 
-class ResultsError(ValueError):
+class ResultsError(QuantkitError, ValueError):
     """Malformed input (a results file or gate thresholds): the message names the file, the row and the field."""
 
 

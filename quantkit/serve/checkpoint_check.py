@@ -2,7 +2,7 @@
 
 `check_servable(model_dir)` reads config.json and the safetensors headers (no tensor data) and raises
 `CheckpointError` naming the problem when:
-- config.json or the weights are missing or unreadable;
+- config.json or the weights are missing or unreadable (`quantkit.checkpoints.check_checkpoint_dir`);
 - the weights hold quantized tensors but config.json has no `quantization_config`;
 - a quantkit `quantization_config` is malformed or disagrees with the tensors (a listed module without
   its tensors, wrong dtypes or scale shapes, quantized tensors of an unlisted module);
@@ -12,14 +12,13 @@ Returns the quantization_config (None for an unquantized checkpoint).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
-from safetensors import safe_open
-
+from quantkit.checkpoints import CheckpointError, TensorHeaders, check_checkpoint_dir
 from quantkit.formats.constants import FP8_WEIGHT_BLOCK as FP8_BLOCK
 from quantkit.formats.constants import NVFP4_GROUP
+
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", "weight_scale_2",
                   "input_scale", "weight_scale_inv")
 SCHEME_TENSORS = {  # suffix -> safetensors dtype
@@ -28,37 +27,10 @@ SCHEME_TENSORS = {  # suffix -> safetensors dtype
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be served as it is; the message names the file, tensor or key."""
-
-
-def tensor_headers(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{tensor name: (safetensors dtype, shape)} over every *.safetensors file, without reading data."""
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{model_dir}: no *.safetensors weights")
-    headers = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    s = f.get_slice(name)
-                    headers[name] = (s.get_dtype(), tuple(s.get_shape()))
-        except Exception as err:  # safetensors raises its own error types for corrupt headers
-            raise CheckpointError(f"{file}: unreadable safetensors file ({err})") from err
-    return headers
-
-
 def check_servable(model_dir: str | Path) -> dict | None:
+    """The checks of the module docstring; the quantization_config, or None for an unquantized checkpoint."""
     model_dir = Path(model_dir)
-    config_file = model_dir / "config.json"
-    if not config_file.exists():
-        raise CheckpointError(f"{model_dir} is not a checkpoint directory (no config.json)")
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_file}: not valid JSON ({err})") from err
-    headers = tensor_headers(model_dir)
+    config, headers = check_checkpoint_dir(model_dir)
     qc = config.get("quantization_config")
     if qc is None:
         quantized = sorted(n for n, (dtype, _) in headers.items() if n.rsplit(".", 1)[-1] in QUANT_SUFFIXES or dtype.startswith("F8"))
@@ -93,7 +65,7 @@ def validate_quantkit_config(qc: dict, where: str = "quantization_config") -> No
         raise CheckpointError(f"{where}: quantized_modules is empty")
 
 
-def _check_quantkit(model_dir: Path, qc: dict, headers: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+def _check_quantkit(model_dir: Path, qc: dict, headers: TensorHeaders) -> None:
     validate_quantkit_config(qc, f"{model_dir}/config.json quantization_config")
     scheme, modules = qc["scheme"], qc["quantized_modules"]
     static = qc["activation_scale"] == "static"

@@ -1,0 +1,243 @@
+"""docs/errors.md, one test per row: bad input at every `quantkit` command ends as a named error, exit 2.
+
+Each case runs `quantkit.cli.main` in this process on inputs built here (from the tiny checkpoint), and
+asserts the exit code, `quantkit <command>: error: <message>` on stderr and no traceback. The checks fire
+before any engine starts or model trains, so every case is cheap. One case runs the installed `quantkit`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantkit.atomic import exclusive_lock
+from quantkit.cli import main
+from quantkit.errors import QuantkitError
+
+REPO = Path(__file__).resolve().parents[1]
+PAPER = REPO / "tests" / "fixtures" / "paper000_table2.json"
+DEFAULT_SPEC = REPO / "pipelines" / "default.yaml"
+# The commands that take a checkpoint directory; each checks it before any work.
+CHECKPOINT_COMMANDS = {
+    "quantize": lambda model, tmp: ["quantize", model, "w4a4_nvfp4", tmp / "out"],
+    "quality": lambda model, tmp: ["quality", model, tmp / "quantized"],
+    "diagnose": lambda model, tmp: ["diagnose", model, "--out", tmp / "diagnostics"],
+    "serve": lambda model, tmp: ["serve", model],
+    "generate": lambda model, tmp: ["generate", model, "hello"],
+    "eval": lambda model, tmp: ["eval", model, "--out", tmp / "eval"],
+    "run": lambda model, tmp: ["run", DEFAULT_SPEC, "--model", model, "--run-dir", tmp / "run"],
+}
+
+
+def _copy(source: Path, dest: Path, edit: Callable[[Path], object]) -> Path:
+    shutil.copytree(source, dest)
+    edit(dest)
+    return dest
+
+
+def _with_nan_norm(model_dir: Path) -> None:
+    state = load_file(model_dir / "model.safetensors")
+    state["model.layers.1.input_layernorm.weight"][3] = float("nan")
+    save_file(state, model_dir / "model.safetensors", metadata={"format": "pt"})
+
+
+def _gpt2(model_dir: Path, tokenizer_dir: Path) -> Path:
+    """A tiny GPT-2: an architecture without Llama-style decoder layers (SmoothQuant cannot map it)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, model_dir / name)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_checkpoint, tmp_path_factory) -> SimpleNamespace:
+    """Every bad input of the table, built once from the tiny checkpoint."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    copy = functools.partial(_copy, tiny_checkpoint)
+    weights = (tiny_checkpoint / "model.safetensors").read_bytes()
+    paper = json.loads(PAPER.read_text())
+    (root / "sq_quick.yaml").write_text(
+        "name: sq_quick\nscheme: nvfp4\nsmoothquant: {alpha: 0.5, num_sequences: 4, seq_len: 32}\n")
+    (root / "bad_recipe.yaml").write_text("name: bad_recipe\nscheme: nvfp4\nsmoothing: true\n")
+    (root / "spec.yaml").write_text(DEFAULT_SPEC.read_text() + "nope: 1\n")
+    (root / "results.json").write_text(json.dumps({"schema_version": 1, "rows": []}))
+    (root / "gate.yaml").write_text("max_drop: 1.0\nnope: 2\n")
+    (root / "current.json").write_text(json.dumps(dict(paper, rows=[r for r in paper["rows"] if r["id"] != "(7)"])))
+    (root / "python").write_text("#!/bin/sh\necho 'loading the model' >&2\necho 'ValueError: scheme FP8_BLOCK: injected failure' >&2\nexit 3\n")
+    (root / "python").chmod(0o755)
+    (root / "no_eval_data").mkdir()
+    return SimpleNamespace(
+        root=root,
+        tiny=tiny_checkpoint,
+        no_config=copy(root / "no_config", lambda d: (d / "config.json").unlink()),
+        bad_json=copy(root / "bad_json", lambda d: (d / "config.json").write_text("{not json")),
+        no_weights=copy(root / "no_weights", lambda d: (d / "model.safetensors").unlink()),
+        truncated=copy(root / "truncated", lambda d: (d / "model.safetensors").write_bytes(weights[: len(weights) // 2])),
+        fake_quantized=copy(root / "fake_quantized", lambda d: (d / "config.json").write_text(json.dumps(dict(
+            json.loads((d / "config.json").read_text()), quantization_config={"quant_method": "quantkit", "format_version": 2})))),
+        nan_weights=copy(root / "nan_weights", _with_nan_norm),
+        no_tokenizer=copy(root / "no_tokenizer", lambda d: [(d / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json")]),
+        gpt2=_gpt2(root / "gpt2", tiny_checkpoint),
+    )
+
+
+def _run(capsys, argv: list) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _assert_named_error(code: int, err: str, command: str, match: str) -> None:
+    """Exit 2, `quantkit <command>: error: <match>` on stderr (after any progress bars), no traceback."""
+    prefix = f"quantkit {command}: error: "
+    assert code == 2 and prefix in err, err
+    assert re.search(match, err.split(prefix, 1)[1]), err
+    assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------ rows 1-4: every checkpoint command
+
+CHECKPOINT_ROWS = {
+    "no_config": r"is not a checkpoint directory \(no config\.json\)",
+    "bad_json": r"config\.json: not valid JSON",
+    "no_weights": r"no \*\.safetensors weights",
+    "truncated": r"model\.safetensors: unreadable safetensors file \(truncated or corrupt\?\)",
+}
+
+
+@pytest.mark.parametrize("defect", CHECKPOINT_ROWS)
+@pytest.mark.parametrize("command", CHECKPOINT_COMMANDS)
+def test_checkpoint_checked_first(inputs, capsys, tmp_path, command, defect):
+    code, _, err = _run(capsys, CHECKPOINT_COMMANDS[command](getattr(inputs, defect), tmp_path))
+    _assert_named_error(code, err, command, CHECKPOINT_ROWS[defect])
+    assert not any(tmp_path.iterdir()), "nothing written"
+
+
+def test_truncated_shard_through_the_installed_command(inputs, tmp_path):
+    """The issue's example, through the real `quantkit` executable."""
+    quantkit = Path(sys.executable).parent / "quantkit"
+    run = subprocess.run([quantkit, "quantize", inputs.truncated, "w4a4_nvfp4", tmp_path / "out"], capture_output=True, text=True)
+    _assert_named_error(run.returncode, run.stderr, "quantize", r"unreadable safetensors file \(truncated or corrupt\?\)")
+
+
+# ------------------------------------------------------------------ the other rows
+
+
+@dataclass(frozen=True)
+class Row:
+    command: str
+    argv: Callable[[SimpleNamespace, Path], list]
+    match: str
+    setup: Callable[[SimpleNamespace, pytest.MonkeyPatch], object] | None = None  # may return a context to hold
+
+
+def _break_the_norm_fold(_, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SmoothQuant fold that forgets to divide the norm weight: what a wrong mapping does."""
+    from quantkit.calibrate import mappings
+    from quantkit.models.modeling import QuantkitNorm
+
+    monkeypatch.setitem(mappings._FOLDS, QuantkitNorm, lambda norm, s: None)
+
+
+def _fail_modelopt_calibration(_, monkeypatch: pytest.MonkeyPatch) -> None:
+    import modelopt.torch.quantization as mtq
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected calibration failure")
+
+    monkeypatch.setattr(mtq, "quantize", fail)
+
+
+ROWS = {
+    "servable_check": Row("serve", lambda p, t: ["serve", p.fake_quantized], r"format_version 2 is not supported"),
+    "unknown_recipe": Row("quantize", lambda p, t: ["quantize", p.tiny, "w3a3", t / "out"], r"unknown recipe 'w3a3'; available: \["),
+    "bad_recipe_file": Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / "bad_recipe.yaml", t / "out"],
+                           r"unknown recipe key\(s\) \['smoothing'\]"),
+    "output_exists": Row("quantize", lambda p, t: ["quantize", p.tiny, "bf16", p.root], r"exists; pass overwrite=True \(--overwrite\)"),
+    "smoothquant_nan": Row("quantize", lambda p, t: ["quantize", p.nan_weights, p.root / "sq_quick.yaml", t / "out"],
+                           r"SmoothQuant: non-finite activation statistics at the input of model\.layers\.1\.self_attn\.q_proj \(NaN"),
+    "smoothquant_mapping": Row("quantize", lambda p, t: ["quantize", p.gpt2, p.root / "sq_quick.yaml", t / "out"],
+                               r"SmoothQuant cannot map GPT2LMHeadModel: no decoder layers at model\.model\.layers"),
+    "smoothquant_function": Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / "sq_quick.yaml", t / "out"],
+                                r"SmoothQuant changed the logits of QuantkitForCausalLM: .* above the tolerance", _break_the_norm_fold),
+    "llmcompressor_missing": Row("quantize", lambda p, t: ["quantize", p.tiny, "fp8_block_ct", t / "out"],
+                                 r"llmcompressor environment not found at /nonexistent/python: run `make setup-llmcompressor`",
+                                 lambda p, mp: mp.setenv("QUANTKIT_LLMCOMPRESSOR_PYTHON", "/nonexistent/python")),
+    "llmcompressor_failed": Row("quantize", lambda p, t: ["quantize", p.tiny, "fp8_block_ct", t / "out"],
+                                r"llmcompressor failed on .* with recipe fp8_block_ct \(worker .*, exit 3\); the end of its "
+                                r"stderr:\nloading the model\nValueError: scheme FP8_BLOCK: injected failure",
+                                lambda p, mp: mp.setenv("QUANTKIT_LLMCOMPRESSOR_PYTHON", str(p.root / "python"))),
+    "modelopt_missing": Row("quantize", lambda p, t: ["quantize", p.tiny, "nvfp4_modelopt", t / "out"],
+                            r"recipe nvfp4_modelopt needs nvidia-modelopt \(.*\): pip install -e '\.\[backends\]'",
+                            lambda p, mp: mp.setitem(sys.modules, "modelopt.torch.quantization", None)),
+    "modelopt_failed": Row("quantize", lambda p, t: ["quantize", p.tiny, "nvfp4_modelopt", t / "out"],
+                           r"modelopt failed on .* with recipe nvfp4_modelopt: RuntimeError: injected calibration failure",
+                           _fail_modelopt_calibration),
+    "quality_not_quantized": Row("quality", lambda p, t: ["quality", p.tiny, p.tiny], r"has no quantization_config \(not a quantized checkpoint\)"),
+    "diagnose_quantized": Row("diagnose", lambda p, t: ["diagnose", p.fake_quantized, "--out", t / "d"],
+                              r"is a quantized checkpoint; diagnose its unquantized source"),
+    "diagnose_recipe": Row("diagnose", lambda p, t: ["diagnose", p.tiny, "--recipes", "w4a4_nvfp4_sq", "--out", t / "d"],
+                           r"recipe 'w4a4_nvfp4_sq' applies SmoothQuant first"),
+    "diagnose_nan": Row("diagnose", lambda p, t: ["diagnose", p.nan_weights, "--num-sequences", "1", "--seq-len", "16", "--recipes",
+                                                  "--out", t / "d"], r"non-finite value"),
+    "eval_unknown_suite": Row("eval", lambda p, t: ["eval", p.tiny, "--suite", "nope"], r"unknown suite 'nope'; known: "),
+    "eval_no_items": Row("eval", lambda p, t: ["eval", p.tiny, "--out", t / "eval"], r"offline eval items missing or stale in .*: run `make setup`",
+                         lambda p, mp: mp.setenv("QUANTKIT_EVAL_DATA", str(p.root / "no_eval_data"))),
+    "report_schema": Row("report", lambda p, t: ["report", p.root / "results.json", "--out", t / "r"], r"'rows' must be a non-empty list"),
+    "report_missing": Row("report", lambda p, t: ["report", t / "none.json"], r"none\.json: no such file"),
+    "gate_thresholds": Row("gate", lambda p, t: ["gate", "--baseline", PAPER, "--current", PAPER, "--config", p.root / "gate.yaml"],
+                           r"unknown threshold\(s\) nope"),
+    "gate_missing_row": Row("gate", lambda p, t: ["gate", "--baseline", PAPER, "--current", p.root / "current.json"],
+                            r"current\.json: missing row variant"),
+    "run_spec_key": Row("run", lambda p, t: ["run", p.root / "spec.yaml"], r"spec\.yaml: unknown key\(s\) \['nope'\]"),
+    "run_spec_missing": Row("run", lambda p, t: ["run", t / "none.yaml"], r"pipeline spec .*none\.yaml does not exist"),
+    "run_stage_bad_input": Row("run", lambda p, t: ["run", DEFAULT_SPEC, "--model", p.no_tokenizer, "--run-dir", t / "run",
+                                                    "--until", "quantize"], r"stage '\w+' failed for model 'no_tokenizer'.*tokenizer"),
+    "run_dir_locked": Row("run", lambda p, t: ["run", DEFAULT_SPEC, "--model", p.tiny, "--run-dir", p.root / "locked_run"],
+                          r"run directory .* is in use by another quantkit process \(pid \d+",
+                          lambda p, mp: exclusive_lock(p.root / "locked_run" / ".lock", "this test")),
+    "zoo_preset": Row("zoo", lambda p, t: ["zoo", "build", "ga", "nope", "--out", t / "zoo"], r"unknown zoo variant\(s\) \['nope'\]"),
+    "zoo_size": Row("zoo", lambda p, t: ["zoo", "build", "ga", "--size", "huge", "--out", t / "zoo"], r"unknown zoo size 'huge'"),
+}
+
+
+@pytest.mark.parametrize("name", ROWS)
+def test_named_error(inputs, capsys, monkeypatch, tmp_path, name):
+    row = ROWS[name]
+    held = row.setup(inputs, monkeypatch) if row.setup is not None else None
+    with held or contextlib.nullcontext():
+        code, _, err = _run(capsys, row.argv(inputs, tmp_path))
+    _assert_named_error(code, err, row.command, row.match)
+
+
+def test_usage_errors_are_argparse_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["quantize", "only-a-model"])
+    assert exit_.value.code == 2
+    assert "quantkit quantize: error: the following arguments are required: recipe, out" in capsys.readouterr().err
+
+
+def test_code_execution_refused_is_a_named_error(monkeypatch):
+    """Library only: `quantkit eval` skips code benchmarks unless --allow-code-execution is given."""
+    from quantkit.evals.execution import ALLOW_ENV, CodeExecutionRefused, run_program
+
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    with pytest.raises(CodeExecutionRefused, match="--allow-code-execution") as err:
+        run_program("pass")
+    assert isinstance(err.value, QuantkitError)
