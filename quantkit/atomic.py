@@ -22,10 +22,12 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from quantkit.errors import QuantkitError
+
 logger = logging.getLogger(__name__)
 
 
-class LockedError(RuntimeError):
+class LockedError(QuantkitError, RuntimeError):
     """Another process holds the lock (the message names it and the lock file)."""
 
 

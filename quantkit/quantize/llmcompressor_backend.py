@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
 
+from quantkit.atomic import atomic_dir
 from quantkit.errors import BackendError
 from quantkit.quantize.recipe import CalibrationSettings, Recipe
 
@@ -39,25 +40,18 @@ def quantize_with_llmcompressor(model_dir: Path, recipe: Recipe, out_dir: Path) 
     from quantkit.calibrate import calibration_batches
 
     python = llmcompressor_python()
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    job = {"model": str(model_dir), "out": str(tmp / "model"), "scheme": recipe.scheme, "ignore": list(recipe.ignore)}
-    if recipe.scheme == "NVFP4":  # static activation global scale: calibrated
-        cal = recipe.calibration or CalibrationSettings()
-        tokens = calibration_batches(AutoTokenizer.from_pretrained(model_dir), cal.num_sequences, cal.seq_len)
-        torch.save(tokens, tmp / "calibration.pt")
-        job["calibration"] = str(tmp / "calibration.pt")
-    (tmp / "job.json").write_text(json.dumps(job))
-    run = subprocess.run([str(python), "-m", "quantkit.quantize.llmcompressor_worker", str(tmp / "job.json")],
-                         capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-    if run.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tail = "\n".join(run.stderr.strip().splitlines()[-STDERR_LINES:])
-        raise BackendError(f"llmcompressor failed on {model_dir} with recipe {recipe.name} (worker {python}, exit "
-                           f"{run.returncode}); the end of its stderr:\n{tail}")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    (tmp / "model").rename(out_dir)
-    shutil.rmtree(tmp)
+    with atomic_dir(out_dir, overwrite=True) as out, tempfile.TemporaryDirectory() as work:
+        job = {"model": str(model_dir), "out": str(out), "scheme": recipe.scheme, "ignore": list(recipe.ignore)}
+        if recipe.scheme == "NVFP4":  # static activation global scale: calibrated
+            cal = recipe.calibration or CalibrationSettings()
+            tokens = calibration_batches(AutoTokenizer.from_pretrained(model_dir), cal.num_sequences, cal.seq_len)
+            torch.save(tokens, Path(work) / "calibration.pt")
+            job["calibration"] = str(Path(work) / "calibration.pt")
+        (Path(work) / "job.json").write_text(json.dumps(job))
+        run = subprocess.run([str(python), "-m", "quantkit.quantize.llmcompressor_worker", str(Path(work) / "job.json")],
+                             capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+        if run.returncode != 0:
+            tail = "\n".join(run.stderr.strip().splitlines()[-STDERR_LINES:])
+            raise BackendError(f"llmcompressor failed on {model_dir} with recipe {recipe.name} (worker {python}, exit "
+                               f"{run.returncode}); the end of its stderr:\n{tail}")
     return out_dir

@@ -15,8 +15,6 @@ failures (and a missing nvidia-modelopt) raise BackendError naming the recipe.
 from __future__ import annotations
 
 import copy
-import os
-import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from quantkit.atomic import atomic_dir
 from quantkit.errors import BackendError
 from quantkit.quantize.recipe import CalibrationSettings, Recipe
 
@@ -78,17 +77,12 @@ def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Pa
             for row in tqdm(tokens, desc=f"modelopt calibration {recipe.name}", unit="seq"):
                 m(row[None])
 
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        with _cpu_safe_fp4_check():
-            mtq.quantize(model, modelopt_config(recipe, model), forward_loop)
-            export_hf_checkpoint(model, export_dir=str(tmp))
-    except Exception as err:  # ModelOpt raises its own and torch's error types
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise BackendError(f"modelopt failed on {model_dir} with recipe {recipe.name}: {type(err).__name__}: {err}") from err
-    tokenizer.save_pretrained(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    with atomic_dir(out_dir, overwrite=True) as tmp:
+        try:
+            with _cpu_safe_fp4_check():
+                mtq.quantize(model, modelopt_config(recipe, model), forward_loop)
+                export_hf_checkpoint(model, export_dir=str(tmp))
+        except Exception as err:  # ModelOpt raises its own and torch's error types
+            raise BackendError(f"modelopt failed on {model_dir} with recipe {recipe.name}: {type(err).__name__}: {err}") from err
+        tokenizer.save_pretrained(tmp)
     return out_dir
