@@ -69,6 +69,15 @@ def _finished(run_dir: Path) -> dict[str, tuple[int, int]]:
             for p in (run_dir / d).rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(run_dir).parts)}
 
 
+def _run_and_kill(path: Path, run_dir: Path, log_name: str, condition: Callable[[], bool], what: str) -> dict[str, tuple[int, int]]:
+    """`quantkit run SPEC`, SIGKILLed (with its children) as soon as `condition()`; its finished artifacts."""
+    log = path.parent / log_name
+    proc = _start(["run", str(path)], log)
+    _poll(condition, proc, log, what)
+    _kill(proc, run_dir)
+    return _finished(run_dir)
+
+
 def _temps(run_dir: Path) -> list[Path]:
     return [p for d in STAGE_DIRS for p in (run_dir / d).glob(".*")]
 
@@ -94,23 +103,21 @@ def spec(tiny_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
 def killed_in_quantize(spec):
     """The study killed as soon as a checkpoint (temp or finished) appears; its finished artifacts."""
     path, run_dir = spec
-    log = path.parent / "run1.log"
-    proc = _start(["run", str(path)], log)
-    _poll(lambda: any((run_dir / "checkpoints").glob("*")), proc, log, "checkpoint being written")
-    _kill(proc, run_dir)
-    return _finished(run_dir)
+    return _run_and_kill(path, run_dir, "run1.log", lambda: any((run_dir / "checkpoints").glob("*")), "checkpoint being written")
 
 
 @pytest.fixture(scope="module")
 def killed_in_eval(spec, killed_in_quantize):
     """The resumed study killed in the middle of an eval (some samples written into its temp dir)."""
     path, run_dir = spec
-    log = path.parent / "run2.log"
-    proc = _start(["run", str(path)], log)
-    _poll(lambda: any((run_dir / "evals").glob(".tiny-*.tmp/samples/*.jsonl")), proc, log, "eval half done")
-    assert not any((run_dir / "evals").glob("[!.]*")), "an eval finished before the test saw one in flight"
-    _kill(proc, run_dir)
-    return _finished(run_dir)
+
+    def eval_half_done() -> bool:
+        if not any((run_dir / "evals").glob(".tiny-*.tmp/samples/*.jsonl")):
+            return False
+        assert not any((run_dir / "evals").glob("[!.]*")), "an eval finished before the test saw one in flight"
+        return True
+
+    return _run_and_kill(path, run_dir, "run2.log", eval_half_done, "eval half done")
 
 
 @pytest.fixture(scope="module")
