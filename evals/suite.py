@@ -1,4 +1,4 @@
-"""Evaluation suites (configs/suites/*.yaml) run through lm-eval, with stamped results and per-sample logs.
+"""Evaluation suites (quantkit/configs/suites/*.yaml) run through lm-eval, with stamped results and per-sample logs.
 
     evaluate(model_dir, suite="mini", backend="vllm", out_dir=..., limit=None, allow_code=False) -> dict
 
@@ -37,12 +37,12 @@ from tqdm import tqdm
 
 from quantkit.atomic import write_text_atomic
 from quantkit.checkpoints import check_checkpoint_dir
+from quantkit.configs import SUITES_DIR
 from quantkit.evals.execution import ALLOW_ENV
 from quantkit.evals.extract import MissingExtractionError, data_dir, is_current
 
 logger = logging.getLogger(__name__)
 
-SUITES_DIR = Path(__file__).resolve().parents[1] / "configs" / "suites"
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 TASK_CONFIGS = {"mini": [TASKS_DIR / "mini"], "full": [TASKS_DIR / "mini", TASKS_DIR / "full"]}
 DEFAULT_SEED = 1234
@@ -71,7 +71,7 @@ def available_suites() -> list[str]:
 
 
 def load_suite(name_or_path: str | Path) -> Suite:
-    """A suite by name (configs/suites/<name>.yaml) or YAML path; ValueError names the problem."""
+    """A suite by name (SUITES_DIR/<name>.yaml) or YAML path; ValueError names the problem."""
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml"):
         path = SUITES_DIR / f"{name_or_path}.yaml"

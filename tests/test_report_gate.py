@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from quantkit.configs import GATE_YAML
 from quantkit.report.cli import add_gate_parser
 from quantkit.report.gate import Thresholds, compare, load_thresholds
 from quantkit.report.results import ResultsError, load_results
 
 PAPER = Path(__file__).parent / "fixtures" / "paper000_table2.json"
-GATE_YAML = Path(__file__).parents[1] / "configs" / "gate.yaml"
 
 
 def gate(*argv: str) -> int:

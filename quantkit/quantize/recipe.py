@@ -1,4 +1,4 @@
-"""Quantization recipes: YAML files in `configs/recipes/`, validated on load.
+"""Quantization recipes: YAML files in `quantkit/configs/recipes/` (package data), validated on load.
 
 A recipe names a scheme and what happens before it:
 
@@ -24,7 +24,8 @@ from typing import Any
 
 import yaml
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "configs" / "recipes"
+from quantkit.configs import RECIPES_DIR
+
 # lm_head stays BF16 (paper 000 App. A.4.2); GatedNorm's rank-r gates are tiny (shared/DESIGN.md)
 DEFAULT_IGNORE = ("lm_head", r"re:.*\.gate_down$", r"re:.*\.gate_up$")
 SCHEMES = {
@@ -76,7 +77,7 @@ def available_recipes() -> list[str]:
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
-    """Load and validate a recipe by name (configs/recipes/<name>.yaml) or path; ValueError names the problem."""
+    """Load and validate a recipe by name (RECIPES_DIR/<name>.yaml) or path; ValueError names the problem."""
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml"):
         path = RECIPES_DIR / f"{name_or_path}.yaml"
