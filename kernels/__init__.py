@@ -4,7 +4,6 @@ Every kernel has a pure-torch reference and is tested against it through the Tri
 (TRITON_INTERPRET=1); where the interpreter computes differently from a GPU, `interpreter_quirks` says how
 and the kernels work around it. One module a job:
 
-  rowwise_absmax      row-wise max |x| (the example kernel)
   fp_codes            device functions: float32 <-> E4M3 / E2M1 codes, bit-exact with quantkit.formats
   quantize_fp8        fused FP8 per-token activation quantizer
   quantize_nvfp4      fused NVFP4 activation quantizer (per-token or static second stage)
