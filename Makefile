@@ -1,7 +1,7 @@
 # quantkit — every target installs what it needs first (idempotent: stamp files under the venvs).
 #
 #   make test                          set up the main environment, run the test suite
-#   make quantize eval MODEL=...       the deployment study (stages arrive with issues 4-8)
+#   make quantize eval MODEL=...       the deployment study (stages: STAGES in pipelines/study.py)
 #
 # Variables: DEVICE=cpu|cuda (default: cuda when nvidia-smi is on PATH), PYTHON (>= 3.11),
 #            PIP_ARGS (extra pip flags, e.g. an index that carries torch's CPU wheels).
@@ -68,6 +68,8 @@ zoo: $(MAIN_STAMP)
 
 # The deployment study (pipelines/study.py): `make quantize eval MODEL=<hub id | local dir | zoo:preset>`;
 # no MODEL: the embedded default (the zoo's Table 2 trio). Finished stages are cached in the run directory.
+# Each target runs the study's stage table (STAGES) up to the stage named by --until; tests/test_study_stages.py
+# checks that every --until here names a stage of that table.
 PIPELINE ?= pipelines/default.yaml
 MODEL    ?=
 STUDY     = $(VENV)/bin/quantkit run $(PIPELINE) $(if $(MODEL),--model $(MODEL))

@@ -1,50 +1,29 @@
 """How much a quantized checkpoint departs from its BF16 source, beside accuracy, and whether a drop is noise.
 
-- Answer flips per task (`answer_flips`): from the per-sample logs (samples/<task>.jsonl) of two
-  `suite.evaluate` runs, items whose score changed (right->wrong, wrong->right) and whose answer changed.
+The measures themselves (flips, paired bootstrap, KL) are `quantkit.metrics`; this module applies them to
+evaluation runs and checkpoints:
+
+- `compare_runs`: from the per-sample logs (samples/<task>.jsonl) of two `suite.evaluate` runs, per task
+  (or per group of tasks, e.g. a benchmark) the answer flips and the paired bootstrap of the score
+  difference on the same items. The study's degradation stage and the tests use this one comparison.
 - KL divergence of next-token distributions on held-out text (`heldout_kl`): KL(P_ref || P_test), in
   nats per token, full vocabulary, averaged over every predicted position of `calibration_batches`
-  windows of the zoo's held-out speeches. Method: transformers forward passes in float32; a quantkit
-  checkpoint runs through `load_fake_quant_model` (the numerical reference the vLLM path is
-  parity-tested against), so this measures the recipe's numerics, not a serving kernel.
-- Noise floor: percentile bootstrap CI of a mean score (`bootstrap_ci`) and a paired bootstrap of the
-  accuracy difference on the same items (`paired_bootstrap`); `is_regression` calls a drop only when the
-  whole CI lies below -tolerance.
+  windows of the zoo's held-out speeches. Method: transformers forward passes in float32, KL in float64
+  (`quantkit.metrics.kl_divergence`); a quantkit checkpoint runs through `load_fake_quant_model` (the
+  numerical reference the vLLM path is parity-tested against), so this measures the recipe's numerics, not
+  a serving kernel.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
 
-
-@dataclass
-class Flips:
-    """Answer flips of one task between a reference run and a test run (paired by doc_id)."""
-
-    n: int
-    right_to_wrong: int
-    wrong_to_right: int
-    answer_changed: int
-
-    @property
-    def flip_rate(self) -> float:
-        return (self.right_to_wrong + self.wrong_to_right) / self.n if self.n else 0.0
-
-
-@dataclass
-class PairedDelta:
-    """mean(test) - mean(ref) over paired items, with its bootstrap CI and one-sided p(delta >= 0)."""
-
-    delta: float
-    ci_low: float
-    ci_high: float
-    p_not_worse: float
-    n: int
+from quantkit.metrics import Flips, PairedDelta, answer_flips, kl_divergence, paired_bootstrap, total_flips
 
 
 def read_samples(run_dir: str | Path) -> dict[str, dict[int, dict]]:
@@ -59,67 +38,33 @@ def read_samples(run_dir: str | Path) -> dict[str, dict[int, dict]]:
     return out
 
 
-def answer_flips(reference: dict[int, dict], test: dict[int, dict]) -> Flips:
-    """Flips between two runs' records of one task (records carry `score` and `answer`)."""
-    if reference.keys() != test.keys():
-        raise ValueError(f"runs scored different items: {len(reference.keys() ^ test.keys())} doc_ids differ")
-    r2w = w2r = changed = 0
-    for doc_id, ref in reference.items():
-        a, b = float(ref["score"]), float(test[doc_id]["score"])
-        r2w += a > b
-        w2r += a < b
-        changed += ref["answer"] != test[doc_id]["answer"]
-    return Flips(len(reference), r2w, w2r, changed)
-
-
-def compare_runs(reference_dir: str | Path, test_dir: str | Path, n_boot: int = 10000, seed: int = 0) -> dict[str, dict]:
-    """Per task present in both runs: flips and the paired bootstrap of the score difference."""
-    ref, test = read_samples(reference_dir), read_samples(test_dir)
+def compare_samples(reference: Mapping[str, Mapping[int, dict]], test: Mapping[str, Mapping[int, dict]],
+                    groups: Mapping[str, Sequence[str]] | None = None, n_boot: int = 10000,
+                    seed: int = 0) -> dict[str, tuple[Flips, PairedDelta]]:
+    """Per group of tasks (default: every task of `reference` alone), over the items of its tasks present in
+    both runs (task by task, doc_ids sorted): pooled answer flips and the paired bootstrap of the score
+    difference. A group without such items is left out; a task whose items differ between the runs raises
+    ValueError."""
+    groups = {task: [task] for task in sorted(reference)} if groups is None else groups
     out = {}
-    for task in sorted(ref.keys() & test.keys()):
-        ids = sorted(ref[task])
-        delta = paired_bootstrap([ref[task][i]["score"] for i in ids], [test[task].get(i, {}).get("score") for i in ids],
+    for name, tasks in groups.items():
+        tasks = [t for t in tasks if t in reference and t in test]
+        ids = [(t, i) for t in tasks for i in sorted(reference[t])]
+        if not ids:
+            continue
+        flips = total_flips([answer_flips(reference[t], test[t]) for t in tasks])
+        delta = paired_bootstrap([reference[t][i]["score"] for t, i in ids], [test[t][i]["score"] for t, i in ids],
                                  n_boot=n_boot, seed=seed)
-        out[task] = dict(flips=asdict(answer_flips(ref[task], test[task])), delta=asdict(delta))
+        out[name] = (flips, delta)
     return out
 
 
-def bootstrap_ci(scores, n_boot: int = 10000, alpha: float = 0.05, seed: int = 0) -> tuple[float, float, float]:
-    """(mean, low, high): percentile bootstrap (1 - alpha) CI of the mean of per-item scores."""
-    x = np.asarray(scores, dtype=np.float64)
-    if x.ndim != 1 or x.size == 0:
-        raise ValueError("need a non-empty 1-D sequence of scores")
-    idx = np.random.default_rng(seed).integers(0, x.size, size=(n_boot, x.size))
-    means = x[idx].mean(axis=1)
-    return float(x.mean()), float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2))
-
-
-def paired_bootstrap(reference, test, n_boot: int = 10000, alpha: float = 0.05, seed: int = 0) -> PairedDelta:
-    """Bootstrap over items (same resampled items for both runs) of mean(test) - mean(reference)."""
-    if any(s is None for s in test):
-        raise ValueError("the test run lacks some of the reference run's items")
-    a, b = np.asarray(reference, dtype=np.float64), np.asarray(test, dtype=np.float64)
-    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
-        raise ValueError(f"need two equally long non-empty score vectors, got {a.shape} and {b.shape}")
-    diff = b - a
-    idx = np.random.default_rng(seed).integers(0, diff.size, size=(n_boot, diff.size))
-    boot = diff[idx].mean(axis=1)
-    return PairedDelta(float(diff.mean()), float(np.quantile(boot, alpha / 2)), float(np.quantile(boot, 1 - alpha / 2)),
-                       float((boot >= 0).mean()), int(diff.size))
-
-
-def is_regression(delta: PairedDelta, tolerance: float = 0.0) -> bool:
-    """True when the whole CI of the difference lies below -tolerance (a drop beyond noise)."""
-    return delta.ci_high < -tolerance
-
-
-def kl_divergence(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> torch.Tensor:
-    """KL(softmax(ref) || softmax(test)) in nats over the last dimension (one value per position)."""
-    if ref_logits.shape != test_logits.shape:
-        raise ValueError(f"logit shapes differ: {tuple(ref_logits.shape)} vs {tuple(test_logits.shape)}")
-    log_p = torch.log_softmax(ref_logits.double(), dim=-1)
-    log_q = torch.log_softmax(test_logits.double(), dim=-1)
-    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+def compare_runs(reference_dir: str | Path, test_dir: str | Path, groups: Mapping[str, Sequence[str]] | None = None,
+                 n_boot: int = 10000, seed: int = 0) -> dict[str, dict]:
+    """`compare_samples` of two `suite.evaluate` output directories, as JSON-ready
+    {group: {'flips': Flips fields, 'delta': PairedDelta fields}}."""
+    compared = compare_samples(read_samples(reference_dir), read_samples(test_dir), groups, n_boot=n_boot, seed=seed)
+    return {name: dict(flips=asdict(flips), delta=asdict(delta)) for name, (flips, delta) in compared.items()}
 
 
 def _load_float32(model_dir: Path) -> torch.nn.Module:

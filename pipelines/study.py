@@ -140,47 +140,54 @@ class Study:
         self.sources: dict[str, Path] = {}
         self.timings: dict[tuple[str, str, str], dict[str, Any]] = {}
 
+    def artifact(self, stage: str, label: str | None = None, recipe: str | None = None) -> Path | None:
+        """The file whose presence means `stage` is done for (label, recipe): the table's `artifact` in this run
+        directory; None for a stage that always runs."""
+        template = STAGE_BY_NAME[stage].artifact
+        return None if template is None else self.dir / template.format(model=label, recipe=recipe)
+
     def checkpoint_dir(self, label: str, recipe: str) -> Path:
-        return self.dir / "checkpoints" / f"{label}-{recipe}"
+        return self.artifact("quantize", label, recipe).parent
 
     def eval_dir(self, label: str, recipe: str) -> Path:
-        return self.dir / "evals" / f"{label}-{recipe}"
+        return self.artifact("eval", label, recipe).parent
 
-    def degradation_file(self, label: str, recipe: str) -> Path:
-        return self.dir / "degradation" / f"{label}-{recipe}.json"
+    def diagnostics_dir(self, label: str) -> Path:
+        return self.artifact("diagnose", label).parent
 
     def run(self, until: str = "report") -> Path:
         """Run every stage up to `until` (inclusive); return the run directory.
 
         Holds the run directory's lock throughout: a second concurrent run raises LockedError at once."""
-        names = [stage.name for stage in STAGES]
-        if until not in names:
-            raise ValueError(f"unknown stage {until!r}; stages: {names}")
+        if until not in STAGE_NAMES:
+            raise ValueError(f"unknown stage {until!r}; stages: {list(STAGE_NAMES)}")
         with exclusive_lock(self.dir / ".lock", f"run directory {self.dir}"):
             from quantkit.serve.engine import offline_environment
 
             offline_environment(cache_dir=self.dir / "cache")
             _atomic_json(self.dir / "spec.json", vars(self.spec))
             self.timings = read_timings(self.dir)
-            work = [(stage, label, recipe) for stage in STAGES[: names.index(until) + 1] for label, recipe in self.targets(stage)]
+            stages = STAGES[: STAGE_NAMES.index(until) + 1]
+            work = [(stage, label, recipe) for stage in stages for label, recipe in self.targets(stage)]
             for stage, label, recipe in (bar := tqdm(work, desc=f"study {self.spec.name}", unit="stage")):
                 bar.set_postfix_str(_where(stage.name, label, recipe))
                 self._do(stage, label, recipe)
         return self.dir
 
     def targets(self, stage: Stage) -> list[tuple[str | None, str | None]]:
-        """(model label, recipe) pairs the stage runs for; None where the stage is not per model / recipe."""
+        """(model label, recipe) pairs the stage runs for, by its scope (SCOPES); None where the stage is not
+        per model / recipe."""
         if stage.scope == "study":
             return [(None, None)]
         if stage.scope == "model":
             return [(label, None) for label in self.spec.models]
-        return [(label, recipe) for label in self.spec.models for recipe in self.spec.recipes
-                if stage.scope == "recipe" or recipe != BASELINE]
+        recipes = self.spec.recipes if stage.scope == "recipe" else [r for r in self.spec.recipes if r != BASELINE]
+        return [(label, recipe) for label in self.spec.models for recipe in recipes]
 
     def _do(self, stage: Stage, label: str | None, recipe: str | None) -> None:
         """Run one stage unless its artifact exists; record and log its wall time."""
         key = (stage.name, label or "", recipe or "")
-        done = stage.artifact(self, label, recipe)
+        done = self.artifact(stage.name, label, recipe)
         if done is not None and done.exists():
             self.timings[key] = {"seconds": self.timings.get(key, {}).get("seconds", 0.0), "cached": True}
             tqdm.write(f"stage {_where(stage.name, label, recipe)}: cached", file=sys.stderr)
@@ -213,7 +220,7 @@ class Study:
         recipes = [r for r in self.spec.recipes
                    if (rec := load_recipe(r)).backend == "quantkit" and rec.scheme != "bf16" and rec.smoothquant is None]
         result = diagnose(self._source(label), recipes=recipes, progress=False, **self.spec.diagnose)
-        with atomic_dir(self.dir / "diagnostics" / label, overwrite=True) as tmp:
+        with atomic_dir(self.diagnostics_dir(label), overwrite=True) as tmp:
             write_diagnostics(result, tmp)
 
     def _quantize(self, label: str, recipe: str) -> None:
@@ -224,15 +231,19 @@ class Study:
     def _eval(self, label: str, recipe: str) -> None:
         from quantkit.evals.suite import evaluate
 
-        out, e = self.eval_dir(label, recipe), self.spec.eval
+        checkpoint, out, e = self.checkpoint_dir(label, recipe), self.eval_dir(label, recipe), self.spec.eval
+        if e["backend"] == "vllm":  # a checkpoint vLLM would refuse fails here, before any engine or temp dir
+            from quantkit.serve.checkpoint_check import check_servable
+
+            check_servable(checkpoint)
         with atomic_dir(out, overwrite=True) as tmp:  # a killed eval leaves only a temp dir, never a half `out`
-            results = evaluate(self.checkpoint_dir(label, recipe), suite=e["suite"], backend=e["backend"], out_dir=tmp,
+            results = evaluate(checkpoint, suite=e["suite"], backend=e["backend"], out_dir=tmp,
                                limit=e["limit"], allow_code=e["allow_code"], seed=e["seed"], dtype=e["dtype"],
                                **self.spec.parallel)
             _atomic_json(tmp / "results.json", {**results, "out_dir": str(out.resolve())})  # not the temp dir
 
     def _degradation(self, label: str, recipe: str) -> None:
-        _atomic_json(self.degradation_file(label, recipe), degradation(self, label, recipe))
+        _atomic_json(self.artifact("degradation", label, recipe), degradation(self, label, recipe))
 
     def _report(self, *_: None) -> None:
         results = study_results(self)
@@ -242,32 +253,51 @@ class Study:
 
         figures = {}
         for label in self.spec.models:
-            path = self.dir / "diagnostics" / label / "diagnostics.json"
+            path = self.artifact("diagnose", label)
             if path.exists():
                 figures.update({f"{label}: {name}": svg for name, svg in figure_svgs(json.loads(path.read_text())).items()})
         render_report(results, self.dir / "report", figures=figures)
 
 
+SCOPES = {  # scope -> the (model, recipe) targets a stage runs for (Study.targets)
+    "model": "per model",
+    "recipe": "per model x recipe",
+    "quantized": "per model x recipe, bf16 excepted",
+    "study": "once",
+}
+
+
 @dataclass(frozen=True)
 class Stage:
-    """One step of the study. `scope`: "model" (once per model), "recipe" (per model and recipe), "quantized"
-    (per model and recipe but the baseline) or "study" (once). `artifact(study, label, recipe)` is the file whose
-    presence means done (None: the stage always runs); `run(study, label, recipe)` makes it, atomically."""
+    """One row of the stage table. `scope`: a key of SCOPES. `artifact`: the path in the run directory, with
+    {model} and {recipe} filled in, whose presence means the stage is done for that target (None: the stage
+    always runs); `run(study, model, recipe)` makes it, atomically."""
 
     name: str
     scope: str
-    artifact: Callable[[Study, str | None, str | None], Path | None]
+    artifact: str | None
     run: Callable[[Study, str | None, str | None], None]
 
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"stage {self.name!r}: unknown scope {self.scope!r}; scopes: {list(SCOPES)}")
 
-STAGES = (
-    Stage("checkpoint", "model", lambda s, label, _: None, Study._checkpoint),  # a zoo build is cached in the zoo
-    Stage("diagnose", "model", lambda s, label, _: s.dir / "diagnostics" / label / "diagnostics.json", Study._diagnose),
-    Stage("quantize", "recipe", lambda s, label, recipe: s.checkpoint_dir(label, recipe) / "config.json", Study._quantize),
-    Stage("eval", "recipe", lambda s, label, recipe: s.eval_dir(label, recipe) / "results.json", Study._eval),
-    Stage("degradation", "quantized", Study.degradation_file, Study._degradation),
-    Stage("report", "study", lambda s, *_: None, Study._report),
+
+STAGES = (  # in order; `quantkit run --until` and the Makefile's study targets name these stages
+    Stage("checkpoint", "model", None, Study._checkpoint),  # a zoo build is cached in the zoo
+    Stage("diagnose", "model", "diagnostics/{model}/diagnostics.json", Study._diagnose),
+    Stage("quantize", "recipe", "checkpoints/{model}-{recipe}/config.json", Study._quantize),
+    Stage("eval", "recipe", "evals/{model}-{recipe}/results.json", Study._eval),  # checks servability first
+    Stage("degradation", "quantized", "degradation/{model}-{recipe}.json", Study._degradation),
+    Stage("report", "study", None, Study._report),  # re-rendered on every run
 )
+STAGE_NAMES = tuple(stage.name for stage in STAGES)
+STAGE_BY_NAME = {stage.name: stage for stage in STAGES}
+
+
+def stages_help() -> str:
+    """One line for `quantkit run --until`: every stage in order with its scope."""
+    return ", ".join(f"{stage.name} ({SCOPES[stage.scope]})" for stage in STAGES)
 
 
 def _where(stage: str, label: str | None, recipe: str | None) -> str:
@@ -290,25 +320,19 @@ def _timing_entries(timings: dict[tuple[str, str, str], dict[str, Any]]) -> list
 
 
 def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
-    """Per benchmark: flip rate and paired-bootstrap delta (points) vs bf16; held-out KL of the checkpoint."""
-    from quantkit.evals.degradation import answer_flips, heldout_kl, paired_bootstrap, read_samples
+    """Per benchmark (its tasks pooled): flip rate and paired-bootstrap delta (points) vs bf16, from
+    `quantkit.evals.degradation.compare_samples`; held-out KL of the checkpoint."""
+    from quantkit.evals.degradation import compare_samples, heldout_kl, read_samples
 
     base_dir, test_dir = study.eval_dir(label, BASELINE), study.eval_dir(label, recipe)
-    base, test = read_samples(base_dir), read_samples(test_dir)
-    benchmarks = json.loads((test_dir / "results.json").read_text())["benchmarks"]
-    per_benchmark = {}
-    for name, info in benchmarks.items():
-        pairs = [(base[t][i]["score"], test[t][i]["score"]) for t in info["tasks"] for i in sorted(base.get(t, {})) if i in test.get(t, {})]
-        if not pairs:
-            continue
-        delta = paired_bootstrap([a for a, _ in pairs], [b for _, b in pairs], seed=study.spec.eval["seed"])
-        flips = [answer_flips(base[t], test[t]) for t in info["tasks"] if t in base and t in test]
-        n = sum(f.n for f in flips)
-        per_benchmark[name] = dict(
-            delta_points=100 * delta.delta, ci95_points=[100 * delta.ci_low, 100 * delta.ci_high],
-            noise_floor_points=100 * (delta.ci_high - delta.ci_low) / 2, p_not_worse=delta.p_not_worse, n=delta.n,
-            flip_rate=sum(f.right_to_wrong + f.wrong_to_right for f in flips) / n if n else 0.0,
-        )
+    benchmarks = json.loads(study.artifact("eval", label, recipe).read_text())["benchmarks"]
+    groups = {name: info["tasks"] for name, info in benchmarks.items()}
+    compared = compare_samples(read_samples(base_dir), read_samples(test_dir), groups, seed=study.spec.eval["seed"])
+    per_benchmark = {
+        name: dict(delta_points=100 * delta.delta, ci95_points=[100 * delta.ci_low, 100 * delta.ci_high],
+                   noise_floor_points=100 * (delta.ci_high - delta.ci_low) / 2, p_not_worse=delta.p_not_worse,
+                   n=delta.n, flip_rate=flips.flip_rate)
+        for name, (flips, delta) in compared.items()}
     kl = heldout_kl(study.checkpoint_dir(label, BASELINE), study.checkpoint_dir(label, recipe), **study.spec.kl)
     return dict(model=label, recipe=recipe, benchmarks=per_benchmark, kl=kl)
 
@@ -319,12 +343,12 @@ def study_results(study: Study) -> dict[str, Any]:
     for label in study.spec.models:
         outliers = _outliers(study, label)
         for recipe in study.spec.recipes:
-            ev = json.loads((study.eval_dir(label, recipe) / "results.json").read_text())
+            ev = json.loads(study.artifact("eval", label, recipe).read_text())
             suite = ev["suite"]
             scores = {b: 100 * v["score"] for b, v in ev["benchmarks"].items() if not math.isnan(v["score"])}
             row = dict(variant=label, model=study.spec.models[label], recipe=recipe, precision=_precision(recipe), scores=scores)
             if recipe != BASELINE:
-                deg = json.loads(study.degradation_file(label, recipe).read_text())
+                deg = json.loads(study.artifact("degradation", label, recipe).read_text())
                 bench = deg["benchmarks"]
                 row.update(noise_floor={b: v["noise_floor_points"] for b, v in bench.items() if b in scores},
                            flips={b: v["flip_rate"] for b, v in bench.items() if b in scores}, kl=deg["kl"]["mean"])
@@ -359,7 +383,7 @@ OUTLIER_FIGURES = ("max_residual", "max_linear_input", "top_sink_ratio", "sink_r
 
 def _outliers(study: Study, label: str) -> dict[str, float] | None:
     """Headline diagnostics of the source checkpoint (quantkit.diagnose summary) for the report's outlier columns."""
-    path = study.dir / "diagnostics" / label / "diagnostics.json"
+    path = study.artifact("diagnose", label)
     if not path.exists():
         return None
     summary = json.loads(path.read_text())["summary"]

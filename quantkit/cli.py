@@ -189,10 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=32)
     _add_engine_arguments(gen)
     gen.set_defaults(func=_generate)
+    from quantkit.pipelines.study import STAGE_NAMES, stages_help
+
     run = sub.add_parser("run", help="the whole deployment study of a pipeline spec (make quantize eval MODEL=...)")
     run.add_argument("spec", nargs="?", default="pipelines/default.yaml", help="pipeline YAML (default: pipelines/default.yaml)")
     run.add_argument("--model", help="hub id | local checkpoint dir | zoo:<preset>; replaces the spec's models")
-    run.add_argument("--until", default="report", help="last stage: checkpoint, quantize, eval, degradation, report")
+    run.add_argument("--until", default="report", choices=STAGE_NAMES, metavar="STAGE",
+                     help=f"last stage to run (default: report); in order: {stages_help()}")
     run.add_argument("--run-dir", help="run directory (default: <runs_dir>/<name>[-<model>])")
     run.set_defaults(func=_run_study)
     from quantkit.evals.suite import add_eval_parser

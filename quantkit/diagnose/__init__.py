@@ -9,9 +9,9 @@ activations, attention sinks, norm weights, kurtosis and per-layer quantization 
 Definitions, units and a measured example: docs/diagnostics.md.
 """
 
-from quantkit.diagnose.observe import NonFiniteStatisticsError
 from quantkit.diagnose.plots import figure_svgs, figures, write_figures
 from quantkit.diagnose.run import DEFAULT_RECIPES, diagnose, diagnose_model, summary_markdown, write_diagnostics
+from quantkit.errors import NonFiniteStatisticsError
 
 __all__ = [
     "DEFAULT_RECIPES", "NonFiniteStatisticsError", "diagnose", "diagnose_model", "figure_svgs", "figures",

@@ -29,12 +29,12 @@ from quantkit.diagnose.observe import (
     SINK_EPS,
     SINK_WINDOW,
     DiagnosticsObserver,
-    NonFiniteStatisticsError,
     decoder_layers,
     residual_norm_names,
 )
-from quantkit.diagnose.stats import snr_db
+from quantkit.errors import NonFiniteStatisticsError
 from quantkit.formats import nvfp4_global_scale
+from quantkit.metrics import snr_db
 from quantkit.quantize.recipe import Recipe, load_recipe
 
 DEFAULT_RECIPES = ("w8a8_fp8_block", "w4a4_nvfp4", "w4a4_nvfp4_static")

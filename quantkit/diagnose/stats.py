@@ -4,8 +4,7 @@
   batch with Pebay's pairwise update (stable where raw power sums would cancel), plus the running max |x|.
   `kurtosis` is Pearson's (not excess): E[(x - mu)^4] / Var(x)^2, 3 for a Gaussian, large for heavy tails.
 - `ChannelStats`: per channel (last dim) sum |x|, sum x^2 and max |x| over tokens.
-- `snr_db`: 10 log10(signal energy / noise energy), the per-layer quantization SNR of
-  `quantkit.quantize.quality`.
+The per-layer quantization SNR is `quantkit.metrics.snr_db`, as in `quantkit.quantize.quality`.
 """
 
 from __future__ import annotations
@@ -81,10 +80,3 @@ class ChannelStats:
     @property
     def rms(self) -> torch.Tensor:
         return (self.sum_sq / max(self.count, 1)).sqrt()
-
-
-def snr_db(signal: float, noise: float) -> float:
-    """10 log10(signal / noise) in dB; +inf when noise is 0 (exact), -inf for zero signal with noise."""
-    if noise == 0:
-        return float("inf")
-    return 10 * math.log10(signal / noise) if signal > 0 else float("-inf")

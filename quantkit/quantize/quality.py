@@ -1,17 +1,18 @@
 """Quality of a quantized checkpoint against its source, before any serving.
 
 - Per-layer quantization SNR (dB) of every quantized Linear: the layer's own output error on the
-  REFERENCE model's inputs, 10 log10(sum y^2 / sum (y - y_q)^2), y = x W^T and y_q = fq(x) W_q^T.
+  REFERENCE model's inputs, 10 log10(sum y^2 / sum (y - y_q)^2), y = x W^T and y_q = fq(x) W_q^T
+  (`quantkit.metrics.snr_db`, energies summed in float64).
   For SmoothQuant checkpoints the reference is the source with the same SmoothQuant folded in (recomputed
   from the recorded settings; function-preserving, so KL is unaffected), so that x and W match W_q.
-- Whole-model KL(ref || quantized) of the next-token distributions, mean over held-out tokens (nats).
+- Whole-model KL(ref || quantized) of the next-token distributions, mean over held-out tokens (nats;
+  `quantkit.metrics.kl_divergence`, float64).
 
     quantkit quality MODEL_DIR QUANTIZED_DIR [QUANTIZED_DIR ...]   -> markdown table (+ --json)
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import quantkit.models  # noqa: F401
 from quantkit.calibrate import calibration_batches, smooth_model
 from quantkit.checkpoints import check_checkpoint_dir
+from quantkit.metrics import energy, kl_divergence, snr_db
 from quantkit.quantize.fake_quant import load_fake_quant_model, read_quantization_config
 
 
@@ -40,20 +42,18 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
         ref_layer, q_layer = reference.get_submodule(name), quantized.get_submodule(name)
 
         def hook(_, args, out, name=name, q_layer=q_layer):
-            err = q_layer(args[0]) - out
-            signal[name] += out.double().pow(2).sum().item()
-            noise[name] += err.double().pow(2).sum().item()
+            signal[name] += energy(out)
+            noise[name] += energy(q_layer(args[0]) - out)
 
         hooks.append(ref_layer.register_forward_hook(hook))
     kl_sum, count = 0.0, 0
     for window in tokens.split(4):
-        p = torch.log_softmax(reference(window).logits.float(), -1)
-        q = torch.log_softmax(quantized(window).logits.float(), -1)
-        kl_sum += (p.exp() * (p - q)).sum(-1).sum().item()
-        count += p.shape[0] * p.shape[1]
+        kl = kl_divergence(reference(window).logits, quantized(window).logits)
+        kl_sum += kl.sum().item()
+        count += kl.numel()
     for h in hooks:
         h.remove()
-    snr = {n: 10 * math.log10(signal[n] / noise[n]) if noise[n] > 0 else float("inf") for n in names}
+    snr = {n: snr_db(signal[n], noise[n]) for n in names}
     return {
         "recipe": qc["recipe"],
         "kl": kl_sum / count,

@@ -18,12 +18,13 @@ BF16 row, non-finite scores, unknown schema version, bad thresholds).
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
 
+from quantkit.errors import print_error
+from quantkit.metrics import noise_of_mean
 from quantkit.report.benchmarks import resolve
 from quantkit.report.results import Results, ResultsError, load_results
 from quantkit.report.table import Degradation, degradation, mean
@@ -121,7 +122,7 @@ class GateResult:
 def _avg_noise(deg: Degradation, keys: list[str]) -> float | None:
     if not all(k in deg.noise for k in keys):
         return None
-    return math.sqrt(math.fsum(deg.noise[k] ** 2 for k in keys)) / len(keys)
+    return noise_of_mean([deg.noise[k] for k in keys])
 
 
 def _max_noise(*values: float | None) -> float:
@@ -188,8 +189,7 @@ def run_gate(baseline: str | Path, current: str | Path, thresholds: Thresholds, 
     try:
         result = compare(load_results(baseline), load_results(current), thresholds)
     except ResultsError as err:
-        print(f"quantkit gate: error: {err}", file=sys.stderr)
-        return 2
+        return print_error("gate", err)
     rows = len({(c.variant, c.recipe) for c in result.checks})
     limits = (f"max drop {thresholds.max_drop:.2f} points per benchmark, {thresholds.max_avg_drop:.2f} for Avg, "
               f"KL x{thresholds.max_kl_ratio:g} or +{thresholds.min_kl_increase:g}; noise floor widens each")

@@ -5,7 +5,8 @@ Delta = score(recipe) - score(BF16 of the same variant), negative = worse; Delta
 per-benchmark deltas over the benchmarks both rows have (= Avg - Avg(BF16) when they have the same ones).
 Noise of a delta: the row's `noise_floor` (half-width of the paired-bootstrap CI of the delta); else, with
 `ci95` on both rows, sqrt(h_recipe^2 + h_bf16^2) of the two CI half-widths; else unknown. Noise of Delta
-Avg: sqrt(sum noise_b^2) / n when every benchmark has one (independent benchmarks).
+Avg: sqrt(sum noise_b^2) / n when every benchmark has one (independent benchmarks;
+`quantkit.metrics.noise_of_mean`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from quantkit.metrics import noise_of_mean
 from quantkit.report.benchmarks import Benchmark, ordered
 from quantkit.report.results import Results, Row
 
@@ -42,7 +44,7 @@ def degradation(row: Row, base: Row) -> Degradation:
             noise[b] = row.noise_floor[b]
         elif b in row.ci95 and b in base.ci95:
             noise[b] = math.hypot(_half_width(row.ci95[b]), _half_width(base.ci95[b]))
-    noise_avg = math.sqrt(math.fsum(n * n for n in noise.values())) / len(common) if common and len(noise) == len(common) else None
+    noise_avg = noise_of_mean(list(noise.values())) if common and len(noise) == len(common) else None
     return Degradation(delta=delta, delta_avg=mean(list(delta.values())) if delta else None, noise=noise,
                        noise_avg=noise_avg)
 

@@ -1,0 +1,134 @@
+"""Error measurement: the one definition of every figure quantkit reports about a quantized model's error.
+
+- `snr_db(signal, noise)`: quantization SNR in dB, 10 log10(sum y^2 / sum (y - y_q)^2), from energies summed
+  in float64 (`energy`). +inf for an exact product, -inf for a zero signal with noise.
+- `kl_divergence(ref_logits, test_logits)`: KL(softmax(ref) || softmax(test)) in nats per position over the
+  full vocabulary. Precision convention: log_softmax and the sum over the vocabulary in float64, whatever
+  the logits' dtype, so that rounding of the log-probabilities (about 1e-7 nats in float32) cannot bias small
+  KLs; callers average the per-position values in float64 too.
+- `answer_flips(ref, test)`: items whose score changed (right->wrong, wrong->right) and whose answer changed
+  between two runs' per-item records, paired by item id.
+- Noise floor: `bootstrap_ci` (percentile bootstrap CI of a mean score), `paired_bootstrap` (the same
+  resampled items for both runs: CI of mean(test) - mean(reference) and one-sided p(delta >= 0)),
+  `is_regression` (the whole CI below -tolerance), `noise_of_mean` (CI half-width of a mean of independent
+  estimates from theirs). Bootstraps draw with numpy's default_rng(seed): reproducible for a given seed.
+
+torch is imported by the tensor measures only, so that the report and the gate run without it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+
+def energy(x: torch.Tensor) -> float:
+    """sum x^2 over every element, accumulated in float64."""
+    return x.double().pow(2).sum().item()
+
+
+def snr_db(signal: float, noise: float) -> float:
+    """10 log10(signal / noise) in dB for energies (sums of squares); +inf when noise is 0 (exact), -inf for
+    zero signal with noise."""
+    if noise == 0:
+        return float("inf")
+    return 10 * math.log10(signal / noise) if signal > 0 else float("-inf")
+
+
+def kl_divergence(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(ref) || softmax(test)) in nats over the last dimension: float64, one value per position."""
+    import torch
+
+    if ref_logits.shape != test_logits.shape:
+        raise ValueError(f"logit shapes differ: {tuple(ref_logits.shape)} vs {tuple(test_logits.shape)}")
+    log_p = torch.log_softmax(ref_logits.double(), dim=-1)
+    log_q = torch.log_softmax(test_logits.double(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+
+@dataclass
+class Flips:
+    """Answer flips between a reference run and a test run over n paired items."""
+
+    n: int
+    right_to_wrong: int
+    wrong_to_right: int
+    answer_changed: int
+
+    @property
+    def flip_rate(self) -> float:
+        """Fraction (0-1) of items whose score changed in either direction; 0 for no items."""
+        return (self.right_to_wrong + self.wrong_to_right) / self.n if self.n else 0.0
+
+
+def answer_flips(reference: Mapping[int, Mapping], test: Mapping[int, Mapping]) -> Flips:
+    """Flips between two runs' records {item id: {'score', 'answer'}}; ValueError when the item ids differ."""
+    if reference.keys() != test.keys():
+        raise ValueError(f"runs scored different items: {len(reference.keys() ^ test.keys())} doc_ids differ")
+    r2w = w2r = changed = 0
+    for doc_id, ref in reference.items():
+        a, b = float(ref["score"]), float(test[doc_id]["score"])
+        r2w += a > b
+        w2r += a < b
+        changed += ref["answer"] != test[doc_id]["answer"]
+    return Flips(len(reference), r2w, w2r, changed)
+
+
+def total_flips(flips: Sequence[Flips]) -> Flips:
+    """The flips of several item sets (e.g. the tasks of one benchmark) pooled into one."""
+    return Flips(sum(f.n for f in flips), sum(f.right_to_wrong for f in flips), sum(f.wrong_to_right for f in flips),
+                 sum(f.answer_changed for f in flips))
+
+
+@dataclass
+class PairedDelta:
+    """mean(test) - mean(ref) over n paired items, with its bootstrap CI and one-sided p(delta >= 0)."""
+
+    delta: float
+    ci_low: float
+    ci_high: float
+    p_not_worse: float
+    n: int
+
+
+def bootstrap_ci(scores: Sequence[float], n_boot: int = 10000, alpha: float = 0.05, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, low, high): percentile bootstrap (1 - alpha) CI of the mean of per-item scores."""
+    x = np.asarray(scores, dtype=np.float64)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError("need a non-empty 1-D sequence of scores")
+    idx = np.random.default_rng(seed).integers(0, x.size, size=(n_boot, x.size))
+    means = x[idx].mean(axis=1)
+    return float(x.mean()), float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2))
+
+
+def paired_bootstrap(reference: Sequence[float], test: Sequence[float | None], n_boot: int = 10000, alpha: float = 0.05,
+                     seed: int = 0) -> PairedDelta:
+    """Bootstrap over items (same resampled items for both runs) of mean(test) - mean(reference); item i of
+    `test` pairs with item i of `reference` (None: the test run lacks it, a ValueError)."""
+    if any(s is None for s in test):
+        raise ValueError("the test run lacks some of the reference run's items")
+    a, b = np.asarray(reference, dtype=np.float64), np.asarray(test, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
+        raise ValueError(f"need two equally long non-empty score vectors, got {a.shape} and {b.shape}")
+    diff = b - a
+    idx = np.random.default_rng(seed).integers(0, diff.size, size=(n_boot, diff.size))
+    boot = diff[idx].mean(axis=1)
+    return PairedDelta(float(diff.mean()), float(np.quantile(boot, alpha / 2)), float(np.quantile(boot, 1 - alpha / 2)),
+                       float((boot >= 0).mean()), int(diff.size))
+
+
+def is_regression(delta: PairedDelta, tolerance: float = 0.0) -> bool:
+    """True when the whole CI of the difference lies below -tolerance (a drop beyond noise)."""
+    return delta.ci_high < -tolerance
+
+
+def noise_of_mean(half_widths: Sequence[float]) -> float:
+    """CI half-width of the mean of n independent estimates with these half-widths: sqrt(sum h^2) / n."""
+    return math.sqrt(math.fsum(h * h for h in half_widths)) / len(half_widths)

@@ -1,0 +1,88 @@
+"""The study's stage table (pipelines/study.py STAGES) and what derives from it, without running a stage that
+needs vLLM: targets per scope, artifact paths, `quantkit run --until`, the Makefile's study targets, and the
+eval stage's servability check before any work."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from quantkit.checkpoints import CheckpointError
+from quantkit.cli import main
+from quantkit.pipelines.study import SCOPES, STAGE_BY_NAME, STAGE_NAMES, STAGES, Stage, Study, StudySpec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _study(tmp_path: Path) -> Study:
+    return Study(StudySpec(name="t", models={"a": "zoo:ga", "b": "zoo:gatednorm"}, recipes=["bf16", "w4a4_nvfp4"]),
+                 tmp_path / "run")
+
+
+def test_the_table_in_order_with_scopes_and_artifacts():
+    assert STAGE_NAMES == ("checkpoint", "diagnose", "quantize", "eval", "degradation", "report")
+    assert {s.name: s.scope for s in STAGES} == {"checkpoint": "model", "diagnose": "model", "quantize": "recipe",
+                                                 "eval": "recipe", "degradation": "quantized", "report": "study"}
+    assert all(s.scope in SCOPES and callable(s.run) for s in STAGES) and STAGE_BY_NAME["eval"] is STAGES[3]
+    with pytest.raises(ValueError, match="unknown scope 'per_layer'"):
+        Stage("x", "per_layer", None, Study._report)
+
+
+def test_targets_follow_each_scope(tmp_path):
+    study = _study(tmp_path)
+    assert study.targets(STAGE_BY_NAME["diagnose"]) == [("a", None), ("b", None)]
+    assert study.targets(STAGE_BY_NAME["eval"]) == [("a", "bf16"), ("a", "w4a4_nvfp4"), ("b", "bf16"), ("b", "w4a4_nvfp4")]
+    assert study.targets(STAGE_BY_NAME["degradation"]) == [("a", "w4a4_nvfp4"), ("b", "w4a4_nvfp4")]
+    assert study.targets(STAGE_BY_NAME["report"]) == [(None, None)]
+
+
+def test_artifacts_are_the_run_directory_layout(tmp_path):
+    study = _study(tmp_path)
+    run = study.dir
+    assert study.artifact("checkpoint", "a") is None and study.artifact("report") is None  # always run
+    assert study.artifact("diagnose", "a") == run / "diagnostics" / "a" / "diagnostics.json"
+    assert study.artifact("quantize", "a", "bf16") == run / "checkpoints" / "a-bf16" / "config.json"
+    assert study.artifact("eval", "b", "w4a4_nvfp4") == run / "evals" / "b-w4a4_nvfp4" / "results.json"
+    assert study.artifact("degradation", "b", "w4a4_nvfp4") == run / "degradation" / "b-w4a4_nvfp4.json"
+    assert study.checkpoint_dir("a", "bf16") == run / "checkpoints" / "a-bf16"
+    assert study.eval_dir("a", "bf16") == run / "evals" / "a-bf16" and study.diagnostics_dir("a") == run / "diagnostics" / "a"
+
+
+def test_until_takes_the_table_names(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--help"])
+    assert exit_info.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert all(f"{s.name} ({SCOPES[s.scope]})" in help_text for s in STAGES), help_text
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--until", "serve"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'serve'" in err and all(name in err for name in STAGE_NAMES), err
+
+
+def test_makefile_study_targets_name_stages_of_the_table():
+    makefile = (REPO / "Makefile").read_text()
+    untils = dict(re.findall(r"^(\w+):[^\n]*\n\t\$\(STUDY\) --until (\w+)$", makefile, flags=re.M))
+    assert untils == {"quantize": "quantize", "eval": "report"}
+    assert set(untils.values()) <= set(STAGE_NAMES)
+
+
+def test_eval_checks_servability_before_any_work(tiny_checkpoint, tmp_path, monkeypatch):
+    """A checkpoint vLLM would refuse fails the eval stage before the evaluator runs or its output's temp dir exists."""
+    import quantkit.evals.suite
+
+    study = _study(tmp_path)
+    checkpoint = study.checkpoint_dir("a", "w4a4_nvfp4")
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "quantkit", "format_version": 2}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(quantkit.evals.suite, "evaluate", lambda *a, **k: pytest.fail("evaluate ran"))
+    with pytest.raises(CheckpointError, match="format_version"):
+        STAGE_BY_NAME["eval"].run(study, "a", "w4a4_nvfp4")
+    assert not (study.dir / "evals").exists()
