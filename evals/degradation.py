@@ -3,8 +3,8 @@
 - Answer flips per task (`answer_flips`): from the per-sample logs (samples/<task>.jsonl) of two
   `suite.evaluate` runs, items whose score changed (right->wrong, wrong->right) and whose answer changed.
 - KL divergence of next-token distributions on held-out text (`heldout_kl`): KL(P_ref || P_test), in
-  nats per token, full vocabulary, averaged over every predicted position of `calibration_batches`
-  windows of the zoo's held-out speeches. Method: transformers forward passes in float32; a quantkit
+  nats per token, full vocabulary, averaged over every predicted position of `quantkit.data.heldout_windows`
+  (windows of the zoo's held-out speeches). Method: transformers forward passes in float32; a quantkit
   checkpoint runs through `load_fake_quant_model` (the numerical reference the vLLM path is
   parity-tested against), so this measures the recipe's numerics, not a serving kernel.
 - Noise floor: percentile bootstrap CI of a mean score (`bootstrap_ci`) and a paired bootstrap of the
@@ -140,10 +140,10 @@ def heldout_kl(reference_dir: str | Path, test_dir: str | Path, num_sequences: i
     """Mean, median, p99 and max per-token KL(reference || test) on held-out windows (module docstring)."""
     from transformers import AutoTokenizer
 
-    from quantkit.calibrate import calibration_batches
+    from quantkit.data import heldout_windows
 
     reference_dir, test_dir = Path(reference_dir), Path(test_dir)
-    tokens = calibration_batches(AutoTokenizer.from_pretrained(reference_dir), num_sequences, seq_len)
+    tokens = heldout_windows(AutoTokenizer.from_pretrained(reference_dir), num_sequences, seq_len)
     ref_model, test_model = _load_float32(reference_dir), _load_float32(test_dir)
     kls = []
     with torch.no_grad():
