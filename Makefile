@@ -78,13 +78,13 @@ quantize: $(MAIN_STAMP)
 eval: $(MAIN_STAMP)
 	$(STUDY) --until report
 
-# Re-render a results JSON; gate one against a baseline (thresholds: configs/gate.yaml).
+# Re-render a results JSON; gate one against a baseline (thresholds: quantkit/configs/gate.yaml).
 RESULTS  ?= runs/default/results.json
 BASELINE ?= tests/baselines/tiny_study_results.json
 report: $(MAIN_STAMP)
 	$(VENV)/bin/quantkit report $(RESULTS) --out $(dir $(RESULTS))report
 gate: $(MAIN_STAMP)
-	$(VENV)/bin/quantkit gate --baseline $(BASELINE) --current $(RESULTS) --config configs/gate.yaml
+	$(VENV)/bin/quantkit gate --baseline $(BASELINE) --current $(RESULTS) --config quantkit/configs/gate.yaml
 
 # Triton GEMMs vs torch baselines (benchmarks/README.md), e.g. BENCH_ARGS=--quick (the only mode without a GPU).
 # No setup prerequisite: the GPU machines carry torch and triton but no vLLM and no network.

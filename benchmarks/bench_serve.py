@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.calibrate import heldout_texts
+from quantkit.data import heldout_texts
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.serve.offline import generate
 

@@ -7,8 +7,8 @@ evaluation runs and checkpoints:
   (or per group of tasks, e.g. a benchmark) the answer flips and the paired bootstrap of the score
   difference on the same items. The study's degradation stage and the tests use this one comparison.
 - KL divergence of next-token distributions on held-out text (`heldout_kl`): KL(P_ref || P_test), in
-  nats per token, full vocabulary, averaged over every predicted position of `calibration_batches`
-  windows of the zoo's held-out speeches. Method: transformers forward passes in float32, KL in float64
+  nats per token, full vocabulary, averaged over every predicted position of `quantkit.data.heldout_windows`
+  (windows of the zoo's held-out speeches). Method: transformers forward passes in float32, KL in float64
   (`quantkit.metrics.kl_divergence`); a quantkit checkpoint runs through `load_fake_quant_model` (the
   numerical reference the vLLM path is parity-tested against), so this measures the recipe's numerics, not
   a serving kernel.
@@ -85,10 +85,10 @@ def heldout_kl(reference_dir: str | Path, test_dir: str | Path, num_sequences: i
     """Mean, median, p99 and max per-token KL(reference || test) on held-out windows (module docstring)."""
     from transformers import AutoTokenizer
 
-    from quantkit.calibrate import calibration_batches
+    from quantkit.data import heldout_windows
 
     reference_dir, test_dir = Path(reference_dir), Path(test_dir)
-    tokens = calibration_batches(AutoTokenizer.from_pretrained(reference_dir), num_sequences, seq_len)
+    tokens = heldout_windows(AutoTokenizer.from_pretrained(reference_dir), num_sequences, seq_len)
     ref_model, test_model = _load_float32(reference_dir), _load_float32(test_dir)
     kls = []
     with torch.no_grad():

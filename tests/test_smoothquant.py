@@ -35,14 +35,13 @@ from quantkit.calibrate import (
     FunctionPreservationError,
     NonFiniteStatisticsError,
     SmoothQuantMappingError,
-    calibration_batches,
     channel_max,
-    heldout_texts,
     resolve_mappings,
     smooth_model,
     smoothing_factors,
 )
 from quantkit.calibrate import mappings as mappings_module
+from quantkit.data import calibration_windows, heldout_texts
 from quantkit.models import QuantkitConfig, QuantkitForCausalLM
 from quantkit.models.modeling import QuantkitNorm
 from quantkit.models.tiny import randomize_parameters
@@ -284,17 +283,17 @@ def test_smoothing_factors_formula_and_clamps():
         smoothing_factors(x, w, alpha=1.5)
 
 
-def test_calibration_batches_from_the_heldout_corpus(caplog):
+def test_calibration_windows_from_the_heldout_corpus(caplog):
     from quantkit.models.tokenizer import train_bpe_tokenizer
 
     texts = heldout_texts()
     tokenizer = train_bpe_tokenizer(texts, 300)
-    batch = calibration_batches(tokenizer, num_sequences=8, seq_len=64)
+    batch = calibration_windows(tokenizer, num_sequences=8, seq_len=64)
     assert batch.shape == (8, 64) and batch.dtype == torch.long
     assert (batch[:, 0] == tokenizer.bos_token_id).all()
     assert len({tuple(row.tolist()) for row in batch}) == 8
-    with caplog.at_level(logging.WARNING, logger="quantkit.calibrate.stats"):
-        calibration_batches(tokenizer, num_sequences=4096, seq_len=128, texts=texts[:1])
+    with caplog.at_level(logging.WARNING, logger="quantkit.data"):
+        calibration_windows(tokenizer, num_sequences=4096, seq_len=128, texts=texts[:1])
     assert "windows overlap" in caplog.text
 
     # end to end from text (the default corpus), on the variant that needs BOS at position 0

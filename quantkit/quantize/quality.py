@@ -19,8 +19,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quantkit.models  # noqa: F401
-from quantkit.calibrate import calibration_batches, smooth_model
+from quantkit.calibrate import smooth_model
 from quantkit.checkpoints import check_checkpoint_dir
+from quantkit.data import heldout_windows
 from quantkit.metrics import energy, kl_divergence, snr_db
 from quantkit.quantize.fake_quant import load_fake_quant_model, read_quantization_config
 
@@ -70,7 +71,7 @@ def quality_table(reference_dir: str | Path, quantized_dirs: list[str | Path], n
     for model_dir in quantized_dirs:
         read_quantization_config(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(reference_dir)
-    tokens = calibration_batches(tokenizer, num_sequences, seq_len)
+    tokens = heldout_windows(tokenizer, num_sequences, seq_len)
     rows = [quality(reference_dir, d, tokens) for d in quantized_dirs]
     lines = ["| recipe | KL vs source (nats/token) | min layer SNR (dB) | mean layer SNR (dB) | worst layer |", "|---|---|---|---|---|"]
     for r in rows:
