@@ -18,24 +18,18 @@ K and N need not be multiples of 128 (masked loads read zeros past the edges).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
 
 from quantkit.formats.constants import F8E4M3_DTYPE, FP8_WEIGHT_BLOCK
-from quantkit.kernels.gemm_tiles import GemmTiles, grid_size, store_tile, tile_indices
+from quantkit.kernels.gemm_tiles import (GemmTiles, check_epilogue_args, default_tiles, grid_size, output_tile,
+                                         require, store_tile)
 from quantkit.kernels.interpreter_quirks import interpreting
 
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def fp8_tiles(m: int) -> GemmTiles:
-    """Default tiles by M (decode: thin M tiles; prefill: 128x128); block_k is the scale block, 128."""
-    if m <= 16:
-        return GemmTiles(16, 64, FP8_WEIGHT_BLOCK, num_warps=4, num_stages=4)
-    if m <= 64:
-        return GemmTiles(64, 128, FP8_WEIGHT_BLOCK, num_warps=4, num_stages=4)
-    return GemmTiles(128, 128, FP8_WEIGHT_BLOCK, num_warps=8, num_stages=3)
+_check = partial(require, "fp8_block_gemm")  # _check(cond, msg): ValueError "fp8_block_gemm: msg" unless cond
 
 
 @triton.jit
@@ -45,12 +39,8 @@ def _fp8_block_gemm_kernel(
     HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = tile_indices(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, m_ok, n_ok = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # (BLOCK_K, BLOCK_N) view of w^T
     x_scale = tl.load(x_scale_ptr + offs_m, mask=m_ok, other=0.0)
@@ -67,11 +57,6 @@ def _fp8_block_gemm_kernel(
     store_tile(acc, y_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, HAS_BIAS, ROUND_BF16)
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"fp8_block_gemm: {msg}")
-
-
 def fp8_block_gemm(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,
@@ -82,7 +67,9 @@ def fp8_block_gemm(
     *,
     tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
-    """y (M, N) = (x_q * x_scale) @ (w_q * w_scale)^T (+ bias), float32 accumulation, `out_dtype` output."""
+    """y (M, N) = (x_q * x_scale) @ (w_q * w_scale)^T (+ bias), float32 accumulation, `out_dtype` output.
+
+    tiles: default `default_tiles(M, 128)`; its block_k must be the scale block, 128."""
     for name, t in (("x_q", x_q), ("w_q", w_q)):
         ok = t.dtype == F8E4M3_DTYPE and t.ndim == 2
         _check(ok, f"{name} must be 2-D float8_e4m3fn, got {t.dtype} {tuple(t.shape)}")
@@ -101,12 +88,8 @@ def fp8_block_gemm(
         f"got {w_scale.dtype} {tuple(w_scale.shape)}",
     )
     scale_rows = FP8_WEIGHT_BLOCK if tuple(w_scale.shape) == blocks else 1
-    bias_ok = bias is None or (bias.is_floating_point() and tuple(bias.shape) == (n,))
-    _check(bias_ok, f"bias must be a float tensor of shape {(n,)}")
-    _check(out_dtype in OUT_DTYPES, f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    tensors = (x_q, x_scale, w_q, w_scale) + (() if bias is None else (bias,))
-    _check(len({t.device for t in tensors}) == 1, "all tensors must be on one device")
-    tiles = tiles or fp8_tiles(m)
+    check_epilogue_args("fp8_block_gemm", n, bias, out_dtype, (x_q, x_scale, w_q, w_scale))
+    tiles = tiles or default_tiles(m, FP8_WEIGHT_BLOCK)
     _check(tiles.block_k == FP8_WEIGHT_BLOCK, f"tiles.block_k must be the scale block {FP8_WEIGHT_BLOCK}")
     x_q, w_q = x_q.contiguous(), w_q.contiguous()
     x_scale, w_scale = x_scale.contiguous(), w_scale.contiguous()

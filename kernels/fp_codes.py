@@ -22,18 +22,23 @@ import triton.language as tl
 
 from quantkit.formats import constants
 
-# Globals a @triton.jit function reads must be constexpr.
-_E4M3_MAX = tl.constexpr(constants.F8E4M3_MAX)
+# Globals a @triton.jit function reads must be constexpr: the formats' constants, wrapped once here (the
+# quantizer kernels import E4M3_MAX and E4M3_MIN_SUBNORMAL from this module).
+E4M3_MAX = tl.constexpr(constants.F8E4M3_MAX)
+E4M3_MIN_SUBNORMAL = tl.constexpr(constants.F8E4M3_MIN_SUBNORMAL)
 _E4M3_MIN_NORMAL = tl.constexpr(constants.F8E4M3_MIN_NORMAL)
-_E4M3_MIN_SUBNORMAL = tl.constexpr(constants.F8E4M3_MIN_SUBNORMAL)
 _E2M1_SIGN_BIT = tl.constexpr(constants.E2M1_SIGN_BIT)
+# E2M1 rounding: the midpoints `constants.E2M1_BOUNDS`, and for each whether a tie there rounds up (to even).
+_E2M1_BOUNDS = tl.constexpr(constants.E2M1_BOUNDS)
+_E2M1_TIE_UP = tl.constexpr(tuple(b in constants.E2M1_TIES_UP for b in constants.E2M1_BOUNDS))
+_E2M1_BOUND_COUNT = tl.constexpr(len(constants.E2M1_BOUNDS))
 
 
 @triton.jit
 def e4m3_code(y):
     """float32 tensor -> int32 E4M3 codes (RNE, saturating at +-448, sign of y kept)."""
     sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
-    a = tl.minimum(tl.abs(y), _E4M3_MAX)
+    a = tl.minimum(tl.abs(y), E4M3_MAX)
     bits = a.to(tl.int32, bitcast=True)
     # Normal E4M3 (a >= 2**-6): round the 23-bit mantissa to 3 bits, ties to even; a mantissa carry
     # moves into the exponent by itself. Rebias the exponent 127 -> 7: (127 - 7) << 3 = 960.
@@ -58,22 +63,19 @@ def e4m3_positive_value(code):
     exponent = code >> 3
     mantissa = code & 7
     normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-    return tl.where(exponent == 0, mantissa.to(tl.float32) * _E4M3_MIN_SUBNORMAL, normal)
+    return tl.where(exponent == 0, mantissa.to(tl.float32) * E4M3_MIN_SUBNORMAL, normal)
 
 
 @triton.jit
 def e2m1_code(y):
     """float32 tensor -> int32 E2M1 codes: count the midpoints passed (ties to even), sign if y < 0."""
     a = tl.abs(y)
-    magnitude = (
-        (a > 0.25).to(tl.int32)
-        + (a >= 0.75).to(tl.int32)
-        + (a > 1.25).to(tl.int32)
-        + (a >= 1.75).to(tl.int32)
-        + (a > 2.5).to(tl.int32)
-        + (a >= 3.5).to(tl.int32)
-        + (a > 5.0).to(tl.int32)
-    )
+    magnitude = tl.zeros(a.shape, tl.int32)
+    for i in tl.static_range(_E2M1_BOUND_COUNT):  # unrolled at compile time
+        if _E2M1_TIE_UP[i]:
+            magnitude += (a >= _E2M1_BOUNDS[i]).to(tl.int32)
+        else:
+            magnitude += (a > _E2M1_BOUNDS[i]).to(tl.int32)
     return magnitude | tl.where(y < 0, _E2M1_SIGN_BIT, 0)
 
 

@@ -1,12 +1,15 @@
-"""Tiling shared by the GEMM kernels: the tile shape and launch settings, which output tile a program
-computes (grouped ordering: GROUP_M consecutive programs walk down M over one weight tile, so it is read
-from L2 instead of HBM), and the common epilogue. Tiles change speed, never results.
+"""What the GEMM kernels share: the tile shape and launch settings with the default tiles by M, which output
+tile a program computes (grouped ordering: GROUP_M consecutive programs walk down M over one weight tile, so it
+is read from L2 instead of HBM), the common epilogue, and the checks of the common arguments. Tiles change
+speed, never results.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 
@@ -25,9 +28,39 @@ class GemmTiles:
     num_stages: int = 3
 
 
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def default_tiles(m: int, block_k: int) -> GemmTiles:
+    """Default tiles by M (decode: thin M tiles; prefill: 128x128), block_k elements of K a step."""
+    if m <= 16:
+        return GemmTiles(16, 64, block_k, num_warps=4, num_stages=4)
+    if m <= 64:
+        return GemmTiles(64, 128, block_k, num_warps=4, num_stages=4)
+    return GemmTiles(128, 128, block_k, num_warps=8, num_stages=3)
+
+
+def require(fn: str, cond: bool, msg: str) -> None:
+    """Raise ValueError("<fn>: <msg>") unless `cond`: a kernel's precondition, checked loudly before launch."""
+    if not cond:
+        raise ValueError(f"{fn}: {msg}")
+
+
+def check_epilogue_args(fn: str, n: int, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                        tensors: Iterable[torch.Tensor]) -> None:
+    """The arguments every GEMM shares: bias None or a float (n,) tensor, out_dtype one of OUT_DTYPES, all
+    `tensors` (bias included) on one device."""
+    require(fn, bias is None or (bias.is_floating_point() and tuple(bias.shape) == (n,)),
+            f"bias must be a float tensor of shape {(n,)}")
+    require(fn, out_dtype in OUT_DTYPES, f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    tensors = tuple(tensors) + (() if bias is None else (bias,))
+    require(fn, len({t.device for t in tensors}) == 1, "all tensors must be on one device")
+
+
 @triton.jit
-def tile_indices(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's (pid_m, pid_n) on a 1-D grid of cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) programs."""
+def output_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile on a 1-D grid of cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) programs: (offs_m
+    (BLOCK_M,), offs_n (BLOCK_N,), m_ok, n_ok), its rows and columns and which of them lie inside (M, N)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -35,7 +68,9 @@ def tile_indices(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
     group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
     pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
-    return pid_m, pid_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N
 
 
 @triton.jit
@@ -52,5 +87,5 @@ def store_tile(acc, y_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
 
 
 def grid_size(m: int, n: int, tiles: GemmTiles) -> tuple[int]:
-    """The 1-D launch grid that `tile_indices` maps onto (M, N)."""
+    """The 1-D launch grid that `output_tile` maps onto (M, N)."""
     return (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),)

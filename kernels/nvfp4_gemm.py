@@ -22,26 +22,22 @@ bf16 ``tl.dot`` is wrong). The second-stage scales multiply the accumulator once
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
 
 from quantkit.formats.constants import F8E4M3_DTYPE, NVFP4_GROUP
-from quantkit.kernels.fp8_gemm import OUT_DTYPES
 from quantkit.kernels.fp_codes import e2m1_value
-from quantkit.kernels.gemm_tiles import GemmTiles, grid_size, store_tile, tile_indices
+from quantkit.kernels.gemm_tiles import (GemmTiles, check_epilogue_args, default_tiles, grid_size, output_tile,
+                                         require, store_tile)
 from quantkit.kernels.interpreter_quirks import interpreting
 
 _GROUP_BYTES = tl.constexpr(NVFP4_GROUP // 2)  # a packed group of 16 E2M1 codes
+DEFAULT_BLOCK_K = 128  # default K step: 128 elements = 64 bytes
 
-
-def nvfp4_tiles(m: int) -> GemmTiles:
-    """Default tiles by M (decode: thin M tiles; prefill: 128x128); block_k = 128 elements = 64 bytes."""
-    if m <= 16:
-        return GemmTiles(16, 64, 128, num_warps=4, num_stages=4)
-    if m <= 64:
-        return GemmTiles(64, 128, 128, num_warps=4, num_stages=4)
-    return GemmTiles(128, 128, 128, num_warps=8, num_stages=3)
+_check = partial(require, "nvfp4_gemm")  # _check(cond, msg): ValueError "nvfp4_gemm: msg" unless cond
 
 
 @triton.jit
@@ -52,12 +48,8 @@ def _nvfp4_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     BYTES: tl.constexpr = BLOCK_K // 2
-    pid_m, pid_n = tile_indices(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, m_ok, n_ok = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_b = tl.arange(0, BYTES)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
     # A as (BLOCK_M, BYTES); W as (BYTES, BLOCK_N), the transposed view the dot wants. Byte j of a row
     # holds elements 2j, 2j + 1 of group j // 8: its scale is loaded once per byte (repeated addresses).
     a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_b[None, :]
@@ -86,11 +78,6 @@ def _nvfp4_gemm_kernel(
     w_global = tl.load(w_global_ptr + offs_n * stride_wgn, mask=n_ok, other=0.0)
     acc = acc * a_global[:, None] * w_global[None, :]
     store_tile(acc, y_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, HAS_BIAS, ROUND_BF16)
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"nvfp4_gemm: {msg}")
 
 
 def _one_number(t: torch.Tensor | float, name: str, device: torch.device) -> torch.Tensor:
@@ -147,12 +134,8 @@ def nvfp4_gemm(
         w_global = w_global.contiguous()
     else:
         w_global = _one_number(w_global, "w_global", device)
-    bias_ok = bias is None or (bias.is_floating_point() and tuple(bias.shape) == (n,))
-    _check(bias_ok, f"bias must be a float tensor of shape {(n,)}")
-    _check(out_dtype in OUT_DTYPES, f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    tensors = (a_packed, a_block_scale, a_global, w_packed, w_block_scale, w_global) + (() if bias is None else (bias,))
-    _check(len({t.device for t in tensors}) == 1, "all tensors must be on one device")
-    tiles = tiles or nvfp4_tiles(m)
+    check_epilogue_args("nvfp4_gemm", n, bias, out_dtype, (a_packed, a_block_scale, a_global, w_packed, w_block_scale, w_global))
+    tiles = tiles or default_tiles(m, DEFAULT_BLOCK_K)
     _check(
         tiles.block_k >= 32 and tiles.block_k & (tiles.block_k - 1) == 0,
         f"tiles.block_k must be a power of two >= 32 (each dot spans >= 16 elements), got {tiles.block_k}",

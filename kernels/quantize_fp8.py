@@ -14,18 +14,37 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.formats.constants import F8E4M3_DTYPE, F8E4M3_MAX
+from quantkit.formats.constants import F8E4M3_DTYPE
 from quantkit.formats.fp8 import check_quantizable
-from quantkit.kernels.fp_codes import e4m3_code
+from quantkit.kernels.fp_codes import E4M3_MAX, e4m3_code
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_E4M3_MAX = tl.constexpr(F8E4M3_MAX)
+
+
+def check_activation(fn: str, x: torch.Tensor) -> None:
+    """x must be a finite 2-D float32/bfloat16/float16 tensor with K > 0 (TypeError / ValueError naming `fn`)."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
+        got = getattr(x, "dtype", type(x).__name__)
+        raise TypeError(f"{fn}: x must be a float32/bfloat16/float16 tensor, got {got}")
+    check_quantizable(x, fn, name="x", ndim=2)
 
 
 def check_tile(fn: str, name: str, value: int, least: int = 1) -> None:
     """Tile sizes are powers of two (tl.arange) of at least `least`."""
     if not isinstance(value, int) or value < least or value & (value - 1):
         raise ValueError(f"{fn}: {name} must be a power of two >= {least}, got {value!r}")
+
+
+@triton.jit
+def row_absmax(x_rows, row_ok, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """max |x| (float32, (BLOCK_M,)) of the rows x_rows ((BLOCK_M, 1) pointers to their first elements) over
+    K elements, BLOCK_K a step; rows outside (not row_ok) give 0."""
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    return amax
 
 
 @triton.jit
@@ -37,13 +56,8 @@ def _quantize_fp8_per_token_kernel(
     row_ok = rows < M
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qm
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask = row_ok[:, None] & (cols[None, :] < K)
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    scale = tl.div_rn(amax, tl.full((BLOCK_M,), _E4M3_MAX, tl.float32))
+    amax = row_absmax(x_rows, row_ok, K, BLOCK_M, BLOCK_K)
+    scale = tl.div_rn(amax, tl.full((BLOCK_M,), E4M3_MAX, tl.float32))
     scale = tl.where(scale > 0, scale, 1.0)
     tl.store(scale_ptr + rows, scale, mask=row_ok)
     for k0 in range(0, K, BLOCK_K):
@@ -61,10 +75,7 @@ def quantize_fp8_per_token(
 
     block_m, block_k: the tile one program handles per step (powers of two); they change speed only.
     """
-    if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
-        got = getattr(x, "dtype", type(x).__name__)
-        raise TypeError(f"quantize_fp8_per_token: x must be a float32/bfloat16/float16 tensor, got {got}")
-    check_quantizable(x, "quantize_fp8_per_token", name="x", ndim=2)
+    check_activation("quantize_fp8_per_token", x)
     check_tile("quantize_fp8_per_token", "block_m", block_m)
     check_tile("quantize_fp8_per_token", "block_k", block_k)
     x = x if x.stride(-1) == 1 else x.contiguous()

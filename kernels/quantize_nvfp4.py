@@ -24,21 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.formats.constants import (
-    F4E2M1_MAX,
-    F8E4M3_DTYPE,
-    F8E4M3_MAX,
-    F8E4M3_MIN_SUBNORMAL,
-    NVFP4_GLOBAL_DIVISOR,
-    NVFP4_GROUP,
-)
-from quantkit.formats.fp8 import check_quantizable
-from quantkit.kernels.fp_codes import e2m1_code, e4m3_code, e4m3_positive_value
-from quantkit.kernels.quantize_fp8 import INPUT_DTYPES, check_tile
+from quantkit.formats.constants import F4E2M1_MAX, F8E4M3_DTYPE, NVFP4_GLOBAL_DIVISOR, NVFP4_GROUP
+from quantkit.kernels.fp_codes import E4M3_MAX, E4M3_MIN_SUBNORMAL, e2m1_code, e4m3_code, e4m3_positive_value
+from quantkit.kernels.quantize_fp8 import check_activation, check_tile, row_absmax
 
 _E2M1_MAX = tl.constexpr(F4E2M1_MAX)
-_E4M3_MAX = tl.constexpr(F8E4M3_MAX)
-_E4M3_MIN_SUBNORMAL = tl.constexpr(F8E4M3_MIN_SUBNORMAL)
 _GLOBAL_DIVISOR = tl.constexpr(NVFP4_GLOBAL_DIVISOR)
 _GROUP = tl.constexpr(NVFP4_GROUP)
 _PAIRS = tl.constexpr(NVFP4_GROUP // 2)  # bytes of a packed group
@@ -57,12 +47,7 @@ def _quantize_nvfp4_kernel(
     if STATIC:
         gs = tl.full((BLOCK_M,), 0.0, tl.float32) + tl.load(static_global_ptr)
     else:
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            mask = row_ok[:, None] & (cols[None, :] < K)
-            x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        amax = row_absmax(x_ptr + rows64[:, None] * stride_xm, row_ok, K, BLOCK_M, BLOCK_K)
         gs = tl.div_rn(amax, tl.full((BLOCK_M,), _GLOBAL_DIVISOR, tl.float32))
         gs = tl.where(gs > 0, gs, 1.0)
     tl.store(global_ptr + rows, gs, mask=row_ok)
@@ -80,7 +65,7 @@ def _quantize_nvfp4_kernel(
         group_amax = tl.maximum(tl.max(tl.abs(x_even), axis=2), tl.max(tl.abs(x_odd), axis=2))
         scale = tl.div_rn(group_amax, _E2M1_MAX * gs2)
         scale = tl.where(scale == 0, 1.0, scale)
-        scale_code = e4m3_code(tl.minimum(tl.maximum(scale, _E4M3_MIN_SUBNORMAL), _E4M3_MAX))
+        scale_code = e4m3_code(tl.minimum(tl.maximum(scale, E4M3_MIN_SUBNORMAL), E4M3_MAX))
         denominator = tl.broadcast_to((e4m3_positive_value(scale_code) * gs2)[:, :, None], (BLOCK_M, GROUPS, _PAIRS))
         byte = e2m1_code(tl.div_rn(x_even, denominator)) | (e2m1_code(tl.div_rn(x_odd, denominator)) << 4)
         byte_col = k0 // 2 + group * _PAIRS + pair
@@ -125,10 +110,7 @@ def quantize_nvfp4_per_token(
     (a number or a one-element tensor), used for every row. block_m, block_k (powers of two, block_k a
     multiple of 16): the tile of one program step; they change speed only.
     """
-    if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
-        got = getattr(x, "dtype", type(x).__name__)
-        raise TypeError(f"quantize_nvfp4_per_token: x must be a float32/bfloat16/float16 tensor, got {got}")
-    check_quantizable(x, "quantize_nvfp4_per_token", name="x", ndim=2)
+    check_activation("quantize_nvfp4_per_token", x)
     check_tile("quantize_nvfp4_per_token", "block_m", block_m)
     check_tile("quantize_nvfp4_per_token", "block_k", block_k, least=NVFP4_GROUP)
     static = global_scale is not None

@@ -20,7 +20,7 @@ import json, re
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from quantkit.kernels import fp8_gemm, nvfp4_gemm, quantize_fp8, quantize_nvfp4
+from quantkit.kernels import fp8_gemm, gemm_tiles, nvfp4_gemm, quantize_fp8, quantize_nvfp4
 
 ALIGNED = {"M", "N", "K", "K_PAD", "K_BYTES"}
 
@@ -51,11 +51,11 @@ for m in (1, 4096):
     out[f"fp8_gemm M={m}"] = summary(ptx(fp8_gemm._fp8_block_gemm_kernel,
         {"x_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
          "bias_ptr": "*bf16", "y_ptr": "*bf16"},
-        {"HAS_BIAS": True, "ROUND_BF16": False, "SCALE_BLOCK": 128}, fp8_gemm.fp8_tiles(m)))
+        {"HAS_BIAS": True, "ROUND_BF16": False, "SCALE_BLOCK": 128}, gemm_tiles.default_tiles(m, 128)))
     out[f"nvfp4_gemm M={m}"] = summary(ptx(nvfp4_gemm._nvfp4_gemm_kernel,
         {"a_ptr": "*u8", "a_scale_ptr": "*fp8e4nv", "a_global_ptr": "*fp32", "w_ptr": "*u8", "w_scale_ptr": "*fp8e4nv",
          "w_global_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"},
-        {"HAS_BIAS": True, "TILE": tl.bfloat16, "ROUND_BF16": False}, nvfp4_gemm.nvfp4_tiles(m)))
+        {"HAS_BIAS": True, "TILE": tl.bfloat16, "ROUND_BF16": False}, gemm_tiles.default_tiles(m, nvfp4_gemm.DEFAULT_BLOCK_K)))
 print(json.dumps(out))
 """
 

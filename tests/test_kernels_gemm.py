@@ -35,7 +35,7 @@ from quantkit.kernels.gemm_tiles import GemmTiles
 from quantkit.kernels.nvfp4_gemm import nvfp4_gemm
 from quantkit.kernels.quantize_fp8 import quantize_fp8_per_token as kernel_quantize_fp8
 from quantkit.kernels.quantize_nvfp4 import quantize_nvfp4_per_token as kernel_quantize_nvfp4
-from quantkit.quantize.schemes import decode_weight, encode_weight, fake_quant_activation
+from quantkit.formats.schemes import FP8_BLOCK, NVFP4
 
 OUTPUT_REL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 0.0}
 
@@ -233,16 +233,16 @@ def test_quantized_linear_end_to_end_matches_fake_quant(static):
     w = torch.randn(n, k, generator=g) * 0.05
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
     if not static:  # FP8 has one activation mode: per token
-        tensors = encode_weight("fp8_block", w, "layer")
+        tensors = FP8_BLOCK.encode(w, "layer")
         y = fp8_block_gemm(*kernel_quantize_fp8(x), tensors["weight"], tensors["weight_scale"], bias=bias)
-        assert_gemm_close(y, fake_quant_activation("fp8_block", x), decode_weight("fp8_block", tensors, k), bias)
-    tensors = encode_weight("nvfp4", w, "layer")
+        assert_gemm_close(y, FP8_BLOCK.fake_quant_activation(x), FP8_BLOCK.decode(tensors, k), bias)
+    tensors = NVFP4.encode(w, "layer")
     input_global_scale = torch.tensor([x.float().abs().amax().item() / 2688 * 0.7]) if static else None
     packed, block_scale, global_ = kernel_quantize_nvfp4(x, input_global_scale)
     weight = (tensors["weight_packed"], tensors["weight_scale"], tensors["weight_global_scale"])
     y = nvfp4_gemm(packed, block_scale, global_, *weight, bias=bias)
-    x_fq = fake_quant_activation("nvfp4", x, input_global_scale)
-    assert_gemm_close(y, x_fq, decode_weight("nvfp4", tensors, k), bias)
+    x_fq = NVFP4.fake_quant_activation(x, input_global_scale)
+    assert_gemm_close(y, x_fq, NVFP4.decode(tensors, k), bias)
 
 
 # --- fused vLLM layers: per-row weight scales -----------------------------------------------------------

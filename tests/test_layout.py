@@ -1,5 +1,6 @@
-"""The distribution's layout: import names, entry points, the vLLM metadata alias."""
+"""The distribution's layout: import names, entry points, the vLLM metadata alias, the direction of imports."""
 
+import ast
 import importlib.metadata as metadata
 import json
 import subprocess
@@ -37,3 +38,70 @@ def test_lm_eval_sees_a_vllm_version():
     version = metadata.version("vllm")
     assert version.split("+")[0] == vllm.__version__.split("+")[0]
     import lm_eval.models.vllm_causallms  # noqa: F401  (its import-time version check must pass)
+
+
+# Installed import name of each source folder (pyproject.toml [tool.setuptools.package-dir]).
+SOURCE_ROOTS = {"quantkit": "quantkit", "kernels": "quantkit.kernels", "evals": "quantkit.evals",
+                "pipelines": "quantkit.pipelines"}
+LEAVES = ("quantkit.errors", "quantkit.atomic", "quantkit.checkpoints")  # shared by every layer, import only leaves
+SERVE_ENTRIES = ("quantkit.serve.engine", "quantkit.serve.checkpoint_check")  # what consumers of serving may use
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> source file, for every module that installs under `quantkit`."""
+    modules = {}
+    for folder, package in SOURCE_ROOTS.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = path.relative_to(REPO / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            modules[".".join((package, *parts))] = path
+    return modules
+
+
+def _imported(path: Path) -> set[str]:
+    """The quantkit modules a file imports, at any depth (function-level imports included)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)  # `from quantkit import serve`
+    return {n for n in names if n == "quantkit" or n.startswith("quantkit.")}
+
+
+def _within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def test_imports_point_one_way():
+    """Imports point formats <- quantize <- serve, never back:
+
+    - quantkit.formats (numeric formats and the scheme registry) imports only itself and the leaves
+      (quantkit.errors, .atomic, .checkpoints); the leaves import only leaves;
+    - quantkit.kernels imports only itself, formats and the leaves (serve dispatches to it);
+    - quantkit.quantize imports nothing from serve (nor from kernels, evals, pipelines, report);
+    - evals, pipelines and report use serving only through its public entries, quantkit.serve.engine
+      (engine settings) and quantkit.serve.checkpoint_check (the servability check).
+    """
+    allowed_only = {
+        "quantkit.formats": ("quantkit.formats", *LEAVES),
+        "quantkit.kernels": ("quantkit.kernels", "quantkit.formats", *LEAVES),
+        **{leaf: LEAVES for leaf in LEAVES},
+    }
+    forbidden = {"quantkit.quantize": ("quantkit.serve", "quantkit.kernels", "quantkit.evals", "quantkit.pipelines",
+                                       "quantkit.report", "quantkit.cli")}
+    consumers = ("quantkit.evals", "quantkit.pipelines", "quantkit.report")
+    wrong = []
+    for module, path in _modules().items():
+        for name in sorted(_imported(path) - {"quantkit"}):
+            for package, allowed in allowed_only.items():
+                if _within(module, (package,)) and not _within(name, allowed):
+                    wrong.append(f"{module} imports {name}")
+            for package, banned in forbidden.items():
+                if _within(module, (package,)) and _within(name, banned):
+                    wrong.append(f"{module} imports {name}")
+            if _within(module, consumers) and _within(name, ("quantkit.serve",)) and not _within(name, SERVE_ENTRIES):
+                wrong.append(f"{module} imports {name} (serving internals)")
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)

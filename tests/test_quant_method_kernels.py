@@ -16,7 +16,7 @@ scale) moves outputs by whole quantization steps (>= 2**-4 relative), orders of 
 import pytest
 import torch
 
-from quantkit.quantize.schemes import encode_weight, fake_quant_activation
+from quantkit.formats.schemes import SCHEMES
 from quantkit.serve.quant_method import KERNEL_ENV, QuantkitLinearMethod, QuantkitQuantConfig
 
 N, K = 136, 200  # neither a multiple of 128 nor (K) of the NVFP4 K tile
@@ -28,7 +28,7 @@ def _layer(scheme, activation_scale, kernel, weight, monkeypatch):
     method = QuantkitLinearMethod(config, "proj")
     layer = torch.nn.Module()
     method.create_weights(layer, K, [N], K, N, torch.float32)
-    tensors = encode_weight(scheme, weight, "proj")
+    tensors = SCHEMES[scheme].encode(weight, "proj")
     if activation_scale == "static":
         tensors["input_global_scale"] = torch.tensor([0.004])
     for name, tensor in tensors.items():
@@ -52,7 +52,7 @@ def test_triton_path_equals_torch_emulation(scheme, activation_scale, monkeypatc
     got = triton.apply(triton_layer, x, bias)
     assert got.shape == want.shape == (2, 3, N) and got.dtype == torch.float32
     static = emulation_layer.input_global_scale if activation_scale == "static" else None
-    xq = fake_quant_activation(scheme, x, static)
+    xq = SCHEMES[scheme].fake_quant_activation(x, static)
     summed = xq.abs() @ emulation_layer.weight_dequantized.abs().T + bias.abs()
     tol = (K + 1) * 2.0**-21 * summed  # see the module docstring
     assert bool(((got - want).abs() <= tol).all()), f"max err/tol {((got - want).abs() / tol).max():.3g}"

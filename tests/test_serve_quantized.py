@@ -54,7 +54,6 @@ from quantkit.formats.constants import NVFP4_GROUP
 from quantkit.models.tiny import build_tiny_checkpoint, build_tiny_stock_checkpoint
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import FakeQuantLinear, load_fake_quant_model
-from quantkit.quantize.schemes import fake_quant_activation
 from quantkit.serve.offline import generate, omp_bind_per_rank
 from quantkit.serve.quant_method import CAPTURE_ENV
 
@@ -160,9 +159,9 @@ class HeldCodes:
                 f"{prefix}: a reference input row differs from every served row by {relative.max():.1e} of its max |x|")
             matched_x, matched_xq = served_x[index], served_xq[index]
             igs = module.input_global_scale
-            assert torch.equal(matched_xq, fake_quant_activation(module.scheme, matched_x, igs)), (
+            assert torch.equal(matched_xq, module.scheme.fake_quant_activation(matched_x, igs)), (
                 f"{prefix}: vLLM's quantized activation is not fake_quant_activation of its own input")
-            codes = activation_codes(module.scheme, rows, igs) != activation_codes(module.scheme, matched_x, igs)
+            codes = activation_codes(module.scheme.name, rows, igs) != activation_codes(module.scheme.name, matched_x, igs)
             self.elements += codes.numel()
             self.flips += int(codes.sum())
             out = torch.nn.functional.linear(matched_xq, module.weight, module.bias)

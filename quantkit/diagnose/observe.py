@@ -27,7 +27,7 @@ from torch import nn
 from quantkit.diagnose.stats import ChannelStats, Moments
 from quantkit.errors import NonFiniteStatisticsError
 from quantkit.quantize.recipe import Recipe
-from quantkit.quantize.schemes import decode_weight, encode_weight, fake_quant_activation
+from quantkit.formats.schemes import get_scheme
 
 SINK_EPS = 0.3  # paper 002 eq. 1 (after Gu et al. 2025)
 SINK_WINDOW = 64  # T_eps of paper 002 eq. 1
@@ -215,7 +215,7 @@ class DiagnosticsObserver:
             stats.signal += y.pow(2).sum().item()
             for recipe, static_scale in quantizing:
                 w_q = self._quantized_weight(name, module, recipe.scheme)
-                x_q = fake_quant_activation(recipe.scheme, x, None if static_scale is None else static_scale[name])
+                x_q = get_scheme(recipe.scheme).fake_quant_activation(x, None if static_scale is None else static_scale[name])
                 y_q = F.linear(x_q, w_q, None if module.bias is None else module.bias.float())
                 stats.noise[recipe.name] = stats.noise.get(recipe.name, 0.0) + (y - y_q.double()).pow(2).sum().item()
 
@@ -225,7 +225,8 @@ class DiagnosticsObserver:
         key = (name, scheme)
         if key not in self._quantized:
             w = module.weight.detach()
-            self._quantized[key] = decode_weight(scheme, encode_weight(scheme, w, name), module.in_features).to(w.device)
+            s = get_scheme(scheme)
+            self._quantized[key] = s.decode(s.encode(w, name), module.in_features).to(w.device)
         return self._quantized[key]
 
     def _gate_hook(self, norm: str):

@@ -2,7 +2,8 @@
 
 One module a format, each opening with the docstring that fixes its conventions (decode scales, rounding,
 saturation, zero handling, padding, nibble order); constants live in `constants`. Kernels and the serving
-path import these constants and are tested against these functions.
+path import these constants and are tested against these functions. `schemes` is the registry of the
+quantization schemes built on them (checkpoint contract, encode/decode, activation fake-quant).
 """
 
 from quantkit.formats.constants import (
@@ -15,6 +16,7 @@ from quantkit.formats.constants import (
 from quantkit.formats.fp8 import (
     dequantize_fp8_block,
     dequantize_fp8_per_token,
+    expand_block_scales,
     quantize_fp8_block,
     quantize_fp8_per_token,
 )
@@ -39,6 +41,7 @@ __all__ = [
     "dequantize_fp8_block",
     "dequantize_fp8_per_token",
     "dequantize_nvfp4",
+    "expand_block_scales",
     "nvfp4_global_scale",
     "pack_fp4",
     "quantize_fp8_block",

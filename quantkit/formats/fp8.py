@@ -38,6 +38,7 @@ __all__ = [
     "check_quantizable",
     "to_e4m3",
     "fp8_scale_from_amax",
+    "expand_block_scales",
     "quantize_fp8_block",
     "dequantize_fp8_block",
     "quantize_fp8_per_token",
@@ -72,6 +73,16 @@ def fp8_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """Decode scale amax / 448 (float32); 1.0 where that is 0 (all-zero block/row, or underflow)."""
     scale = amax.float() / F8E4M3_MAX
     return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def expand_block_scales(
+    scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """A grid of block scales (R, C) -> one scale per element: each entry repeated over its block of
+    block[0] rows x block[1] columns, (R * block[0], C * block[1]), cropped to `shape` (rows, cols) when given
+    (partial edge blocks)."""
+    full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return full if shape is None else full[: shape[0], : shape[1]]
 
 
 def _to_blocks(w: torch.Tensor, block: int) -> torch.Tensor:
@@ -109,8 +120,7 @@ def dequantize_fp8_block(
     want = (math.ceil(n / block), math.ceil(k / block))
     if tuple(scale.shape) != want:
         raise ValueError(f"dequantize_fp8_block: scale shape {tuple(scale.shape)} != {want} for q {(n, k)}")
-    full = scale.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
-    return (q.float() * full).to(dtype)
+    return (q.float() * expand_block_scales(scale.float(), (block, block), (n, k))).to(dtype)
 
 
 def quantize_fp8_per_token(

@@ -18,14 +18,10 @@ import quantkit.models  # noqa: F401  (registers model_type "quantkit")
 from quantkit.atomic import atomic_dir
 from quantkit.calibrate import channel_max, smooth_model
 from quantkit.data import calibration_windows
-from quantkit.formats import nvfp4_global_scale
+from quantkit.formats.schemes import scheme_for
 from quantkit.quantize.llmcompressor_backend import quantize_with_llmcompressor
 from quantkit.quantize.modelopt_backend import quantize_with_modelopt
 from quantkit.quantize.recipe import CalibrationSettings, Recipe, load_recipe
-from quantkit.quantize.schemes import encode_weight
-
-FORMAT_VERSION = 1
-WEIGHT_BLOCK = [128, 128]
 
 
 def quantizable_linears(model: torch.nn.Module, recipe: Recipe) -> dict[str, torch.nn.Linear]:
@@ -34,20 +30,15 @@ def quantizable_linears(model: torch.nn.Module, recipe: Recipe) -> dict[str, tor
 
 
 def quantization_config(recipe: Recipe, quantized: list[str], ignored: list[str]) -> dict:
-    """The `quantization_config` entry of config.json."""
-    config = {
+    """The `quantization_config` entry of config.json (the scheme's keys: `quantkit.formats.schemes`)."""
+    return {
         "quant_method": "quantkit",
-        "format_version": FORMAT_VERSION,
         "recipe": recipe.name,
-        "scheme": recipe.scheme,
-        "weight_block_size": WEIGHT_BLOCK if recipe.scheme == "fp8_block" else None,
-        "group_size": 16 if recipe.scheme == "nvfp4" else None,
-        "activation_scale": recipe.activation_scale if recipe.scheme == "nvfp4" else "per_token",
+        **scheme_for(recipe.scheme).quantization_config(recipe.activation_scale),
         "quantized_modules": quantized,
         "ignored_modules": ignored,
         "smoothquant": None if recipe.smoothquant is None else vars(recipe.smoothquant),
     }
-    return config
 
 
 def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: str | Path, *, overwrite: bool = False) -> Path:
@@ -71,7 +62,8 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
         smoothquant_report = smooth_model(
             model, tokenizer=tokenizer, alpha=sq.alpha, num_sequences=sq.num_sequences, seq_len=sq.seq_len
         )
-    linears = quantizable_linears(model, recipe) if recipe.scheme != "bf16" else {}
+    scheme = scheme_for(recipe.scheme)  # None: bf16, nothing quantized
+    linears = quantizable_linears(model, recipe) if scheme is not None else {}
     input_amax = {}
     if recipe.activation_scale == "static":  # compressed-tensors convention: one calibrated scale per tensor
         cal = recipe.calibration or CalibrationSettings()
@@ -81,18 +73,19 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     for name, module in tqdm(linears.items(), desc=f"quantize {recipe.name}", unit="linear"):
         state.pop(f"{name}.weight")
-        for suffix, tensor in encode_weight(recipe.scheme, module.weight.detach(), name).items():
-            state[f"{name}.{suffix}"] = tensor.contiguous()
+        tensors = scheme.encode(module.weight.detach(), name)
         if name in input_amax:
-            state[f"{name}.input_global_scale"] = nvfp4_global_scale(input_amax[name]).float()
+            tensors.update(scheme.static_activation_tensors(input_amax[name]))
+        for suffix, tensor in tensors.items():
+            state[f"{name}.{suffix}"] = tensor.contiguous()
     ignored = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in linears)
-    if recipe.scheme == "bf16":
+    if scheme is None:
         state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
 
     config = model.config.to_dict()
     config["architectures"] = [type(model).__name__]
-    config["dtype"] = "bfloat16" if recipe.scheme == "bf16" else "float32"
-    if recipe.scheme != "bf16":
+    config["dtype"] = "bfloat16" if scheme is None else "float32"
+    if scheme is not None:
         config["quantization_config"] = quantization_config(recipe, sorted(linears), ignored)
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "quantkit_recipe": recipe.name})

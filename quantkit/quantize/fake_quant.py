@@ -15,16 +15,13 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import quantkit.models  # noqa: F401
-from quantkit.quantize.schemes import decode_weight, fake_quant_activation
-from quantkit.serve.checkpoint_check import validate_quantkit_config
-
-_WEIGHT_SUFFIXES = ("weight", "weight_scale", "weight_packed", "weight_global_scale", "input_global_scale")
+from quantkit.formats.schemes import Scheme, checkpoint_suffixes, get_scheme, scheme_from_config
 
 
 class FakeQuantLinear(torch.nn.Module):
     """y = fake_quant(x) @ W_decoded^T + b, in float32, cast to the input dtype."""
 
-    def __init__(self, scheme: str, weight: torch.Tensor, bias: torch.Tensor | None, input_global_scale: torch.Tensor | None,
+    def __init__(self, scheme: Scheme, weight: torch.Tensor, bias: torch.Tensor | None, input_global_scale: torch.Tensor | None,
                  quantize_activations: bool = True) -> None:
         super().__init__()
         self.scheme = scheme
@@ -34,12 +31,12 @@ class FakeQuantLinear(torch.nn.Module):
         self.register_buffer("input_global_scale", input_global_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xq = fake_quant_activation(self.scheme, x, self.input_global_scale) if self.quantize_activations else x.float()
+        xq = self.scheme.fake_quant_activation(x, self.input_global_scale) if self.quantize_activations else x.float()
         return torch.nn.functional.linear(xq, self.weight, self.bias).to(x.dtype)
 
 
 def read_quantization_config(model_dir: str | Path) -> dict:
-    """config.json's quantization_config, checked (quant_method quantkit, `validate_quantkit_config`)."""
+    """config.json's quantization_config, checked (quant_method quantkit, `scheme_from_config`)."""
     config_path = Path(model_dir) / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{model_dir} has no config.json")
@@ -48,7 +45,7 @@ def read_quantization_config(model_dir: str | Path) -> dict:
         raise ValueError(f"{model_dir}: config.json has no quantization_config (not a quantized checkpoint)")
     if qc.get("quant_method") != "quantkit":
         raise ValueError(f"{model_dir}: quant_method {qc.get('quant_method')!r} is not 'quantkit'")
-    validate_quantkit_config(qc, f"{config_path} quantization_config")
+    scheme_from_config(qc, f"{config_path} quantization_config")
     return qc
 
 
@@ -58,19 +55,20 @@ def load_fake_quant_model(model_dir: str | Path, quantize_activations: bool = Tr
     quantize_activations=False gives the weight-only ablation (decoded weights, float32 activations)."""
     model_dir = Path(model_dir)
     qc = read_quantization_config(model_dir)
+    scheme = get_scheme(qc["scheme"])
     config = AutoConfig.from_pretrained(model_dir)
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     state = load_file(str(model_dir / "model.safetensors"))
     for name in qc["quantized_modules"]:
         linear = model.get_submodule(name)
-        tensors = {s: state.pop(f"{name}.{s}") for s in _WEIGHT_SUFFIXES if f"{name}.{s}" in state}
-        weight = decode_weight(qc["scheme"], tensors, linear.in_features)
+        tensors = {s: state.pop(f"{name}.{s}") for s in checkpoint_suffixes() if f"{name}.{s}" in state}
+        weight = scheme.decode(tensors, linear.in_features)
         if tuple(weight.shape) != tuple(linear.weight.shape):
             raise ValueError(f"{model_dir}: {name} decodes to {tuple(weight.shape)}, the model expects {tuple(linear.weight.shape)}")
         bias = state.pop(f"{name}.bias", None)
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, FakeQuantLinear(qc["scheme"], weight, bias, tensors.get("input_global_scale"), quantize_activations))
+        setattr(model.get_submodule(parent), child, FakeQuantLinear(scheme, weight, bias, tensors.get("input_global_scale"), quantize_activations))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k.rsplit(".", 1)[0] not in qc["quantized_modules"]]  # those are set above
     if missing or unexpected:

@@ -25,11 +25,12 @@ from typing import Any
 import yaml
 
 from quantkit.configs import RECIPES_DIR
+from quantkit.formats.schemes import SCHEMES, UNQUANTIZED
 
 # lm_head stays BF16 (paper 000 App. A.4.2); GatedNorm's rank-r gates are tiny (shared/DESIGN.md)
 DEFAULT_IGNORE = ("lm_head", r"re:.*\.gate_down$", r"re:.*\.gate_up$")
-SCHEMES = {
-    "quantkit": ("bf16", "fp8_block", "nvfp4"),
+BACKEND_SCHEMES = {  # the scheme names each backend takes
+    "quantkit": (UNQUANTIZED, *SCHEMES),
     "llmcompressor": ("FP8_BLOCK", "NVFP4"),
     "modelopt": ("NVFP4", "FP8_PER_CHANNEL_PER_TOKEN"),
 }
@@ -102,11 +103,11 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         if key not in data:
             raise ValueError(f"{source}: missing required key {key!r}")
     backend = data.get("backend", "quantkit")
-    if backend not in SCHEMES:
-        raise ValueError(f"{source}: backend {backend!r} is not one of {list(SCHEMES)}")
+    if backend not in BACKEND_SCHEMES:
+        raise ValueError(f"{source}: backend {backend!r} is not one of {list(BACKEND_SCHEMES)}")
     scheme = data["scheme"]
-    if scheme not in SCHEMES[backend]:
-        raise ValueError(f"{source}: scheme {scheme!r} is not one of {list(SCHEMES[backend])} for backend {backend!r}")
+    if scheme not in BACKEND_SCHEMES[backend]:
+        raise ValueError(f"{source}: scheme {scheme!r} is not one of {list(BACKEND_SCHEMES[backend])} for backend {backend!r}")
     activation_scale = data.get("activation_scale")
     if backend != "quantkit":
         for key in ("activation_scale", "smoothquant"):
@@ -121,7 +122,7 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     smoothquant = _settings(SmoothQuantSettings, data.get("smoothquant"), f"{source}: smoothquant")
     if smoothquant is not None and not 0.0 <= smoothquant.alpha <= 1.0:
         raise ValueError(f"{source}: smoothquant.alpha must be in [0, 1], got {smoothquant.alpha}")
-    if smoothquant is not None and scheme == "bf16":
+    if smoothquant is not None and scheme == UNQUANTIZED:
         raise ValueError(f"{source}: smoothquant with scheme bf16 changes nothing worth measuring")
     calibration = _settings(CalibrationSettings, data.get("calibration"), f"{source}: calibration")
     ignore = data.get("ignore") or []

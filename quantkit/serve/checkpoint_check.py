@@ -12,19 +12,14 @@ Returns the quantization_config (None for an unquantized checkpoint).
 
 from __future__ import annotations
 
-import math
+from collections import defaultdict
 from pathlib import Path
 
 from quantkit.checkpoints import CheckpointError, TensorHeaders, check_checkpoint_dir
-from quantkit.formats.constants import FP8_WEIGHT_BLOCK as FP8_BLOCK
-from quantkit.formats.constants import NVFP4_GROUP
+from quantkit.formats.schemes import checkpoint_suffixes, scheme_from_config
 
-QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", "weight_scale_2",
-                  "input_scale", "weight_scale_inv")
-SCHEME_TENSORS = {  # suffix -> safetensors dtype
-    "fp8_block": {"weight": "F8_E4M3", "weight_scale": "F32"},
-    "nvfp4": {"weight_packed": "U8", "weight_scale": "F8_E4M3", "weight_global_scale": "F32"},
-}
+# Suffixes of quantized tensors: quantkit's (but the plain `weight`) and the peers' (ModelOpt, compressed-tensors).
+QUANT_SUFFIXES = tuple(s for s in checkpoint_suffixes() if s != "weight") + ("weight_scale_2", "input_scale", "weight_scale_inv")
 
 
 def check_servable(model_dir: str | Path) -> dict | None:
@@ -51,49 +46,26 @@ def check_servable(model_dir: str | Path) -> dict | None:
     return qc
 
 
-def validate_quantkit_config(qc: dict, where: str = "quantization_config") -> None:
-    """The keys of a quantkit quantization_config (docs/checkpoint-format.md), without the tensors."""
-    if qc.get("format_version") != 1:
-        raise CheckpointError(f"{where}: format_version {qc.get('format_version')!r} is not supported (expected 1; re-run `quantkit quantize`)")
-    scheme = qc.get("scheme")
-    if scheme not in SCHEME_TENSORS:
-        raise CheckpointError(f"{where}: scheme {scheme!r} is not one of {list(SCHEME_TENSORS)}")
-    activation_scale = qc.get("activation_scale")
-    if activation_scale not in ("per_token", "static") or (activation_scale == "static" and scheme != "nvfp4"):
-        raise CheckpointError(f"{where}: activation_scale {activation_scale!r} is not valid for scheme {scheme}")
-    if not qc.get("quantized_modules"):
-        raise CheckpointError(f"{where}: quantized_modules is empty")
-
-
 def _check_quantkit(model_dir: Path, qc: dict, headers: TensorHeaders) -> None:
-    validate_quantkit_config(qc, f"{model_dir}/config.json quantization_config")
-    scheme, modules = qc["scheme"], qc["quantized_modules"]
-    static = qc["activation_scale"] == "static"
+    scheme = scheme_from_config(qc, f"{model_dir}/config.json quantization_config")
+    modules = qc["quantized_modules"]
+    shapes = defaultdict(dict)  # module -> {suffix: shape}
+    for name, (_, shape) in headers.items():
+        module, dot, suffix = name.rpartition(".")
+        if dot:
+            shapes[module][suffix] = shape
     for module in modules:
-        expected = dict(SCHEME_TENSORS[scheme], **({"input_global_scale": "F32"} if static else {}))
-        for suffix, dtype in expected.items():
+        for suffix, dtype in scheme.checkpoint_tensors(qc["activation_scale"]).items():
             got = headers.get(f"{module}.{suffix}")
             if got is None:
-                raise CheckpointError(f"{model_dir}: quantized module {module} ({scheme}) has no tensor {module}.{suffix}")
+                raise CheckpointError(f"{model_dir}: quantized module {module} ({scheme.name}) has no tensor {module}.{suffix}")
             if got[0] != dtype:
-                raise CheckpointError(f"{model_dir}: {module}.{suffix} is {got[0]}, scheme {scheme} stores {dtype}")
-        if scheme == "fp8_block":
-            n, k = headers[f"{module}.weight"][1]
-            want = (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK))
-            if headers[f"{module}.weight_scale"][1] != want:
-                raise CheckpointError(f"{model_dir}: {module}.weight_scale has shape {headers[f'{module}.weight_scale'][1]}, "
-                                      f"a ({n}, {k}) weight in 128x128 blocks needs {want}")
-        else:
-            if f"{module}.weight" in headers:
-                raise CheckpointError(f"{model_dir}: nvfp4 module {module} also stores an unquantized {module}.weight")
-            n, half_k = headers[f"{module}.weight_packed"][1]
-            want = (n, half_k * 2 // NVFP4_GROUP)
-            if half_k * 2 % NVFP4_GROUP or headers[f"{module}.weight_scale"][1] != want:
-                raise CheckpointError(f"{model_dir}: {module}.weight_scale has shape {headers[f'{module}.weight_scale'][1]}, "
-                                      f"packed weight {(n, half_k)} needs {want} (one scale per 16 elements)")
+                raise CheckpointError(f"{model_dir}: {module}.{suffix} is {got[0]}, scheme {scheme.name} stores {dtype}")
+        problem = scheme.shape_problem(module, shapes[module])
+        if problem:
+            raise CheckpointError(f"{model_dir}: {problem}")
     listed = set(modules)
-    marker = "weight_packed" if scheme == "nvfp4" else "weight_scale"
-    stray = sorted(n.rsplit(".", 1)[0] for n in headers if n.endswith("." + marker) and n.rsplit(".", 1)[0] not in listed)
+    stray = sorted(m for m, suffixes in shapes.items() if scheme.marker in suffixes and m not in listed)
     if stray:
         raise CheckpointError(f"{model_dir}: {stray[:3]} hold quantized tensors but are not in quantization_config.quantized_modules")
     import torch

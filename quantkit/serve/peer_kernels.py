@@ -22,6 +22,8 @@ from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel impo
 from vllm.logger import init_logger
 from vllm.platforms import PlatformEnum, current_platform
 
+from quantkit.formats.fp8 import expand_block_scales
+
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM configures that logger tree
 
 
@@ -41,16 +43,16 @@ class EmulationFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
 
     def apply_block_scaled_mm(self, A: torch.Tensor, B: torch.Tensor, As: torch.Tensor, Bs: torch.Tensor) -> torch.Tensor:
         """A (M, K) E4M3 with As (M, ceil(K/g)) per-group decode scales; B (N, K) E4M3 with Bs block scales."""
-        a = A.float() * _expand(As.float(), A.shape)
-        b = B.float() * _expand(Bs.float(), B.shape)
+        a = A.float() * _per_element(As.float(), A.shape)
+        b = B.float() * _per_element(Bs.float(), B.shape)
         return a @ b.T
 
 
-def _expand(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Repeat a (rows / br, cols / bc) grid of block scales to `shape` (edge blocks cropped)."""
+def _per_element(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A grid of block scales -> one per element of `shape`, the block size read off the grid:
+    ceil(rows / grid rows) x ceil(cols / grid cols)."""
     rows, cols = shape
-    br, bc = -(-rows // scale.shape[0]), -(-cols // scale.shape[1])
-    return scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return expand_block_scales(scale, (-(-rows // scale.shape[0]), -(-cols // scale.shape[1])), (rows, cols))
 
 
 def register_cpu_emulation_kernels() -> None:

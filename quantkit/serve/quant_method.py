@@ -1,27 +1,18 @@
 """vLLM quantization method `quant_method: "quantkit"` (checkpoints from `quantkit quantize`).
 
-Registered by the plugin (`quantkit.serve.plugin.register`). Serves both schemes of
-docs/checkpoint-format.md in any vLLM Linear (fused qkv_proj / gate_up_proj, column / row parallel):
-
-    fp8_block  E4M3 weights with 128x128 block decode scales; activations E4M3 with a per-token scale
-    nvfp4      E2M1 weights, E4M3 group-16 scales, per-tensor FP32 global scale; activations the same with
-               a per-token global scale (paper 000) or the checkpoint's static `input_global_scale`
-
-Parameters held by a layer (per TP partition: N = output rows of this rank, K = its input columns):
-
-    fp8_block  weight (N, K) float8_e4m3fn; weight_scale (N, ceil(K/128)) float32 -- the checkpoint's
-               block scales repeated over the 128 rows of each block, so that the fused shards (q, k, v or
-               gate, up) need not be multiples of 128 rows
-    nvfp4      weight_packed (N, K_pad/2) uint8; weight_scale (N, K_pad/16) float8_e4m3fn;
-               weight_global_scale (N,) float32 -- each shard's per-tensor scale repeated over its rows;
-               [static] input_global_scale (num_shards,) float32 -- one per fused shard (equal: same input)
+Registered by the plugin (`quantkit.serve.plugin.register`). Serves every scheme of `quantkit.formats.schemes`
+(docs/checkpoint-format.md) in any vLLM Linear (fused qkv_proj / gate_up_proj, column / row parallel); the
+scheme object says which parameters a layer holds (`Scheme.layer_tensors`, per TP partition: N = output rows
+of this rank, K = its input columns), how they decode and how activations are quantized. Fused layers hold
+the checkpoint's block scales repeated over the rows of each block (so that the shards q, k, v or gate, up
+need not be multiples of 128 rows) and each shard's per-tensor scales repeated over its rows.
 
 Kernels (logged per layer at load; QUANTKIT_KERNEL=auto|triton|torch):
 - "torch-emulation" (CPU): weights decoded once to float32 at load with `quantkit.formats`, activations
   quantized and decoded on every call with the same functions, matmul in float32 -- the numerics of the
   transformers fake-quant reference (`quantkit.quantize.fake_quant`) bit for bit;
-- "triton" (CUDA): `quantkit.kernels` -- fused per-token activation quantizer, then the FP8 block GEMM or
-  the NVFP4 GEMM on the packed weights (bf16 MMA, float32 accumulation). Untested on a GPU so far; its
+- "triton" (CUDA): `quantkit.kernels.schemes` -- the scheme's fused activation quantizer, then the FP8 block
+  GEMM or the NVFP4 GEMM on the packed weights (bf16 MMA, float32 accumulation). Untested on a GPU so far; its
   kernels are tested through the Triton interpreter and this dispatch by tests/test_quant_method_kernels.py.
 Under tensor parallelism a row-parallel layer holds a slice of K: the per-token amax is all-reduced (max)
 over the TP group first, so the scales equal those of the unsharded model.
@@ -53,13 +44,10 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from quantkit.formats import FP8_WEIGHT_BLOCK, NVFP4_GROUP, NVFP4Tensor, dequantize_nvfp4
-from quantkit.quantize.schemes import fake_quant_activation
-from quantkit.serve.checkpoint_check import validate_quantkit_config
+from quantkit.formats.fp8 import expand_block_scales
+from quantkit.formats.schemes import LayerTensor, scheme_from_config
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM configures that logger tree
-
-FP8_BLOCK = FP8_WEIGHT_BLOCK  # 128: weight blocks are FP8_BLOCK x FP8_BLOCK
 
 
 @register_quantization_config("quantkit")
@@ -68,8 +56,7 @@ class QuantkitQuantConfig(QuantizationConfig):
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
-        validate_quantkit_config(config)
-        self.scheme = config["scheme"]
+        self.scheme = scheme_from_config(config)
         self.activation_scale = config["activation_scale"]
         self.quantized_modules = set(config["quantized_modules"])
         self.recipe = config.get("recipe", "?")
@@ -142,41 +129,31 @@ class QuantkitLinearMethod(LinearMethodBase):
         layer.quantkit_shards = list(output_partition_sizes)
         layer.quantkit_in_features = k
         scheme = self.config.scheme
-        if scheme == "fp8_block":
-            if sharded_k and k % FP8_BLOCK:
-                raise ValueError(f"{self.prefix}: fp8_block under tensor parallelism needs in_features/tp ({k}) to be a multiple of {FP8_BLOCK}")
-            self._add(layer, "weight", torch.empty(n, k, dtype=torch.float8_e4m3fn), columns_per_entry=1)
-            self._add(layer, "weight_scale", torch.empty(n, -(-k // FP8_BLOCK), dtype=torch.float32), columns_per_entry=FP8_BLOCK, rows_per_entry=FP8_BLOCK)
-        else:
-            if sharded_k and k % NVFP4_GROUP:
-                raise ValueError(f"{self.prefix}: nvfp4 under tensor parallelism needs in_features/tp ({k}) to be a multiple of {NVFP4_GROUP}")
-            groups = -(-k // NVFP4_GROUP)
-            self._add(layer, "weight_packed", torch.empty(n, groups * NVFP4_GROUP // 2, dtype=torch.uint8), columns_per_entry=2)
-            self._add(layer, "weight_scale", torch.empty(n, groups, dtype=torch.float8_e4m3fn), columns_per_entry=NVFP4_GROUP)
-            self._add(layer, "weight_global_scale", torch.empty(n, dtype=torch.float32), per_shard_scalar="rows")
-            if self.config.activation_scale == "static":
-                shards = len(output_partition_sizes)
-                self._add(layer, "input_global_scale", torch.empty(shards, dtype=torch.float32), per_shard_scalar="one")
+        if sharded_k and k % scheme.k_multiple:
+            raise ValueError(f"{self.prefix}: {scheme.name} under tensor parallelism needs in_features/tp ({k}) to be a "
+                             f"multiple of {scheme.k_multiple}")
+        for spec in scheme.layer_tensors(n, k, len(output_partition_sizes), self.config.activation_scale):
+            self._add(layer, spec)
 
-    def _add(self, layer, name: str, data: torch.Tensor, *, columns_per_entry: int = 1, rows_per_entry: int = 1,
-             per_shard_scalar: str | None = None) -> None:
-        param = Parameter(data, requires_grad=False)
-        prefix = self.prefix
+    def _add(self, layer: torch.nn.Module, spec: LayerTensor) -> None:
+        """Register `spec` on the layer with a loader that copies this rank's part of a checkpoint tensor into it."""
+        param = Parameter(torch.empty(spec.shape, dtype=spec.dtype), requires_grad=False)
+        prefix, name = self.prefix, spec.suffix
 
         def weight_loader(param: Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
             index, rank_shard = _shard_of(layer, shard_id, prefix)
             rows = layer.quantkit_shards[index]
             offset = sum(layer.quantkit_shards[:index])
-            if per_shard_scalar is not None:
+            if spec.per_shard is not None:
                 if loaded.numel() != 1:
                     raise ValueError(f"{prefix}.{name}: expected one scale per checkpoint module, got shape {tuple(loaded.shape)}")
-                if per_shard_scalar == "rows":
+                if spec.per_shard == "rows":
                     param.data[offset : offset + rows] = loaded.reshape(())
                 else:
                     param.data[index] = loaded.reshape(())
                 return
-            if rows_per_entry > 1:  # block rows -> one row per output row
-                loaded = loaded.repeat_interleave(rows_per_entry, 0)
+            if spec.rows_per_entry > 1:  # block rows -> one row per output row
+                loaded = expand_block_scales(loaded, (spec.rows_per_entry, 1))
             part = loaded[rank_shard * rows : (rank_shard + 1) * rows]
             columns = param.shape[1]
             if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
@@ -186,7 +163,7 @@ class QuantkitLinearMethod(LinearMethodBase):
                 raise ValueError(
                     f"{prefix}.{name} (shard {shard_id}): the checkpoint tensor {tuple(loaded.shape)} {loaded.dtype} does not "
                     f"match the layer ({target.dtype}, {tuple(target.shape)} for this shard and rank; quantization_config "
-                    f"scheme {self.config.scheme!r}): the checkpoint is inconsistent with its quantization_config"
+                    f"scheme {self.config.scheme.name!r}): the checkpoint is inconsistent with its quantization_config"
                 )
             target.copy_(part)
 
@@ -203,29 +180,27 @@ class QuantkitLinearMethod(LinearMethodBase):
             layer.input_global_scale = Parameter(scales[:1].clone(), requires_grad=False)
         self.kernel = select_kernel(layer)
         if self.kernel == "torch-emulation":  # decode the weights once; activations are quantized per call
-            k = layer.quantkit_in_features
-            if self.config.scheme == "fp8_block":
-                scale = layer.weight_scale.data.repeat_interleave(FP8_BLOCK, 1)[:, :k]
-                weight = layer.weight.data.float() * scale
-                del layer.weight, layer.weight_scale
-            else:
-                t = NVFP4Tensor(layer.weight_packed.data, layer.weight_scale.data, layer.weight_global_scale.data[:, None], k)
-                weight = dequantize_nvfp4(t)
-                del layer.weight_packed, layer.weight_scale, layer.weight_global_scale
+            scheme = self.config.scheme
+            weight = scheme.decode_layer({s: getattr(layer, s).data for s in scheme.tensors}, layer.quantkit_in_features)
+            for suffix in scheme.tensors:
+                delattr(layer, suffix)
             layer.weight_dequantized = Parameter(weight, requires_grad=False)
-        logger.info("quantkit: %s scheme=%s activations=%s kernel=%s", self.prefix, self.config.scheme,
+        logger.info("quantkit: %s scheme=%s activations=%s kernel=%s", self.prefix, self.config.scheme.name,
                     self.config.activation_scale, self.kernel)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         input_global_scale = getattr(layer, "input_global_scale", None)
         row_amax = _row_amax(layer, x, input_global_scale)
         if self.kernel == "torch-emulation":
-            xq = fake_quant_activation(self.config.scheme, x, input_global_scale, row_amax)
+            xq = self.config.scheme.fake_quant_activation(x, input_global_scale, row_amax)
             if self.capture_dir:
                 self._capture(layer, x, xq)
             out = torch.nn.functional.linear(xq, layer.weight_dequantized, None if bias is None else bias.float())
             return out.to(x.dtype)
-        return _apply_triton(self.config.scheme, layer, x, bias, input_global_scale, row_amax)
+        from quantkit.kernels.schemes import quantized_linear  # Triton: imported where used
+
+        weights = [getattr(layer, s) for s in self.config.scheme.tensors]
+        return quantized_linear(self.config.scheme, x, weights, bias, input_global_scale, row_amax)
 
     def _capture(self, layer: torch.nn.Module, x: torch.Tensor, xq: torch.Tensor) -> None:
         """Save this call's input and quantized input (see the module docstring, "Parity capture")."""
@@ -249,31 +224,6 @@ def select_kernel(layer: torch.nn.Module) -> str:
     if choice == "triton" or (choice == "auto" and on_cuda):
         return "triton"
     return "torch-emulation"
-
-
-def _apply_triton(scheme: str, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                  input_global_scale: torch.Tensor | None, row_amax: torch.Tensor | None) -> torch.Tensor:
-    """quantkit.kernels: fused activation quantizer + GEMM. Under TP, row-parallel layers quantize with the
-    whole row's amax through the reference quantizer (pure torch), then run the same GEMM."""
-    from quantkit.formats import quantize_fp8_per_token, quantize_nvfp4_activation
-    from quantkit.kernels import fp8_gemm, nvfp4_gemm, quantize_fp8, quantize_nvfp4
-
-    x2 = x.reshape(-1, x.shape[-1])
-    if scheme == "fp8_block":
-        if row_amax is None:
-            xq, xs = quantize_fp8.quantize_fp8_per_token(x2)
-        else:
-            xq, xs = quantize_fp8_per_token(x2, row_amax=row_amax.reshape(-1, 1))
-        out = fp8_gemm.fp8_block_gemm(xq, xs, layer.weight, layer.weight_scale, bias, out_dtype=x.dtype)
-    else:
-        if row_amax is None:
-            packed, block_scale, global_scale = quantize_nvfp4.quantize_nvfp4_per_token(x2, input_global_scale)
-        else:
-            t = quantize_nvfp4_activation(x2, "per_token", row_amax=row_amax.reshape(-1, 1))
-            packed, block_scale, global_scale = t.packed, t.block_scale, t.global_scale
-        out = nvfp4_gemm.nvfp4_gemm(packed, block_scale, global_scale, layer.weight_packed, layer.weight_scale,
-                                    layer.weight_global_scale, bias, out_dtype=x.dtype)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _row_amax(layer: torch.nn.Module, x: torch.Tensor, input_global_scale: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,0 +1,283 @@
+"""The quantization schemes, one registry: each scheme owns its checkpoint contract and its numerics.
+
+`SCHEMES[name]` is a small frozen object; the checkpoint writer (`quantkit.quantize.checkpoint`), the checker
+(`quantkit.serve.checkpoint_check`), the fake-quant reference (`quantkit.quantize.fake_quant`), vLLM's quant
+method (`quantkit.serve.quant_method`) and the kernels' dispatch (`quantkit.kernels.schemes`) ask it instead of
+branching on scheme names. Adding a scheme = one `Scheme` subclass, its instance in `SCHEMES` (plus its
+kernels' entry for CUDA) and its tests.
+
+Checkpoint tensors of a quantized Linear `<name>` with weight (N, K) (docs/checkpoint-format.md):
+
+    fp8_block  <name>.weight                float8_e4m3fn (N, K)
+               <name>.weight_scale          float32 (ceil(N/128), ceil(K/128))  decode scale per 128x128 block
+    nvfp4      <name>.weight_packed         uint8 (N, K_pad/2)                  E2M1 codes, low nibble first
+               <name>.weight_scale          float8_e4m3fn (N, K_pad/16)         decode scale per group of 16
+               <name>.weight_global_scale   float32 (1,)                        per-tensor decode scale
+               <name>.input_global_scale    float32 (1,)   static activation scale only (decode, amax / 2688)
+
+All scales are DECODE scales (value = code * scale), unlike compressed-tensors' `*_global_scale` (encode,
+the reciprocal). Activations are quantized at run time: FP8 per token; NVFP4 per token (the paper's) or
+with the static `input_global_scale`. Under tensor parallelism a layer may hold a slice of K; `row_amax`
+(..., 1) then gives each whole row's max |x| so that per-token scales equal the unsharded model's.
+
+bf16 is no scheme: the recipe scheme name `UNQUANTIZED` ("bf16") means the checkpoint keeps every Linear,
+cast to bfloat16, with no quantization_config; `scheme_for(UNQUANTIZED)` is None.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from quantkit.checkpoints import CheckpointError
+from quantkit.formats.constants import F8E4M3_DTYPE, FP8_WEIGHT_BLOCK, NVFP4_GROUP
+from quantkit.formats.fp8 import (dequantize_fp8_block, dequantize_fp8_per_token, expand_block_scales,
+                                  quantize_fp8_block, quantize_fp8_per_token)
+from quantkit.formats.nvfp4 import (NVFP4Tensor, dequantize_nvfp4, nvfp4_global_scale, quantize_nvfp4_activation,
+                                    quantize_nvfp4_weight)
+
+FORMAT_VERSION = 1  # quantization_config.format_version of the checkpoints written here
+UNQUANTIZED = "bf16"  # the recipe scheme that quantizes nothing
+
+
+@dataclass(frozen=True)
+class LayerTensor:
+    """A parameter of a served layer of n output rows (all fused shards of one TP rank) and k input columns.
+
+    rows_per_entry: output rows one checkpoint row covers (block scales are repeated to one row per output
+    row at load, so that fused shards need not start on a block boundary). per_shard: None for a row-wise
+    tensor sliced like the weight; "rows" for one number per checkpoint module repeated over its rows;
+    "one" for one entry per fused shard.
+    """
+
+    suffix: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rows_per_entry: int = 1
+    per_shard: str | None = None
+
+
+@dataclass(frozen=True, eq=False)  # one instance a scheme: compared and hashed by identity
+class Scheme(ABC):
+    """A scheme's contract. name: its `quantization_config.scheme`; tensors: the checkpoint tensors of a
+    quantized Linear, suffix -> safetensors dtype, in the order the GEMM takes them; marker: the suffix only a
+    module quantized with this scheme stores; k_multiple: the K granule of the scales (a tensor-parallel
+    shard of K must be a multiple of it); activation_scales: the activation modes it supports;
+    static_tensors: the extra tensors of the static activation mode."""
+
+    name: str
+    tensors: Mapping[str, str]
+    marker: str
+    k_multiple: int
+    activation_scales: tuple[str, ...] = ("per_token",)
+    static_tensors: Mapping[str, str] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ checkpoint contract
+
+    def activation_scale(self, requested: str | None) -> str | None:
+        """The activation_scale a checkpoint records: the recipe's where the scheme has a choice, else its only one."""
+        return requested if len(self.activation_scales) > 1 else self.activation_scales[0]
+
+    @abstractmethod
+    def config_keys(self) -> dict[str, Any]:
+        """The scheme's own quantization_config keys besides scheme and activation_scale."""
+
+    def quantization_config(self, activation_scale: str | None) -> dict[str, Any]:
+        """format_version, scheme, the scheme's keys and activation_scale of a quantization_config."""
+        return {"format_version": FORMAT_VERSION, "scheme": self.name, **self.config_keys(),
+                "activation_scale": self.activation_scale(activation_scale)}
+
+    def checkpoint_tensors(self, activation_scale: str) -> dict[str, str]:
+        """suffix -> safetensors dtype of every tensor a quantized Linear stores in this activation mode."""
+        return {**self.tensors, **(self.static_tensors if activation_scale == "static" else {})}
+
+    @abstractmethod
+    def shape_problem(self, module: str, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+        """What is wrong with the shapes (suffix -> shape) of `module`'s tensors, or None."""
+
+    # ------------------------------------------------------------------ numerics
+
+    @abstractmethod
+    def encode(self, weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+        """Weight (N, K) -> {tensor suffix: tensor} for the checkpoint (`name` labels errors)."""
+
+    @abstractmethod
+    def decode(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
+        """Checkpoint tensors of one Linear -> float32 weight (N, K)."""
+
+    def static_activation_tensors(self, amax: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Calibrated max |x| of a Linear's input, shape (1,) -> its static activation tensors."""
+        raise ValueError(f"scheme {self.name} has no static activation scale")
+
+    @abstractmethod
+    def quantize_activation(self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None,
+                            row_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """Activations (..., K) -> the activation operands of the scheme's GEMM, as its kernel quantizer
+        writes them (see the subclasses)."""
+
+    @abstractmethod
+    def fake_quant_activation(self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None,
+                              row_amax: torch.Tensor | None = None) -> torch.Tensor:
+        """Quantize-dequantize activations (..., K) as the scheme does at run time; float32 result."""
+
+    # ------------------------------------------------------------------ served (vLLM) layer layout
+
+    @abstractmethod
+    def layer_tensors(self, n: int, k: int, shards: int, activation_scale: str) -> list[LayerTensor]:
+        """The parameters of a served layer of n output rows (`shards` fused checkpoint modules) and k inputs."""
+
+    @abstractmethod
+    def decode_layer(self, params: Mapping[str, torch.Tensor], k: int) -> torch.Tensor:
+        """A served layer's weight parameters (`tensors` suffixes, `layer_tensors` layout) -> float32 (n, k)."""
+
+
+class FP8BlockScheme(Scheme):
+    """FP8 E4M3 W8A8 (`quantkit.formats.fp8`): 128x128 block-scaled weights, per-token activations."""
+
+    def config_keys(self) -> dict[str, Any]:
+        return {"weight_block_size": [FP8_WEIGHT_BLOCK, FP8_WEIGHT_BLOCK], "group_size": None}
+
+    def shape_problem(self, module: str, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+        n, k = shapes["weight"]
+        want = (-(-n // FP8_WEIGHT_BLOCK), -(-k // FP8_WEIGHT_BLOCK))
+        if shapes["weight_scale"] != want:
+            return (f"{module}.weight_scale has shape {shapes['weight_scale']}, "
+                    f"a ({n}, {k}) weight in {FP8_WEIGHT_BLOCK}x{FP8_WEIGHT_BLOCK} blocks needs {want}")
+        return None
+
+    def encode(self, weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+        q, scale = quantize_fp8_block(weight, name=name)
+        return {"weight": q, "weight_scale": scale}
+
+    def decode(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
+        return dequantize_fp8_block(tensors["weight"], tensors["weight_scale"])
+
+    def quantize_activation(self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None,
+                            row_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """(q float8_e4m3fn (..., K), per-token decode scale float32 (..., 1)); no static mode."""
+        return quantize_fp8_per_token(x, row_amax=row_amax)
+
+    def fake_quant_activation(self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None,
+                              row_amax: torch.Tensor | None = None) -> torch.Tensor:
+        return dequantize_fp8_per_token(*self.quantize_activation(x, input_global_scale, row_amax))
+
+    def layer_tensors(self, n: int, k: int, shards: int, activation_scale: str) -> list[LayerTensor]:
+        """weight (n, k) E4M3; weight_scale (n, ceil(k/128)) float32, each block row repeated over its rows."""
+        return [LayerTensor("weight", (n, k), F8E4M3_DTYPE),
+                LayerTensor("weight_scale", (n, -(-k // FP8_WEIGHT_BLOCK)), torch.float32, rows_per_entry=FP8_WEIGHT_BLOCK)]
+
+    def decode_layer(self, params: Mapping[str, torch.Tensor], k: int) -> torch.Tensor:
+        weight = params["weight"]
+        return weight.float() * expand_block_scales(params["weight_scale"], (1, FP8_WEIGHT_BLOCK), tuple(weight.shape))
+
+
+FP8_BLOCK = FP8BlockScheme("fp8_block", {"weight": "F8_E4M3", "weight_scale": "F32"}, marker="weight_scale",
+                           k_multiple=FP8_WEIGHT_BLOCK)
+
+
+class NVFP4Scheme(Scheme):
+    """NVFP4 W4A4 (`quantkit.formats.nvfp4`): E2M1 in groups of 16, E4M3 group scales, FP32 second stage
+    (per tensor for weights; per token, or the static calibrated `input_global_scale`, for activations)."""
+
+    def config_keys(self) -> dict[str, Any]:
+        return {"weight_block_size": None, "group_size": NVFP4_GROUP}
+
+    def shape_problem(self, module: str, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+        if "weight" in shapes:
+            return f"nvfp4 module {module} also stores an unquantized {module}.weight"
+        n, half_k = shapes["weight_packed"]
+        want = (n, half_k * 2 // NVFP4_GROUP)
+        if half_k * 2 % NVFP4_GROUP or shapes["weight_scale"] != want:
+            return (f"{module}.weight_scale has shape {shapes['weight_scale']}, "
+                    f"packed weight {(n, half_k)} needs {want} (one scale per {NVFP4_GROUP} elements)")
+        return None
+
+    def encode(self, weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+        t = quantize_nvfp4_weight(weight, name=name)
+        return {"weight_packed": t.packed, "weight_scale": t.block_scale, "weight_global_scale": t.global_scale.reshape(1)}
+
+    def decode(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
+        return dequantize_nvfp4(NVFP4Tensor(tensors["weight_packed"], tensors["weight_scale"],
+                                            tensors["weight_global_scale"].reshape(()), in_features))
+
+    def static_activation_tensors(self, amax: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"input_global_scale": nvfp4_global_scale(amax).float()}
+
+    def _activation(self, x: torch.Tensor, input_global_scale: torch.Tensor | None,
+                    row_amax: torch.Tensor | None) -> NVFP4Tensor:
+        if input_global_scale is None:
+            return quantize_nvfp4_activation(x, "per_token", row_amax=row_amax)
+        return quantize_nvfp4_activation(x, "static", input_global_scale.reshape(()))
+
+    def quantize_activation(self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None,
+                            row_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """(packed uint8 (..., K_pad/2), block scales float8_e4m3fn (..., K_pad/16), global decode scale
+        float32: (..., 1) per token, () static)."""
+        t = self._activation(x, input_global_scale, row_amax)
+        return t.packed, t.block_scale, t.global_scale
+
+    def fake_quant_activation(self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None,
+                              row_amax: torch.Tensor | None = None) -> torch.Tensor:
+        return dequantize_nvfp4(self._activation(x, input_global_scale, row_amax))
+
+    def layer_tensors(self, n: int, k: int, shards: int, activation_scale: str) -> list[LayerTensor]:
+        """weight_packed (n, K_pad/2) uint8; weight_scale (n, K_pad/16) E4M3; weight_global_scale (n,) float32,
+        each shard's per-tensor scale repeated over its rows; static: input_global_scale (shards,) float32."""
+        groups = -(-k // NVFP4_GROUP)
+        tensors = [LayerTensor("weight_packed", (n, groups * NVFP4_GROUP // 2), torch.uint8),
+                   LayerTensor("weight_scale", (n, groups), F8E4M3_DTYPE),
+                   LayerTensor("weight_global_scale", (n,), torch.float32, per_shard="rows")]
+        if activation_scale == "static":
+            tensors.append(LayerTensor("input_global_scale", (shards,), torch.float32, per_shard="one"))
+        return tensors
+
+    def decode_layer(self, params: Mapping[str, torch.Tensor], k: int) -> torch.Tensor:
+        return dequantize_nvfp4(NVFP4Tensor(params["weight_packed"], params["weight_scale"],
+                                            params["weight_global_scale"][:, None], k))
+
+
+NVFP4 = NVFP4Scheme("nvfp4", {"weight_packed": "U8", "weight_scale": "F8_E4M3", "weight_global_scale": "F32"},
+                    marker="weight_packed", k_multiple=NVFP4_GROUP, activation_scales=("per_token", "static"),
+                    static_tensors={"input_global_scale": "F32"})
+
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (FP8_BLOCK, NVFP4)}
+
+
+def get_scheme(name: str) -> Scheme:
+    """The registered scheme `name`; ValueError listing the known ones."""
+    if name not in SCHEMES:
+        raise ValueError(f"unknown scheme {name!r}; expected one of {list(SCHEMES)}")
+    return SCHEMES[name]
+
+
+def scheme_for(name: str) -> Scheme | None:
+    """A recipe's scheme: None for `UNQUANTIZED` (bf16), else `get_scheme(name)`."""
+    return None if name == UNQUANTIZED else get_scheme(name)
+
+
+def checkpoint_suffixes() -> tuple[str, ...]:
+    """Every tensor suffix any scheme stores for a quantized Linear (static activation tensors included)."""
+    suffixes = {s for scheme in SCHEMES.values() for s in (*scheme.tensors, *scheme.static_tensors)}
+    return tuple(sorted(suffixes))
+
+
+def scheme_from_config(qc: dict, where: str = "quantization_config") -> Scheme:
+    """Check the keys of a quantkit quantization_config (docs/checkpoint-format.md), without the tensors, and
+    return its scheme; CheckpointError names the bad key."""
+    if qc.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{where}: format_version {qc.get('format_version')!r} is not supported "
+                              f"(expected {FORMAT_VERSION}; re-run `quantkit quantize`)")
+    name = qc.get("scheme")
+    if name not in SCHEMES:
+        raise CheckpointError(f"{where}: scheme {name!r} is not one of {list(SCHEMES)}")
+    scheme = SCHEMES[name]
+    activation_scale = qc.get("activation_scale")
+    if activation_scale not in scheme.activation_scales:
+        raise CheckpointError(f"{where}: activation_scale {activation_scale!r} is not valid for scheme {name}")
+    if not qc.get("quantized_modules"):
+        raise CheckpointError(f"{where}: quantized_modules is empty")
+    return scheme
