@@ -214,7 +214,7 @@ class Study:
         return self.sources[label]
 
     def _diagnose(self, label: str, _: None) -> None:
-        from quantkit.diagnose import diagnose, write_diagnostics
+        from quantkit.diagnose.run import diagnose, write_diagnostics
         from quantkit.quantize.recipe import load_recipe
 
         recipes = [r for r in self.spec.recipes
@@ -248,8 +248,8 @@ class Study:
     def _report(self, *_: None) -> None:
         results = study_results(self)
         _atomic_json(self.dir / "results.json", results)
-        from quantkit.diagnose import figure_svgs
-        from quantkit.report import render_report
+        from quantkit.diagnose.plots import figure_svgs
+        from quantkit.report.render import render_report
 
         figures = {}
         for label in self.spec.models:

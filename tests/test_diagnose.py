@@ -6,7 +6,9 @@ import json
 import pytest
 import torch
 
-from quantkit.diagnose import NonFiniteStatisticsError, diagnose, diagnose_model, figure_svgs, write_diagnostics
+from quantkit.diagnose.plots import figure_svgs
+from quantkit.diagnose.run import diagnose, diagnose_model, write_diagnostics
+from quantkit.errors import NonFiniteStatisticsError
 from quantkit.diagnose.cli import add_diagnose_parser
 from quantkit.models import QuantkitConfig, QuantkitForCausalLM
 

@@ -95,7 +95,7 @@ def test_cached_rerun_and_resume_after_crash(study):
 
 
 def test_failures_name_stage_model_and_recipe(tmp_path, tiny_checkpoint):
-    from quantkit.diagnose import diagnose, write_diagnostics
+    from quantkit.diagnose.run import diagnose, write_diagnostics
 
     broken = tmp_path / "broken"  # a checkpoint without its tokenizer
     shutil.copytree(tiny_checkpoint, broken)

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from quantkit.checkpoints import CheckpointError
 from quantkit.formats import dequantize_fp8_block, quantize_fp8_block, quantize_nvfp4_weight
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import FakeQuantLinear, load_fake_quant_model
@@ -84,7 +85,7 @@ def test_bf16_recipe_and_errors(source, tmp_path):
     assert all(t.dtype == torch.bfloat16 for t in load_file(out / "model.safetensors").values())
     with pytest.raises(FileExistsError, match="overwrite"):
         quantize_checkpoint(source, "bf16", out)
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(CheckpointError, match="no config.json"):
         quantize_checkpoint(tmp_path / "nothing", "bf16", tmp_path / "x")
     with pytest.raises(ValueError, match="no quantization_config"):
         load_fake_quant_model(out)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.report import ResultsError, load_results, render_report
+from quantkit.report.render import render_report
+from quantkit.report.results import ResultsError, load_results
 from quantkit.report.benchmarks import resolve
 from quantkit.report.cli import add_report_parser
 from quantkit.report.render import to_markdown

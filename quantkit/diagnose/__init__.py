@@ -5,15 +5,6 @@ activations, attention sinks, norm weights, kurtosis and per-layer quantization 
 - `observe`: the forward hooks, registered only while diagnosing.
 - `run`: `diagnose(model_dir, ...)`, `diagnose_model(model, tokens, ...)`, outputs.
 - `plots`: the papers' figures as PNG/SVG files or inline SVG text.
-- `cli`: `quantkit diagnose MODEL_DIR`.
+- `cli`: `quantkit diagnose MODEL_DIR`; `defaults`: its default settings (no torch import).
 Definitions, units and a measured example: docs/diagnostics.md.
 """
-
-from quantkit.diagnose.plots import figure_svgs, figures, write_figures
-from quantkit.diagnose.run import DEFAULT_RECIPES, diagnose, diagnose_model, summary_markdown, write_diagnostics
-from quantkit.errors import NonFiniteStatisticsError
-
-__all__ = [
-    "DEFAULT_RECIPES", "NonFiniteStatisticsError", "diagnose", "diagnose_model", "figure_svgs", "figures",
-    "summary_markdown", "write_diagnostics", "write_figures",
-]

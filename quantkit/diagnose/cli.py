@@ -6,15 +6,7 @@ import argparse
 from pathlib import Path
 
 from quantkit.checkpoints import check_checkpoint_dir
-from quantkit.diagnose.run import (
-    DEFAULT_NUM_SEQUENCES,
-    DEFAULT_RECIPES,
-    DEFAULT_SEQ_LEN,
-    MASSIVE_RATIO,
-    diagnose,
-    summary_markdown,
-    write_diagnostics,
-)
+from quantkit.diagnose.defaults import DEFAULT_NUM_SEQUENCES, DEFAULT_RECIPES, DEFAULT_SEQ_LEN, MASSIVE_RATIO
 from quantkit.errors import BAD_INPUT, print_error
 
 
@@ -22,6 +14,8 @@ def _diagnose(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("diagnostics") / Path(args.model).resolve().name
     try:
         check_checkpoint_dir(args.model)
+        from quantkit.diagnose.run import diagnose, summary_markdown, write_diagnostics  # torch: after the checks
+
         result = diagnose(args.model, args.num_sequences, args.seq_len, recipes=args.recipes,
                           batch_size=args.batch_size, massive_ratio=args.massive_ratio)
     except BAD_INPUT as err:  # bad input or NaN statistics: the message names it

@@ -33,15 +33,12 @@ from quantkit.diagnose.observe import (
     decoder_layers,
     residual_norm_names,
 )
+from quantkit.diagnose.defaults import DEFAULT_NUM_SEQUENCES, DEFAULT_RECIPES, DEFAULT_SEQ_LEN, MASSIVE_RATIO
 from quantkit.errors import NonFiniteStatisticsError
 from quantkit.formats import nvfp4_global_scale
 from quantkit.metrics import snr_db
 from quantkit.quantize.recipe import Recipe, load_recipe
 
-DEFAULT_RECIPES = ("w8a8_fp8_block", "w4a4_nvfp4", "w4a4_nvfp4_static")
-DEFAULT_NUM_SEQUENCES = 32
-DEFAULT_SEQ_LEN = 512
-MASSIVE_RATIO = 100.0  # token is massive when max_j |h_tj| > 100 x median |h| of its sequence (Sun et al. 2024: ~1000)
 MAP_TOKENS = 32        # attention maps are shown for the first 32 queries x keys
 TOP_K = 8
 NORM_PARAMS = {"weight": 1.0, "pre_scale": 1.0, "bias": 0.0, "alpha": None}  # parameter -> neutral value

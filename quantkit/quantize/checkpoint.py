@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import quantkit.models  # noqa: F401  (registers model_type "quantkit")
 from quantkit.atomic import atomic_dir
 from quantkit.calibrate import channel_max, smooth_model
+from quantkit.checkpoints import check_checkpoint_dir
 from quantkit.data import calibration_windows
 from quantkit.formats.schemes import scheme_for
 from quantkit.quantize.llmcompressor_backend import quantize_with_llmcompressor
@@ -45,8 +46,7 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
     """Quantize the checkpoint in `model_dir` with `recipe`; write it atomically to `out_dir`."""
     recipe = load_recipe(recipe) if isinstance(recipe, (str, Path)) else recipe
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    if not (model_dir / "config.json").exists():
-        raise FileNotFoundError(f"{model_dir} is not a checkpoint directory (no config.json)")
+    check_checkpoint_dir(model_dir)  # CheckpointError names a missing config, unreadable or truncated shards
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} exists; pass overwrite=True (--overwrite) to replace it")
     if recipe.backend == "llmcompressor":

@@ -5,8 +5,3 @@
 
 Units: points 0-100 as the paper prints; Delta = score(recipe) - score(BF16 of the same variant), negative = worse.
 """
-
-from quantkit.report.render import render_report
-from quantkit.report.results import Results, ResultsError, load_results
-
-__all__ = ["Results", "ResultsError", "load_results", "render_report"]

@@ -7,13 +7,14 @@ from pathlib import Path
 
 from quantkit.errors import print_error
 from quantkit.report.gate import Thresholds, load_thresholds, run_gate
-from quantkit.report.render import render_report
 from quantkit.report.results import ResultsError
 
 
 def _report(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(args.results).parent / "report"
     try:
+        from quantkit.report.render import render_report  # matplotlib: only for this command
+
         paths = render_report(args.results, out)
     except ResultsError as err:
         return print_error("report", err)
