@@ -370,10 +370,11 @@ def timing_summary(timings: dict[tuple[str, str, str], dict[str, Any]]) -> dict[
 
 
 def _precision(recipe: str) -> str:
+    from quantkit.formats.schemes import SCHEMES, UNQUANTIZED
     from quantkit.quantize.recipe import load_recipe
 
     r = load_recipe(recipe)
-    label = {"bf16": "BF16", "fp8_block": "W8A8", "nvfp4": "W4A4"}.get(r.scheme, r.name)
+    label = "BF16" if r.scheme == UNQUANTIZED else SCHEMES[r.scheme].precision if r.scheme in SCHEMES else r.name
     return label + ("+SQ" if r.smoothquant else "") + (" (static)" if r.activation_scale == "static" else "")
 
 

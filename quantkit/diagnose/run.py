@@ -36,6 +36,7 @@ from quantkit.diagnose.observe import (
 from quantkit.diagnose.defaults import DEFAULT_NUM_SEQUENCES, DEFAULT_RECIPES, DEFAULT_SEQ_LEN, MASSIVE_RATIO
 from quantkit.errors import NonFiniteStatisticsError
 from quantkit.formats import nvfp4_global_scale
+from quantkit.formats.schemes import SCHEMES
 from quantkit.metrics import snr_db
 from quantkit.quantize.recipe import Recipe, load_recipe
 
@@ -49,9 +50,9 @@ def resolve_recipes(names: Sequence[str]) -> list[Recipe]:
     recipes = []
     for name in names:
         recipe = load_recipe(name)  # ValueError for an unknown name
-        if recipe.backend != "quantkit" or recipe.scheme not in ("fp8_block", "nvfp4"):
+        if recipe.backend != "quantkit" or recipe.scheme not in SCHEMES:
             raise ValueError(f"recipe {recipe.name!r} (backend {recipe.backend}, scheme {recipe.scheme}): diagnose "
-                             "emulates quantkit's fp8_block and nvfp4 schemes only")
+                             f"emulates quantkit's schemes ({', '.join(SCHEMES)}) only")
         if recipe.smoothquant is not None:
             raise ValueError(f"recipe {recipe.name!r} applies SmoothQuant first; diagnose measures the checkpoint as "
                              "it is: use the recipe without SmoothQuant (e.g. w4a4_nvfp4)")

@@ -67,7 +67,7 @@ class Scheme(ABC):
     quantized Linear, suffix -> safetensors dtype, in the order the GEMM takes them; marker: the suffix only a
     module quantized with this scheme stores; k_multiple: the K granule of the scales (a tensor-parallel
     shard of K must be a multiple of it); activation_scales: the activation modes it supports;
-    static_tensors: the extra tensors of the static activation mode."""
+    static_tensors: the extra tensors of the static activation mode; precision: the paper's label (W8A8, W4A4)."""
 
     name: str
     tensors: Mapping[str, str]
@@ -75,6 +75,7 @@ class Scheme(ABC):
     k_multiple: int
     activation_scales: tuple[str, ...] = ("per_token",)
     static_tensors: Mapping[str, str] = field(default_factory=dict)
+    precision: str = ""
 
     # ------------------------------------------------------------------ checkpoint contract
 
@@ -176,7 +177,7 @@ class FP8BlockScheme(Scheme):
 
 
 FP8_BLOCK = FP8BlockScheme("fp8_block", {"weight": "F8_E4M3", "weight_scale": "F32"}, marker="weight_scale",
-                           k_multiple=FP8_WEIGHT_BLOCK)
+                           k_multiple=FP8_WEIGHT_BLOCK, precision="W8A8")
 
 
 class NVFP4Scheme(Scheme):
@@ -242,7 +243,7 @@ class NVFP4Scheme(Scheme):
 
 NVFP4 = NVFP4Scheme("nvfp4", {"weight_packed": "U8", "weight_scale": "F8_E4M3", "weight_global_scale": "F32"},
                     marker="weight_packed", k_multiple=NVFP4_GROUP, activation_scales=("per_token", "static"),
-                    static_tensors={"input_global_scale": "F32"})
+                    static_tensors={"input_global_scale": "F32"}, precision="W4A4")
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (FP8_BLOCK, NVFP4)}
 

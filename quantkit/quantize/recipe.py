@@ -34,7 +34,6 @@ BACKEND_SCHEMES = {  # the scheme names each backend takes
     "llmcompressor": ("FP8_BLOCK", "NVFP4"),
     "modelopt": ("NVFP4", "FP8_PER_CHANNEL_PER_TOKEN"),
 }
-ACTIVATION_SCALES = ("per_token", "static")
 _KEYS = {"name", "description", "scheme", "backend", "activation_scale", "smoothquant", "calibration", "ignore"}
 
 
@@ -113,12 +112,14 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         for key in ("activation_scale", "smoothquant"):
             if key in data:
                 raise ValueError(f"{source}: {key} applies to backend quantkit only; backend {backend!r} runs its own preset")
-    if scheme == "nvfp4":
-        activation_scale = activation_scale or "per_token"
-        if activation_scale not in ACTIVATION_SCALES:
-            raise ValueError(f"{source}: activation_scale {activation_scale!r} is not one of {list(ACTIVATION_SCALES)}")
+    modes = SCHEMES[scheme].activation_scales if scheme in SCHEMES else ()
+    if len(modes) > 1:  # the scheme offers a choice; its first mode is the default
+        activation_scale = activation_scale or modes[0]
+        if activation_scale not in modes:
+            raise ValueError(f"{source}: activation_scale {activation_scale!r} is not one of {list(modes)}")
     elif activation_scale is not None:
-        raise ValueError(f"{source}: activation_scale applies to scheme nvfp4 only (scheme is {scheme!r})")
+        choosers = [s.name for s in SCHEMES.values() if len(s.activation_scales) > 1]
+        raise ValueError(f"{source}: activation_scale applies to scheme {', '.join(choosers)} only (scheme is {scheme!r})")
     smoothquant = _settings(SmoothQuantSettings, data.get("smoothquant"), f"{source}: smoothquant")
     if smoothquant is not None and not 0.0 <= smoothquant.alpha <= 1.0:
         raise ValueError(f"{source}: smoothquant.alpha must be in [0, 1], got {smoothquant.alpha}")
