@@ -32,6 +32,7 @@ class EmulationFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
 
     def __init__(self, config) -> None:
         super().__init__(config)
+        self.activation_group_shape = config.activation_quant_key.scale.group_shape  # (1, 128) per token group
         logger.info_once("Using EmulationFp8BlockScaledMMKernel (quantkit, CPU) for FP8 block-scaled GEMM")
 
     @classmethod
@@ -43,16 +44,9 @@ class EmulationFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
 
     def apply_block_scaled_mm(self, A: torch.Tensor, B: torch.Tensor, As: torch.Tensor, Bs: torch.Tensor) -> torch.Tensor:
         """A (M, K) E4M3 with As (M, ceil(K/g)) per-group decode scales; B (N, K) E4M3 with Bs block scales."""
-        a = A.float() * _per_element(As.float(), A.shape)
-        b = B.float() * _per_element(Bs.float(), B.shape)
+        a = A.float() * expand_block_scales(As.float(), tuple(self.activation_group_shape), A.shape)
+        b = B.float() * expand_block_scales(Bs.float(), tuple(self.weight_group_shape), B.shape)
         return a @ b.T
-
-
-def _per_element(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """A grid of block scales -> one per element of `shape`, the block size read off the grid:
-    ceil(rows / grid rows) x ceil(cols / grid cols)."""
-    rows, cols = shape
-    return expand_block_scales(scale, (-(-rows // scale.shape[0]), -(-cols // scale.shape[1])), (rows, cols))
 
 
 def register_cpu_emulation_kernels() -> None:
