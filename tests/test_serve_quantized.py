@@ -310,9 +310,11 @@ def test_cli_refuses_bad_checkpoints(tmp_path):
 
 
 @pytest.mark.parametrize("recipe, kernel", [("fp8_block_ct", "EmulationFp8BlockScaledMMKernel"), ("nvfp4_ct", "EmulationNvFp4LinearKernel")])
-def test_peer_checkpoints_served_on_cpu(recipe, kernel, sources, tmp_path, capfd):
+def test_peer_checkpoints_served_on_cpu(recipe, kernel, sources, tmp_path, capfd, monkeypatch):
     """The peers' compressed-tensors checkpoints (llmcompressor) are served on CPU by the emulation kernels the plugin
-    registers; the log names the kernel; the output is quantized (differs from the source) but close to it."""
+    registers; the log names the kernel; the output is quantized (differs from the source) but close to it.
+    The engine core runs in a process of its own (vLLM's default) so its kernel log is fresh and captured."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     from transformers import AutoModelForCausalLM
 
     from quantkit.quantize.recipe import load_recipe, parse_recipe

@@ -37,13 +37,14 @@ def vllm_run(tiny_checkpoint, tmp_path_factory):
     from vllm import LLM, SamplingParams
 
     trace = tmp_path_factory.mktemp("plugin") / "pids.txt"
-    os.environ[TRACE_ENV] = str(trace)
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(TRACE_ENV, str(trace))
+        # vLLM's default engine-core process, as `quantkit serve` runs it (quantkit's offline CPU default keeps
+        # the engine core in the calling process, quantkit.serve.engine)
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
         llm = LLM(model=str(tiny_checkpoint), dtype="float32", max_model_len=256, seed=0, **cpu_engine_kwargs())
         outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
         arch = llm.llm_engine.model_config.architectures
-    finally:
-        os.environ.pop(TRACE_ENV)
     logprobs = []
     for out in outputs:
         ids = out.prompt_token_ids
