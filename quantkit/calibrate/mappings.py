@@ -31,6 +31,34 @@ Folding a factor into each kind of smoothing layer (`fold_output`, registered pe
   is divided by s exactly. Statistics are taken at the consumers' input, i.e. after the gate.
 - LayerNorm: weight /= s and bias /= s.
 - Linear (v_proj, up_proj): rows and bias /= s.
+- (1+w)-parameterised RMSNorm (Qwen3NextRMSNorm: y = x_hat * (1 + w), w initialised to 0): dividing y by s
+  means 1 + w' = (1 + w) / s, i.e. w' = (1 + w) / s - 1 (float32, rounded once). Not "w /= s": that would
+  scale only the offset. Precision: the stored w' is an offset from 1, so its absolute rounding error is
+  about u * max(1, |w'|) (u = 2**-24 float32, 2**-8 bfloat16) while the effective scale is (1 + w) / s: a
+  large s (effective scale << 1) loses relative precision s / (1 + w) times faster than a plain RMSNorm.
+  Fold in float32 (quantkit quantize does) and keep such norm weights in float32 where s is large.
+
+Hybrid MoE decoders (Qwen3-Next: Gated DeltaNet layers `linear_attn` in 3 of 4 layers, gated softmax
+attention `self_attn` in the 4th, sparse MoE `mlp` with router `gate`, fused routed `experts`, a
+`shared_expert` GLU MLP and a `shared_expert_gate`), matched by structure, not class name:
+
+| smoothing layer          | consumers                                                        | when |
+|--------------------------|------------------------------------------------------------------|------|
+| input_layernorm          | linear_attn.in_proj_qkvz, linear_attn.in_proj_ba                 | Gated DeltaNet layers |
+| input_layernorm          | self_attn.q_proj (q and its output gate, fused), k_proj, v_proj  | softmax layers |
+| post_attention_layernorm | mlp.gate (router), every expert's gate/up (experts.gate_up_proj), shared_expert.gate_proj/up_proj, shared_expert_gate | MoE layers, `experts=True` |
+| post_attention_layernorm | mlp.gate_proj, mlp.up_proj                                       | dense-MLP layers |
+| v_proj / up_proj         | o_proj / down_proj                                                | as above (softmax layers; shared expert and dense MLPs) |
+
+Every reader of a smoothed norm gets the fold, or the function changes. The router and the shared-expert
+gate stay unquantized (recipe ignore list) but their weight columns are multiplied by s all the same: the
+router's logits x W_r^T are then unchanged, so routing (top-k ids and weights) is unchanged. They are
+`fold_only` consumers: folded, but their weights do not enter max|W_j| in the factor (they are never
+quantized). `experts=False` leaves the whole MoE-layer norm mapping out (what peers do: llm-compressor
+skips MoE blocks and has no Qwen3-Next mapping); the norm then keeps its outliers for the experts.
+Not smoothed: the Gated DeltaNet's gated RMSNorm -> out_proj (its per-head-dim weight is shared by all
+heads and multiplied by silu(z) per channel: possible, not implemented), and routed experts' up -> down
+(needs one factor vector per expert).
 """
 
 from __future__ import annotations
@@ -45,8 +73,10 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 from transformers.models.mistral.modeling_mistral import MistralAttention, MistralMLP, MistralRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Qwen3RMSNorm
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention, Qwen3NextMLP, Qwen3NextRMSNorm
 
 from quantkit.errors import QuantkitError
+from quantkit.formats.experts import is_fused_experts
 from quantkit.models.modeling import QuantkitAttention, QuantkitNorm
 
 logger = logging.getLogger(__name__)
@@ -65,7 +95,8 @@ class SmoothMapping:
     `kv_groups` / `head_dim` describe v_proj -> o_proj under GQA: consumer input channel h*D+d reads the
     smoothing layer's channel (h // kv_groups)*D + d. `extra_divide` names parameters that hold further
     copies of the smoothed channels (the attention sink's v', shape (kv_heads, head_dim)): they are divided
-    by s together with the smoothing layer.
+    by s together with the smoothing layer. `fold_only`: consumers (a subset of `consumers`) that are folded
+    but stay unquantized (router, shared-expert gate), so their weights do not enter max|W_j|.
     """
 
     smooth: str
@@ -74,6 +105,7 @@ class SmoothMapping:
     kv_groups: int = 1
     head_dim: int = 0
     extra_divide: tuple[str, ...] = ()
+    fold_only: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -151,6 +183,39 @@ def fold_quantkit_norm(norm: QuantkitNorm, s: torch.Tensor, fold_gate: bool = Tr
         scale_(norm.gate_down.weight, s[None, :])
 
 
+@folds(Qwen3NextRMSNorm)
+def fold_offset_rmsnorm(norm: nn.Module, s: torch.Tensor, fold_gate: bool = True) -> None:
+    """y = x_hat * (1 + w): w' = (1 + w) / s - 1 in float32, rounded once (module docstring: precision).
+
+    A GatedNorm gate on such a norm (a `gate_down` Linear reading y) gets its columns multiplied by s, as in
+    `fold_quantkit_norm`; a PreAffine `pre_scale` acts before the normalization and is untouched. Subclasses
+    with those flags register this function for their class (`folds(cls)(fold_offset_rmsnorm)`)."""
+    with torch.no_grad():
+        w = norm.weight
+        w.copy_(((1.0 + w.float()) / s.to(w.device, torch.float32) - 1.0).to(w.dtype))
+    if hasattr(norm, "gate_down") and fold_gate:
+        scale_(norm.gate_down.weight, s[None, :])
+
+
+def is_router(module: nn.Module) -> bool:
+    """A MoE router that is not an nn.Linear: a 2-D `weight` (num_experts, hidden) and a `top_k` (transformers
+    5.x `*TopKRouter`; matched by structure)."""
+    weight = getattr(module, "weight", None)
+    return (not isinstance(module, nn.Linear) and isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and hasattr(module, "top_k"))
+
+
+def input_weight(module: nn.Module) -> torch.Tensor:
+    """The parameter of a consumer whose LAST dimension indexes its input channels: nn.Linear and router
+    weight (out, K), fused routed experts' gate_up_proj (E, 2I, K). Multiplying its column j by s_j is the
+    consumer's half of the fold."""
+    if isinstance(module, nn.Linear) or is_router(module):
+        return module.weight
+    if is_fused_experts(module):
+        return module.gate_up_proj
+    raise SmoothQuantMappingError(f"{type(module).__name__} is no consumer SmoothQuant knows (Linear, router, fused experts)")
+
+
 @folds(nn.Linear)
 def _fold_linear_rows(linear: nn.Linear, s: torch.Tensor) -> None:
     scale_(linear.weight, (1.0 / s)[:, None])
@@ -167,22 +232,28 @@ class DecoderFamily:
 
     `linear_attention`: attention classes whose output is linear in v per channel (v->o allowed, subject to
     `check_attention`). `glu_mlps`: MLP classes computing down(act(gate(x)) * up(x)) (up->down allowed).
+    `hybrid`: layers hold `linear_attn` (Gated DeltaNet) or `self_attn`, and `mlp` may be a sparse MoE block
+    (module docstring); attention and MLP classes are then matched with isinstance (subclasses included).
     """
 
     linear_attention: tuple[type, ...]
     glu_mlps: tuple[type, ...]
+    hybrid: bool = False
 
 
 _STOCK = DecoderFamily(
     linear_attention=(LlamaAttention, Qwen2Attention, Qwen3Attention, MistralAttention),
     glu_mlps=(LlamaMLP, Qwen2MLP, Qwen3MLP, MistralMLP),
 )
+# Qwen3-Next's softmax attention multiplies its output by sigmoid(gate) per channel: still linear in v.
+HYBRID = DecoderFamily(linear_attention=(Qwen3NextAttention,), glu_mlps=(Qwen3NextMLP,), hybrid=True)
 ARCHITECTURES: dict[str, DecoderFamily] = {
     "LlamaForCausalLM": _STOCK,
     "Qwen2ForCausalLM": _STOCK,
     "Qwen3ForCausalLM": _STOCK,
     "MistralForCausalLM": _STOCK,
     "QuantkitForCausalLM": DecoderFamily(linear_attention=(QuantkitAttention,), glu_mlps=(Qwen3MLP,)),
+    "Qwen3NextForCausalLM": HYBRID,
 }
 
 # Parameters of an attention module (its own, not its submodules') and what they mean for v -> o.
@@ -204,28 +275,38 @@ class MappingPlan:
     skipped: tuple[str, ...]
 
 
-def resolve_mappings(model: nn.Module, include_v_o: bool = False, include_up_down: bool = False) -> MappingPlan:
+def resolve_mappings(
+    model: nn.Module, include_v_o: bool = False, include_up_down: bool = False, experts: bool = True,
+) -> MappingPlan:
     """The SmoothQuant mappings of `model`.
 
-    Raises SmoothQuantMappingError naming every module that could not be mapped (missing, of a class with
-    no registered fold, or a linear that no mapping accounts for), and when include_v_o / include_up_down
-    asks for a mapping that is not function-preserving for this model (naming the reason).
+    experts: smooth the MoE layers' post_attention_layernorm into the router, every expert, the shared
+    expert and its gate (hybrid MoE decoders; no effect on dense ones). Raises SmoothQuantMappingError naming
+    every module that could not be mapped (missing, of a class with no registered fold, or a linear that no
+    mapping accounts for), and when include_v_o / include_up_down asks for a mapping that is not
+    function-preserving for this model (naming the reason).
     """
     architecture = type(model).__name__
+    layers = _decoder_layers(model, architecture)
     family = ARCHITECTURES.get(architecture)
+    if family is None and any(_is_hybrid_layer(layer) for layer in layers):
+        family = HYBRID
+        logger.info("SmoothQuant: %s has Gated DeltaNet / sparse MoE layers: hybrid MoE mappings", architecture)
     if family is None:
         family = DecoderFamily(linear_attention=(), glu_mlps=())
         logger.warning(
             "SmoothQuant: architecture %s is not registered (%s); trying the Llama-style decoder structure "
             "with norm mappings only", architecture, sorted(ARCHITECTURES),
         )
-    layers = _decoder_layers(model, architecture)
     problems: list[str] = []
     mappings: list[SmoothMapping] = []
     skipped: list[str] = []
     for i, layer in enumerate(layers):
         prefix = f"model.layers.{i}"
-        mappings += _layer_mappings(layer, prefix, family, include_v_o, include_up_down, problems, skipped)
+        if family.hybrid:
+            mappings += _hybrid_layer_mappings(layer, prefix, family, include_v_o, include_up_down, experts, problems, skipped)
+        else:
+            mappings += _layer_mappings(layer, prefix, family, include_v_o, include_up_down, problems, skipped)
     if problems:
         raise SmoothQuantMappingError(
             f"SmoothQuant cannot map {architecture}: " + "; ".join(problems)
@@ -247,24 +328,54 @@ def _decoder_layers(model: nn.Module, architecture: str) -> nn.ModuleList:
     return layers
 
 
+def _is_sparse_moe(mlp: nn.Module | None) -> bool:
+    """A MoE block: fused routed `experts` and a router `gate` (nn.Linear or a transformers *TopKRouter)."""
+    gate = getattr(mlp, "gate", None)
+    return (is_fused_experts(getattr(mlp, "experts", nn.Module()))
+            and (isinstance(gate, nn.Linear) or (gate is not None and is_router(gate))))
+
+
+def _is_hybrid_layer(layer: nn.Module) -> bool:
+    return hasattr(layer, "linear_attn") or _is_sparse_moe(getattr(layer, "mlp", None))
+
+
+class _LayerLookup:
+    """Finds a layer's submodules by path, recording what is missing or of the wrong kind in `problems`."""
+
+    def __init__(self, layer: nn.Module, prefix: str, problems: list[str]) -> None:
+        self.layer, self.prefix, self.problems = layer, prefix, problems
+
+    def __call__(self, path: str, linear: bool = False, foldable: bool = False) -> nn.Module | None:
+        try:
+            found = self.layer.get_submodule(path)
+        except AttributeError:
+            self.problems.append(f"{self.prefix}.{path} (missing)")
+            return None
+        if linear and not isinstance(found, nn.Linear):
+            self.problems.append(f"{self.prefix}.{path} ({type(found).__name__}, expected nn.Linear)")
+            return None
+        if foldable and fold_fn_for(found) is None:
+            self.problems.append(f"{self.prefix}.{path} ({type(found).__name__}: no fold registered)")
+            return None
+        return found
+
+
+def _norm_gate_linears(norms: dict[str, nn.Module | None]) -> set[str]:
+    """A GatedNorm's own gate linears (folded with its norm, kept BF16), by layer-relative name."""
+    return {f"{name}.{g}" for name, norm in norms.items() for g in ("gate_down", "gate_up")
+            if isinstance(getattr(norm, g, None), nn.Linear)}
+
+
+def _unaccounted(layer: nn.Module, prefix: str, accounted: set[str], problems: list[str]) -> None:
+    unmapped = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear) and n not in accounted]
+    problems += [f"{prefix}.{n} (a linear no mapping accounts for)" for n in unmapped]
+
+
 def _layer_mappings(
     layer: nn.Module, prefix: str, family: DecoderFamily, include_v_o: bool, include_up_down: bool,
     problems: list[str], skipped: list[str],
 ) -> list[SmoothMapping]:
-    def module(path: str, linear: bool = False, foldable: bool = False) -> nn.Module | None:
-        try:
-            found = layer.get_submodule(path)
-        except AttributeError:
-            problems.append(f"{prefix}.{path} (missing)")
-            return None
-        if linear and not isinstance(found, nn.Linear):
-            problems.append(f"{prefix}.{path} ({type(found).__name__}, expected nn.Linear)")
-            return None
-        if foldable and fold_fn_for(found) is None:
-            problems.append(f"{prefix}.{path} ({type(found).__name__}: no fold registered)")
-            return None
-        return found
-
+    module = _LayerLookup(layer, prefix, problems)
     ln1 = module("input_layernorm", foldable=True)
     ln2 = module("post_attention_layernorm", foldable=True)
     attn = module("self_attn")
@@ -276,11 +387,8 @@ def _layer_mappings(
 
     accounted = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"} | ({"self_attn.g_proj"} if has_g else set())
-    for norm_name, norm in (("input_layernorm", ln1), ("post_attention_layernorm", ln2)):
-        if isinstance(norm, QuantkitNorm):  # the GatedNorm gate's own linears: folded with the norm, kept BF16
-            accounted |= {f"{norm_name}.gate_down", f"{norm_name}.gate_up"}
-    unmapped = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear) and n not in accounted]
-    problems += [f"{prefix}.{n} (a linear no mapping accounts for)" for n in unmapped]
+    accounted |= _norm_gate_linears({"input_layernorm": ln1, "post_attention_layernorm": ln2})
+    _unaccounted(layer, prefix, accounted, problems)
     if None in (ln1, ln2, attn, mlp, o_proj, gate, up, down) or None in qkv:
         return []
 
@@ -289,44 +397,114 @@ def _layer_mappings(
         SmoothMapping(f"{prefix}.input_layernorm", tuple(f"{prefix}.self_attn.{n}" for n in attn_consumers), "norm"),
         SmoothMapping(f"{prefix}.post_attention_layernorm", (f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"), "norm"),
     ]
-
-    v_o_problem = _v_o_problem(attn, family)
-    if include_v_o:
-        if v_o_problem:
-            raise SmoothQuantMappingError(
-                f"v_proj -> o_proj smoothing is not function-preserving for {prefix}.self_attn: {v_o_problem}. "
-                "Smooth without it (include_v_o=False)."
-            )
-        v_proj = qkv[2]
-        head_dim = attn.head_dim
-        heads = o_proj.in_features // head_dim
-        kv_heads = v_proj.out_features // head_dim
-        if o_proj.in_features != heads * head_dim or v_proj.out_features != kv_heads * head_dim or heads % kv_heads:
-            raise SmoothQuantMappingError(
-                f"{prefix}.self_attn: v_proj out {v_proj.out_features} / o_proj in {o_proj.in_features} are not whole "
-                f"heads of head_dim {head_dim} with whole GQA groups"
-            )
-        extra = (f"{prefix}.self_attn.sink_value",) if hasattr(attn, "sink_value") else ()
-        out.append(SmoothMapping(f"{prefix}.self_attn.v_proj", (f"{prefix}.self_attn.o_proj",), "v_o",
-                                 kv_groups=heads // kv_heads, head_dim=head_dim, extra_divide=extra))
-    else:
-        skipped.append("v_proj -> o_proj: " + (f"not valid here ({v_o_problem})" if v_o_problem else "not requested (include_v_o=False)"))
-
-    if include_up_down:
-        if type(mlp) not in family.glu_mlps:
-            raise SmoothQuantMappingError(
-                f"up_proj -> down_proj smoothing needs an MLP known to compute down(act(gate(x)) * up(x)); "
-                f"{prefix}.mlp is {type(mlp).__name__} (known: {[c.__name__ for c in family.glu_mlps]})"
-            )
-        out.append(SmoothMapping(f"{prefix}.mlp.up_proj", (f"{prefix}.mlp.down_proj",), "up_down"))
-    else:
-        skipped.append("up_proj -> down_proj: not requested (include_up_down=False)")
+    out += _v_o_mappings(attn, f"{prefix}.self_attn", family, include_v_o, skipped)
+    out += _up_down_mappings(mlp, f"{prefix}.mlp", family, include_up_down, skipped)
     return out
+
+
+def _hybrid_layer_mappings(
+    layer: nn.Module, prefix: str, family: DecoderFamily, include_v_o: bool, include_up_down: bool,
+    experts: bool, problems: list[str], skipped: list[str],
+) -> list[SmoothMapping]:
+    """A hybrid MoE decoder layer (module docstring): token mixer `linear_attn` or `self_attn`, `mlp` dense or MoE."""
+    module = _LayerLookup(layer, prefix, problems)
+    ln1 = module("input_layernorm", foldable=True)
+    ln2 = module("post_attention_layernorm", foldable=True)
+    accounted = _norm_gate_linears({"input_layernorm": ln1, "post_attention_layernorm": ln2})
+    out: list[SmoothMapping] = []
+
+    if hasattr(layer, "linear_attn"):  # Gated DeltaNet: both input projections read the normed input
+        names = ("in_proj_qkvz", "in_proj_ba")
+        found = [module(f"linear_attn.{n}", linear=True) for n in names + ("out_proj",)]
+        accounted |= {f"linear_attn.{n}" for n in names + ("out_proj",)}
+        if ln1 is not None and None not in found:
+            out.append(SmoothMapping(f"{prefix}.input_layernorm", tuple(f"{prefix}.linear_attn.{n}" for n in names), "norm"))
+        skipped.append("v_proj -> o_proj: Gated DeltaNet layers have no softmax attention (their out_proj reads a gated RMSNorm)")
+    else:
+        attn = module("self_attn")
+        names = ("q_proj", "k_proj", "v_proj")
+        found = [module(f"self_attn.{n}", linear=True) for n in names + ("o_proj",)]
+        has_g = attn is not None and isinstance(getattr(attn, "g_proj", None), nn.Linear)
+        consumers = names + (("g_proj",) if has_g else ())
+        accounted |= {f"self_attn.{n}" for n in consumers + ("o_proj",)}
+        if ln1 is not None and attn is not None and None not in found:
+            out.append(SmoothMapping(f"{prefix}.input_layernorm", tuple(f"{prefix}.self_attn.{n}" for n in consumers), "norm"))
+            out += _v_o_mappings(attn, f"{prefix}.self_attn", family, include_v_o, skipped)
+
+    mlp = module("mlp")
+    if _is_sparse_moe(mlp):
+        shared = getattr(mlp, "shared_expert", None)
+        shared_names = ("shared_expert.gate_proj", "shared_expert.up_proj") if shared is not None else ()
+        shared_gate = ("shared_expert_gate",) if isinstance(getattr(mlp, "shared_expert_gate", None), nn.Linear) else ()
+        if shared is not None:
+            for n in shared_names + ("shared_expert.down_proj",):
+                module(f"mlp.{n}", linear=True)
+        accounted |= {f"mlp.{n}" for n in shared_names + ("shared_expert.down_proj",) + shared_gate}
+        accounted |= {"mlp.gate"} if isinstance(mlp.gate, nn.Linear) else set()
+        if not experts:
+            skipped.append("post_attention_layernorm -> MoE block (router, experts, shared expert): experts smoothing "
+                           "off (smoothquant.experts: false, as peers do)")
+        elif ln2 is not None:
+            fold_only = tuple(f"{prefix}.mlp.{n}" for n in ("gate",) + shared_gate)
+            consumers = (f"{prefix}.mlp.gate", f"{prefix}.mlp.experts") + tuple(f"{prefix}.mlp.{n}" for n in shared_names + shared_gate)
+            out.append(SmoothMapping(f"{prefix}.post_attention_layernorm", consumers, "norm", fold_only=fold_only))
+        if shared is not None:
+            out += _up_down_mappings(shared, f"{prefix}.mlp.shared_expert", family, include_up_down, skipped)
+        if include_up_down:
+            skipped.append("routed experts' up_proj -> down_proj: not implemented (one factor vector per expert)")
+    else:
+        found = [module(f"mlp.{n}", linear=True) for n in ("gate_proj", "up_proj", "down_proj")]
+        accounted |= {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+        if ln2 is not None and mlp is not None and None not in found:
+            out.append(SmoothMapping(f"{prefix}.post_attention_layernorm", (f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"), "norm"))
+            out += _up_down_mappings(mlp, f"{prefix}.mlp", family, include_up_down, skipped)
+    _unaccounted(layer, prefix, accounted, problems)
+    return out
+
+
+def _v_o_mappings(attn: nn.Module, path: str, family: DecoderFamily, include_v_o: bool, skipped: list[str]) -> list[SmoothMapping]:
+    """v_proj -> o_proj of the attention at `path`, if asked and valid (raises if asked and not valid)."""
+    v_o_problem = _v_o_problem(attn, family)
+    if not include_v_o:
+        skipped.append("v_proj -> o_proj: " + (f"not valid here ({v_o_problem})" if v_o_problem else "not requested (include_v_o=False)"))
+        return []
+    if v_o_problem:
+        raise SmoothQuantMappingError(
+            f"v_proj -> o_proj smoothing is not function-preserving for {path}: {v_o_problem}. "
+            "Smooth without it (include_v_o=False)."
+        )
+    v_proj, o_proj = attn.v_proj, attn.o_proj
+    head_dim = attn.head_dim
+    heads = o_proj.in_features // head_dim
+    kv_heads = v_proj.out_features // head_dim
+    if o_proj.in_features != heads * head_dim or v_proj.out_features != kv_heads * head_dim or heads % kv_heads:
+        raise SmoothQuantMappingError(
+            f"{path}: v_proj out {v_proj.out_features} / o_proj in {o_proj.in_features} are not whole "
+            f"heads of head_dim {head_dim} with whole GQA groups"
+        )
+    extra = (f"{path}.sink_value",) if hasattr(attn, "sink_value") else ()
+    return [SmoothMapping(f"{path}.v_proj", (f"{path}.o_proj",), "v_o", kv_groups=heads // kv_heads, head_dim=head_dim,
+                          extra_divide=extra)]
+
+
+def _up_down_mappings(mlp: nn.Module, path: str, family: DecoderFamily, include_up_down: bool, skipped: list[str]) -> list[SmoothMapping]:
+    """up_proj -> down_proj of the GLU MLP at `path`, if asked (raises if the MLP is not a known GLU)."""
+    if not include_up_down:
+        skipped.append("up_proj -> down_proj: not requested (include_up_down=False)")
+        return []
+    known = isinstance(mlp, family.glu_mlps) if family.hybrid else type(mlp) in family.glu_mlps
+    if not known:
+        raise SmoothQuantMappingError(
+            f"up_proj -> down_proj smoothing needs an MLP known to compute down(act(gate(x)) * up(x)); "
+            f"{path} is {type(mlp).__name__} (known: {[c.__name__ for c in family.glu_mlps]})"
+        )
+    return [SmoothMapping(f"{path}.up_proj", (f"{path}.down_proj",), "up_down")]
 
 
 def _v_o_problem(attn: nn.Module, family: DecoderFamily) -> str | None:
     """Why v_proj -> o_proj would not be function-preserving for `attn`, or None if it is."""
-    if type(attn) not in family.linear_attention:
+    known = isinstance(attn, family.linear_attention) if family.hybrid else type(attn) in family.linear_attention
+    if not known:
         return (f"{type(attn).__name__} is not a known attention whose output is linear in v "
                 f"(known: {[c.__name__ for c in family.linear_attention]})")
     reasons = [why for name, why in _ATTN_NONLINEAR_IN_V.items() if hasattr(attn, name)]

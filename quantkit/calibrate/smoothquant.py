@@ -16,6 +16,13 @@ calibration pass, then folded: no fold changes another mapping's activation stat
 weight two mappings share (up_proj: columns for post_attention_layernorm, rows for up->down) is read
 along different axes.
 
+MoE layers (docs/smoothquant-moe.md): the factor of a MoE layer's post_attention_layernorm is one vector
+shared by every reader of that norm, so X_j is the max over ALL tokens of the MoE block's input (taken at
+the router's and the fused experts module's input, which see every token whatever the routing: the
+statistics cover every expert, unlike per-expert hooks that see only routed tokens), and W_j the max over
+every expert's gate/up columns and the shared expert's (the router and shared-expert gate are folded but
+not counted: they stay unquantized).
+
     from quantkit.calibrate import smooth_model
     report = smooth_model(model, None, tokenizer, alpha=0.5, num_sequences=256, seq_len=512)
     print(report.summary())
@@ -35,6 +42,7 @@ from quantkit.calibrate.mappings import (
     SmoothMapping,
     SmoothQuantMappingError,
     fold_output,
+    input_weight,
     resolve_mappings,
     scale_,
 )
@@ -148,8 +156,9 @@ def _smoothing_channels(model: nn.Module, mapping: SmoothMapping) -> int:
 
 
 def _weight_col_max(model: nn.Module, mapping: SmoothMapping) -> torch.Tensor:
-    cols = [model.get_submodule(c).weight.detach().abs().amax(0).float() for c in mapping.consumers]
-    return torch.stack(cols).amax(0)
+    """max |W_j| over the quantized consumers' input columns (fold_only consumers stay unquantized: left out)."""
+    weights = [input_weight(model.get_submodule(c)).detach() for c in mapping.consumers if c not in mapping.fold_only]
+    return torch.stack([w.abs().reshape(-1, w.shape[-1]).amax(0).float() for w in weights]).amax(0)
 
 
 @torch.no_grad()
@@ -160,8 +169,8 @@ def fold_mapping(model: nn.Module, mapping: SmoothMapping, s: torch.Tensor) -> N
         param = model.get_parameter(name)
         scale_(param, (1.0 / s).view(param.shape))
     for name in mapping.consumers:
-        linear = model.get_submodule(name)
-        scale_(linear.weight, s[mapping.channel_index(linear.in_features, s.device)][None, :])
+        weight = input_weight(model.get_submodule(name))  # input channels on the last dimension
+        scale_(weight, s[mapping.channel_index(weight.shape[-1], s.device)])
 
 
 def _check_finite(plan: MappingPlan, maxima: dict[str, torch.Tensor]) -> None:
@@ -247,6 +256,7 @@ def smooth_model(
     seq_len: int | None = None,
     include_v_o: bool = False,
     include_up_down: bool = False,
+    experts: bool = True,
     power_of_two: bool = False,
     tolerance: float | None = None,
     batch_size: int = 8,
@@ -259,7 +269,9 @@ def smooth_model(
     token tensor, or an iterable of token batches. Texts are cut into `num_sequences` windows of `seq_len`
     (defaults: 4096 as in paper 000, and min(512, max_position_embeddings)); token input is used as given
     (num_sequences keeps the first N). include_v_o / include_up_down add the optional mappings (see
-    `quantkit.calibrate.mappings`; v->o is refused where it is not function-preserving). power_of_two:
+    `quantkit.calibrate.mappings`; v->o is refused where it is not function-preserving). experts: smooth MoE
+    layers' post_attention_layernorm into router, experts, shared expert and its gate (False: leave those
+    norms unsmoothed, as peers do; no effect on dense models). power_of_two:
     round factors to powers of two (bit-exact folding in bf16). tolerance: max |logit change| / max |logit|
     allowed (default 1e-3; 5e-2 for bf16/fp16 parameters unless power_of_two), checked on `verify_tokens`
     (default: the first 4 calibration sequences).
@@ -267,7 +279,7 @@ def smooth_model(
     Raises SmoothQuantMappingError (structure), NonFiniteStatisticsError (NaN/Inf calibration statistics or
     logits, model untouched), FunctionPreservationError (logits changed; folds undone, up to rounding).
     """
-    plan = resolve_mappings(model, include_v_o=include_v_o, include_up_down=include_up_down)
+    plan = resolve_mappings(model, include_v_o=include_v_o, include_up_down=include_up_down, experts=experts)
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"SmoothQuant alpha must be in [0, 1], got {alpha}")
     max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)

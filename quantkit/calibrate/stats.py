@@ -6,6 +6,14 @@ Union speeches, which no zoo model was trained on; position 0 of every window is
 Statistics: max |x_j| per input channel j of chosen linears, taken by forward pre-hooks (i.e. at the
 consumers' input, after any gate), kept as a running maximum: memory is one vector per linear, whatever
 the number of sequences. Paper 000 App. A.4.2 calibrates on 4096 sequences.
+
+Routed experts (calibrate-all-experts mode): a name `<experts>.<e>.<proj>` (`quantkit.formats.experts`)
+asks for the input statistics of one expert matrix of a fused experts module. The observer then runs EVERY
+token through EVERY expert on the side, for statistics only (a forward pre-hook: the routed output the model
+computes is untouched): gate_proj / up_proj see the block's input x, down_proj sees act(x gate_e^T) * (x up_e^T).
+Routed statistics would cover only the tokens the router sent to e (none at all for an expert it never picks
+on the calibration data); the served model meets other tokens. This needs the gated layout of
+`quantkit.formats.experts` and the module's `act_fn` (transformers' expert modules have both).
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from tqdm import tqdm
+
+from quantkit.formats.experts import EXPERT_MATRIX, is_fused_experts
 
 PAPER_NUM_SEQUENCES = 4096  # paper 000 App. A.4.2; defaults of SmoothQuant calibration windows (N, T):
 DEFAULT_NUM_SEQUENCES = PAPER_NUM_SEQUENCES
@@ -36,9 +46,20 @@ class ChannelMaxObserver:
         self._handles: list = []
 
     def __enter__(self) -> ChannelMaxObserver:
+        experts: dict[str, nn.Module] = {}
         for name in self.names:
-            self._handles.append(self.model.get_submodule(name).register_forward_pre_hook(self._hook(name)))
+            match = EXPERT_MATRIX.match(name)
+            if match and (fused := _fused_experts_at(self.model, match["experts"])) is not None:
+                experts[match["experts"]] = fused
+            else:
+                self._handles.append(self.model.get_submodule(name).register_forward_pre_hook(self._hook(name)))
+        for name, module in experts.items():
+            self._handles.append(module.register_forward_pre_hook(self._all_experts_hook(name)))
         return self
+
+    def _update(self, name: str, amax: torch.Tensor) -> None:
+        prev = self.maxima.get(name)
+        self.maxima[name] = amax if prev is None else torch.maximum(prev, amax)
 
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
@@ -48,11 +69,34 @@ class ChannelMaxObserver:
     def _hook(self, name: str):
         def hook(_module: nn.Module, args: tuple) -> None:
             x = args[0].detach()
-            amax = x.reshape(-1, x.shape[-1]).abs().amax(0).float()
-            prev = self.maxima.get(name)
-            self.maxima[name] = amax if prev is None else torch.maximum(prev, amax)
+            self._update(name, x.reshape(-1, x.shape[-1]).abs().amax(0).float())
 
         return hook
+
+    def _all_experts_hook(self, name: str):
+        """Statistics of every expert matrix of the fused experts module `name` over every token."""
+        wanted = set(self.names)
+
+        def hook(module: nn.Module, args: tuple) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1])  # (tokens, H)
+            x_amax = x.abs().amax(0).float()
+            for e in range(module.gate_up_proj.shape[0]):
+                for proj in ("gate_proj", "up_proj"):
+                    if f"{name}.{e}.{proj}" in wanted:
+                        self._update(f"{name}.{e}.{proj}", x_amax)
+                if f"{name}.{e}.down_proj" in wanted:
+                    gate, up = nn.functional.linear(x, module.gate_up_proj[e].detach()).chunk(2, dim=-1)
+                    self._update(f"{name}.{e}.down_proj", (module.act_fn(gate) * up).abs().amax(0).float())
+
+        return hook
+
+
+def _fused_experts_at(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        return None
+    return module if is_fused_experts(module) else None
 
 
 @torch.no_grad()
@@ -76,7 +120,8 @@ def channel_max(
     model: nn.Module, tokens: torch.Tensor, module_names: Iterable[str], batch_size: int = 8,
     progress: bool = True, desc: str = "SmoothQuant calibration",
 ) -> dict[str, torch.Tensor]:
-    """max |x_j| at the input of each named linear over the token windows `tokens` (N, T)."""
+    """max |x_j| at the input of each named linear (or expert matrix `<experts>.<e>.<proj>`, all-experts
+    mode) over the token windows `tokens` (N, T)."""
     with ChannelMaxObserver(model, module_names) as observer:
         run_batches(model, tokens, batch_size, progress, desc)
     missing = [n for n in observer.names if n not in observer.maxima]

@@ -2,7 +2,10 @@
 
 `load_fake_quant_model(dir)` rebuilds the model from a quantkit checkpoint: every quantized Linear
 becomes a `FakeQuantLinear` whose weight is the checkpoint's decoded weight (exact) and whose input is
-quantized-dequantized per token (FP8, NVFP4) or with the static NVFP4 scale, then multiplied in float32.
+quantized-dequantized per token (FP8, NVFP4) or with the static NVFP4 scale, then multiplied in float32. Fused routed
+experts (`quantkit.formats.experts`) become a `FakeQuantExperts`: each expert's matrices decoded, and its
+activations quantized at BOTH expert inputs (the block input before gate/up, the intermediate before down),
+per token or with the expert matrix's static scale, as vLLM's FusedMoE method must (issue 16).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import quantkit.models  # noqa: F401
+from quantkit.formats.experts import expert_matrices, fuse_expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import Scheme, checkpoint_suffixes, get_scheme, scheme_from_config
 
 
@@ -33,6 +37,43 @@ class FakeQuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq = self.scheme.fake_quant_activation(x, self.input_global_scale) if self.quantize_activations else x.float()
         return torch.nn.functional.linear(xq, self.weight, self.bias).to(x.dtype)
+
+
+class FakeQuantExperts(torch.nn.Module):
+    """Routed experts with decoded weights and fake-quantized inputs; the forward signature of transformers'
+    fused expert modules: (hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H).
+
+    Expert e: y = down_e(fq2(act(gate_e(fq1(x))) * up_e(fq1(x)))), float32, times its routing weight, summed
+    over the token's k experts. fq1 / fq2: the scheme's activation quantize-dequantize (per token, or static
+    with `input_global_scale[e, 0]` (gate_proj's, equal to up_proj's: one input, one scale) / `[e, 1]`
+    (down_proj's)); identity where that expert matrix is not quantized (`quantized[e, 0 or 1]` False).
+    """
+
+    def __init__(self, scheme: Scheme, gate_up: torch.Tensor, down: torch.Tensor, act_fn: torch.nn.Module,
+                 quantized: torch.Tensor, input_global_scale: torch.Tensor | None, quantize_activations: bool = True) -> None:
+        super().__init__()
+        self.scheme, self.act_fn, self.quantize_activations = scheme, act_fn, quantize_activations
+        self.register_buffer("gate_up_proj", gate_up.float(), persistent=False)  # (E, 2I, H)
+        self.register_buffer("down_proj", down.float(), persistent=False)  # (E, H, I)
+        self.register_buffer("quantized", quantized, persistent=False)  # (E, 2) bool: gate/up, down
+        self.register_buffer("input_global_scale", input_global_scale, persistent=False)  # (E, 2) float32 or None
+
+    def _fq(self, x: torch.Tensor, e: int, which: int) -> torch.Tensor:
+        if not (self.quantize_activations and self.quantized[e, which]):
+            return x.float()
+        scale = None if self.input_global_scale is None else self.input_global_scale[e, which]
+        return self.scheme.fake_quant_activation(x, scale)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+        for e in range(self.gate_up_proj.shape[0]):
+            token_idx, slot = torch.where(top_k_index == e)
+            if token_idx.numel() == 0:
+                continue
+            gate, up = torch.nn.functional.linear(self._fq(hidden_states[token_idx], e, 0), self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(self._fq(self.act_fn(gate) * up, e, 1), self.down_proj[e])
+            out.index_add_(0, token_idx, y * top_k_weights[token_idx, slot, None].float())
+        return out.to(hidden_states.dtype)
 
 
 def read_quantization_config(model_dir: str | Path) -> dict:
@@ -60,7 +101,11 @@ def load_fake_quant_model(model_dir: str | Path, quantize_activations: bool = Tr
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     state = load_file(str(model_dir / "model.safetensors"))
-    for name in qc["quantized_modules"]:
+    quantized = set(qc["quantized_modules"])  # expert matrices are taken out by _load_experts
+    experts = fused_experts_modules(model)
+    for name, module in experts.items():
+        _load_experts(model, name, module, scheme, state, quantized, quantize_activations, model_dir)
+    for name in sorted(quantized):
         linear = model.get_submodule(name)
         tensors = {s: state.pop(f"{name}.{s}") for s in checkpoint_suffixes() if f"{name}.{s}" in state}
         weight = scheme.decode(tensors, linear.in_features)
@@ -70,7 +115,51 @@ def load_fake_quant_model(model_dir: str | Path, quantize_activations: bool = Tr
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, FakeQuantLinear(scheme, weight, bias, tensors.get("input_global_scale"), quantize_activations))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k.rsplit(".", 1)[0] not in qc["quantized_modules"]]  # those are set above
+    loaded = set(qc["quantized_modules"]) | set(experts)  # set above
+    missing = [k for k in missing if k.rsplit(".", 1)[0] not in loaded]
     if missing or unexpected:
         raise ValueError(f"{model_dir}: checkpoint inconsistent with its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return model
+
+
+def _load_experts(model: torch.nn.Module, name: str, module: torch.nn.Module, scheme: Scheme, state: dict[str, torch.Tensor],
+                  quantized: set[str], quantize_activations: bool, model_dir: Path) -> None:
+    """Fill the fused experts module `name` from its per-expert checkpoint tensors (popped from `state` and, for
+    quantized matrices, discarded from `quantized`); replace it by a FakeQuantExperts if any matrix is quantized."""
+    shapes = {m: tuple(w.shape) for m, w in expert_matrices(name, module).items()}
+    num_experts = module.gate_up_proj.shape[0]
+    matrices, scales, flags = {}, {}, {}
+    for matrix, shape in shapes.items():
+        if matrix in quantized:
+            quantized.discard(matrix)
+            tensors = {s: state.pop(f"{matrix}.{s}") for s in checkpoint_suffixes() if f"{matrix}.{s}" in state}
+            matrices[matrix] = scheme.decode(tensors, shape[1])
+            scales[matrix] = tensors.get("input_global_scale")
+            flags[matrix] = True
+        elif f"{matrix}.weight" in state:
+            matrices[matrix], flags[matrix] = state.pop(f"{matrix}.weight").float(), False
+        else:
+            raise ValueError(f"{model_dir}: expert matrix {matrix} has no tensors in the checkpoint")
+        if tuple(matrices[matrix].shape) != shape:
+            raise ValueError(f"{model_dir}: {matrix} decodes to {tuple(matrices[matrix].shape)}, the model expects {shape}")
+    gate_up, down = fuse_expert_matrices(matrices, name, num_experts)
+    if not any(flags.values()):
+        with torch.no_grad():
+            module.gate_up_proj.copy_(gate_up)
+            module.down_proj.copy_(down)
+        return
+    for e in range(num_experts):
+        if flags[f"{name}.{e}.gate_proj"] != flags[f"{name}.{e}.up_proj"]:
+            raise ValueError(f"{model_dir}: {name}.{e}: gate_proj and up_proj must be quantized together (one fused GEMM)")
+    quant = torch.tensor([[flags[f"{name}.{e}.gate_proj"], flags[f"{name}.{e}.down_proj"]] for e in range(num_experts)])
+    static = None
+    if any(v is not None for v in scales.values()):
+        static = torch.tensor([[_scale(scales, f"{name}.{e}.{p}") for p in ("gate_proj", "down_proj")] for e in range(num_experts)])
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child,
+            FakeQuantExperts(scheme, gate_up, down, module.act_fn, quant, static, quantize_activations))
+
+
+def _scale(scales: dict[str, torch.Tensor | None], matrix: str) -> float:
+    value = scales.get(matrix)
+    return float("nan") if value is None else value.item()  # NaN: never read (the matrix is not quantized)

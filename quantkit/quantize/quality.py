@@ -35,7 +35,8 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
         tokenizer = AutoTokenizer.from_pretrained(reference_dir)
         smooth_model(reference, tokenizer=tokenizer, progress=False, **qc["smoothquant"])
     quantized = load_fake_quant_model(quantized_dir)
-    names = qc["quantized_modules"]
+    modules = dict(reference.named_modules())  # expert matrices of fused experts are no modules: their SNR is
+    names = [n for n in qc["quantized_modules"] if n in modules]  # the per-expert diagnostics' (not here)
     signal = dict.fromkeys(names, 0.0)
     noise = dict.fromkeys(names, 0.0)
     hooks = []

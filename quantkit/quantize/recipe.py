@@ -8,11 +8,26 @@ A recipe names a scheme and what happens before it:
                                  # NVFP4 | FP8_PER_CHANNEL_PER_TOKEN (backend modelopt, NVIDIA's export)
     backend: quantkit            # default; llmcompressor | modelopt run the peers' own code
     activation_scale: per_token  # nvfp4 only: per_token (paper 000) | static (compressed-tensors convention)
-    smoothquant: {alpha: 0.5, num_sequences: 256, seq_len: 512}   # optional
+    smoothquant: {alpha: 0.5, num_sequences: 256, seq_len: 512, experts: true}   # optional; experts: smooth
+                                 # MoE layers' norms into router/experts/shared expert (false: as peers, skip)
     calibration: {num_sequences: 64, seq_len: 512}                # static activation scales only
     ignore: ["re:.*\\.g_proj$"]  # added to DEFAULT_IGNORE; names or "re:<regex>" on module names
 
-Linear layers whose names match the ignore list stay in the checkpoint's original precision.
+Linear layers (and expert matrices `<experts>.<e>.<proj>`) whose names match the ignore list stay in the
+checkpoint's original precision. The default list (DEFAULT_IGNORE) keeps, per tensor:
+- lm_head: BF16 in paper 000 App. A.4.2 (the logits' error is not the transformer's).
+- GatedNorm gates `gate_down` / `gate_up`: rank-r, negligible FLOPs, and a gate error scales the whole
+  residual branch (shared/DESIGN.md).
+- MoE router `mlp.gate` and `shared_expert_gate`: a router error flips top-k ids, i.e. sends tokens to other
+  experts (discrete, large errors); out_features = num_experts / 1, so 128x128 FP8 blocks are mostly
+  padding; vLLM's Qwen3-Next builds both with quant_config=None. (transformers 5.x's router is no Linear at
+  all; the pattern covers checkpoints whose router is one.)
+- Gated DeltaNet `in_proj_ba`: 2 x num_value_heads outputs that become beta = sigmoid(b) and the decay
+  exp(-A softplus(a + dt_bias)) of the recurrent state, so an error compounds over every later token; tiny
+  FLOPs; vLLM notes it does not support block FP8 (peers keep it BF16). conv1d, A_log, dt_bias and every
+  norm are no Linear and are never quantized. in_proj_qkvz, out_proj, the softmax layers' q_proj (which
+  holds the output gate fused with q, as vLLM's qkv_proj does), k/v/o_proj, every routed expert's
+  gate/up/down and the shared expert's are quantized.
 """
 
 from __future__ import annotations
@@ -28,7 +43,8 @@ from quantkit.configs import RECIPES_DIR
 from quantkit.formats.schemes import SCHEMES, UNQUANTIZED
 
 # lm_head stays BF16 (paper 000 App. A.4.2); GatedNorm's rank-r gates are tiny (shared/DESIGN.md)
-DEFAULT_IGNORE = ("lm_head", r"re:.*\.gate_down$", r"re:.*\.gate_up$")
+DEFAULT_IGNORE = ("lm_head", r"re:.*\.gate_down$", r"re:.*\.gate_up$",
+                  r"re:.*\.mlp\.gate$", r"re:.*\.shared_expert_gate$", r"re:.*\.in_proj_ba$")
 BACKEND_SCHEMES = {  # the scheme names each backend takes
     "quantkit": (UNQUANTIZED, *SCHEMES),
     "llmcompressor": ("FP8_BLOCK", "NVFP4"),
@@ -42,6 +58,7 @@ class SmoothQuantSettings:
     alpha: float = 0.5
     num_sequences: int = 256
     seq_len: int = 512
+    experts: bool = True  # MoE models: smooth the MoE layers' norms into router, experts, shared expert
 
 
 @dataclass(frozen=True)
@@ -123,6 +140,8 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     smoothquant = _settings(SmoothQuantSettings, data.get("smoothquant"), f"{source}: smoothquant")
     if smoothquant is not None and not 0.0 <= smoothquant.alpha <= 1.0:
         raise ValueError(f"{source}: smoothquant.alpha must be in [0, 1], got {smoothquant.alpha}")
+    if smoothquant is not None and not isinstance(smoothquant.experts, bool):
+        raise ValueError(f"{source}: smoothquant.experts must be true or false, got {smoothquant.experts!r}")
     if smoothquant is not None and scheme == UNQUANTIZED:
         raise ValueError(f"{source}: smoothquant with scheme bf16 changes nothing worth measuring")
     calibration = _settings(CalibrationSettings, data.get("calibration"), f"{source}: calibration")

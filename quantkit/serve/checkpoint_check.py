@@ -6,6 +6,10 @@
 - the weights hold quantized tensors but config.json has no `quantization_config`;
 - a quantkit `quantization_config` is malformed or disagrees with the tensors (a listed module without
   its tensors, wrong dtypes or scale shapes, quantized tensors of an unlisted module);
+- routed experts (`<experts>.<e>.<proj>`, `quantkit.formats.experts`) are incomplete or mixed: every expert
+  0..E-1 (E = config num_experts where given) needs gate_proj, up_proj and down_proj, of one shape per
+  projection, and an experts module is quantized as a whole or not at all (vLLM's FusedMoE runs all experts
+  of a layer with one quant method and one fused gate/up GEMM);
 - the scheme cannot run on this device (ModelOpt checkpoints and the Triton FP8 path need CUDA >= sm89).
 Returns the quantization_config (None for an unquantized checkpoint).
 """
@@ -16,6 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from quantkit.checkpoints import CheckpointError, TensorHeaders, check_checkpoint_dir
+from quantkit.formats.experts import EXPERT_MATRIX, EXPERT_PROJECTIONS
 from quantkit.formats.schemes import checkpoint_suffixes, scheme_from_config
 
 # Suffixes of quantized tensors: quantkit's (but the plain `weight`) and the peers' (ModelOpt, compressed-tensors).
@@ -34,10 +39,12 @@ def check_servable(model_dir: str | Path) -> dict | None:
                 f"{model_dir}: the weights hold quantized tensors ({', '.join(quantized[:3])}, ...) but config.json "
                 "has no quantization_config; the checkpoint was not written by `quantkit quantize` or was edited"
             )
+        _check_experts(model_dir, config, None, headers)
         return None
     method = qc.get("quant_method")
     if method == "quantkit":
         _check_quantkit(model_dir, qc, headers)
+        _check_experts(model_dir, config, qc, headers)
     elif method == "modelopt":
         import torch
 
@@ -73,3 +80,32 @@ def _check_quantkit(model_dir: Path, qc: dict, headers: TensorHeaders) -> None:
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         raise CheckpointError(f"{model_dir}: quantkit's Triton kernels need FP8 tensor cores (sm89+); this GPU is "
                               f"sm{''.join(map(str, torch.cuda.get_device_capability()))}")
+
+
+def _check_experts(model_dir: Path, config: dict, qc: dict | None, headers: TensorHeaders) -> None:
+    """The routed-experts rules of the module docstring (qc: a quantkit quantization_config, or None)."""
+    listed = set(qc["quantized_modules"]) if qc else set()
+    groups: dict[str, dict[tuple[int, str], tuple[bool, tuple[int, ...]]]] = defaultdict(dict)
+    for name, (_, shape) in headers.items():
+        module, _, suffix = name.rpartition(".")
+        match = EXPERT_MATRIX.match(module)
+        if match is None or suffix not in ("weight", "weight_packed"):
+            continue
+        groups[match["experts"]][(int(match["expert"]), match["proj"])] = (module in listed, tuple(shape))
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    for experts, matrices in sorted(groups.items()):
+        count = num_experts or 1 + max(e for e, _ in matrices)
+        missing = [f"{experts}.{e}.{p}" for e in range(count) for p in EXPERT_PROJECTIONS if (e, p) not in matrices]
+        extra = sorted({e for e, _ in matrices if e >= count})
+        if missing or extra:
+            raise CheckpointError(f"{model_dir}: routed experts {experts} are incomplete for {count} experts: missing "
+                                  f"{missing[:3]}{' ...' if len(missing) > 3 else ''}; unexpected expert ids {extra[:3]}")
+        states = {quantized for quantized, _ in matrices.values()}
+        if len(states) > 1:
+            some = sorted(f"{experts}.{e}.{p}" for (e, p), (q, _) in matrices.items() if not q)[:3]
+            raise CheckpointError(f"{model_dir}: routed experts {experts} are partly quantized ({some} are not); vLLM's "
+                                  "FusedMoE runs every expert of a layer with one quant method: quantize all or none")
+        for proj in EXPERT_PROJECTIONS:
+            shapes = {shape for (_, p), (_, shape) in matrices.items() if p == proj}
+            if len(shapes) > 1:
+                raise CheckpointError(f"{model_dir}: {experts}.*.{proj} have different shapes {sorted(shapes)}")
