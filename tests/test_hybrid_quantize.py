@@ -16,12 +16,17 @@ Tolerances (derived, not fitted):
 - Routing: with float32 folds, router logits move by ~1e-6 relative; top-k ids can only flip where the k-th
   and (k+1)-th logits are closer than that. The test asserts that precondition (min gap > 1e-5 of the
   logit scale, 10x the noise) before asserting identical ids, so it does not depend on luck.
-- Fake-quant logits vs the source: finite, different from the source, and relative RMS error below a bound per
-  format. E4M3 round-to-nearest has relative error <= 2**-4 per element (RMS ~ 2**-4/sqrt(3) = 3.6%); a product of
-  a quantized weight and a quantized activation carries ~ 5%, added over the ~4 quantized GEMMs on each residual
-  path of 4 layers in quadrature -> ~10%; bound 0.25. NVFP4 (E2M1: relative step up to 50% between 4 and 6, RMS
-  ~ 10-15% per element after E4M3 group scales) -> ~ 40% by the same count; bound 0.8. FP8 must also be closer
-  than NVFP4 (the ordering, a control on the formats' error sizes).
+- Routed experts' output under fake quant, same input and routing, vs the source experts: E4M3 with round to
+  nearest has relative error <= 2**-4 per element, RMS ~ 2.6% measured on these Gaussian weights (~ 2**-4/sqrt(3)
+  at worst); an expert's output carries the errors of gate, up, down and of its two quantized inputs, ~ sqrt(5)
+  x 3.6% = 8% in quadrature: bound 0.15. NVFP4 (E2M1: 1 mantissa bit, RMS ~ 10-12% per element after the E4M3
+  group scales) -> sqrt(5) x 12% = 27%: bound 0.5. Weight-only must be closer than weights + activations (the
+  activations are quantized at both expert inputs).
+- Whole-model logits: only finite and different from the source. On this random tiny MoE the whole-model error
+  is chaotic, not a format property: router logits have top-2/top-3 gaps comparable to a few % input noise, so
+  FP8 already flips the top-2 set for 10-60% of tokens per layer (measured: relative L2 logit error 0.74 for FP8,
+  0.64 weight-only; 0.75 with every expert kept BF16, i.e. from the attention/DeltaNet layers' error flipping
+  routes). The ordering FP8 closer than NVFP4 is checked in KL, as for the dense family.
 """
 
 from __future__ import annotations
@@ -193,7 +198,7 @@ def test_routing_is_unchanged_by_smoothing_and_changes_without_the_router_fold()
     assert min(changed) > 0.1, changed  # x30 outlier: ~sqrt(30) factor on one channel of the router's input
 
 
-def test_missing_router_fold_breaks_function_preservation_check():
+def test_missing_router_fold_breaks_function_preservation_check(monkeypatch):
     """A mapping that forgets the router is caught by smooth_model's own check and rolled back."""
     from quantkit.calibrate import FunctionPreservationError
     from quantkit.calibrate import mappings as mappings_module
@@ -207,12 +212,9 @@ def test_missing_router_fold_breaks_function_preservation_check():
                 for m in original(*args, **kwargs)]
 
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    mappings_module._hybrid_layer_mappings = without_router
-    try:
-        with pytest.raises(FunctionPreservationError):
-            smooth_model(model, tokens(8, 32), progress=False)
-    finally:
-        mappings_module._hybrid_layer_mappings = original
+    monkeypatch.setattr(mappings_module, "_hybrid_layer_mappings", without_router)
+    with pytest.raises(FunctionPreservationError):
+        smooth_model(model, tokens(8, 32), progress=False)
     for k, v in model.state_dict().items():  # rolled back, up to the rounding of s * (1/s)
         assert torch.allclose(v, state[k], rtol=1e-5, atol=1e-6), k
 
@@ -239,7 +241,7 @@ def test_all_experts_statistics_see_every_token():
 
 
 RECIPES = ["bf16", "w8a8_fp8_block", "w4a4_nvfp4", "w4a4_nvfp4_static", "w4a4_nvfp4_sq"]
-BOUND = {"fp8_block": 0.25, "nvfp4": 0.8}
+BOUND = {"fp8_block": 0.15, "nvfp4": 0.5}  # relative L2 error of the routed experts' output (module docstring)
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +250,7 @@ def source(tmp_path_factory):
     from quantkit.models.tiny import _build
 
     out = tmp_path_factory.mktemp("qwen3next") / "m"
-    _build(Qwen3NextConfig, Qwen3NextForCausalLM, out, VOCAB, 0, torch.float32, 0.05, SHAPE)
+    _build(Qwen3NextConfig, Qwen3NextForCausalLM, out, 512, 0, torch.float32, 0.05, SHAPE)  # BPE: >= 257
     return out
 
 
@@ -283,8 +285,10 @@ def test_every_recipe_writes_a_checked_loadable_checkpoint(source, tmp_path, rec
 
     if recipe.scheme == "bf16":  # transformers' own names, loadable by transformers' own loader
         assert qc is None and keys == source_keys
-        reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        assert relative_change(logits(reloaded, toks), reference) < 2e-2  # bf16: 2**-9 per weight, 4 layers
+        reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+        source_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).state_dict()
+        for name, value in source_model.items():  # fused experts round-trip: exactly the bf16-rounded source
+            assert torch.equal(reloaded[name], value.to(torch.bfloat16).float()), name
         return
 
     scheme = get_scheme(qc["scheme"])
@@ -316,22 +320,35 @@ def test_every_recipe_writes_a_checked_loadable_checkpoint(source, tmp_path, rec
     if recipe.activation_scale == "static":
         assert torch.isfinite(fq.input_global_scale).all() and (fq.input_global_scale > 0).all()
 
-    out_logits = logits(model, toks)
-    error = ((out_logits - reference).norm() / reference.norm()).item()
-    assert torch.isfinite(out_logits).all() and error > 0
-    assert error < BOUND[scheme.name], error
-    weight_only = logits(load_fake_quant_model(out, quantize_activations=False), toks)
-    assert not torch.equal(weight_only, out_logits)  # activations are quantized at the expert inputs too
+    # the experts alone, same input and routing: the format's error (module docstring); SQ recipes hold
+    # smoothed weights (W diag(s)), compared through the whole model only
+    if recipe.smoothquant is None:
+        source_experts = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).model.layers[2].mlp.experts
+        gen = torch.Generator().manual_seed(4)
+        x = torch.randn(64, SHAPE["hidden_size"], generator=gen)
+        top_k = torch.rand(64, SHAPE["num_experts"], generator=gen).topk(SHAPE["num_experts_per_tok"]).indices
+        weights = torch.full(top_k.shape, 1.0 / SHAPE["num_experts_per_tok"])
+        with torch.no_grad():
+            y_ref = source_experts(x, top_k, weights)
+            error = ((fq(x, top_k, weights) - y_ref).norm() / y_ref.norm()).item()
+            weight_only = ((FakeQuantExperts(scheme, fq.gate_up_proj, fq.down_proj, fq.act_fn, fq.quantized,
+                                             fq.input_global_scale, quantize_activations=False)(x, top_k, weights)
+                            - y_ref).norm() / y_ref.norm()).item()
+        assert 0 < weight_only < error < BOUND[scheme.name], (weight_only, error)
+
+    out_logits = logits(model, toks)  # whole model: routing flips make the error chaotic (see the docstring)
+    assert torch.isfinite(out_logits).all() and not torch.equal(out_logits, reference)
 
 
 def test_fp8_is_closer_than_nvfp4(source, tmp_path):
-    toks = tokens(2, 24, seed=3)
-    reference = logits(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval(), toks)
-    errors = {}
+    toks = tokens(4, 32, seed=3)
+    reference = torch.log_softmax(logits(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval(), toks), -1)
+    kl = {}
     for name in ("w8a8_fp8_block", "w4a4_nvfp4"):
         out = quantize_checkpoint(source, small(name), tmp_path / name)
-        errors[name] = ((logits(load_fake_quant_model(out), toks) - reference).norm() / reference.norm()).item()
-    assert errors["w8a8_fp8_block"] < errors["w4a4_nvfp4"], errors
+        q = torch.log_softmax(logits(load_fake_quant_model(out), toks), -1)
+        kl[name] = (reference.exp() * (reference - q)).sum(-1).mean().item()
+    assert 0 < kl["w8a8_fp8_block"] < kl["w4a4_nvfp4"], kl
 
 
 def test_checker_rejects_incomplete_or_partly_quantized_experts(source, tmp_path):

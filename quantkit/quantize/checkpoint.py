@@ -91,7 +91,7 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
     state = checkpoint_state(model)
     for name, weight in tqdm(quantized.items(), desc=f"quantize {recipe.name}", unit="matrix"):
         state.pop(f"{name}.weight")
-        tensors = scheme.encode(weight.detach(), name)
+        tensors = scheme.encode(weight.detach().contiguous(), name)
         if name in input_amax:
             tensors.update(scheme.static_activation_tensors(input_amax[name]))
         for suffix, tensor in tensors.items():
