@@ -381,3 +381,17 @@ def test_fused_experts_are_found_by_structure():
     plan = resolve_mappings(model)
     assert any(c == "model.layers.1.mlp.experts" for m in plan.mappings for c in m.consumers)
     assert isinstance(plan.mappings[0], SmoothMapping)
+
+
+def test_recipe_experts_option():
+    from quantkit.quantize.recipe import parse_recipe
+
+    assert load_recipe("w4a4_nvfp4_sq").smoothquant.experts is True
+    assert load_recipe("w4a4_nvfp4_sq_noexperts").smoothquant.experts is False
+    with pytest.raises(ValueError, match="experts must be true or false"):
+        parse_recipe({"name": "x", "scheme": "nvfp4", "smoothquant": {"experts": "yes"}})
+    recipe = load_recipe("w8a8_fp8_block")
+    for name in ("model.layers.1.mlp.gate", "model.layers.1.mlp.shared_expert_gate", "model.layers.0.linear_attn.in_proj_ba"):
+        assert recipe.ignores(name), name
+    for name in ("model.layers.1.mlp.gate_proj", "model.layers.1.mlp.experts.0.gate_proj", "model.layers.0.linear_attn.in_proj_qkvz"):
+        assert not recipe.ignores(name), name
