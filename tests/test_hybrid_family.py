@@ -205,6 +205,7 @@ VLLM_CASES: dict[str, tuple[dict | None, object, str]] = {
     "no_ga": ({"attn_output_gate": None}, None, "QuantkitHybridForCausalLM"),
     "ga_preaffine": ({"pre_affine": True}, {"pre_affine": False}, "QuantkitHybridForCausalLM"),
     "ga_gatednorm_r16": ({"gated_norm_rank": 16}, {"gated_norm_rank": 0}, "QuantkitHybridForCausalLM"),
+    "glu": ({"hidden_act": "sigmoid"}, {"hidden_act": "silu"}, "QuantkitHybridForCausalLM"),
     "v_scale": ({"value_scale": True}, {"value_scale": False}, "QuantkitHybridForCausalLM"),
     "headwise_rmsnorm": ({"headwise_rmsnorm": True}, {"headwise_rmsnorm": False}, "QuantkitHybridForCausalLM"),
     "all_flags": (
@@ -229,7 +230,10 @@ def served(request, tmp_path_factory):
     name = request.param
     flags, control, arch = VLLM_CASES[name]
     out_dir = tmp_path_factory.mktemp(name) / "model"
-    ckpt = build_tiny_qwen3_next_checkpoint(out_dir) if flags is None else build_tiny_hybrid_checkpoint(out_dir, **flags)
+    if flags is None:
+        ckpt = build_tiny_qwen3_next_checkpoint(out_dir)
+    else:
+        ckpt = build_tiny_hybrid_checkpoint(out_dir, **flags)
     tok = AutoTokenizer.from_pretrained(ckpt)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=256, seed=0, **cpu_engine_kwargs())

@@ -112,14 +112,17 @@ class QuantkitHybridConfig(Qwen3NextConfig):
                 f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
                 f"linear_num_key_heads={self.linear_num_key_heads} (DeltaNet GQA groups must be whole)"
             )
-        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {"linear_attention", "full_attention"}:
+        kinds = {"linear_attention", "full_attention"}
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - kinds:
             raise ValueError(
                 f"layer_types must list 'linear_attention' / 'full_attention' for each of the "
                 f"{self.num_hidden_layers} layers, got {self.layer_types}"
             )
         softmax_flags = self.value_scale or self.headwise_rmsnorm or self.attn_output_gate is not None
         if softmax_flags and "full_attention" not in self.layer_types:
-            raise ValueError("attention flags (attn_output_gate, value_scale, headwise_rmsnorm) need a full_attention layer")
+            raise ValueError(
+                "attention flags (attn_output_gate, value_scale, headwise_rmsnorm) need a full_attention layer"
+            )
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_experts_per_tok"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

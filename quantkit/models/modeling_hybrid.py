@@ -138,7 +138,8 @@ class QuantkitHybridAttention(Qwen3NextAttention):
         )  # (B, T, H, D)
 
         if hasattr(self, "o_norm"):
-            attn_output = (self.o_norm.weight * rms_normalize(attn_output, self.config.rms_norm_eps)).to(attn_output.dtype)
+            normed = rms_normalize(attn_output, self.config.rms_norm_eps)
+            attn_output = (self.o_norm.weight * normed).to(attn_output.dtype)
         if gate is not None:
             attn_output = attn_output * torch.sigmoid(gate)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()

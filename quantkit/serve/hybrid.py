@@ -10,11 +10,16 @@ Why the decoder layer, model and LM classes re-implement `__init__` (and only `_
 build the stock Qwen3NextAttention from the config, and an `Attention` registers its prefix in vLLM's forward
 context once, so the stock layer cannot be built and then replaced; the forwards are inherited unchanged.
 
-GLU experts (hidden_act "sigmoid") are refused: vLLM's fused-MoE kernels implement silu/gelu/swigluoai gates
-only (`CPUUnquantizedExperts._supports_activation`) and Qwen2MoeMLP (the shared expert) silu only.
+GLU experts (hidden_act "sigmoid"): vLLM's fused-MoE kernels implement silu/gelu/swigluoai gates only
+(`CPUUnquantizedExperts._supports_activation`) and Qwen2MoeMLP (Qwen3-Next's shared expert) silu only, so GLU
+checkpoints get `GLUSparseMoeBlock`: the same routing (softmax, top-k, renormalized), sigmoid-gated shared expert and
+per-expert weights, with the routed experts as an eager torch loop over the experts hit (a reference path:
+unquantized, replicated across tensor-parallel ranks, no CUDA graphs; fused GLU experts are issue 16's).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +54,7 @@ from vllm.model_executor.models.utils import (
 
 from quantkit.models.configuration_hybrid import DELTANET_CONV_ACT
 from quantkit.models.modeling import rms_normalize, value_scale
-from quantkit.serve.models import HeadwiseRMSNorm, _kv_head_sharded_parameter
+from quantkit.serve.models import HeadwiseRMSNorm, QuantkitMLP, _kv_head_sharded_parameter
 
 # ----------------------------------------------------------------------------------------- norms
 
@@ -169,6 +174,78 @@ class QuantkitHybridAttention(Qwen3NextAttention):
         return output
 
 
+# ------------------------------------------------------------------------------------- GLU experts
+
+
+class GLUExperts(nn.Module):
+    """Routed GLU experts: down_e(sigmoid(gate_e(x)) * up_e(x)), weights stacked as w13 (E, 2I, H) = [gate; up]
+    and w2 (E, H, I); loads the checkpoint's per-expert `{e}.gate_proj/up_proj/down_proj.weight`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        inter = self.intermediate_size
+        rows = {"gate_proj": (self.w13, slice(0, inter)), "up_proj": (self.w13, slice(inter, 2 * inter)),
+                "down_proj": (self.w2, slice(None))}
+        loaded = set()
+        for name, tensor in weights:
+            expert, proj, _ = name.split(".")  # "{e}.gate_proj.weight"
+            param, part = rows[proj]
+            param.data[int(expert), part].copy_(tensor)
+            loaded.add("w2" if proj == "down_proj" else "w13")
+        return loaded
+
+    def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+        """x (T, H), top_ids / top_weights (T, k) -> sum_j top_weights[:, j] * expert_{top_ids[:, j]}(x)."""
+        out = torch.zeros_like(x)
+        for expert in top_ids.unique().tolist():
+            token, slot = torch.where(top_ids == expert)
+            gate, up = F.linear(x[token], self.w13[expert]).chunk(2, dim=-1)
+            y = F.linear(torch.sigmoid(gate) * up, self.w2[expert]) * top_weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+class GLUSparseMoeBlock(nn.Module):
+    """Qwen3-Next's sparse MoE block with GLU experts: softmax router (float32), top-k, renormalized when
+    `norm_topk_prob`, plus the shared GLU expert gated by sigmoid(shared_expert_gate(x)). Parameter names as
+    Qwen3NextSparseMoeBlock's (`gate`, `experts`, `shared_expert`, `shared_expert_gate`)."""
+
+    def __init__(self, config, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = ReplicatedLinear(hidden, config.num_experts, bias=False, quant_config=None, prefix=f"{prefix}.gate")
+        self.experts = GLUExperts(config.num_experts, hidden, config.moe_intermediate_size)
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size > 0:
+            self.shared_expert = QuantkitMLP(
+                hidden, config.shared_expert_intermediate_size, "sigmoid", quant_config=quant_config,
+                prefix=f"{prefix}.shared_expert",
+            )
+            self.shared_expert_gate = ReplicatedLinear(
+                hidden, 1, bias=False, quant_config=None, prefix=f"{prefix}.shared_expert_gate"
+            )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.view(-1, hidden_states.shape[-1])
+        router_logits, _ = self.gate(x)
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        top_weights, top_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        out = self.experts(x, top_ids, top_weights.to(x.dtype))
+        if self.shared_expert is not None:
+            shared_gate, _ = self.shared_expert_gate(x)
+            out = out + torch.sigmoid(shared_gate) * self.shared_expert(x)
+        return out.view(hidden_states.shape)
+
+
 # ------------------------------------------------------------------------------------ decoder layer
 
 
@@ -198,8 +275,16 @@ class QuantkitHybridDecoderLayer(Qwen3NextDecoderLayer):
         is_moe_layer = self.layer_idx not in (config.mlp_only_layers or []) and (
             config.num_experts > 0 and (self.layer_idx + 1) % config.decoder_sparse_step == 0
         )
-        if is_moe_layer:
+        glu = config.hidden_act == "sigmoid"
+        if is_moe_layer and glu:
+            self.mlp = GLUSparseMoeBlock(config, quant_config=vllm_config.quant_config, prefix=f"{prefix}.mlp")
+        elif is_moe_layer:
             self.mlp = Qwen3NextSparseMoeBlock(vllm_config=vllm_config, prefix=f"{prefix}.mlp")
+        elif glu:
+            self.mlp = QuantkitMLP(
+                config.hidden_size, config.intermediate_size, "sigmoid", quant_config=vllm_config.quant_config,
+                prefix=f"{prefix}.mlp",
+            )
         else:
             self.mlp = Qwen3NextMLP(
                 hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
@@ -255,16 +340,12 @@ class QuantkitHybridForCausalLM(Qwen3NextForCausalLM):
     """vLLM model for `architectures: ["QuantkitHybridForCausalLM"]` (model_type quantkit_hybrid).
 
     Everything but `__init__` is Qwen3NextForCausalLM's (mamba-state shapes and dtypes, MoE metadata, loading).
+    GLU checkpoints expose no fused-MoE layers to vLLM's expert-parallel / EPLB machinery (num_moe_layers = 0).
     """
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         nn.Module.__init__(self)
         config = vllm_config.model_config.hf_text_config
-        if config.hidden_act != "silu":
-            raise NotImplementedError(
-                f"hidden_act={config.hidden_act!r} (GLU experts) is not served by vLLM: its fused-MoE kernels and "
-                "Qwen2MoeMLP implement silu-gated experts only; use the transformers model (quantkit.models)"
-            )
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.quant_config = vllm_config.quant_config
@@ -274,4 +355,7 @@ class QuantkitHybridForCausalLM(Qwen3NextForCausalLM):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-        self.set_moe_parameters()
+        if config.hidden_act == "sigmoid":
+            self.num_moe_layers = 0
+        else:
+            self.set_moe_parameters()
