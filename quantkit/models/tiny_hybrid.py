@@ -44,10 +44,10 @@ HYBRID_RANDOM_PARAMETER_RULES = (
     ("norm.weight", 0.0, 0.2),         # (1 + w): residual norms, final norm, q/k norms
     ("pre_scale", 1.0, 0.5),           # PreAffine lambda_1
     ("v_scale_theta", 2.0, 0.5),       # V-scale: C = (d*0.02)^2 e^theta comparable to ||v||^2
-    ("A_log", 0.0, 0.5),               # DeltaNet decay rate A = exp(A_log) ~ 1
-    ("dt_bias", 0.0, 0.5),
-    ("conv1d.weight", 0.0, 0.5),       # short conv (kernel 4): keeps q, k, v at the scale of their projections
 )
+# DeltaNet's A_log, dt_bias and conv1d are drawn N(0, init_std) like the matrices: decay A = exp(A_log) ~ 1,
+# softplus(a + dt_bias) ~ 0.7 per token; q, k are L2-normalized and the output RMS-normalized per head, so the
+# small conv output still gives an O(1) DeltaNet branch.
 
 
 def build_tiny_hybrid_checkpoint(
@@ -73,12 +73,14 @@ def build_tiny_hybrid_checkpoint(
 
 def build_tiny_qwen3_next_checkpoint(
     out_dir: str | Path, vocab_size: int = 512, seed: int = 0, dtype: torch.dtype = torch.float32,
-    init_std: float = 0.05,
+    init_std: float = 0.05, **config_overrides: Any,
 ) -> Path:
-    """The same shape and draw as a stock transformers `Qwen3NextForCausalLM` (model_type qwen3_next)."""
+    """The same shape and draw as a stock transformers `Qwen3NextForCausalLM` (model_type qwen3_next);
+    `config_overrides` may set any `Qwen3NextConfig` field."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
+    overrides = {**TINY_HYBRID_SHAPE, **config_overrides}
     return _build(
-        Qwen3NextConfig, Qwen3NextForCausalLM, out_dir, vocab_size, seed, dtype, init_std, dict(TINY_HYBRID_SHAPE),
+        Qwen3NextConfig, Qwen3NextForCausalLM, out_dir, vocab_size, seed, dtype, init_std, overrides,
         HYBRID_RANDOM_PARAMETER_RULES,
     )
