@@ -56,7 +56,7 @@ def build_tiny_stock_checkpoint(
     return _build(*classes[architecture], out_dir, vocab_size, seed, dtype, init_std, {})
 
 
-def _build(config_class, model_class, out_dir, vocab_size, seed, dtype, init_std, overrides) -> Path:
+def _build(config_class, model_class, out_dir, vocab_size, seed, dtype, init_std, overrides, rules=None) -> Path:
     out_dir = Path(out_dir)
     tokenizer = train_bpe_tokenizer(stdlib_docstrings(), vocab_size)
     config = config_class(
@@ -68,7 +68,7 @@ def _build(config_class, model_class, out_dir, vocab_size, seed, dtype, init_std
     )
     torch.manual_seed(seed)
     model = model_class(config)
-    randomize_parameters(model, init_std)
+    randomize_parameters(model, init_std, rules or _RANDOM_PARAMETER_RULES)
     model.to(dtype).save_pretrained(out_dir)
     save_tokenizer(tokenizer, out_dir)
     return out_dir
@@ -87,8 +87,11 @@ _RANDOM_PARAMETER_RULES = (
 
 
 @torch.no_grad()
-def randomize_parameters(model: torch.nn.Module, matrix_std: float) -> None:
-    """Redraw every parameter: weight matrices and embeddings N(0, matrix_std), others per the rules."""
+def randomize_parameters(
+    model: torch.nn.Module, matrix_std: float, rules: tuple[tuple[str, float, float], ...] = _RANDOM_PARAMETER_RULES
+) -> None:
+    """Redraw every parameter: weight matrices and embeddings N(0, matrix_std), others per `rules`
+    ((name suffix, mean, std), first match wins)."""
     for name, param in model.named_parameters():
-        mean, std = next(((m, s) for suffix, m, s in _RANDOM_PARAMETER_RULES if name.endswith(suffix)), (0.0, matrix_std))
+        mean, std = next(((m, s) for suffix, m, s in rules if name.endswith(suffix)), (0.0, matrix_std))
         param.normal_(mean, std)

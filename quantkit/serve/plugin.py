@@ -12,6 +12,7 @@ import os
 # architecture name in config.json -> "module:class" (imported lazily by vLLM's registry)
 ARCHITECTURES = {
     "QuantkitForCausalLM": "quantkit.serve.models:QuantkitForCausalLM",
+    "QuantkitHybridForCausalLM": "quantkit.serve.hybrid:QuantkitHybridForCausalLM",
 }
 
 # When set, each process that runs register() appends its pid to this file (tests use it to prove
@@ -24,7 +25,7 @@ def register() -> None:
     (`quant_method: "quantkit"`) and CPU emulation kernels for the peers' formats with vLLM (idempotent)."""
     from vllm import ModelRegistry
 
-    import quantkit.models  # noqa: F401  (registers model_type "quantkit" with AutoConfig)
+    import quantkit.models  # noqa: F401  (registers model_types "quantkit", "quantkit_hybrid" with AutoConfig)
     import quantkit.serve.quant_method  # noqa: F401  (@register_quantization_config("quantkit"))
     from quantkit.serve.peer_kernels import register_cpu_emulation_kernels
 
