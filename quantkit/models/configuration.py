@@ -76,43 +76,55 @@ class QuantkitConfig(Qwen3Config):
         unknown = sorted(set(self.to_dict()) - known)
         if unknown:
             raise ValueError(f"unknown config key(s) {unknown}; quantkit variant flags are {list(VARIANT_FLAGS)}")
-        _choice("attn_output_gate", self.attn_output_gate, ATTN_OUTPUT_GATES)
+        check_shared_flags(self, ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"))
         _choice("norm_type", self.norm_type, NORM_TYPES)
-        _choice("hidden_act", self.hidden_act, FFN_ACTS)
         if self.pre_affine and self.norm_type == "dyt":
             raise ValueError("pre_affine scales the input of RMSNorm; it has no meaning with norm_type='dyt'")
-        if not isinstance(self.gated_norm_rank, int) or not 0 <= self.gated_norm_rank <= self.hidden_size:
-            raise ValueError(f"gated_norm_rank must be an int in [0, hidden_size={self.hidden_size}], got {self.gated_norm_rank!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads} (GQA groups must be whole)"
-            )
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     @property
     def variant_name(self) -> str:
         """Short human-readable name of the active flags, e.g. "GA(headwise)+GatedNorm(r16)"."""
-        parts = []
-        if self.attn_output_gate:
-            parts.append(f"GA({self.attn_output_gate})")
-        if self.pre_affine:
-            parts.append("PreAffine")
-        if self.norm_type == "dyt":
-            parts.append("GatedDyT" if self.gated_norm_rank else "DyT")
-        elif self.gated_norm_rank:
-            parts.append(f"GatedNorm(r{self.gated_norm_rank})")
-        if self.hidden_act == "sigmoid":
-            parts.append("GLU")
-        if self.value_scale:
-            parts.append("V-scale")
-        if self.headwise_rmsnorm:
-            parts.append("HeadwiseRMSNorm")
-        if self.attention_sink:
-            parts.append("AttnSink")
-        return "+".join(parts) or "baseline"
+        return variant_name(self)
+
+
+def variant_name(config: Qwen3Config) -> str:
+    """Short name of the active flags of either family (QuantkitConfig, QuantkitHybridConfig), e.g.
+    "GA(headwise)+GatedNorm(r16)"; "baseline" when no flag is on. Dense-only flags read as off when absent."""
+    parts = []
+    if config.attn_output_gate:
+        parts.append(f"GA({config.attn_output_gate})")
+    if config.pre_affine:
+        parts.append("PreAffine")
+    if getattr(config, "norm_type", "rmsnorm") == "dyt":
+        parts.append("GatedDyT" if config.gated_norm_rank else "DyT")
+    elif config.gated_norm_rank:
+        parts.append(f"GatedNorm(r{config.gated_norm_rank})")
+    if config.hidden_act == "sigmoid":
+        parts.append("GLU")
+    if config.value_scale:
+        parts.append("V-scale")
+    if config.headwise_rmsnorm:
+        parts.append("HeadwiseRMSNorm")
+    if getattr(config, "attention_sink", False):
+        parts.append("AttnSink")
+    return "+".join(parts) or "baseline"
+
+
+def check_shared_flags(config: Qwen3Config, positive: tuple[str, ...]) -> None:
+    """The checks both families make (ValueError naming the problem): the output-gate and FFN activation choices,
+    the GatedNorm rank, whole GQA groups, and the sizes in `positive` > 0."""
+    _choice("attn_output_gate", config.attn_output_gate, ATTN_OUTPUT_GATES)
+    _choice("hidden_act", config.hidden_act, FFN_ACTS)
+    if not isinstance(config.gated_norm_rank, int) or not 0 <= config.gated_norm_rank <= config.hidden_size:
+        raise ValueError(f"gated_norm_rank must be an int in [0, hidden_size={config.hidden_size}], got {config.gated_norm_rank!r}")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads={config.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={config.num_key_value_heads} (GQA groups must be whole)"
+        )
+    for name in positive:
+        if getattr(config, name) <= 0:
+            raise ValueError(f"{name} must be positive, got {getattr(config, name)}")
 
 
 def _choice(name: str, value: object, allowed: tuple) -> None:

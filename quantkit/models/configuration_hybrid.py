@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from transformers import Qwen3NextConfig
 
-from quantkit.models.configuration import ATTN_OUTPUT_GATES, FFN_ACTS, _choice
+from quantkit.models.configuration import check_shared_flags, variant_name
 
 DELTANET_CONV_ACT = "silu"  # activation of DeltaNet's short convolution (Qwen3-Next's hidden_act)
 HYBRID_VARIANT_FLAGS = ("attn_output_gate", "pre_affine", "gated_norm_rank", "value_scale", "headwise_rmsnorm")
@@ -93,20 +93,10 @@ class QuantkitHybridConfig(Qwen3NextConfig):
             raise ValueError(
                 f"unknown config key(s) {unknown}; quantkit hybrid variant flags are {list(HYBRID_VARIANT_FLAGS)}"
             )
-        _choice("attn_output_gate", self.attn_output_gate, ATTN_OUTPUT_GATES)
-        _choice("hidden_act", self.hidden_act, FFN_ACTS)
+        check_shared_flags(self, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_experts_per_tok"))
         for name in ("pre_affine", "value_scale", "headwise_rmsnorm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.gated_norm_rank, int) or not 0 <= self.gated_norm_rank <= self.hidden_size:
-            raise ValueError(
-                f"gated_norm_rank must be an int in [0, hidden_size={self.hidden_size}], got {self.gated_norm_rank!r}"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads} (GQA groups must be whole)"
-            )
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(
                 f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
@@ -123,9 +113,6 @@ class QuantkitHybridConfig(Qwen3NextConfig):
             raise ValueError(
                 "attention flags (attn_output_gate, value_scale, headwise_rmsnorm) need a full_attention layer"
             )
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_experts_per_tok"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_experts and self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} > num_experts={self.num_experts}")
 
@@ -133,17 +120,4 @@ class QuantkitHybridConfig(Qwen3NextConfig):
     def variant_name(self) -> str:
         """Short name of the active flags as in the dense family, e.g. "GA(elementwise)+GatedNorm(r16)" (stock
         Qwen3-Next is "GA(elementwise)"; no flag at all is "baseline")."""
-        parts = []
-        if self.attn_output_gate:
-            parts.append(f"GA({self.attn_output_gate})")
-        if self.pre_affine:
-            parts.append("PreAffine")
-        if self.gated_norm_rank:
-            parts.append(f"GatedNorm(r{self.gated_norm_rank})")
-        if self.hidden_act == "sigmoid":
-            parts.append("GLU")
-        if self.value_scale:
-            parts.append("V-scale")
-        if self.headwise_rmsnorm:
-            parts.append("HeadwiseRMSNorm")
-        return "+".join(parts) or "baseline"
+        return variant_name(self)
