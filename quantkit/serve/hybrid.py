@@ -54,7 +54,7 @@ from vllm.model_executor.models.utils import (
 
 from quantkit.models.configuration_hybrid import DELTANET_CONV_ACT
 from quantkit.models.modeling import rms_normalize, value_scale
-from quantkit.serve.models import HeadwiseRMSNorm, QuantkitMLP, _kv_head_sharded_parameter
+from quantkit.serve.models import HeadwiseRMSNorm, QuantkitMLP, _kv_head_sharded_parameter, gated_norm_gates
 
 # ----------------------------------------------------------------------------------------- norms
 
@@ -73,15 +73,7 @@ class QuantkitHybridNorm(nn.Module):
         self.eps = config.rms_norm_eps
         self.weight = nn.Parameter(torch.zeros(hidden))
         self.pre_scale = nn.Parameter(torch.ones(hidden)) if config.pre_affine else None
-        self.gate_down = self.gate_up = None
-        if config.gated_norm_rank:
-            # d x r gates: tiny, kept in the model dtype (never quantized, shared/DESIGN.md).
-            self.gate_down = ReplicatedLinear(
-                hidden, config.gated_norm_rank, bias=False, quant_config=None, prefix=f"{prefix}.gate_down"
-            )
-            self.gate_up = ReplicatedLinear(
-                config.gated_norm_rank, hidden, bias=False, quant_config=None, prefix=f"{prefix}.gate_up"
-            )
+        self.gate_down, self.gate_up = gated_norm_gates(hidden, config.gated_norm_rank, prefix)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -56,6 +56,15 @@ from quantkit.models.modeling import rms_normalize, value_scale
 # --------------------------------------------------------------------------------------- norms
 
 
+
+def gated_norm_gates(hidden: int, rank: int, prefix: str) -> tuple[nn.Module | None, nn.Module | None]:
+    """GatedNorm's gate_down (hidden -> rank) and gate_up (rank -> hidden), or (None, None) for rank 0: d x r gates,
+    tiny, kept in the model dtype (never quantized, shared/DESIGN.md)."""
+    if not rank:
+        return None, None
+    return (ReplicatedLinear(hidden, rank, bias=False, quant_config=None, prefix=f"{prefix}.gate_down"),
+            ReplicatedLinear(rank, hidden, bias=False, quant_config=None, prefix=f"{prefix}.gate_up"))
+
 class QuantkitNorm(nn.Module):
     """A residual-stream norm with the norm-side flags (input_layernorm, post_attention_layernorm, norm).
 
@@ -78,15 +87,7 @@ class QuantkitNorm(nn.Module):
         if self.norm_type == "dyt":
             self.bias = nn.Parameter(torch.zeros(hidden))
             self.alpha = nn.Parameter(torch.full((1,), float(config.dyt_alpha_init)))
-        self.gate_down = self.gate_up = None
-        if config.gated_norm_rank:
-            # d x r gates: tiny, kept in the model dtype (never quantized, shared/DESIGN.md).
-            self.gate_down = ReplicatedLinear(
-                hidden, config.gated_norm_rank, bias=False, quant_config=None, prefix=f"{prefix}.gate_down"
-            )
-            self.gate_up = ReplicatedLinear(
-                config.gated_norm_rank, hidden, bias=False, quant_config=None, prefix=f"{prefix}.gate_up"
-            )
+        self.gate_down, self.gate_up = gated_norm_gates(hidden, config.gated_norm_rank, prefix)
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm_type == "dyt":
