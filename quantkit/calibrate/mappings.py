@@ -78,6 +78,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttentio
 from quantkit.errors import QuantkitError
 from quantkit.formats.experts import is_fused_experts
 from quantkit.models.modeling import QuantkitAttention, QuantkitNorm
+from quantkit.models.modeling_hybrid import QuantkitHybridNorm
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ def fold_quantkit_norm(norm: QuantkitNorm, s: torch.Tensor, fold_gate: bool = Tr
         scale_(norm.gate_down.weight, s[None, :])
 
 
-@folds(Qwen3NextRMSNorm)
+@folds(Qwen3NextRMSNorm, QuantkitHybridNorm)
 def fold_offset_rmsnorm(norm: nn.Module, s: torch.Tensor, fold_gate: bool = True) -> None:
     """y = x_hat * (1 + w): w' = (1 + w) / s - 1 in float32, rounded once (module docstring: precision).
 
@@ -254,6 +255,7 @@ ARCHITECTURES: dict[str, DecoderFamily] = {
     "MistralForCausalLM": _STOCK,
     "QuantkitForCausalLM": DecoderFamily(linear_attention=(QuantkitAttention,), glu_mlps=(Qwen3MLP,)),
     "Qwen3NextForCausalLM": HYBRID,
+    "QuantkitHybridForCausalLM": HYBRID,
 }
 
 # Parameters of an attention module (its own, not its submodules') and what they mean for v -> o.
