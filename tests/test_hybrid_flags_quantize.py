@@ -22,6 +22,7 @@ Tolerances (derived in test_hybrid_quantize's docstring; nothing here changes th
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,14 +172,27 @@ def tiny_calibration(recipe_name: str):
     return recipe
 
 
+@dataclasses.dataclass
+class Source:
+    path: Path
+    model: QuantkitHybridForCausalLM  # as transformers reloads it, float32
+    logits: torch.Tensor  # on PROBE
+
+
+PROBE = tokens(2, 16, seed=3)
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """One tiny hybrid checkpoint per flag case (built on first use, shared by the recipes)."""
-    built: dict = {}
+    """One tiny hybrid checkpoint per flag case, with its reloaded model and logits (built on first use, shared
+    by the recipes)."""
+    built: dict[str, Source] = {}
 
-    def get(case: str):
+    def get(case: str) -> Source:
         if case not in built:
-            built[case] = build_tiny_hybrid_checkpoint(tmp_path_factory.mktemp(case) / "m", **FLAG_CASES[case])
+            path = build_tiny_hybrid_checkpoint(tmp_path_factory.mktemp(case) / "m", **FLAG_CASES[case])
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            built[case] = Source(path, model, logits(model, PROBE))
         return built[case]
 
     return get
@@ -189,18 +203,17 @@ def sources(tmp_path_factory):
 def test_every_recipe_every_flag_writes_a_checked_loadable_checkpoint(sources, tmp_path, case, recipe_name):
     source = sources(case)
     flags = FLAG_CASES[case]
-    out = quantize_checkpoint(source, tiny_calibration(recipe_name), tmp_path / recipe_name)
+    out = quantize_checkpoint(source.path, tiny_calibration(recipe_name), tmp_path / recipe_name)
     qc = check_servable(out)
     with safe_open(out / "model.safetensors", "pt") as f:
         keys = set(f.keys())
-    toks = tokens(2, 16, seed=3)
-    source_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    assert isinstance(source_model, QuantkitHybridForCausalLM)
+    source_state = source.model.state_dict()
+    assert isinstance(source.model, QuantkitHybridForCausalLM)
 
     if recipe_name == "bf16":
         assert qc is None
         reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
-        for name, value in source_model.state_dict().items():
+        for name, value in source_state.items():
             assert torch.equal(reloaded[name], value.to(torch.bfloat16).float()), name
         return
 
@@ -213,9 +226,9 @@ def test_every_recipe_every_flag_writes_a_checked_loadable_checkpoint(sources, t
     assert (gates <= ignored) == bool(flags.get("gated_norm_rank")) and not gates & quantized  # GatedNorm gates: BF16
     for extra in ("pre_scale", "v_scale_theta", "o_norm.weight"):  # flag parameters travel unquantized
         present = {k for k in keys if k.endswith(extra)}
-        assert bool(present) == any(k.endswith(extra) for k in source_model.state_dict()), extra
+        assert bool(present) == any(k.endswith(extra) for k in source_state), extra
 
     model = load_fake_quant_model(out)
     assert isinstance(model, QuantkitHybridForCausalLM)
-    out_logits = logits(model, toks)
-    assert torch.isfinite(out_logits).all() and not torch.equal(out_logits, logits(source_model, toks))
+    out_logits = logits(model, PROBE)
+    assert torch.isfinite(out_logits).all() and not torch.equal(out_logits, source.logits)
