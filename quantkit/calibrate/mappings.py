@@ -46,6 +46,7 @@ attention `self_attn` in the 4th, sparse MoE `mlp` with router `gate`, fused rou
 |--------------------------|------------------------------------------------------------------|------|
 | input_layernorm          | linear_attn.in_proj_qkvz, linear_attn.in_proj_ba                 | Gated DeltaNet layers |
 | input_layernorm          | self_attn.q_proj (q and its output gate, fused), k_proj, v_proj  | softmax layers |
+| input_layernorm          | + self_attn.g_proj                                               | headwise GA (quantkit hybrid) |
 | post_attention_layernorm | mlp.gate (router), every expert's gate/up (experts.gate_up_proj), shared_expert.gate_proj/up_proj, shared_expert_gate | MoE layers, `experts=True` |
 | post_attention_layernorm | mlp.gate_proj, mlp.up_proj                                       | dense-MLP layers |
 | v_proj / up_proj         | o_proj / down_proj                                                | as above (softmax layers; shared expert and dense MLPs) |
@@ -56,6 +57,9 @@ router's logits x W_r^T are then unchanged, so routing (top-k ids and weights) i
 `fold_only` consumers: folded, but their weights do not enter max|W_j| in the factor (they are never
 quantized). `experts=False` leaves the whole MoE-layer norm mapping out (what peers do: llm-compressor
 skips MoE blocks and has no Qwen3-Next mapping); the norm then keeps its outliers for the experts.
+quantkit's hybrid family (QuantkitHybridForCausalLM): its QuantkitHybridNorm folds as a (1+w) norm (PreAffine's
+pre_scale untouched, GatedNorm's gate_down columns x s); V-scale / head-wise RMSNorm refuse v_proj -> o_proj as
+in the dense family; GLU experts keep the gated expert layout (docs/smoothquant-moe.md, per flag).
 Not smoothed: the Gated DeltaNet's gated RMSNorm -> out_proj (its per-head-dim weight is shared by all
 heads and multiplied by silu(z) per channel: possible, not implemented), and routed experts' up -> down
 (needs one factor vector per expert).
