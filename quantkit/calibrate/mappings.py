@@ -46,6 +46,7 @@ attention `self_attn` in the 4th, sparse MoE `mlp` with router `gate`, fused rou
 |--------------------------|------------------------------------------------------------------|------|
 | input_layernorm          | linear_attn.in_proj_qkvz, linear_attn.in_proj_ba                 | Gated DeltaNet layers |
 | input_layernorm          | self_attn.q_proj (q and its output gate, fused), k_proj, v_proj  | softmax layers |
+| input_layernorm          | + self_attn.g_proj                                               | headwise GA (quantkit hybrid) |
 | post_attention_layernorm | mlp.gate (router), every expert's gate/up (experts.gate_up_proj), shared_expert.gate_proj/up_proj, shared_expert_gate | MoE layers, `experts=True` |
 | post_attention_layernorm | mlp.gate_proj, mlp.up_proj                                       | dense-MLP layers |
 | v_proj / up_proj         | o_proj / down_proj                                                | as above (softmax layers; shared expert and dense MLPs) |
@@ -56,6 +57,9 @@ router's logits x W_r^T are then unchanged, so routing (top-k ids and weights) i
 `fold_only` consumers: folded, but their weights do not enter max|W_j| in the factor (they are never
 quantized). `experts=False` leaves the whole MoE-layer norm mapping out (what peers do: llm-compressor
 skips MoE blocks and has no Qwen3-Next mapping); the norm then keeps its outliers for the experts.
+quantkit's hybrid family (QuantkitHybridForCausalLM): its QuantkitHybridNorm folds as a (1+w) norm (PreAffine's
+pre_scale untouched, GatedNorm's gate_down columns x s); V-scale / head-wise RMSNorm refuse v_proj -> o_proj as
+in the dense family; GLU experts keep the gated expert layout (docs/smoothquant-moe.md, per flag).
 Not smoothed: the Gated DeltaNet's gated RMSNorm -> out_proj (its per-head-dim weight is shared by all
 heads and multiplied by silu(z) per channel: possible, not implemented), and routed experts' up -> down
 (needs one factor vector per expert).
@@ -78,6 +82,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttentio
 from quantkit.errors import QuantkitError
 from quantkit.formats.experts import is_fused_experts
 from quantkit.models.modeling import QuantkitAttention, QuantkitNorm
+from quantkit.models.modeling_hybrid import QuantkitHybridNorm
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +188,7 @@ def fold_quantkit_norm(norm: QuantkitNorm, s: torch.Tensor, fold_gate: bool = Tr
         scale_(norm.gate_down.weight, s[None, :])
 
 
-@folds(Qwen3NextRMSNorm)
+@folds(Qwen3NextRMSNorm, QuantkitHybridNorm)
 def fold_offset_rmsnorm(norm: nn.Module, s: torch.Tensor, fold_gate: bool = True) -> None:
     """y = x_hat * (1 + w): w' = (1 + w) / s - 1 in float32, rounded once (module docstring: precision).
 
@@ -254,6 +259,7 @@ ARCHITECTURES: dict[str, DecoderFamily] = {
     "MistralForCausalLM": _STOCK,
     "QuantkitForCausalLM": DecoderFamily(linear_attention=(QuantkitAttention,), glu_mlps=(Qwen3MLP,)),
     "Qwen3NextForCausalLM": HYBRID,
+    "QuantkitHybridForCausalLM": HYBRID,
 }
 
 # Parameters of an attention module (its own, not its submodules') and what they mean for v -> o.
