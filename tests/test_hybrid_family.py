@@ -51,7 +51,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from test_variants_vllm import DECODE_TOKENS, PROMPTS, hf_logprobs, max_abs_diff
+from test_variants_vllm import DECODE_TOKENS, PROMPTS, hf_logprobs, max_abs_diff, served_logprobs
 
 import quantkit.models  # noqa: F401  (registers model_type "quantkit_hybrid")
 from quantkit.models.configuration_hybrid import QuantkitHybridConfig
@@ -262,13 +262,7 @@ def served(request, tmp_path_factory):
         )
     finally:
         llm.llm_engine.engine_core.shutdown()
-    token_ids, logprobs = [], []
-    for ids, out in zip(prompts, outputs):
-        gen = out.outputs[0]
-        lp = [out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
-        lp += [gen.logprobs[j][t].logprob for j, t in enumerate(gen.token_ids)]
-        token_ids.append(ids + list(gen.token_ids))
-        logprobs.append(torch.tensor(lp))
+    token_ids, logprobs = served_logprobs(prompts, outputs)
     return dict(name=name, ckpt=ckpt, token_ids=token_ids, logprobs=logprobs, control=control, model_class=model_class)
 
 

@@ -79,6 +79,20 @@ def _omp_bind_per_rank(tp: int) -> str | None:
     return "|".join(",".join(map(str, cores[r * per_rank:(r + 1) * per_rank])) for r in range(tp))
 
 
+
+def served_logprobs(prompts: list[list[int]], outputs) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """vLLM outputs (prompt_logprobs=0, logprobs=0) -> (token_ids, logprobs): token_ids[i] = prompt i followed by its
+    decoded tokens; logprobs[i][j] = vLLM's logprob of token_ids[i][j + 1]."""
+    token_ids, logprobs = [], []
+    for ids, out in zip(prompts, outputs):
+        assert list(out.prompt_token_ids) == ids
+        gen = out.outputs[0]
+        lp = [out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+        lp += [gen.logprobs[j][t].logprob for j, t in enumerate(gen.token_ids)]
+        token_ids.append(ids + list(gen.token_ids))
+        logprobs.append(torch.tensor(lp))
+    return token_ids, logprobs
+
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def served(request, tmp_path_factory):
     """Build the variant's checkpoint, serve it once with vLLM; return token ids and vLLM's logprobs.
@@ -120,14 +134,7 @@ def served(request, tmp_path_factory):
         )
     finally:
         llm.llm_engine.engine_core.shutdown()
-    token_ids, logprobs = [], []
-    for ids, out in zip(prompts, outputs):
-        assert list(out.prompt_token_ids) == ids
-        gen = out.outputs[0]
-        lp = [out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
-        lp += [gen.logprobs[j][t].logprob for j, t in enumerate(gen.token_ids)]
-        token_ids.append(ids + list(gen.token_ids))
-        logprobs.append(torch.tensor(lp))
+    token_ids, logprobs = served_logprobs(prompts, outputs)
     return dict(name=name, ckpt=ckpt, token_ids=token_ids, logprobs=logprobs, control=control)
 
 
