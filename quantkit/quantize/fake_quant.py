@@ -11,6 +11,7 @@ per token or with the expert matrix's static scale, as vLLM's FusedMoE method mu
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,15 +66,32 @@ class FakeQuantExperts(torch.nn.Module):
         return self.scheme.fake_quant_activation(x, scale)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
-        for e in range(self.gate_up_proj.shape[0]):
-            token_idx, slot = torch.where(top_k_index == e)
-            if token_idx.numel() == 0:
-                continue
-            gate, up = torch.nn.functional.linear(self._fq(hidden_states[token_idx], e, 0), self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = torch.nn.functional.linear(self._fq(self.act_fn(gate) * up, e, 1), self.down_proj[e])
-            out.index_add_(0, token_idx, y * top_k_weights[token_idx, slot, None].float())
+        out = routed_experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                     self.act_fn, self._fq)
         return out.to(hidden_states.dtype)
+
+
+def routed_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
+                           down: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor],
+                           fake_quant: Callable[[torch.Tensor, int, int], torch.Tensor]) -> torch.Tensor:
+    """The routed experts of quantkit's MoE numerics, shared by the transformers reference (`FakeQuantExperts`) and
+    vLLM's torch-emulation FusedMoE method, so the two compute the same thing by construction.
+
+    x (T, H) any float dtype; top_k_index (T, k) expert ids (an id < 0 or >= E is skipped: not this rank's);
+    top_k_weights (T, k); gate_up (E, 2I, H) and down (E, H, I) decoded float32 weights (rows [0, I) of gate_up are
+    the gate). Per expert e hit by some token: y = down_e(fq(act(g) * u, e, 1)), [g; u] = gate_up_e(fq(x, e, 0)),
+    float32 matmuls; `fake_quant(rows, e, which)` returns float32 rows (which = 0: the block input, 1: down_proj's
+    input). Returns float32 (T, H) = sum over a token's experts of routing weight * y.
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in top_k_index.unique().tolist():
+        if not 0 <= e < gate_up.shape[0]:
+            continue
+        token_idx, slot = torch.where(top_k_index == e)
+        gate, up = torch.nn.functional.linear(fake_quant(x[token_idx], e, 0), gate_up[e]).chunk(2, dim=-1)
+        y = torch.nn.functional.linear(fake_quant(act_fn(gate) * up, e, 1), down[e])
+        out.index_add_(0, token_idx, y * top_k_weights[token_idx, slot, None].float())
+    return out
 
 
 def read_quantization_config(model_dir: str | Path) -> dict:

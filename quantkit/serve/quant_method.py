@@ -32,6 +32,7 @@ import torch
 from torch.nn import Parameter
 from vllm.distributed import get_tp_group
 from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -44,6 +45,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
+from quantkit.formats.experts import EXPERT_MATRIX
 from quantkit.formats.fp8 import expand_block_scales
 from quantkit.formats.schemes import LayerTensor, scheme_from_config
 
@@ -88,6 +90,8 @@ class QuantkitQuantConfig(QuantizationConfig):
         return [f"{parent}.{s}" if parent else s for s in shards]
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, RoutedExperts):
+            return self._experts_method(layer, prefix)
         if not isinstance(layer, LinearBase):
             return None
         names = self._checkpoint_names(prefix)
@@ -100,6 +104,16 @@ class QuantkitQuantConfig(QuantizationConfig):
                 f"{[n for n, q in zip(names, quantized) if q]}; quantize all of them or none"
             )
         return QuantkitLinearMethod(self, prefix)
+
+
+    def _experts_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """QuantkitMoEMethod when the checkpoint quantized this layer's experts, None (vLLM's unquantized method)
+        when it kept them all in the source precision; the checker refuses partly quantized experts."""
+        from quantkit.serve.moe_method import QuantkitMoEMethod  # it imports this module
+
+        if not any(EXPERT_MATRIX.match(m) and m.startswith(f"{prefix}.") for m in self.quantized_modules):
+            return None
+        return QuantkitMoEMethod(self, layer.moe_config, prefix)
 
 
 class QuantkitLinearMethod(LinearMethodBase):
@@ -142,30 +156,9 @@ class QuantkitLinearMethod(LinearMethodBase):
 
         def weight_loader(param: Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
             index, rank_shard = _shard_of(layer, shard_id, prefix)
-            rows = layer.quantkit_shards[index]
-            offset = sum(layer.quantkit_shards[:index])
-            if spec.per_shard is not None:
-                if loaded.numel() != 1:
-                    raise ValueError(f"{prefix}.{name}: expected one scale per checkpoint module, got shape {tuple(loaded.shape)}")
-                if spec.per_shard == "rows":
-                    param.data[offset : offset + rows] = loaded.reshape(())
-                else:
-                    param.data[index] = loaded.reshape(())
-                return
-            if spec.rows_per_entry > 1:  # block rows -> one row per output row
-                loaded = expand_block_scales(loaded, (spec.rows_per_entry, 1))
-            part = loaded[rank_shard * rows : (rank_shard + 1) * rows]
-            columns = param.shape[1]
-            if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
-                part = part[:, layer.tp_rank * columns : (layer.tp_rank + 1) * columns]
-            target = param.data[offset : offset + rows]
-            if part.shape != target.shape or part.dtype != target.dtype:
-                raise ValueError(
-                    f"{prefix}.{name} (shard {shard_id}): the checkpoint tensor {tuple(loaded.shape)} {loaded.dtype} does not "
-                    f"match the layer ({target.dtype}, {tuple(target.shape)} for this shard and rank; quantization_config "
-                    f"scheme {self.config.scheme.name!r}): the checkpoint is inconsistent with its quantization_config"
-                )
-            target.copy_(part)
+            k_rank = layer.tp_rank if isinstance(layer, RowParallelLinear) and layer.tp_size > 1 else None
+            copy_checkpoint_part(param.data, loaded, spec, layer.quantkit_shards, index, rank_shard, k_rank,
+                                 f"{prefix}.{name} (shard {shard_id})", self.config.scheme.name)
 
         param.weight_loader = weight_loader
         layer.register_parameter(name, param)
@@ -210,6 +203,39 @@ class QuantkitLinearMethod(LinearMethodBase):
         self.calls += 1
 
 
+def copy_checkpoint_part(target: torch.Tensor, loaded: torch.Tensor, spec: LayerTensor, shard_rows: list[int], index: int,
+                         rank_shard: int, k_rank: int | None, where: str, scheme_name: str) -> None:
+    """Copy this rank's part of checkpoint tensor `loaded` (one checkpoint module's `spec.suffix` tensor) into the
+    served tensor `target` (`spec.shape`: the fused shards' rows stacked, `shard_rows` rows each).
+
+    index: which fused shard `loaded` is; rank_shard: which slice of that shard's rows this rank holds; k_rank: this
+    rank's slice of the input columns (row-parallel under TP), None for all columns."""
+    rows = shard_rows[index]
+    offset = sum(shard_rows[:index])
+    if spec.per_shard is not None:
+        if loaded.numel() != 1:
+            raise ValueError(f"{where}: expected one {spec.suffix} per checkpoint module, got shape {tuple(loaded.shape)}")
+        if spec.per_shard == "rows":
+            target[offset : offset + rows] = loaded.reshape(())
+        else:
+            target[index] = loaded.reshape(())
+        return
+    if spec.rows_per_entry > 1:  # block rows -> one row per output row
+        loaded = expand_block_scales(loaded, (spec.rows_per_entry, 1))
+    part = loaded[rank_shard * rows : (rank_shard + 1) * rows]
+    if k_rank is not None:
+        columns = target.shape[1]
+        part = part[:, k_rank * columns : (k_rank + 1) * columns]
+    target = target[offset : offset + rows]
+    if part.shape != target.shape or part.dtype != target.dtype:
+        raise ValueError(
+            f"{where}: the checkpoint tensor {tuple(loaded.shape)} {loaded.dtype} does not match the layer "
+            f"({target.dtype}, {tuple(target.shape)} for this shard and rank; quantization_config scheme {scheme_name!r}): "
+            f"the checkpoint is inconsistent with its quantization_config"
+        )
+    target.copy_(part)
+
+
 KERNEL_ENV = "QUANTKIT_KERNEL"  # auto (default) | triton | torch
 CAPTURE_ENV = "QUANTKIT_CAPTURE_DIR"
 
@@ -244,6 +270,8 @@ def _shard_of(layer: torch.nn.Module, shard_id: str | int | None, prefix: str) -
         index = "qkv".index(shard_id)
         return index, layer.tp_rank if shard_id == "q" else layer.tp_rank // layer.num_kv_head_replicas
     if isinstance(layer, MergedColumnParallelLinear):
+        if shard_id is None and len(layer.output_sizes) == 1:  # one checkpoint tensor, e.g. DeltaNet's in_proj_qkvz
+            return 0, layer.tp_rank
         if not isinstance(shard_id, int):
             raise ValueError(f"{prefix}: a quantkit checkpoint stores the fused projections separately (got shard {shard_id!r})")
         return shard_id, layer.tp_rank

@@ -1,0 +1,143 @@
+"""vLLM FusedMoE method for quantkit checkpoints: routed experts quantized per expert matrix.
+
+`QuantkitQuantConfig.get_quant_method` returns a `QuantkitMoEMethod` for a FusedMoE layer (vLLM's
+`RoutedExperts`) whose experts the checkpoint quantized (docs/checkpoint-format.md, "Routed experts"). Parameters,
+per scheme tensor `<suffix>` (`Scheme.layer_tensors`), stacked over this rank's local experts E:
+
+    w13_<suffix>   (E, *layout of a fused [gate; up] layer of 2 * I_p rows and H inputs)   shards w1 (gate), w3 (up)
+    w2_<suffix>    (E, *layout of a layer of H rows and I_p inputs)                        down_proj
+
+I_p = moe_intermediate_size / tensor-parallel size (w13 rows and w2 input columns are this rank's slice, as vLLM
+shards experts); vLLM's expert mapping sends checkpoint `experts.<e>.gate_proj.<suffix>` to `w13_<suffix>` (shard
+w1, global expert e; `expert_map` decides which rank holds it), `up_proj` to shard w3, `down_proj` to `w2_<suffix>`.
+
+Kernel (logged at load like the Linear method's, QUANTKIT_KERNEL):
+- "torch-emulation" (CPU): weights decoded once to float32; `quantkit.quantize.fake_quant.routed_experts_forward`,
+  the transformers reference's own function: per expert hit, the block input quantized per token (or with the
+  expert's static scale) before gate/up, act(gate) * up quantized again before down, float32 matmuls.
+- CUDA: not provided yet (the grouped Triton GEMMs are tested through the interpreter only; a GPU run has never
+  happened): loading such a checkpoint on CUDA raises an error naming this, rather than running a path no test covers.
+The shared expert is an ordinary MLP of Linear layers (served by `QuantkitLinearMethod`); vLLM runs it before the
+routed experts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.nn import Parameter
+from vllm.distributed import get_tp_group
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+from quantkit.quantize.fake_quant import routed_experts_forward
+from quantkit.serve.quant_method import CAPTURE_ENV, copy_checkpoint_part, select_kernel
+
+logger = init_logger(f"vllm.{__name__}")
+
+ACTIVATIONS = {MoEActivation.SILU: F.silu}  # Qwen3-Next's experts; GLU experts are served by serve/hybrid.py
+SHARD_INDEX = {"w1": 0, "w3": 1, "w2": 0}   # vLLM's expert shard id -> fused shard of its parameter
+
+
+class QuantkitMoEMethod(FusedMoEMethodBase):
+    """The routed experts of one MoE layer; see the module docstring for the parameters and kernels."""
+
+    def __init__(self, config, moe: FusedMoEConfig, prefix: str) -> None:
+        super().__init__(moe)
+        self.config = config
+        self.prefix = prefix
+        self.kernel = "unset"
+        self.capture_dir = os.environ.get(CAPTURE_ENV)
+        self.calls = 0
+        if moe.activation not in ACTIVATIONS or not moe.is_act_and_mul:
+            raise ValueError(f"{prefix}: quantkit's FusedMoE method serves gated experts with "
+                             f"{[a.value for a in ACTIVATIONS]}, not {moe.activation.value!r}")
+
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        scheme = self.config.scheme
+        inter = intermediate_size_per_partition
+        self.tp_rank, self.tp_size = self.moe.moe_parallel_config.tp_rank, self.moe.moe_parallel_config.tp_size
+        if self.tp_size > 1 and inter % scheme.k_multiple:
+            raise ValueError(f"{self.prefix}: {scheme.name} under tensor parallelism needs moe_intermediate_size/tp "
+                             f"({inter}) to be a multiple of {scheme.k_multiple}")
+        layer.quantkit_layout = {"w13": ([inter, inter], hidden_size), "w2": ([hidden_size], inter)}
+        for stem, (shard_rows, k) in layer.quantkit_layout.items():
+            for spec in scheme.layer_tensors(sum(shard_rows), k, len(shard_rows), self.config.activation_scale):
+                self._add(layer, stem, spec, shard_rows, num_experts)
+
+    def _add(self, layer: torch.nn.Module, stem: str, spec, shard_rows: list[int], num_experts: int) -> None:
+        """Register `<stem>_<suffix>` (E, *spec.shape) with a loader for vLLM's per-expert mapping."""
+        param = Parameter(torch.empty((num_experts, *spec.shape), dtype=spec.dtype), requires_grad=False)
+        name = f"{stem}_{spec.suffix}"
+
+        def weight_loader(param: Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
+                          expert_id: int, return_success: bool = False) -> bool | None:
+            local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+            if local == -1:  # another rank's expert
+                return False if return_success else None
+            k_rank = self.tp_rank if stem == "w2" and self.tp_size > 1 else None
+            rank_shard = self.tp_rank if stem == "w13" else 0
+            copy_checkpoint_part(param.data[local], loaded_weight, spec, shard_rows, SHARD_INDEX[shard_id], rank_shard,
+                                 k_rank, f"{self.prefix}.{name} (expert {expert_id}, shard {shard_id})",
+                                 self.config.scheme.name)
+            return True if return_success else None
+
+        param.weight_loader = weight_loader
+        layer.register_parameter(name, param)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        scheme, static = self.config.scheme, self.config.activation_scale == "static"
+        if static:
+            w13_scales = layer.w13_input_global_scale.data
+            if not torch.equal(w13_scales[:, 0], w13_scales[:, 1]):
+                raise ValueError(f"{self.prefix}: experts' gate_proj and up_proj have different static input_global_scale; "
+                                 "they read the same input")
+            self.input_scales = torch.stack([w13_scales[:, 0], layer.w2_input_global_scale.data[:, 0]], 1)  # (E, 2)
+        self.kernel = select_kernel(layer)
+        if self.kernel != "torch-emulation":
+            raise NotImplementedError(f"{self.prefix}: quantized routed experts run only in the torch emulation so far "
+                                      "(set QUANTKIT_KERNEL=torch); the grouped Triton GEMMs are not wired into vLLM yet")
+        for stem, (_, k) in layer.quantkit_layout.items():
+            params = {s: getattr(layer, f"{stem}_{s}").data for s in scheme.tensors}
+            decoded = torch.stack([scheme.decode_layer({s: t[e] for s, t in params.items()}, k)
+                                   for e in range(layer.local_num_experts)])
+            for s in (*scheme.tensors, *scheme.static_tensors):
+                if hasattr(layer, f"{stem}_{s}"):
+                    delattr(layer, f"{stem}_{s}")
+            layer.register_parameter(f"{stem}_dequantized", Parameter(decoded, requires_grad=False))
+        logger.info("quantkit: %s experts=%d scheme=%s activations=%s kernel=%s", self.prefix, layer.local_num_experts,
+                    scheme.name, self.config.activation_scale, self.kernel)
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig | None:
+        return None  # no vLLM modular kernel: `apply` computes the experts itself
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              shared_experts=None, shared_experts_input: torch.Tensor | None = None) -> torch.Tensor:
+        """Routed experts' output (T, H) in x's dtype; vLLM adds the shared expert (run before) and reduces over TP."""
+        ids = topk_ids.long()
+        if layer.expert_map is not None:  # global -> local expert ids (-1: another rank's)
+            ids = layer.expert_map[ids].long()
+        act = ACTIVATIONS[layer.activation]
+        out = routed_experts_forward(x, ids, topk_weights, layer.w13_dequantized, layer.w2_dequantized, act,
+                                     self._fake_quant)
+        return out.to(x.dtype)
+
+    def _fake_quant(self, rows: torch.Tensor, expert: int, which: int) -> torch.Tensor:
+        """The scheme's activation quantize-dequantize of expert `expert`'s input `which` (0: gate/up, 1: down)."""
+        scale = self.input_scales[expert, which] if self.config.activation_scale == "static" else None
+        row_amax = None
+        if which == 1 and self.tp_size > 1 and scale is None:  # this rank holds a slice of the intermediate
+            row_amax = rows.float().abs().amax(dim=-1, keepdim=True)
+            torch.distributed.all_reduce(row_amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group)
+        xq = self.config.scheme.fake_quant_activation(rows, scale, row_amax)
+        if self.capture_dir:
+            name = f"{self.prefix}.{expert}.{('gate_up', 'down')[which]}"
+            path = os.path.join(self.capture_dir, f"{name}.{self.tp_rank}.{self.calls:05d}.pt")
+            torch.save({"prefix": name, "tp_rank": self.tp_rank, "x": rows.float().clone(), "xq": xq.clone()}, path)
+            self.calls += 1
+        return xq
