@@ -53,7 +53,7 @@ from quantkit.formats import quantize_fp8_per_token, quantize_nvfp4_activation, 
 from quantkit.formats.constants import NVFP4_GROUP
 from quantkit.models.tiny import build_tiny_checkpoint, build_tiny_stock_checkpoint
 from quantkit.quantize.checkpoint import quantize_checkpoint
-from quantkit.quantize.fake_quant import FakeQuantLinear, load_fake_quant_model
+from quantkit.quantize.fake_quant import FakeQuantExperts, FakeQuantLinear, load_fake_quant_model
 from quantkit.serve.offline import generate, omp_bind_per_rank
 from quantkit.serve.quant_method import CAPTURE_ENV
 
@@ -135,39 +135,56 @@ def activation_codes(scheme: str, x: torch.Tensor, input_global_scale: torch.Ten
 
 
 class HeldCodes:
-    """Installs itself in every FakeQuantLinear of a fake-quant model: the input rows are matched to the served
-    ones and the served quantized activation is used, after checks (a) and (b) of the module docstring."""
+    """Installs itself in every FakeQuantLinear and FakeQuantExperts of a fake-quant model: each quantizer's input
+    rows are matched to the served ones and the served quantized activation is used, after checks (a) (rows within
+    `input_tol` of their max |x|) and (b) of the module docstring. Experts: the served prefix of expert e's inputs is
+    `<experts>.<e>.gate_up` / `.down` (`quantkit.serve.moe_method`)."""
 
-    def __init__(self, model: torch.nn.Module, served: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.served = served
+    def __init__(self, model: torch.nn.Module, served: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 input_tol: float = INPUT_TOL) -> None:
+        self.served, self.input_tol = served, input_tol
         self.max_input_diff = 0.0
         self.elements = self.flips = 0
         for name, module in model.named_modules():
             if isinstance(module, FakeQuantLinear):
                 parent, _, leaf = name.rpartition(".")
                 module.forward = self._forward(module, f"{parent}.{FUSED_INTO.get(leaf, leaf)}")
+            elif isinstance(module, FakeQuantExperts):
+                module._fq = self._experts_fq(module, name)
+
+    def held(self, prefix: str, x: torch.Tensor, scheme, input_global_scale: torch.Tensor | None) -> torch.Tensor:
+        """The served quantized rows (float32, x's shape) for the reference input x of the quantizer `prefix`."""
+        assert prefix in self.served, f"vLLM never called a quantized layer {prefix}"
+        rows = x.float().reshape(-1, x.shape[-1])
+        served_x, served_xq = self.served[prefix]
+        distance, index = torch.cdist(rows, served_x, p=float("inf")).min(-1)
+        relative = distance / rows.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny)
+        self.max_input_diff = max(self.max_input_diff, relative.max().item())
+        assert relative.max() <= self.input_tol, (
+            f"{prefix}: a reference input row differs from every served row by {relative.max():.1e} of its max |x|")
+        matched_x, matched_xq = served_x[index], served_xq[index]
+        assert torch.equal(matched_xq, scheme.fake_quant_activation(matched_x, input_global_scale)), (
+            f"{prefix}: vLLM's quantized activation is not fake_quant_activation of its own input")
+        codes = activation_codes(scheme.name, rows, input_global_scale) != activation_codes(scheme.name, matched_x, input_global_scale)
+        self.elements += codes.numel()
+        self.flips += int(codes.sum())
+        return matched_xq.reshape(x.shape)
 
     def _forward(self, module: FakeQuantLinear, prefix: str):
         def forward(x: torch.Tensor) -> torch.Tensor:
-            assert prefix in self.served, f"vLLM never called a quantized layer {prefix}"
-            rows = x.float().reshape(-1, x.shape[-1])
-            served_x, served_xq = self.served[prefix]
-            distance, index = torch.cdist(rows, served_x, p=float("inf")).min(-1)
-            relative = distance / rows.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny)
-            self.max_input_diff = max(self.max_input_diff, relative.max().item())
-            assert relative.max() <= INPUT_TOL, (
-                f"{prefix}: a reference input row differs from every served row by {relative.max():.1e} of its max |x|")
-            matched_x, matched_xq = served_x[index], served_xq[index]
-            igs = module.input_global_scale
-            assert torch.equal(matched_xq, module.scheme.fake_quant_activation(matched_x, igs)), (
-                f"{prefix}: vLLM's quantized activation is not fake_quant_activation of its own input")
-            codes = activation_codes(module.scheme.name, rows, igs) != activation_codes(module.scheme.name, matched_x, igs)
-            self.elements += codes.numel()
-            self.flips += int(codes.sum())
-            out = torch.nn.functional.linear(matched_xq, module.weight, module.bias)
-            return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+            xq = self.held(prefix, x, module.scheme, module.input_global_scale)
+            return torch.nn.functional.linear(xq, module.weight, module.bias).to(x.dtype)
 
         return forward
+
+    def _experts_fq(self, module: FakeQuantExperts, name: str):
+        def fake_quant(x: torch.Tensor, e: int, which: int) -> torch.Tensor:
+            if not module.quantized[e, which]:
+                return x.float()
+            scale = None if module.input_global_scale is None else module.input_global_scale[e, which]
+            return self.held(f"{name}.{e}.{('gate_up', 'down')[which]}", x, module.scheme, scale)
+
+        return fake_quant
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -171,34 +171,52 @@ class QuantkitHybridAttention(Qwen3NextAttention):
 
 class GLUExperts(nn.Module):
     """Routed GLU experts: down_e(sigmoid(gate_e(x)) * up_e(x)), weights stacked as w13 (E, 2I, H) = [gate; up]
-    and w2 (E, H, I); loads the checkpoint's per-expert `{e}.gate_proj/up_proj/down_proj.weight`."""
+    and w2 (E, H, I); loads the checkpoint's per-expert `{e}.gate_proj/up_proj/down_proj.<suffix>`. A quantkit
+    checkpoint that quantized them gets `quant_method` = `QuantkitGLUExpertsMethod` (its parameters `w13_<suffix>`,
+    `w2_<suffix>` and numerics: `quantkit.serve.moe_method`); otherwise they are unquantized, as loaded."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # vLLM's expert shard ids
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.quant_method = None
+        if getattr(quant_config, "quantizes_experts", lambda _: False)(prefix):
+            from quantkit.serve.moe_method import QuantkitGLUExpertsMethod
+
+            self.quant_method = QuantkitGLUExpertsMethod(quant_config, prefix)
+            self.quant_method.create_weights(self, num_experts, hidden_size, intermediate_size)
+            return
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         inter = self.intermediate_size
-        rows = {"gate_proj": (self.w13, slice(0, inter)), "up_proj": (self.w13, slice(inter, 2 * inter)),
-                "down_proj": (self.w2, slice(None))}
+        rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "down_proj": slice(None)}
         loaded = set()
         for name, tensor in weights:
-            expert, proj, _ = name.split(".")  # "{e}.gate_proj.weight"
-            param, part = rows[proj]
-            param.data[int(expert), part].copy_(tensor)
-            loaded.add("w2" if proj == "down_proj" else "w13")
+            expert, proj, suffix = name.split(".")  # "{e}.gate_proj.weight"
+            stem = "w2" if proj == "down_proj" else "w13"
+            if self.quant_method is not None:
+                param = getattr(self, f"{stem}_{suffix}")
+                param.weight_loader(param, tensor, name, self.SHARDS[proj], int(expert))
+                loaded.add(f"{stem}_{suffix}")
+            else:
+                getattr(self, stem).data[int(expert), rows[proj]].copy_(tensor)
+                loaded.add(stem)
         return loaded
 
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """x (T, H), top_ids / top_weights (T, k) -> sum_j top_weights[:, j] * expert_{top_ids[:, j]}(x)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, top_ids, top_weights)
         out = torch.zeros_like(x)
         for expert in top_ids.unique().tolist():
             token, slot = torch.where(top_ids == expert)
             gate, up = F.linear(x[token], self.w13[expert]).chunk(2, dim=-1)
             y = F.linear(torch.sigmoid(gate) * up, self.w2[expert]) * top_weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
+            out.index_put_((token,), y.to(out.dtype), accumulate=True)
         return out
 
 
@@ -213,7 +231,8 @@ class GLUSparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = ReplicatedLinear(hidden, config.num_experts, bias=False, quant_config=None, prefix=f"{prefix}.gate")
-        self.experts = GLUExperts(config.num_experts, hidden, config.moe_intermediate_size)
+        self.experts = GLUExperts(config.num_experts, hidden, config.moe_intermediate_size, quant_config=quant_config,
+                                  prefix=f"{prefix}.experts")
         self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size > 0:
             self.shared_expert = QuantkitMLP(

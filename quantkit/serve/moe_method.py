@@ -24,6 +24,7 @@ routed experts.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,9 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
+from quantkit.formats.schemes import LayerTensor
 from quantkit.quantize.fake_quant import routed_experts_forward
 from quantkit.serve.quant_method import CAPTURE_ENV, copy_checkpoint_part, select_kernel
 
@@ -43,61 +46,62 @@ ACTIVATIONS = {MoEActivation.SILU: F.silu}  # Qwen3-Next's experts; GLU experts 
 SHARD_INDEX = {"w1": 0, "w3": 1, "w2": 0}   # vLLM's expert shard id -> fused shard of its parameter
 
 
-class QuantkitMoEMethod(FusedMoEMethodBase):
-    """The routed experts of one MoE layer; see the module docstring for the parameters and kernels."""
+class QuantkitExperts:
+    """The quantized routed experts of one MoE layer, framework-neutral: registers the parameters on a layer, loads
+    vLLM's per-expert shards into them, decodes after loading, and computes the experts (torch emulation). Used by
+    `QuantkitMoEMethod` (vLLM's FusedMoE) and by `quantkit.serve.hybrid.GLUExperts` (GLU experts, which vLLM's fused
+    kernels do not implement)."""
 
-    def __init__(self, config, moe: FusedMoEConfig, prefix: str) -> None:
-        super().__init__(moe)
-        self.config = config
-        self.prefix = prefix
+    def __init__(self, config, prefix: str, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.scheme, self.activation_scale = config.scheme, config.activation_scale
+        self.prefix, self.tp_rank, self.tp_size = prefix, tp_rank, tp_size
         self.kernel = "unset"
         self.capture_dir = os.environ.get(CAPTURE_ENV)
         self.calls = 0
-        if moe.activation not in ACTIVATIONS or not moe.is_act_and_mul:
-            raise ValueError(f"{prefix}: quantkit's FusedMoE method serves gated experts with "
-                             f"{[a.value for a in ACTIVATIONS]}, not {moe.activation.value!r}")
+        self.input_scales: torch.Tensor | None = None  # static activations: (E, 2) gate/up input, down input
 
-    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
-                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
-        scheme = self.config.scheme
-        inter = intermediate_size_per_partition
-        self.tp_rank, self.tp_size = self.moe.moe_parallel_config.tp_rank, self.moe.moe_parallel_config.tp_size
-        if self.tp_size > 1 and inter % scheme.k_multiple:
-            raise ValueError(f"{self.prefix}: {scheme.name} under tensor parallelism needs moe_intermediate_size/tp "
-                             f"({inter}) to be a multiple of {scheme.k_multiple}")
-        layer.quantkit_layout = {"w13": ([inter, inter], hidden_size), "w2": ([hidden_size], inter)}
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
+                       local_expert: Callable[[int], int]) -> None:
+        """Register `w13_<suffix>` / `w2_<suffix>` (module docstring); intermediate_size is this rank's I_p;
+        local_expert maps a global expert id to this rank's index (-1: not held here)."""
+        if self.tp_size > 1 and intermediate_size % self.scheme.k_multiple:
+            raise ValueError(f"{self.prefix}: {self.scheme.name} under tensor parallelism needs moe_intermediate_size/tp "
+                             f"({intermediate_size}) to be a multiple of {self.scheme.k_multiple}")
+        layer.quantkit_layout = {"w13": ([intermediate_size] * 2, hidden_size), "w2": ([hidden_size], intermediate_size)}
+        layer.quantkit_num_experts = num_experts
         for stem, (shard_rows, k) in layer.quantkit_layout.items():
-            for spec in scheme.layer_tensors(sum(shard_rows), k, len(shard_rows), self.config.activation_scale):
-                self._add(layer, stem, spec, shard_rows, num_experts)
+            for spec in self.scheme.layer_tensors(sum(shard_rows), k, len(shard_rows), self.activation_scale):
+                self._add(layer, stem, spec, shard_rows, num_experts, local_expert)
 
-    def _add(self, layer: torch.nn.Module, stem: str, spec, shard_rows: list[int], num_experts: int) -> None:
+    def _add(self, layer: torch.nn.Module, stem: str, spec: LayerTensor, shard_rows: list[int], num_experts: int,
+             local_expert: Callable[[int], int]) -> None:
         """Register `<stem>_<suffix>` (E, *spec.shape) with a loader for vLLM's per-expert mapping."""
         param = Parameter(torch.empty((num_experts, *spec.shape), dtype=spec.dtype), requires_grad=False)
         name = f"{stem}_{spec.suffix}"
 
         def weight_loader(param: Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
                           expert_id: int, return_success: bool = False) -> bool | None:
-            local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+            local = local_expert(expert_id)
             if local == -1:  # another rank's expert
                 return False if return_success else None
             k_rank = self.tp_rank if stem == "w2" and self.tp_size > 1 else None
             rank_shard = self.tp_rank if stem == "w13" else 0
             copy_checkpoint_part(param.data[local], loaded_weight, spec, shard_rows, SHARD_INDEX[shard_id], rank_shard,
-                                 k_rank, f"{self.prefix}.{name} (expert {expert_id}, shard {shard_id})",
-                                 self.config.scheme.name)
+                                 k_rank, f"{self.prefix}.{name} (expert {expert_id}, shard {shard_id})", self.scheme.name)
             return True if return_success else None
 
         param.weight_loader = weight_loader
         layer.register_parameter(name, param)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        scheme, static = self.config.scheme, self.config.activation_scale == "static"
-        if static:
+        """Check static scales, pick the kernel, decode every expert matrix to float32 (`w13/w2_dequantized`)."""
+        scheme = self.scheme
+        if self.activation_scale == "static":
             w13_scales = layer.w13_input_global_scale.data
             if not torch.equal(w13_scales[:, 0], w13_scales[:, 1]):
-                raise ValueError(f"{self.prefix}: experts' gate_proj and up_proj have different static input_global_scale; "
-                                 "they read the same input")
-            self.input_scales = torch.stack([w13_scales[:, 0], layer.w2_input_global_scale.data[:, 0]], 1)  # (E, 2)
+                raise ValueError(f"{self.prefix}: experts' gate_proj and up_proj have different static "
+                                 "input_global_scale; they read the same input")
+            self.input_scales = torch.stack([w13_scales[:, 0], layer.w2_input_global_scale.data[:, 0]], 1)
         self.kernel = select_kernel(layer)
         if self.kernel != "torch-emulation":
             raise NotImplementedError(f"{self.prefix}: quantized routed experts run only in the torch emulation so far "
@@ -105,13 +109,59 @@ class QuantkitMoEMethod(FusedMoEMethodBase):
         for stem, (_, k) in layer.quantkit_layout.items():
             params = {s: getattr(layer, f"{stem}_{s}").data for s in scheme.tensors}
             decoded = torch.stack([scheme.decode_layer({s: t[e] for s, t in params.items()}, k)
-                                   for e in range(layer.local_num_experts)])
+                                   for e in range(layer.quantkit_num_experts)])
             for s in (*scheme.tensors, *scheme.static_tensors):
                 if hasattr(layer, f"{stem}_{s}"):
                     delattr(layer, f"{stem}_{s}")
             layer.register_parameter(f"{stem}_dequantized", Parameter(decoded, requires_grad=False))
-        logger.info("quantkit: %s experts=%d scheme=%s activations=%s kernel=%s", self.prefix, layer.local_num_experts,
-                    scheme.name, self.config.activation_scale, self.kernel)
+        logger.info("quantkit: %s experts=%d scheme=%s activations=%s kernel=%s", self.prefix,
+                    layer.quantkit_num_experts, scheme.name, self.activation_scale, self.kernel)
+
+    def forward(self, layer: torch.nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """x (T, H), topk_ids (T, k) local expert ids (-1: not here), topk_weights (T, k) -> (T, H) in x's dtype."""
+        out = routed_experts_forward(x, topk_ids, topk_weights, layer.w13_dequantized, layer.w2_dequantized, act,
+                                     self._fake_quant)
+        return out.to(x.dtype)
+
+    def _fake_quant(self, rows: torch.Tensor, expert: int, which: int) -> torch.Tensor:
+        """The scheme's activation quantize-dequantize of expert `expert`'s input `which` (0: gate/up, 1: down)."""
+        scale = None if self.input_scales is None else self.input_scales[expert, which]
+        row_amax = None
+        if which == 1 and self.tp_size > 1 and scale is None:  # this rank holds a slice of the intermediate
+            row_amax = rows.float().abs().amax(dim=-1, keepdim=True)
+            torch.distributed.all_reduce(row_amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group)
+        xq = self.scheme.fake_quant_activation(rows, scale, row_amax)
+        if self.capture_dir:
+            name = f"{self.prefix}.{expert}.{('gate_up', 'down')[which]}"
+            path = os.path.join(self.capture_dir, f"{name}.{self.tp_rank}.{self.calls:05d}.pt")
+            torch.save({"prefix": name, "tp_rank": self.tp_rank, "x": rows.float().clone(), "xq": xq.clone()}, path)
+            self.calls += 1
+        return xq
+
+
+class QuantkitMoEMethod(FusedMoEMethodBase):
+    """vLLM's FusedMoE method interface over `QuantkitExperts` (SiLU-gated experts: Qwen3-Next's)."""
+
+    def __init__(self, config, moe: FusedMoEConfig, prefix: str) -> None:
+        super().__init__(moe)
+        if moe.activation not in ACTIVATIONS or not moe.is_act_and_mul:
+            raise ValueError(f"{prefix}: quantkit's FusedMoE method serves gated experts with "
+                             f"{[a.value for a in ACTIVATIONS]}, not {moe.activation.value!r}")
+        parallel = moe.moe_parallel_config
+        self.experts = QuantkitExperts(config, prefix, parallel.tp_rank, parallel.tp_size)
+
+    @property
+    def kernel(self) -> str:
+        return self.experts.kernel
+
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        self.experts.create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition,
+                                    layer._map_global_expert_id_to_local_expert_id)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.experts.process_weights_after_loading(layer)
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig | None:
         return None  # no vLLM modular kernel: `apply` computes the experts itself
@@ -122,22 +172,22 @@ class QuantkitMoEMethod(FusedMoEMethodBase):
         ids = topk_ids.long()
         if layer.expert_map is not None:  # global -> local expert ids (-1: another rank's)
             ids = layer.expert_map[ids].long()
-        act = ACTIVATIONS[layer.activation]
-        out = routed_experts_forward(x, ids, topk_weights, layer.w13_dequantized, layer.w2_dequantized, act,
-                                     self._fake_quant)
-        return out.to(x.dtype)
+        return self.experts.forward(layer, x, ids, topk_weights, ACTIVATIONS[layer.activation])
 
-    def _fake_quant(self, rows: torch.Tensor, expert: int, which: int) -> torch.Tensor:
-        """The scheme's activation quantize-dequantize of expert `expert`'s input `which` (0: gate/up, 1: down)."""
-        scale = self.input_scales[expert, which] if self.config.activation_scale == "static" else None
-        row_amax = None
-        if which == 1 and self.tp_size > 1 and scale is None:  # this rank holds a slice of the intermediate
-            row_amax = rows.float().abs().amax(dim=-1, keepdim=True)
-            torch.distributed.all_reduce(row_amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group)
-        xq = self.config.scheme.fake_quant_activation(rows, scale, row_amax)
-        if self.capture_dir:
-            name = f"{self.prefix}.{expert}.{('gate_up', 'down')[which]}"
-            path = os.path.join(self.capture_dir, f"{name}.{self.tp_rank}.{self.calls:05d}.pt")
-            torch.save({"prefix": name, "tp_rank": self.tp_rank, "x": rows.float().clone(), "xq": xq.clone()}, path)
-            self.calls += 1
-        return xq
+
+class QuantkitGLUExpertsMethod(QuantizeMethodBase):
+    """Quantized GLU experts (`quantkit.serve.hybrid.GLUExperts`, sigmoid gates: vLLM's fused kernels implement
+    none): `QuantkitExperts` on a layer that is replicated across tensor-parallel ranks (every rank all experts)."""
+
+    def __init__(self, config, prefix: str) -> None:
+        super().__init__()
+        self.experts = QuantkitExperts(config, prefix)
+
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        self.experts.create_weights(layer, num_experts, hidden_size, intermediate_size, lambda e: e)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.experts.process_weights_after_loading(layer)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return self.experts.forward(layer, x, topk_ids, topk_weights, torch.sigmoid)

@@ -111,9 +111,11 @@ class QuantkitQuantConfig(QuantizationConfig):
         when it kept them all in the source precision; the checker refuses partly quantized experts."""
         from quantkit.serve.moe_method import QuantkitMoEMethod  # it imports this module
 
-        if not any(EXPERT_MATRIX.match(m) and m.startswith(f"{prefix}.") for m in self.quantized_modules):
-            return None
-        return QuantkitMoEMethod(self, layer.moe_config, prefix)
+        return QuantkitMoEMethod(self, layer.moe_config, prefix) if self.quantizes_experts(prefix) else None
+
+    def quantizes_experts(self, prefix: str) -> bool:
+        """Whether the checkpoint quantized the routed experts under `prefix` (e.g. model.layers.0.mlp.experts)."""
+        return any(EXPERT_MATRIX.match(m) and m.startswith(f"{prefix}.") for m in self.quantized_modules)
 
 
 class QuantkitLinearMethod(LinearMethodBase):

@@ -1,0 +1,139 @@
+"""Quantized hybrid MoE checkpoints (Qwen3-Next shape) served by vLLM with `quant_method: "quantkit"` match the
+transformers fake-quant reference: Gated DeltaNet linears, the softmax layers' fused q+gate projection, the shared
+expert and every routed expert (vLLM's FusedMoE with `quantkit.serve.moe_method`; GLU experts through
+`quantkit.serve.hybrid.GLUExperts`).
+
+Per case (family member x recipe): quantize a tiny float32 checkpoint, serve it once with vLLM on CPU in bfloat16
+(vLLM's CPU Gated DeltaNet runs bf16 only; prompt logprobs + greedy decoding), and compare every token's logprob
+with `load_fake_quant_model` (float32) over the same tokens. The parity checkpoints route every token to all 8
+experts, as in tests/test_hybrid_family.py (a near-tie of the k-th and (k+1)-th router logits picks different
+experts in bf16 and float32: a discontinuity no rounding bound covers).
+
+Why the codes are held equal (the design of tests/test_serve_quantized.py, here under bf16). The quantizers'
+inputs differ between vLLM (bf16) and the reference (float32) by bf16 rounding noise, ~2**-8 relative per
+rounding; an element that close to a rounding midpoint gets the neighbouring activation code. With bf16 noise
+these flips are common (a fraction ~ noise / code step ~ 2**-8 / 2**-3 of the FP8 elements) and each moves its
+element by a whole code step, so the flips alone add error of the order of activation quantization itself: a
+plain comparison could not tell "quantized activations" from "no activation quantization". So vLLM's quant
+methods save each quantized layer's (and each expert's) input and quantized input (QUANTKIT_CAPTURE_DIR) and the
+reference reads the served quantized rows (`HeldCodes`). Asserted, per case:
+
+(a) inputs agree: every reference input row of every quantizer has a served row within BF16_INPUT_TOL of the row's
+    max |x|. The served input carries the bf16 noise accumulated before it; with N = 210 roundings on the whole
+    path (the count of tests/test_hybrid_family.py, an upper bound for any intermediate input) its relative std is
+    <= sqrt(N) u / sqrt(3) = 3.3e-2 (u = 2**-8) of the row's RMS <= its max; Z = 4 for the largest element of a
+    row: BF16_INPUT_TOL = 4 sqrt(N) u / sqrt(3) = 0.13. Wrong weights, gates or norms move inputs by O(1).
+(b) the served quantizer is exact: the served quantized rows equal `fake_quant_activation` of the served input,
+    bit for bit (same functions, no tolerance) -- for every Linear and both inputs of every expert.
+(c) with the codes held equal, every token's logprob is within the bf16 tolerance of tests/test_hybrid_family.py,
+    TOLERANCE_PER_LOGIT_STD * S (= 0.18 S, S the logits' std over the vocabulary): what remains is bf16 rounding
+    of everything but the quantizers, the same count of roundings (a quantized projection rounds its output once
+    to bf16, as an unquantized one).
+Controls: the weight-only reference (same decoded weights, activations not quantized) and the unquantized source
+must each differ from vLLM by more than that tolerance on some token. Expected margin: activation quantization
+adds a relative error of std 2**-4 / sqrt(3) = 3.6e-2 (FP8: uniform over half a code step of 2**-3) or more
+(NVFP4) at each of the ~7 quantized inputs of each of 4 layers: sqrt(28) * 3.6e-2 = 0.19 relative on the final
+hidden state, a logprob std of sqrt(2) * 0.19 S = 0.27 S per token, whose maximum over ~66 tokens is ~0.7 S, about 4x
+the 0.18 S tolerance. The flips and the plain comparison are printed, not asserted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_hybrid_family import ALL_EXPERTS, BF16_U, MAX_OVER_TOKENS_Z, ROUNDINGS_ON_PATH, TOLERANCE_PER_LOGIT_STD
+from test_serve_quantized import DECODE_TOKENS, PROMPTS, HeldCodes, reference_logprobs, served_activations, token_diffs
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from quantkit.models.tiny_hybrid import build_tiny_hybrid_checkpoint, build_tiny_qwen3_next_checkpoint
+from quantkit.quantize.checkpoint import quantize_checkpoint
+from quantkit.quantize.fake_quant import FakeQuantExperts, load_fake_quant_model
+from quantkit.serve.offline import generate
+from quantkit.serve.quant_method import CAPTURE_ENV
+
+pytestmark = pytest.mark.slow
+
+BF16_INPUT_TOL = MAX_OVER_TOKENS_Z * math.sqrt(ROUNDINGS_ON_PATH) * BF16_U / math.sqrt(3)  # (a): 0.13
+
+MEMBERS = {  # name: hybrid flags (None: a stock Qwen3-Next checkpoint)
+    "ga": {},  # Qwen3-Next's own elementwise output gate (the hybrid default)
+    "ga_preaffine": {"pre_affine": True},
+    "ga_gatednorm": {"gated_norm_rank": 16},
+    "glu": {"hidden_act": "sigmoid"},  # GLU experts: served by GLUExperts, not FusedMoE
+    "stock": None,
+}
+# name: (member, recipe). SmoothQuant recipes change only the weights (served by the same code); their fold is
+# verified by tests/test_hybrid_quantize.py, and their hybrid calibration costs ~2 min a case here.
+CASES = {
+    "ga-fp8_block": ("ga", "w8a8_fp8_block"),
+    "ga-nvfp4": ("ga", "w4a4_nvfp4"),
+    "ga_preaffine-fp8_block": ("ga_preaffine", "w8a8_fp8_block"),
+    "ga_preaffine-nvfp4": ("ga_preaffine", "w4a4_nvfp4"),
+    "ga_gatednorm-fp8_block": ("ga_gatednorm", "w8a8_fp8_block"),
+    "ga_gatednorm-nvfp4_static": ("ga_gatednorm", "w4a4_nvfp4_static"),
+    "glu-nvfp4_static": ("glu", "w4a4_nvfp4_static"),
+    "stock-fp8_block": ("stock", "w8a8_fp8_block"),
+    "stock-nvfp4": ("stock", "w4a4_nvfp4"),
+}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """member -> its tiny float32 checkpoint (built on first use)."""
+    root, built = tmp_path_factory.mktemp("hybrid_sources"), {}
+
+    def source(member: str):
+        if member not in built:
+            flags = MEMBERS[member]
+            if flags is None:
+                built[member] = build_tiny_qwen3_next_checkpoint(root / member, **ALL_EXPERTS)
+            else:
+                built[member] = build_tiny_hybrid_checkpoint(root / member, **flags, **ALL_EXPERTS)
+        return built[member]
+
+    return source
+
+
+def logit_scale(model: torch.nn.Module, token_ids: list[list[int]]) -> float:
+    """S: RMS over positions of the logits' std over the vocabulary (float32 reference)."""
+    with torch.no_grad():
+        stds = [model(torch.tensor([ids[:-1]])).logits[0].float().std(-1) for ids in token_ids]
+    return torch.cat(stds).pow(2).mean().sqrt().item()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch):
+    member, recipe = CASES[case]
+    source = sources(member)
+    quantized = quantize_checkpoint(source, recipe, tmp_path / recipe)
+    tok = AutoTokenizer.from_pretrained(quantized)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    capture = tmp_path / "capture"
+    capture.mkdir()
+    monkeypatch.setenv(CAPTURE_ENV, str(capture))
+    run = generate(quantized, prompts, max_tokens=DECODE_TOKENS, max_model_len=256, dtype="bfloat16")
+    token_ids = [g.token_ids for g in run.generations]
+    served = [torch.tensor(g.logprobs) for g in run.generations]
+    assert all(len(g.token_ids) == len(p) + DECODE_TOKENS for g, p in zip(run.generations, prompts))
+
+    held_model = load_fake_quant_model(quantized)
+    experts = [m for m in held_model.modules() if isinstance(m, FakeQuantExperts)]
+    assert len(experts) == 4 and all(bool(m.quantized.all()) for m in experts), "every routed expert is quantized"
+    activations = served_activations(capture)
+    assert any(".experts." in prefix for prefix in activations), "vLLM never ran a quantized expert"
+    held = HeldCodes(held_model, activations, input_tol=BF16_INPUT_TOL)
+    parity = token_diffs(served, reference_logprobs(held_model, token_ids))
+    plain = token_diffs(served, reference_logprobs(load_fake_quant_model(quantized), token_ids))
+    weight_only = token_diffs(served, reference_logprobs(load_fake_quant_model(quantized, quantize_activations=False), token_ids))
+    source_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    unquantized = token_diffs(served, reference_logprobs(source_model, token_ids))
+    tol = TOLERANCE_PER_LOGIT_STD * logit_scale(source_model, token_ids)
+    print(f"{case}: {len(parity)} tokens, tolerance {tol:.3f}; codes held: max {parity.max():.3f} nats, inputs within "
+          f"{held.max_input_diff:.1e} of row max, {held.flips} of {held.elements} activation codes flipped; codes not "
+          f"held: max {plain.max():.3f}; weight-only: max {weight_only.max():.3f}; unquantized: max {unquantized.max():.3f}")
+    assert held.elements > 0
+    assert parity.max() <= tol, f"{case}: with activation codes held equal, vLLM differs from the reference by {parity.max():.3f} nats"
+    assert weight_only.max() > tol, f"{case}: the weight-only model matches too: activations not quantized?"
+    assert unquantized.max() > tol
