@@ -22,6 +22,8 @@ def _diagnose(args: argparse.Namespace) -> int:
         return print_error("diagnose", err)
     paths = write_diagnostics(result, out)
     print(summary_markdown([result]))
+    for skipped in result["attention"]["skipped"]:
+        print(f"attention-sink statistics skip layer {skipped['layer']}: {skipped['reason']}")
     print(f"{args.model} -> {out} ({len(paths)} files)")
     return 0
 
