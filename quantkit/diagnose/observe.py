@@ -13,7 +13,7 @@ removed in `__exit__` (also when a forward pass raises), so an undiagnosed model
 - GatedNorm gates sigmoid(gate_up(...)) of the residual norms;
 - fused routed experts (MoE, `quantkit.formats.experts`): the router's top-k ids (load per expert) and, per
   expert, max |x| per channel at the input of gate/up and of down_proj on its routed tokens, and per recipe
-  the output error of each expert matrix (`quantkit.diagnose.experts`).
+  the output error of each expert matrix (`quantkit.quantize.routed_experts`).
 
 Memory per model: O(layers x hidden) for the residual, O(in_features) per linear, O(layers x heads +
 N^2) for attention, O(experts x (hidden + intermediate)) per MoE layer, plus one decoded copy of each
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantkit.diagnose.experts import projection_outputs, routed_expert_passes
+from quantkit.quantize.routed_experts import projection_outputs, routed_expert_passes
 from quantkit.diagnose.stats import ChannelStats, Moments
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.errors import NonFiniteStatisticsError

@@ -8,7 +8,9 @@ Conventions: residual state i is H_i of paper 000 sec. 2 (input of decoder layer
 the final norm); positions are 0-based, position 0 is the window's first token (BOS for
 `heldout_windows`); magnitudes are in the model's activation units; SNR in dB; floats in the
 result are rounded to 6 significant digits, and undefined or infinite values (kurtosis of a constant, SNR
-of an exact product or of an all-zero output) are null.
+of an exact product or of an all-zero output) are null. Hybrid models: attention-sink statistics cover the
+softmax-attention layers (the others are listed with the reason), MoE layers add per-expert load, input maxima
+and SNR (`experts`, `expert_snr_db`; docs/diagnostics.md "Hybrid MoE models").
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from quantkit.diagnose.observe import (
     residual_norm_names,
 )
 from quantkit.diagnose.defaults import DEFAULT_NUM_SEQUENCES, DEFAULT_RECIPES, DEFAULT_SEQ_LEN, MASSIVE_RATIO
-from quantkit.diagnose.experts import summarize_expert_snr
+from quantkit.quantize.routed_experts import summarize_expert_snr
 from quantkit.errors import NonFiniteStatisticsError
 from quantkit.formats import nvfp4_global_scale
 from quantkit.formats.experts import expert_matrices, fused_experts_modules

@@ -4,7 +4,7 @@
   REFERENCE model's inputs, 10 log10(sum y^2 / sum (y - y_q)^2), y = x W^T and y_q = fq(x) W_q^T
   (`quantkit.metrics.snr_db`, energies summed in float64).
 - The same per quantized expert matrix `<experts>.<e>.<proj>` of fused routed experts (MoE), on the tokens
-  the reference router sends to expert e (`quantkit.diagnose.experts`): gate_proj / up_proj read the block's
+  the reference router sends to expert e (`quantkit.quantize.routed_experts`): gate_proj / up_proj read the block's
   input x, down_proj reads h = act(x gate_e^T) * (x up_e^T) of the reference; x and h are fake-quantized as the
   quantized checkpoint's experts do (`FakeQuantExperts`). An expert no token reaches has no SNR. Summarized per
   experts module and projection as min / median over experts (`expert_snr_db`, the second table).
@@ -27,7 +27,7 @@ import quantkit.models  # noqa: F401
 from quantkit.calibrate import smooth_model
 from quantkit.checkpoints import check_checkpoint_dir
 from quantkit.data import heldout_windows
-from quantkit.diagnose.experts import projection_outputs, routed_expert_passes, summarize_expert_snr
+from quantkit.quantize.routed_experts import projection_outputs, routed_expert_passes, summarize_expert_snr
 from quantkit.formats.experts import EXPERT_PROJECTIONS, fused_experts_modules
 from quantkit.metrics import energy, kl_divergence, snr_db
 from quantkit.quantize.fake_quant import FakeQuantExperts, load_fake_quant_model, read_quantization_config

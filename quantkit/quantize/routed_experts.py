@@ -9,7 +9,8 @@ routed to it, as the module does:
     [g, u] = x_e [gate_e; up_e]^T,  h_e = act(g) * u          input of down_proj                (n_e, I)
     y_e = h_e down_e^T                                        expert output, before the routing weight
 
-Used by `quantkit diagnose` (per-expert load, input maxima and SNR) and `quantkit quality` (per-expert SNR).
+Used by `quantkit quality` (per-expert SNR) and `quantkit diagnose` (per-expert load, input maxima and SNR; it
+sits above quantize in the import order of docs/architecture.md, so the shared code lives here).
 Expert matrices are named as checkpoints name them, `<experts>.<e>.<proj>`; `summarize_expert_snr` condenses
 the per-matrix SNR of a model to one line per experts module and projection (min / median over experts).
 """
