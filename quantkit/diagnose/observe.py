@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantkit.quantize.routed_experts import projection_outputs, routed_expert_passes
 from quantkit.diagnose.stats import ChannelStats, Moments
-from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.errors import NonFiniteStatisticsError
+from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.quantize.recipe import Recipe
+from quantkit.quantize.routed_experts import projection_outputs, routed_expert_passes
 from quantkit.formats.schemes import get_scheme
 
 SINK_EPS = 0.3  # paper 002 eq. 1 (after Gu et al. 2025)
@@ -269,13 +269,14 @@ class DiagnosticsObserver:
 
         The experts are recomputed per expert (`routed_expert_passes`) and their routing-weighted sum must match
         the module's output to EXPERTS_CHECK_RTOL x max |output|: the same float32 products summed in another
-        order differ by ~k I 2^-24 relative (1e-5 for I = 512), a module computing something else (another
-        layout, a bias) by O(1).
+        order differ by at most ~(H + I + k) 2^-24 relative (worst case; 1.5e-4 for Qwen3-Next's H = 2048,
+        I = 512), a module computing something else (another layout, a bias) by O(1).
         """
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
             names = ("hidden_states", "top_k_index", "top_k_weights")  # transformers' experts signature
             hidden, top_k_index, top_k_weights = (*args, *(kwargs[k] for k in names[len(args):]))
             index = top_k_index.reshape(-1, top_k_index.shape[-1])
+            _check_finite(hidden, f"input of {name}")
             experts, two_i, h_dim = module.gate_up_proj.shape
             if name not in self.experts:
                 self.experts[name] = ExpertsStats(torch.zeros(experts, dtype=torch.float64),

@@ -38,13 +38,13 @@ from quantkit.diagnose.observe import (
     residual_norm_names,
 )
 from quantkit.diagnose.defaults import DEFAULT_NUM_SEQUENCES, DEFAULT_RECIPES, DEFAULT_SEQ_LEN, MASSIVE_RATIO
-from quantkit.quantize.routed_experts import summarize_expert_snr
 from quantkit.errors import NonFiniteStatisticsError
 from quantkit.formats import nvfp4_global_scale
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import SCHEMES
 from quantkit.metrics import snr_db
 from quantkit.quantize.recipe import Recipe, load_recipe
+from quantkit.quantize.routed_experts import summarize_expert_snr
 
 MAP_TOKENS = 32        # attention maps are shown for the first 32 queries x keys
 TOP_K = 8
@@ -406,7 +406,7 @@ def _sink_cell(s: dict) -> str:
     if s["sink_rate_mean"] is None:
         return "- (no softmax layer)"
     cell = f"{s['sink_rate_mean']:.2f} / {s['sink_rate_max']:.2f}"
-    if s.get("attention_skipped_layers"):
+    if s["attention_skipped_layers"]:
         cell += f" (softmax layers {', '.join(map(str, s['softmax_layers']))})"
     return cell
 

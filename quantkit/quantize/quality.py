@@ -4,10 +4,11 @@
   REFERENCE model's inputs, 10 log10(sum y^2 / sum (y - y_q)^2), y = x W^T and y_q = fq(x) W_q^T
   (`quantkit.metrics.snr_db`, energies summed in float64).
 - The same per quantized expert matrix `<experts>.<e>.<proj>` of fused routed experts (MoE), on the tokens
-  the reference router sends to expert e (`quantkit.quantize.routed_experts`): gate_proj / up_proj read the block's
-  input x, down_proj reads h = act(x gate_e^T) * (x up_e^T) of the reference; x and h are fake-quantized as the
-  quantized checkpoint's experts do (`FakeQuantExperts`). An expert no token reaches has no SNR. Summarized per
-  experts module and projection as min / median over experts (`expert_snr_db`, the second table).
+  the reference router sends to expert e (`quantkit.quantize.routed_experts`): gate_proj / up_proj read the
+  block's input x, down_proj reads h = act(x gate_e^T) * (x up_e^T) of the reference; x and h are
+  fake-quantized as the quantized checkpoint's experts do (`FakeQuantExperts`). An expert no token reaches has
+  no SNR. Summarized per experts module and projection as min / median over experts (`expert_snr_db`, the
+  second table).
   For SmoothQuant checkpoints the reference is the source with the same SmoothQuant folded in (recomputed
   from the recorded settings; function-preserving, so KL is unaffected), so that x and W match W_q.
 - Whole-model KL(ref || quantized) of the next-token distributions, mean over held-out tokens (nats;
@@ -27,10 +28,10 @@ import quantkit.models  # noqa: F401
 from quantkit.calibrate import smooth_model
 from quantkit.checkpoints import check_checkpoint_dir
 from quantkit.data import heldout_windows
-from quantkit.quantize.routed_experts import projection_outputs, routed_expert_passes, summarize_expert_snr
-from quantkit.formats.experts import EXPERT_PROJECTIONS, fused_experts_modules
+from quantkit.formats.experts import EXPERT_PROJECTIONS, expert_matrices, fused_experts_modules
 from quantkit.metrics import energy, kl_divergence, snr_db
 from quantkit.quantize.fake_quant import FakeQuantExperts, load_fake_quant_model, read_quantization_config
+from quantkit.quantize.routed_experts import projection_outputs, routed_expert_passes, summarize_expert_snr
 
 
 @torch.no_grad()
@@ -84,21 +85,18 @@ def _experts_snr_hook(name: str, q_experts: FakeQuantExperts, quantized: set[str
                       noise: dict[str, float]):
     """Forward hook on the reference's fused experts `name`: per routed expert and quantized matrix, add
     sum y^2 and sum (y - y_q)^2 (y on the reference's input, y_q = fq(input) W_q^T as `q_experts` computes)."""
-    intermediate = q_experts.down_proj.shape[2]
+    decoded = expert_matrices(name, q_experts)  # "<name>.<e>.<proj>" -> the checkpoint's decoded matrix
     arg_names = ("hidden_states", "top_k_index", "top_k_weights")  # transformers' experts signature
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict, _output: torch.Tensor) -> None:
         hidden, top_k_index = (*args, *(kwargs[k] for k in arg_names[len(args):]))[:2]
         for p in routed_expert_passes(module, hidden, top_k_index):
-            e = p.expert
-            weights = {"gate_proj": (q_experts.gate_up_proj[e, :intermediate], 0),
-                       "up_proj": (q_experts.gate_up_proj[e, intermediate:], 0), "down_proj": (q_experts.down_proj[e], 1)}
             for proj, (x, y) in projection_outputs(p).items():
-                matrix = f"{name}.{e}.{proj}"
+                matrix = f"{name}.{p.expert}.{proj}"
                 if matrix not in quantized:
                     continue
-                w_q, which = weights[proj]
-                y_q = torch.nn.functional.linear(q_experts._fq(x, e, which), w_q)  # which: 0 gate/up input, 1 down
+                x_q = q_experts._fq(x, p.expert, 1 if proj == "down_proj" else 0)  # input 0: gate/up, 1: down
+                y_q = torch.nn.functional.linear(x_q, decoded[matrix])
                 signal[matrix] = signal.get(matrix, 0.0) + energy(y)
                 noise[matrix] = noise.get(matrix, 0.0) + energy(y_q - y)
 
