@@ -35,7 +35,7 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                          "norm weights, kurtosis, per-layer quantization SNR (JSON + figures)",
         description="Runs held-out calibration windows through the model with temporary hooks and writes "
                     "diagnostics.json, summary.md and PNG/SVG figures (definitions: docs/diagnostics.md).")
-    parser.add_argument("model", help="checkpoint directory (quantkit family, Qwen3, Llama)")
+    parser.add_argument("model", help="checkpoint directory (quantkit dense or hybrid family, Qwen3, Qwen3-Next, Llama)")
     parser.add_argument("--out", help="output directory (default: diagnostics/<model dir name>)")
     parser.add_argument("--num-sequences", type=int, default=DEFAULT_NUM_SEQUENCES)
     parser.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN)
