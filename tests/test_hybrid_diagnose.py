@@ -8,7 +8,8 @@ top-2 plus a shared expert in every layer) with planted properties the statistic
   when that exceeds 0.3 (T = 4: 25/48);
 - a router forced onto one expert: every token has it in its top-k -> token fraction 1, load 1/k;
 - an outlier planted in one expert's down_proj input (its up_proj rows scaled by 2^10) -> that expert's max;
-- per-expert SNR under FP8 and NVFP4, the same figure in `quantkit diagnose` and `quantkit quality`.
+- per-expert SNR under FP8 and NVFP4, the same figure in `quantkit diagnose` and `quantkit quality`;
+and a dense control: every layer softmax, no experts section (tests/test_diagnose.py covers the dense path).
 """
 
 from __future__ import annotations
@@ -214,3 +215,22 @@ def test_expert_snr_per_scheme_in_quality_and_diagnose(quantized, tmp_path, caps
     for module in modules:
         for proj in ("gate_proj", "up_proj", "down_proj"):
             assert fp8["expert_snr_db"][module][proj]["min"] > nvfp4["expert_snr_db"][module][proj]["median"] + 6
+
+
+def test_dense_model_control_every_layer_softmax_no_experts():
+    """The dense family through the same code: every layer is a softmax layer (nothing skipped), no experts
+    section, no expert figures or summary columns, and the quantized matrices are the Linears only."""
+    from quantkit.diagnose.run import summary_markdown
+    from quantkit.models import QuantkitConfig, QuantkitForCausalLM
+
+    torch.manual_seed(0)
+    model = QuantkitForCausalLM(QuantkitConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, bos_token_id=BOS, pad_token_id=0)).eval()
+    r = diagnose_model(model, _tokens(n=2, t=16), recipes=["w8a8_fp8_block"])
+    assert r["attention"]["layers"] == [0, 1] and r["attention"]["skipped"] == []
+    assert r["experts"] == {} and r["expert_snr_db"] == {"w8a8_fp8_block": {}}
+    assert not any(EXPERT_MATRIX.match(n) for n in r["quant_snr_db"]["w8a8_fp8_block"])
+    assert "max_expert_load_ratio" not in r["summary"] and "expert" not in summary_markdown([r])
+    assert not {"expert_load", "expert_maxima", "expert_snr"} & set(figures(r))
+    assert all("convention" not in n for n in r["norms"])
