@@ -22,6 +22,8 @@ def _diagnose(args: argparse.Namespace) -> int:
         return print_error("diagnose", err)
     paths = write_diagnostics(result, out)
     print(summary_markdown([result]))
+    for skipped in result["attention"]["skipped"]:
+        print(f"attention-sink statistics skip layer {skipped['layer']}: {skipped['reason']}")
     print(f"{args.model} -> {out} ({len(paths)} files)")
     return 0
 
@@ -33,7 +35,7 @@ def add_diagnose_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                          "norm weights, kurtosis, per-layer quantization SNR (JSON + figures)",
         description="Runs held-out calibration windows through the model with temporary hooks and writes "
                     "diagnostics.json, summary.md and PNG/SVG figures (definitions: docs/diagnostics.md).")
-    parser.add_argument("model", help="checkpoint directory (quantkit family, Qwen3, Llama)")
+    parser.add_argument("model", help="checkpoint directory (quantkit dense or hybrid family, Qwen3, Qwen3-Next, Llama)")
     parser.add_argument("--out", help="output directory (default: diagnostics/<model dir name>)")
     parser.add_argument("--num-sequences", type=int, default=DEFAULT_NUM_SEQUENCES)
     parser.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN)

@@ -7,12 +7,17 @@ removed in `__exit__` (also when a forward pass raises), so an undiagnosed model
   i < D and the input of the final norm for i = D, i.e. the D + 1 states of the paper's H_avg;
 - every nn.Linear: its input x (max |x|, moments, per-channel max) and, per recipe that quantizes it, the
   output error of fake-quantized x and W against the float product;
-- attention probabilities a[b, h, t, j] (query t, key j) returned by each layer's self_attn under
-  transformers' eager attention;
-- GatedNorm gates sigmoid(gate_up(...)) of the residual norms.
+- attention probabilities a[b, h, t, j] (query t, key j) returned by each softmax-attention layer's
+  self_attn under transformers' eager attention; layers without one (hybrid models' Gated DeltaNet
+  `linear_attn` layers) are listed in `attention_skipped` with the reason;
+- GatedNorm gates sigmoid(gate_up(...)) of the residual norms;
+- fused routed experts (MoE, `quantkit.formats.experts`): the router's top-k ids (load per expert) and, per
+  expert, max |x| per channel at the input of gate/up and of down_proj on its routed tokens, and per recipe
+  the output error of each expert matrix (`quantkit.quantize.routed_experts`).
 
 Memory per model: O(layers x hidden) for the residual, O(in_features) per linear, O(layers x heads +
-N^2) for attention, plus one decoded copy of each quantized weight per scheme (float32).
+N^2) for attention, O(experts x (hidden + intermediate)) per MoE layer, plus one decoded copy of each
+quantized weight (expert matrices included) per scheme (float32).
 """
 
 from __future__ import annotations
@@ -26,12 +31,15 @@ from torch import nn
 
 from quantkit.diagnose.stats import ChannelStats, Moments
 from quantkit.errors import NonFiniteStatisticsError
+from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.quantize.recipe import Recipe
+from quantkit.quantize.routed_experts import projection_outputs, routed_expert_passes
 from quantkit.formats.schemes import get_scheme
 
 SINK_EPS = 0.3  # paper 002 eq. 1 (after Gu et al. 2025)
 SINK_WINDOW = 64  # T_eps of paper 002 eq. 1
 TOKEN_NORM_POSITIONS = 16  # paper 002 Fig. 1/5 compare token 0 with positions 1..15
+EXPERTS_CHECK_RTOL = 1e-3  # recomputed experts vs the module's output, relative to max |output| (see _experts_hook)
 
 
 def decoder_layers(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
@@ -80,6 +88,17 @@ class AttentionLayer:
 
 
 @dataclass
+class ExpertsStats:
+    """Accumulators for one fused experts module with E experts (hidden H, intermediate I), top-k routing."""
+
+    slots: torch.Tensor                   # (E,) float64: routed (token, slot) pairs per expert
+    gate_up_input_max: torch.Tensor       # (E, H) float32: max |x_j| over the tokens routed to e
+    down_input_max: torch.Tensor          # (E, I) float32: max |h_j| at down_proj's input
+    tokens: int = 0
+    top_k: int = 0
+
+
+@dataclass
 class LinearStats:
     moments: Moments = field(default_factory=Moments)
     channel_max: torch.Tensor | None = None
@@ -102,8 +121,14 @@ class DiagnosticsObserver:
         self.map_tokens = map_tokens
         self.recipes = recipes
         self.residual = [ResidualState() for _ in range(len(self.layers) + 1)]
-        self.attention: list[AttentionLayer | None] = [None] * len(self.layers)
+        self.attention: dict[int, AttentionLayer | None] = {
+            i: None for i, layer in enumerate(self.layers) if isinstance(getattr(layer, "self_attn", None), nn.Module)}
+        self.attention_skipped = {i: _no_softmax_reason(layer) for i, layer in enumerate(self.layers) if i not in self.attention}
         self.linears = {n: LinearStats() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        self.experts_modules = fused_experts_modules(model)
+        self.experts: dict[str, ExpertsStats] = {}
+        for name, module in self.experts_modules.items():  # expert matrices: linears by name (SNR)
+            self.linears.update({m: LinearStats() for m in expert_matrices(name, module)})
         self.gates: dict[str, ChannelStats] = {}
         self.massive_token_ids: Counter = Counter()
         self._quantized: dict[tuple[str, str], torch.Tensor] = {}  # (linear, scheme) -> decoded weight
@@ -116,10 +141,14 @@ class DiagnosticsObserver:
         try:
             for i, layer in enumerate(self.layers):
                 self._handles.append(layer.register_forward_pre_hook(self._residual_hook(i), with_kwargs=True))
-                self._handles.append(layer.self_attn.register_forward_hook(self._attention_hook(i)))
+                if i in self.attention:
+                    self._handles.append(layer.self_attn.register_forward_hook(self._attention_hook(i)))
             self._handles.append(self.final_norm.register_forward_pre_hook(self._residual_hook(len(self.layers)), with_kwargs=True))
-            for name in self.linears:
-                self._handles.append(self.model.get_submodule(name).register_forward_hook(self._linear_hook(name)))
+            for name, module in self.model.named_modules():
+                if isinstance(module, nn.Linear):
+                    self._handles.append(module.register_forward_hook(self._linear_hook(name)))
+            for name, module in self.experts_modules.items():
+                self._handles.append(module.register_forward_hook(self._experts_hook(name), with_kwargs=True))
             for norm in residual_norm_names(self.model):
                 gate_up = getattr(self.model.get_submodule(norm), "gate_up", None)
                 if gate_up is not None:
@@ -208,26 +237,73 @@ class DiagnosticsObserver:
             stats.moments.update(x)
             amax = x.reshape(-1, x.shape[-1]).abs().amax(0).float()
             stats.channel_max = amax if stats.channel_max is None else torch.maximum(stats.channel_max, amax)
-            quantizing = [(r, s) for r, s in self.recipes.values() if not r.ignores(name)]
-            if not quantizing:
-                return
-            y = output.detach().double()
-            stats.signal += y.pow(2).sum().item()
-            for recipe, static_scale in quantizing:
-                w_q = self._quantized_weight(name, module, recipe.scheme)
-                x_q = get_scheme(recipe.scheme).fake_quant_activation(x, None if static_scale is None else static_scale[name])
-                y_q = F.linear(x_q, w_q, None if module.bias is None else module.bias.float())
-                stats.noise[recipe.name] = stats.noise.get(recipe.name, 0.0) + (y - y_q.double()).pow(2).sum().item()
+            self._quant_error(name, module.weight, module.bias, x, output)
 
         return hook
 
-    def _quantized_weight(self, name: str, module: nn.Linear, scheme: str) -> torch.Tensor:
+    def _quant_error(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
+                     y: torch.Tensor) -> None:
+        """Add sum y^2 and, per recipe quantizing `name`, sum (y - y_q)^2 to the matrix's stats (y = x W^T + b)."""
+        quantizing = [(r, s) for r, s in self.recipes.values() if not r.ignores(name)]
+        if not quantizing:
+            return
+        stats = self.linears[name]
+        y = y.detach().double()
+        stats.signal += y.pow(2).sum().item()
+        for recipe, static_scale in quantizing:
+            w_q = self._quantized_weight(name, weight, recipe.scheme)
+            x_q = get_scheme(recipe.scheme).fake_quant_activation(x, None if static_scale is None else static_scale[name])
+            y_q = F.linear(x_q, w_q, None if bias is None else bias.float())
+            stats.noise[recipe.name] = stats.noise.get(recipe.name, 0.0) + (y - y_q.double()).pow(2).sum().item()
+
+    def _quantized_weight(self, name: str, weight: torch.Tensor, scheme: str) -> torch.Tensor:
         key = (name, scheme)
         if key not in self._quantized:
-            w = module.weight.detach()
+            w = weight.detach()
             s = get_scheme(scheme)
-            self._quantized[key] = s.decode(s.encode(w, name), module.in_features).to(w.device)
+            self._quantized[key] = s.decode(s.encode(w, name), w.shape[1]).to(w.device)
         return self._quantized[key]
+
+    def _experts_hook(self, name: str):
+        """Load, input maxima and per-matrix error of each routed expert; checks the recomputation.
+
+        The experts are recomputed per expert (`routed_expert_passes`) and their routing-weighted sum must match
+        the module's output to EXPERTS_CHECK_RTOL x max |output|: the same float32 products summed in another
+        order differ by at most ~(H + I + k) 2^-24 relative (worst case; 1.5e-4 for Qwen3-Next's H = 2048,
+        I = 512), a module computing something else (another layout, a bias) by O(1).
+        """
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
+            names = ("hidden_states", "top_k_index", "top_k_weights")  # transformers' experts signature
+            hidden, top_k_index, top_k_weights = (*args, *(kwargs[k] for k in names[len(args):]))
+            index = top_k_index.reshape(-1, top_k_index.shape[-1])
+            _check_finite(hidden, f"input of {name}")
+            experts, two_i, h_dim = module.gate_up_proj.shape
+            if name not in self.experts:
+                self.experts[name] = ExpertsStats(torch.zeros(experts, dtype=torch.float64),
+                                                  torch.zeros(experts, h_dim), torch.zeros(experts, two_i // 2),
+                                                  top_k=index.shape[1])
+            acc = self.experts[name]
+            acc.tokens += index.shape[0]
+            acc.slots += torch.bincount(index.reshape(-1).cpu(), minlength=experts)[:experts].double()
+            weights = top_k_weights.reshape(index.shape).detach().float()
+            recomputed = torch.zeros(index.shape[0], h_dim, dtype=torch.float32, device=output.device)
+            matrices = expert_matrices(name, module)  # "<name>.<e>.<proj>" -> (out, in) view
+            for p in routed_expert_passes(module, hidden, index):
+                _check_finite(p.h, f"input of {name}.{p.expert}.down_proj")
+                acc.gate_up_input_max[p.expert] = torch.maximum(acc.gate_up_input_max[p.expert], p.x.abs().amax(0).float().cpu())
+                acc.down_input_max[p.expert] = torch.maximum(acc.down_input_max[p.expert], p.h.abs().amax(0).float().cpu())
+                for proj, (x, y) in projection_outputs(p).items():
+                    matrix = f"{name}.{p.expert}.{proj}"
+                    self._quant_error(matrix, matrices[matrix], None, x, y)
+                recomputed.index_add_(0, p.token_idx, p.y.float() * weights[p.token_idx, p.slot, None])
+            out = output.detach().reshape(recomputed.shape).float()
+            gap, peak = (recomputed - out).abs().max().item(), out.abs().max().item()
+            if gap > EXPERTS_CHECK_RTOL * peak:
+                raise RuntimeError(f"{name}: the per-expert recomputation differs from the module's output by {gap:.3g} "
+                                   f"(max |output| {peak:.3g}): it does not compute down_e(act(gate_e x) * up_e x) in "
+                                   "the layout of quantkit.formats.experts")
+
+        return hook
 
     def _gate_hook(self, norm: str):
         def hook(_module, _args, output):
@@ -237,6 +313,14 @@ class DiagnosticsObserver:
             self.gates[norm].update(g)
 
         return hook
+
+
+def _no_softmax_reason(layer: nn.Module) -> str:
+    """Why a decoder layer has no softmax attention probabilities to diagnose."""
+    mixer = getattr(layer, "linear_attn", None)
+    if isinstance(mixer, nn.Module):
+        return f"linear attention ({type(mixer).__name__} `linear_attn`): no softmax, no attention probabilities"
+    return f"{type(layer).__name__} has no `self_attn` module"
 
 
 def _check_finite(x: torch.Tensor, where: str) -> None:

@@ -8,13 +8,16 @@ Conventions: residual state i is H_i of paper 000 sec. 2 (input of decoder layer
 the final norm); positions are 0-based, position 0 is the window's first token (BOS for
 `heldout_windows`); magnitudes are in the model's activation units; SNR in dB; floats in the
 result are rounded to 6 significant digits, and undefined or infinite values (kurtosis of a constant, SNR
-of an exact product or of an all-zero output) are null.
+of an exact product or of an all-zero output) are null. Hybrid models: attention-sink statistics cover the
+softmax-attention layers (the others are listed with the reason), MoE layers add per-expert load, input maxima
+and SNR (`experts`, `expert_snr_db`; docs/diagnostics.md "Hybrid MoE models").
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm import tqdm
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
 from quantkit.atomic import write_text_atomic
 from quantkit.calibrate import channel_max
@@ -36,13 +40,16 @@ from quantkit.diagnose.observe import (
 from quantkit.diagnose.defaults import DEFAULT_NUM_SEQUENCES, DEFAULT_RECIPES, DEFAULT_SEQ_LEN, MASSIVE_RATIO
 from quantkit.errors import NonFiniteStatisticsError
 from quantkit.formats import nvfp4_global_scale
+from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import SCHEMES
 from quantkit.metrics import snr_db
 from quantkit.quantize.recipe import Recipe, load_recipe
+from quantkit.quantize.routed_experts import summarize_expert_snr
 
 MAP_TOKENS = 32        # attention maps are shown for the first 32 queries x keys
 TOP_K = 8
 NORM_PARAMS = {"weight": 1.0, "pre_scale": 1.0, "bias": 0.0, "alpha": None}  # parameter -> neutral value
+OFFSET_NORMS = (Qwen3NextRMSNorm,)  # y = x_hat * (1 + w): the scale gamma is 1 + weight (hybrid family)
 
 
 def resolve_recipes(names: Sequence[str]) -> list[Recipe]:
@@ -136,9 +143,11 @@ def diagnose_model(
         "gates": _gates(obs, top_k),
         "attention": _attention(obs),
         "linears": _linears(obs, top_k),
+        "experts": _experts(obs, top_k),
         "quant_snr_db": {name: {n: snr_db(s.signal, s.noise[name]) for n, s in obs.linears.items() if name in s.noise}
                          for name in plan},
     }
+    result["expert_snr_db"] = {name: summarize_expert_snr(snr) for name, snr in result["quant_snr_db"].items()}
     result["sink_dims"] = _sink_dims(obs, model, top_k)
     result["massive"] = _massive(obs, massive_ratio, tokenizer, top_k)
     result["summary"] = _summary(result)
@@ -146,8 +155,10 @@ def diagnose_model(
 
 
 def _static_scales(model: nn.Module, tokens: torch.Tensor, recipe: Recipe, batch_size: int) -> dict[str, torch.Tensor]:
-    """Static NVFP4 input decode scale per quantized linear: amax over `tokens` / 2688, as `quantize` calibrates."""
+    """Static NVFP4 input decode scale per quantized linear and expert matrix: amax over `tokens` / 2688, as
+    `quantize` calibrates (expert matrices in calibrate-all-experts mode, `quantkit.calibrate.stats`)."""
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not recipe.ignores(n)]
+    names += [m for n, e in fused_experts_modules(model).items() for m in expert_matrices(n, e) if not recipe.ignores(m)]
     maxima = channel_max(model, tokens, names, batch_size=batch_size, progress=False)
     return {n: nvfp4_global_scale(m.max()) for n, m in maxima.items()}
 
@@ -176,9 +187,9 @@ def _sink_dims(obs: DiagnosticsObserver, model: nn.Module, top_k: int) -> list[d
     norms = [getattr(layer, "input_layernorm", None) for layer in layers]
     weights = {}  # input norm parameter (L, d) where every layer has one of the residual width
     for attr in ("weight", "pre_scale"):
-        values = [getattr(n, attr, None) for n in norms]
+        values = [_norm_param(n, attr) for n in norms]
         if all(isinstance(v, torch.Tensor) and v.numel() == h_avg.numel() for v in values):
-            weights[attr] = torch.stack([v.detach().float().reshape(-1).cpu() for v in values])
+            weights[attr] = torch.stack(values)
     out = []
     for j in h_avg.argsort(descending=True)[:top_k].tolist():
         entry = {"dim": j, "mean_abs": h_avg[j].item(), "ratio_to_median": (h_avg[j] / median).item(),
@@ -204,17 +215,52 @@ def _massive(obs: DiagnosticsObserver, ratio: float, tokenizer: Any, top_k: int)
 
 
 def _attention(obs: DiagnosticsObserver) -> dict:
-    layers = [a for a in obs.attention if a is not None]
-    if len(layers) != len(obs.attention):
-        raise RuntimeError("some layers' attention was never called in the forward pass")
+    """Sink statistics of the softmax-attention layers (`layers`: their indices; per-layer lists follow that
+    order); `skipped`: the other layers and why (e.g. Gated DeltaNet); `map` None when no layer has softmax."""
+    never = [i for i, a in obs.attention.items() if a is None]
+    if never:
+        raise RuntimeError(f"the attention of layers {never} was never called in the forward pass")
+    layers = list(obs.attention.values())
     per_layer_map = [a.map_sum / (a.sequences * len(a.alpha_sum)) for a in layers]
     return {
+        "layers": list(obs.attention),
+        "skipped": [{"layer": i, "reason": why} for i, why in obs.attention_skipped.items()],
         "sink_rate": [(a.sink_count.sum() / (a.sequences * len(a.sink_count))).item() for a in layers],
         "alpha": [(a.alpha_sum / a.sequences).tolist() for a in layers],
         "first_token_mass": [(a.mass_sum / a.sequences).tolist() for a in layers],
         "first_token_mass_layer": [(a.mass_sum.mean() / a.sequences).item() for a in layers],
-        "map": torch.stack(per_layer_map).mean(0).tolist(),
+        "map": torch.stack(per_layer_map).mean(0).tolist() if layers else None,
     }
+
+
+def _experts(obs: DiagnosticsObserver, top_k: int) -> dict:
+    """Per fused experts module (MoE layer): routing load and per-expert input maxima (docs/diagnostics.md).
+
+    `load[e]` = routed (token, slot) pairs of expert e / (tokens x k): sums to 1, 1/E when balanced;
+    `token_fraction[e]` = fraction of tokens with e among their top-k = k x load[e], at most 1. Maxima are
+    over the tokens routed to e (None for an expert that got none)."""
+    out = {}
+    for name, acc in obs.experts.items():
+        layer = re.search(r"layers\.(\d+)\.", name)
+        routed = acc.slots > 0
+        down_top = acc.down_input_max.argmax(1)
+
+        def per_expert(values: torch.Tensor) -> list[float | None]:
+            return [v if r else None for v, r in zip(values.tolist(), routed.tolist())]
+
+        load = acc.slots / (acc.tokens * acc.top_k)
+        out[name] = {
+            "layer": int(layer.group(1)) if layer else None, "num_experts": len(acc.slots), "top_k": acc.top_k,
+            "tokens": acc.tokens, "load": load.tolist(), "token_fraction": (load * acc.top_k).tolist(),
+            "max_load_ratio": (load.max() * len(load)).item(), "unrouted_experts": int((~routed).sum()),
+            "gate_up_input_max": per_expert(acc.gate_up_input_max.amax(1)),
+            "down_input_max": per_expert(acc.down_input_max.amax(1)),
+            "down_input_top_channel": [int(c) if r else None for c, r in zip(down_top.tolist(), routed.tolist())],
+            "down_input_top_experts": [
+                {"expert": e, "max_abs": acc.down_input_max[e].max().item(), "channel": int(down_top[e])}
+                for e in acc.down_input_max.amax(1).argsort(descending=True)[:top_k].tolist() if routed[e]],
+        }
+    return out
 
 
 def _norms(model: nn.Module, top_k: int) -> list[dict]:
@@ -223,21 +269,33 @@ def _norms(model: nn.Module, top_k: int) -> list[dict]:
     for name in residual_norm_names(model):
         norm = model.get_submodule(name)
         for param, neutral in NORM_PARAMS.items():
-            value = getattr(norm, param, None)
-            if not isinstance(value, torch.Tensor):
+            v = _norm_param(norm, param)
+            if v is None:
                 continue
-            v = value.detach().float().reshape(-1).cpu()
             if not bool(torch.isfinite(v).all()):
                 raise NonFiniteStatisticsError(f"{name}.{param} holds non-finite values")
+            entry = {"name": name, "param": param}
+            if param == "weight" and isinstance(norm, OFFSET_NORMS):
+                entry["convention"] = "1 + w"  # the values are the scale 1 + w, not the stored w
             if v.numel() == 1 or neutral is None:
-                out.append({"name": name, "param": param, "values": v.tolist()})
+                out.append({**entry, "values": v.tolist()})
                 continue
             dev = (v - neutral).abs()
             top = dev.argsort(descending=True)[:top_k].tolist()
-            out.append({"name": name, "param": param, "mean": v.mean().item(), "std": v.std().item(),
+            out.append({**entry, "mean": v.mean().item(), "std": v.std().item(),
                         "min": v.min().item(), "max": v.max().item(), "max_deviation": dev.max().item(),
                         "top_dims": [{"dim": j, "value": v[j].item()} for j in top], "values": v.tolist()})
     return out
+
+
+def _norm_param(norm: nn.Module | None, param: str) -> torch.Tensor | None:
+    """A norm parameter as the function uses it, float32 1-D on CPU: the scale 1 + w of an offset norm
+    (OFFSET_NORMS) for `weight`, the stored tensor otherwise; None when the norm has no such tensor."""
+    value = getattr(norm, param, None)
+    if not isinstance(value, torch.Tensor):
+        return None
+    v = value.detach().float().reshape(-1).cpu()
+    return 1.0 + v if param == "weight" and isinstance(norm, OFFSET_NORMS) else v
 
 
 def _gates(obs: DiagnosticsObserver, top_k: int) -> list[dict]:
@@ -277,17 +335,29 @@ def _summary(r: dict) -> dict:
             worst[recipe] = {"linear": name, "snr_db": snr[name], "mean_snr_db": sum(snr.values()) / len(snr)}
     body = {n: s for n, s in r["linears"].items() if n != "lm_head"}  # lm_head stays BF16; as zoo metrics
     linear_max = max(body.items(), key=lambda kv: kv[1]["max_abs"])
-    return {
+    softmax = len(att["sink_rate"])  # None below: no softmax-attention layer at all
+    summary = {
         "max_residual": res["max_abs"][i_max], "max_residual_state": res["states"][i_max],
         "top_sink_dims": [d["dim"] for d in r["sink_dims"][:3]],
         "top_sink_ratio": r["sink_dims"][0]["ratio_to_median"],
-        "sink_rate_mean": sum(att["sink_rate"]) / len(att["sink_rate"]), "sink_rate_max": max(att["sink_rate"]),
-        "first_token_mass_mean": sum(att["first_token_mass_layer"]) / len(att["first_token_mass_layer"]),
+        "softmax_layers": att["layers"], "attention_skipped_layers": [s["layer"] for s in att["skipped"]],
+        "sink_rate_mean": sum(att["sink_rate"]) / softmax if softmax else None,
+        "sink_rate_max": max(att["sink_rate"], default=None),
+        "first_token_mass_mean": sum(att["first_token_mass_layer"]) / softmax if softmax else None,
         "massive_tokens": total, "massive_at_position0": sum(m["at_position0"] for m in massive),
         "max_linear_input": linear_max[1]["max_abs"], "max_linear_input_at": linear_max[0],
         "max_residual_kurtosis": max((k for k in res["kurtosis"] if not math.isnan(k)), default=float("nan")),
         "worst_snr": worst,
     }
+    if r["experts"]:  # MoE: the most loaded expert (x E: 1 = balanced) and the largest expert input
+        name, ex = max(r["experts"].items(), key=lambda kv: kv[1]["max_load_ratio"])
+        top = max(((n, t) for n, x in r["experts"].items() for t in x["down_input_top_experts"][:1]),
+                  key=lambda nt: nt[1]["max_abs"])
+        summary.update({"max_expert_load_ratio": ex["max_load_ratio"], "max_expert_load_at": name,
+                        "unrouted_experts": sum(x["unrouted_experts"] for x in r["experts"].values()),
+                        "max_expert_down_input": top[1]["max_abs"],
+                        "max_expert_down_input_at": f"{top[0]}.{top[1]['expert']}.down_proj"})
+    return summary
 
 
 def _clean(x: Any) -> Any:
@@ -308,19 +378,37 @@ def summary_markdown(results: Sequence[dict]) -> str:
     recipes = list(dict.fromkeys(k for r in results for k in r["summary"]["worst_snr"]))
     head = ["model", "max abs residual (state)", "top sink dims (x median)", "sink rate (mean / max)",
             "first-token mass", "massive tokens (pos 0)"] + [f"worst SNR {k} (dB, layer)" for k in recipes]
+    moe = any("max_expert_load_ratio" in r["summary"] for r in results)
+    if moe:
+        head += ["max expert load (x uniform)", "max expert down_proj input"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         s = r["summary"]
         name = Path(r["model"].get("path", r["model"]["architecture"])).name
         row = [name, f"{s['max_residual']:.3g} ({s['max_residual_state']})",
                f"{', '.join(map(str, s['top_sink_dims']))} ({s['top_sink_ratio']:.3g}x)",
-               f"{s['sink_rate_mean']:.2f} / {s['sink_rate_max']:.2f}", f"{s['first_token_mass_mean']:.3f}",
+               _sink_cell(s), "-" if s["first_token_mass_mean"] is None else f"{s['first_token_mass_mean']:.3f}",
                f"{s['massive_tokens']} ({s['massive_at_position0']})"]
         for k in recipes:
             w = s["worst_snr"].get(k)
             row.append("-" if w is None else f"{_fmt_db(w['snr_db'])} ({w['linear'].removeprefix('model.')})")
+        if moe and "max_expert_load_ratio" in s:
+            row += [f"{s['max_expert_load_ratio']:.2f} ({s['max_expert_load_at'].removeprefix('model.')})",
+                    f"{s['max_expert_down_input']:.3g} ({s['max_expert_down_input_at'].removeprefix('model.')})"]
+        elif moe:
+            row += ["-", "-"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _sink_cell(s: dict) -> str:
+    """'mean / max' over the softmax layers; those layers named when others were skipped (hybrid models)."""
+    if s["sink_rate_mean"] is None:
+        return "- (no softmax layer)"
+    cell = f"{s['sink_rate_mean']:.2f} / {s['sink_rate_max']:.2f}"
+    if s["attention_skipped_layers"]:
+        cell += f" (softmax layers {', '.join(map(str, s['softmax_layers']))})"
+    return cell
 
 
 def _fmt_db(v: float | None) -> str:
