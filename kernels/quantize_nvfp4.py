@@ -115,8 +115,9 @@ def quantize_nvfp4_per_token(
     """x (M, K) -> (packed uint8 (M, Kp/2), block_scale float8_e4m3fn (M, Kp/16), global float32 (M, 1)).
 
     global_scale None: per-token second stage row_amax / 2688; else the static calibrated DECODE scale
-    (a number or a one-element tensor), used for every row, or a float32 (M,) tensor: one per row. block_m, block_k (powers of two, block_k a
-    multiple of 16): the tile of one program step; they change speed only.
+    (a number or a one-element tensor), used for every row, or a float32 (M,) tensor: one per row (values
+    unchecked). block_m, block_k (powers of two, block_k a multiple of 16): the tile of one program step;
+    they change speed only.
     """
     check_activation("quantize_nvfp4_per_token", x)
     check_tile("quantize_nvfp4_per_token", "block_m", block_m)
