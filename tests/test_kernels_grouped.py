@@ -16,13 +16,14 @@ whole quantization steps or by the weights' difference, orders of magnitude abov
 
 Expert row counts cover an expert with no rows (first, middle and last), one row, several BLOCK_M tiles with a
 partial last one, and uneven counts; N = 136 and K = 200 are off the 128 grid (partial scale blocks, K padded
-to 208 for NVFP4). About 30 s on 2 CPU cores (interpreter).
+to 208 for NVFP4). About 40 s on 2 shared CPU cores: ~20 s of interpreter runs, ~17 s compiling for sm90.
 """
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ from quantkit.formats.schemes import FP8_BLOCK, NVFP4
 from quantkit.kernels.expert_sort import combine_expert_rows, sort_by_expert
 from quantkit.kernels.gemm_tiles import GemmTiles
 from quantkit.kernels.grouped_gemm import expert_tiles, fp8_block_grouped_gemm, nvfp4_grouped_gemm
+from quantkit.kernels.interpreter_quirks import interpreting
 from quantkit.kernels.quantize_nvfp4 import quantize_nvfp4_per_token
 from quantkit.kernels.schemes import grouped_quantized_linear
 
@@ -294,6 +296,43 @@ def test_grouped_quantized_linear_refuses_static_scales_it_cannot_use():
     weights, _ = _stack(NVFP4, _weights(2, 8, 16, seed=0))
     with pytest.raises(ValueError, match=r"input_global_scale must be \(2,\), one per expert"):
         grouped_quantized_linear(NVFP4, x, offsets, weights, input_global_scale=torch.ones(1))
+
+
+# --- benchmarks/native_kernel_tests.py: the harness that runs these tests natively on a GPU ---------------
+
+
+@pytest.mark.skipif(not interpreting(), reason="checks the harness through the interpreter (CI); on a GPU it is in use")
+def test_native_launch_harness_keeps_views_and_writes_back(monkeypatch):
+    """The plugin's launch wrapper, aimed at a second CPU copy here (no GPU in CI): operands that are views at
+    storage offsets, sharing storages, and an output view land bit-identical to a plain launch."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from native_kernel_tests import launch_on
+    finally:
+        sys.path.pop(0)
+    from triton.runtime.interpreter import InterpretedFunction
+
+    offsets = _offsets((3, 0, 4))
+    fp8 = [quantize_fp8_block(w) for w in _weights(3, N, K, seed=40)]
+    both = torch.cat([torch.stack([q.view(torch.uint8) for q, _ in fp8]).flatten(),
+                      torch.stack([sc for _, sc in fp8]).flatten().view(torch.uint8)])  # one storage for w_q and w_scale
+    n_q = 3 * N * K
+    w_q = both[:n_q].view(torch.float8_e4m3fn).view(3, N, K)
+    w_scale = both[n_q:].view(torch.float32).view(3, 2, 2)
+    x_q, x_scale = quantize_fp8_per_token(_rows(12, K, seed=41))
+    row_index = torch.arange(12, dtype=torch.int32).flip(0)[2:9]  # a view at an offset
+    want = fp8_block_grouped_gemm(x_q, x_scale, w_q, w_scale, offsets, row_index=row_index, out_dtype=torch.float32)
+    plain, launches = InterpretedFunction.run, []
+
+    def counted(*args, **kwargs):
+        launches.append(args[1:])
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", launch_on("cpu", counted))
+    got = fp8_block_grouped_gemm(x_q, x_scale, w_q, w_scale, offsets, row_index=row_index, out_dtype=torch.float32)
+    assert launches and torch.equal(got, want)
+    copied = [a for a in launches[0] if isinstance(a, torch.Tensor)]
+    assert all(a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() for a in copied for b in (x_q, w_q, got))
 
 
 # --- Hopper: the grouped kernels compile to wgmma ------------------------------------------------------------
