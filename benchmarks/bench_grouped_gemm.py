@@ -18,6 +18,8 @@ and the routing sorted before timing: GEMM only (ours include their tile map, `e
 torch ops per call). Time, TFLOP/s (2 S N K / time), GB/s (activation rows, the weights of experts with rows,
 scales and the bf16 output, each once, / time), speed-up over each baseline, and err/tol of ours against the
 per-expert dequantized float32 product (first 32 rows of each expert; tolerance of tests/test_kernels_gemm.py).
+A last row per shape times `expert_tiles` alone (included in ours): its small torch launches are what a
+fused tile-map kernel or CUDA graphs would save.
 
 CUDA: triton.testing.do_bench median. Without a GPU only `--quick` runs (tiny shapes through the Triton
 interpreter: it proves the script works, not speed). Results: benchmarks/results/grouped_gemm_<device>_<date>.
@@ -35,7 +37,8 @@ from bench_gemm import err_over_tol, first_line, metadata, time_ms, write_result
 
 from quantkit import formats
 from quantkit.kernels.expert_sort import sort_by_expert
-from quantkit.kernels.grouped_gemm import fp8_block_grouped_gemm, nvfp4_grouped_gemm
+from quantkit.kernels.gemm_tiles import default_tiles
+from quantkit.kernels.grouped_gemm import expert_tiles, fp8_block_grouped_gemm, nvfp4_grouped_gemm
 from quantkit.kernels.quantize_fp8 import quantize_fp8_per_token
 from quantkit.kernels.quantize_nvfp4 import quantize_nvfp4_per_token
 
@@ -47,6 +50,7 @@ QUICK_TOKENS = (1, 9)
 BASELINES = ("torch_bf16_grouped_mm", "torch_bf16_mm_loop", "torch_fp8_rowwise_grouped", "torch_fp8_rowwise_loop")
 OURS = ("triton_fp8_block_grouped", "triton_nvfp4_grouped")
 ERR_ROWS = 32  # rows of each expert checked against the reference
+TILE_MAP = "expert_tiles (inside ours)"  # the tile map's torch ops alone: the part of our time that is not the kernel
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -201,6 +205,9 @@ def bench_projection(config: str, projection: str, e: int, top_k: int, n: int, k
         for row in shape_rows:
             if row["status"] == "ok":
                 row["speedup"] = {b: results[b] / results[row["impl"]] for b in BASELINES if b in results}
+        block_m = default_tiles(-(-s // e), formats.FP8_WEIGHT_BLOCK).block_m  # the default tiles' BLOCK_M
+        ms = time_ms(lambda: expert_tiles(x["sort"].expert_offsets, s, block_m), cuda)
+        shape_rows.append({**head, "impl": TILE_MAP, "status": "ok", "time_us": ms * 1e3})
         rows += shape_rows
         del x
     return rows
@@ -238,7 +245,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             continue
         speed = [f"{r['speedup'][b]:.2f}x" if b in r.get("speedup", {}) else "-" for b in BASELINES]
         err = f"{r['err_over_tol']:.3f}" if "err_over_tol" in r else ""
-        lines.append(f"{head} {r['time_us']:.1f} | {r['tflops']:.3g} | {r['gbps']:.3g} | {' | '.join(speed)} | {err} |")
+        rates = " | ".join(f"{r[key]:.3g}" if key in r else "-" for key in ("tflops", "gbps"))
+        lines.append(f"{head} {r['time_us']:.1f} | {rates} | {' | '.join(speed)} | {err} |")
     return "\n".join(lines) + "\n"
 
 

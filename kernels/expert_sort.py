@@ -8,7 +8,7 @@ expert id, as S = T * k "sorted rows":
     expert_offsets (E + 1,) int32   rows [offsets[e], offsets[e + 1]) go to expert e; offsets[0] = 0
 
 An id outside [0, E) (an expert of another expert-parallel rank) sorts after every valid one: rows from
-offsets[E] on belong to no expert, the grouped GEMMs leave them unwritten and `combine_expert_rows` skips
+offsets[E] on belong to no expert, the grouped GEMMs write them as zeros and `combine_expert_rows` skips
 them. vLLM's ``moe_align_block_size`` does this job and also pads each expert to whole tiles; here the
 GEMMs map tiles to experts themselves (`quantkit.kernels.grouped_gemm.expert_tiles`), so nothing is padded.
 """
@@ -54,6 +54,6 @@ def combine_expert_rows(y_sorted: torch.Tensor, sort: ExpertSort, topk_weights: 
                          f"{tuple(topk_weights.shape)}, got {tuple(y_sorted.shape)}")
     valid = torch.arange(y_sorted.shape[0], device=y_sorted.device) < sort.expert_offsets[-1]
     weight = topk_weights.reshape(-1)[sort.flat_index].float()
-    rows = torch.where(valid[:, None], y_sorted.float() * weight[:, None], 0.0)  # unwritten rows may hold NaN
+    rows = torch.where(valid[:, None], y_sorted.float() * weight[:, None], 0.0)  # whatever those rows hold
     out = torch.zeros(tokens, y_sorted.shape[1], dtype=torch.float32, device=y_sorted.device)
     return out.index_add_(0, sort.token_index, rows)

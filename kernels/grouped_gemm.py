@@ -5,7 +5,7 @@
                        *, row_index=None, ...) -> y (S, N)
 
     y[s] = A[s] @ W[e]^T   for offsets[e] <= s < offsets[e + 1]  (expert_offsets (E + 1,) int32/int64,
-                            `quantkit.kernels.expert_sort`); rows from offsets[E] on are left unwritten
+                            `quantkit.kernels.expert_sort`); y[s] = 0 for s >= offsets[E] (no expert here)
 
 Sorted row s reads activation row A[s], or A[row_index[s]] when row_index (S,) is given: the GEMM gathers the
 rows itself, so a layer's input is quantized once per token and never copied k times (a token's quantized
@@ -24,7 +24,8 @@ bf16 tiles, bf16 MMA into float32, second-stage scales (a_global per row, w_glob
 epilogue. No bias (routed experts have none).
 
 Tiles: `expert_tiles` lists, in torch on the device (no host sync), which expert and rows each BLOCK_M tile
-covers; the grid launches an upper bound of tiles (cdiv(S, BLOCK_M) + min(E, S)) and the spare ones return at
+covers (the rows of no expert as a group E of their own, written as zeros so that every output is defined);
+the grid launches an upper bound of tiles (cdiv(S, BLOCK_M) + min(E + 1, S)) and the spare ones return at
 once. A tile never spans two experts, so an expert with 1 row costs a whole (mostly masked) BLOCK_M tile:
 default tiles follow the mean rows per expert, S / E.
 """
@@ -47,28 +48,30 @@ from quantkit.kernels.nvfp4_gemm import DEFAULT_BLOCK_K, nvfp4_dot
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def expert_tiles(expert_offsets: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tile_expert, tile_row), both int32 (cdiv(rows, block_m) + min(E, rows),): tile t covers sorted rows
-    [tile_row[t], min(tile_row[t] + block_m, offsets[e + 1])) of expert e = tile_expert[t]; e = E: no tile.
+def expert_tiles(expert_offsets: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """(group_ends, tile_group, tile_row) for `rows` sorted rows: group_ends (E + 2,) int32 is expert_offsets
+    with `rows` appended, so group E holds the rows of no expert; tile t covers rows [tile_row[t],
+    min(tile_row[t] + block_m, group_ends[g + 1])) of group g = tile_group[t] (int32, E + 1: a spare tile).
 
-    Expert e has cdiv(count_e, block_m) tiles, listed expert after expert; their number is at most
-    sum over experts with rows of (count_e // block_m + 1) <= cdiv(rows, block_m) + min(E, rows)."""
-    num_experts = expert_offsets.numel() - 1
-    offsets = expert_offsets.to(torch.int64)
-    tiles = (offsets[1:] - offsets[:-1] + block_m - 1) // block_m
+    Group g has cdiv(count_g, block_m) tiles, listed group after group; their number is at most
+    sum over groups with rows of (count_g // block_m + 1) <= cdiv(rows, block_m) + min(E + 1, rows)."""
+    ends = torch.cat([expert_offsets.to(torch.int64), torch.full((1,), rows, device=expert_offsets.device)])
+    groups = ends.numel() - 1
+    tiles = (ends[1:] - ends[:-1] + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles, 0)
-    t = torch.arange(triton.cdiv(rows, block_m) + min(num_experts, rows), device=offsets.device)
-    expert = torch.searchsorted(tile_end, t, right=True)  # the first expert whose tiles end after t
-    e = expert.clamp(max=num_experts - 1)
-    row = offsets[e] + (t - (tile_end - tiles)[e]) * block_m
-    return expert.to(torch.int32), row.to(torch.int32)
+    t = torch.arange(triton.cdiv(rows, block_m) + min(groups, rows), device=ends.device)
+    group = torch.searchsorted(tile_end, t, right=True)  # the first group whose tiles end after t
+    g = group.clamp(max=groups - 1)
+    row = ends[g] + (t - (tile_end - tiles)[g]) * block_m
+    return ends.to(torch.int32), group.to(torch.int32), row.to(torch.int32)
 
 
 @triton.jit
 def grouped_tile(tile_expert_ptr, tile_row_ptr, NUM_TILES, N,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's tile of a grouped GEMM: (expert (E: none), offs_m (BLOCK_M,) sorted rows from the
-    tile's first, offs_n (BLOCK_N,), n_ok), on a 1-D grid of NUM_TILES * cdiv(N, BLOCK_N) programs."""
+    """This program's tile of a grouped GEMM: (expert (E: the rows of no expert, more: a spare tile), offs_m
+    (BLOCK_M,) sorted rows from the tile's first, offs_n (BLOCK_N,), n_ok), on a 1-D grid of
+    NUM_TILES * cdiv(N, BLOCK_N) programs."""
     pid_m, pid_n = tile_ids(NUM_TILES, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + pid_m)
     offs_m = tl.load(tile_row_ptr + pid_m) + tl.arange(0, BLOCK_M)
@@ -78,15 +81,19 @@ def grouped_tile(tile_expert_ptr, tile_row_ptr, NUM_TILES, N,
 
 @triton.jit
 def _fp8_block_grouped_kernel(
-    x_ptr, x_scale_ptr, row_index_ptr, w_ptr, w_scale_ptr, y_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+    x_ptr, x_scale_ptr, row_index_ptr, w_ptr, w_scale_ptr, y_ptr, ends_ptr, tile_expert_ptr, tile_row_ptr,
     NUM_TILES, E, N, K, stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
     GATHER: tl.constexpr, ROUND_BF16: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     expert, offs_m, offs_n, n_ok = grouped_tile(tile_expert_ptr, tile_row_ptr, NUM_TILES, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if expert >= E:
+    if expert > E:
         return
-    m_ok = offs_m < tl.load(offsets_ptr + expert + 1)
+    m_ok = offs_m < tl.load(ends_ptr + expert + 1)
+    if expert == E:  # rows of no expert: zeros
+        store_tile(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), y_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
+                   False, ROUND_BF16)
+        return
     if GATHER:
         src = tl.load(row_index_ptr + offs_m, mask=m_ok, other=0)
     else:
@@ -103,16 +110,20 @@ def _fp8_block_grouped_kernel(
 @triton.jit
 def _nvfp4_grouped_kernel(
     a_ptr, a_scale_ptr, a_global_ptr, row_index_ptr, w_ptr, w_scale_ptr, w_global_ptr, y_ptr,
-    offsets_ptr, tile_expert_ptr, tile_row_ptr,
+    ends_ptr, tile_expert_ptr, tile_row_ptr,
     NUM_TILES, E, N, K_BYTES, stride_am, stride_asm, stride_agm, stride_we, stride_wn, stride_wse, stride_wsn,
     stride_wge, stride_wgn, stride_ym,
     GATHER: tl.constexpr, TILE: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     expert, offs_m, offs_n, n_ok = grouped_tile(tile_expert_ptr, tile_row_ptr, NUM_TILES, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if expert >= E:
+    if expert > E:
         return
-    m_ok = offs_m < tl.load(offsets_ptr + expert + 1)
+    m_ok = offs_m < tl.load(ends_ptr + expert + 1)
+    if expert == E:  # rows of no expert: zeros
+        store_tile(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), y_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
+                   False, ROUND_BF16)
+        return
     if GATHER:
         src = tl.load(row_index_ptr + offs_m, mask=m_ok, other=0)
     else:
@@ -145,16 +156,15 @@ def _check_grouping(fn: str, a_rows: int, expert_offsets: torch.Tensor, num_expe
 
 def _launch(kernel, y: torch.Tensor, expert_offsets: torch.Tensor, tiles: GemmTiles, operands: Sequence,
             sizes: Sequence[int], **constexprs) -> torch.Tensor:
-    """Run a grouped kernel (arguments: operands, y, the tile map, NUM_TILES, E, N, sizes, constexprs) over the
-    tiles of `expert_tiles`, filling y (S, N); returns y."""
+    """Run a grouped kernel (arguments: operands, y, the tile map of `expert_tiles`, NUM_TILES, E, N, sizes,
+    constexprs) over its tiles, filling y (S, N); returns y."""
     s, n = y.shape
     if s == 0 or n == 0:
         return y
-    expert_offsets = expert_offsets.contiguous()
-    tile_expert, tile_row = expert_tiles(expert_offsets, s, tiles.block_m)
-    num_tiles = tile_expert.numel()
+    group_ends, tile_group, tile_row = expert_tiles(expert_offsets, s, tiles.block_m)
+    num_tiles = tile_group.numel()
     kernel[(num_tiles * triton.cdiv(n, tiles.block_n),)](
-        *operands, y, expert_offsets, tile_expert, tile_row, num_tiles, expert_offsets.numel() - 1, n, *sizes,
+        *operands, y, group_ends, tile_group, tile_row, num_tiles, expert_offsets.numel() - 1, n, *sizes,
         ROUND_BF16=y.dtype == torch.bfloat16 and interpreting(), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **constexprs,

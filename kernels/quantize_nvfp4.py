@@ -84,7 +84,8 @@ def _quantize_nvfp4_kernel(
 
 
 def _static_global(global_scale: torch.Tensor | float, m: int, device: torch.device) -> torch.Tensor:
-    """A calibrated decode scale (a number or a one-element tensor) -> float32 tensor (1,) on `device`; a
+    """A calibrated decode scale (a number or a one-element tensor; checked finite and > 0 unless it is on
+    CUDA) -> float32 tensor (1,) on `device`; a
     float32 (m,) tensor on `device` (one scale per row) is returned as it is, its values unchecked (no host
     sync: they are the checkpoint's loaded scales)."""
     if isinstance(global_scale, torch.Tensor) and global_scale.numel() != 1 and global_scale.ndim == 1:
@@ -98,7 +99,7 @@ def _static_global(global_scale: torch.Tensor | float, m: int, device: torch.dev
             "quantize_nvfp4_per_token: global_scale must be one number (a per-tensor decode scale) or (M,), "
             f"got shape {tuple(gs.shape)}"
         )
-    if not (torch.isfinite(gs) & (gs > 0)).all():
+    if not gs.is_cuda and not (torch.isfinite(gs) & (gs > 0)).all():  # on CUDA: no host sync (see check_activation)
         raise ValueError(
             f"quantize_nvfp4_per_token: global_scale must be finite and > 0 (amax / 2688), got {gs.item()}"
         )

@@ -8,7 +8,18 @@ Linear on CUDA (`quantkit.serve.quant_method`). A scheme's entry holds
                                                    -> (S, N)  (`quantkit.kernels.grouped_gemm`)
 
 `quantized_linear` serves a quantized Linear, `grouped_quantized_linear` one projection of a MoE layer's
-routed experts (gate_up or down) over rows sorted by expert (`quantkit.kernels.expert_sort`).
+routed experts (gate_up or down) over rows sorted by expert (`quantkit.kernels.expert_sort`). A FusedMoE
+forward (x (T, H), topk_ids / topk_weights (T, k), w13 = gate rows then up rows, per-expert tensors stacked):
+
+    sort = sort_by_expert(topk_ids, E)
+    h = grouped_quantized_linear(scheme, x, sort.expert_offsets, w13, token_index=sort.token_index,
+                                 input_global_scale=w13_input_scale)          # (T*k, 2I), sorted rows
+    a = silu(h[:, :I]) * h[:, I:]                                             # the model's activation
+    y = grouped_quantized_linear(scheme, a, sort.expert_offsets, w2, input_global_scale=w2_input_scale)
+    out = combine_expert_rows(y, sort, topk_weights)                          # float32 (T, H)
+
+Rows from offsets[E] on (pairs routed to no expert of this rank) are zeros in h and y; the combine skips them. The FusedMoE reference (`quantkit.quantize.fake_quant.FakeQuantExperts`) quantizes the same
+inputs per expert: the block input before gate/up, the intermediate before down.
 """
 
 from __future__ import annotations
@@ -64,7 +75,7 @@ def grouped_quantized_linear(scheme: Scheme, x: torch.Tensor, expert_offsets: to
                              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """One projection of a MoE layer's routed experts, y (S, N) in sorted-row order (`out_dtype`, default x's):
 
-        y[s] = quantize(x_s) @ W_e^T    for offsets[e] <= s < offsets[e + 1]; rows from offsets[E] on unwritten
+        y[s] = quantize(x_s) @ W_e^T    for offsets[e] <= s < offsets[e + 1]; zeros from offsets[E] on
 
     x_s = x[token_index[s]] when token_index (S,) is given (x (T, K): the layer input, one row per token; the
     gate_up projection, `ExpertSort.token_index`), else x[s] (x (S, K) already sorted: the down projection's

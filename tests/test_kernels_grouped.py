@@ -99,17 +99,18 @@ def test_combine_expert_rows_weights_and_sums_each_tokens_slots():
 def test_expert_tiles_cover_each_experts_rows_once(block_m):
     counts = (0, 1, 37, 5, 0, 18, 64, 0)
     offsets = _offsets(counts)
-    rows = sum(counts)
-    tile_expert, tile_row = expert_tiles(offsets, rows, block_m)
+    rows = sum(counts) + 20  # 20 rows of no expert: group E
+    ends, tile_group, tile_row = expert_tiles(offsets, rows, block_m)
+    assert ends.tolist() == [*offsets.tolist(), rows]
     seen = torch.zeros(rows, dtype=torch.int64)
-    for e, r in zip(tile_expert.tolist(), tile_row.tolist()):
-        if e == len(counts):
+    for g, r in zip(tile_group.tolist(), tile_row.tolist()):
+        if g == len(counts) + 1:
             continue  # a spare tile
-        hi = min(r + block_m, int(offsets[e + 1]))
-        assert offsets[e] <= r < hi
+        hi = min(r + block_m, int(ends[g + 1]))
+        assert ends[g] <= r < hi
         seen[r:hi] += 1
     assert (seen == 1).all()
-    assert (tile_expert < len(counts)).sum() == sum(-(-c // block_m) for c in counts)
+    assert (tile_group <= len(counts)).sum() == sum(-(-c // block_m) for c in (*counts, 20))
 
 
 # --- the grouped GEMMs on their own ----------------------------------------------------------------------
@@ -125,12 +126,13 @@ def test_fp8_block_grouped_gemm(gather, per_row_scales, out_dtype):
     w_scale = torch.stack([sc for _, sc in w])
     if per_row_scales:
         w_scale = expand_block_scales(w_scale, (1, FP8_WEIGHT_BLOCK, 1))[:, :N]
-    tokens = 11
-    x = _rows(tokens if gather else s, K, seed=2)
-    row_index = torch.randint(0, tokens, (s,), generator=torch.Generator().manual_seed(3)) if gather else None
+    tokens, spare = 11, 5  # spare: sorted rows of no expert (another rank's), after offsets[E]
+    x = _rows(tokens if gather else s + spare, K, seed=2)
+    row_index = torch.randint(0, tokens, (s + spare,), generator=torch.Generator().manual_seed(3)) if gather else None
     x_q, x_scale = quantize_fp8_per_token(x)
     y = fp8_block_grouped_gemm(x_q, x_scale, w_q, w_scale, offsets, row_index=row_index, out_dtype=out_dtype)
-    assert y.shape == (s, N) and y.dtype == out_dtype
+    assert y.shape == (s + spare, N) and y.dtype == out_dtype
+    assert (y[s:] == 0).all()
     x_deq = dequantize_fp8_per_token(x_q, x_scale)
     x_deq = x_deq if row_index is None else x_deq[row_index]
     for i, lo, hi in _segments(offsets):
@@ -145,12 +147,13 @@ def test_nvfp4_grouped_gemm(static, w_global_per_row, gather):
     w_global = torch.stack([t.global_scale for t in w])  # (E,)
     if w_global_per_row:  # two shards of rows with their own scales, as fused gate/up hold them
         w_global = w_global[:, None] * torch.where(torch.arange(N) < 72, 1.0, 0.5)
-    tokens = 9
-    x = _rows(tokens if gather else s, K, seed=5)
+    tokens, spare = 9, 3  # spare: sorted rows of no expert, after offsets[E]
+    x = _rows(tokens if gather else s + spare, K, seed=5)
     a = quantize_nvfp4_activation(x, "static", torch.tensor(0.01)) if static else quantize_nvfp4_activation(x)
-    row_index = torch.randint(0, tokens, (s,), generator=torch.Generator().manual_seed(6)) if gather else None
+    row_index = torch.randint(0, tokens, (s + spare,), generator=torch.Generator().manual_seed(6)) if gather else None
     y = nvfp4_grouped_gemm(a.packed, a.block_scale, a.global_scale, torch.stack([t.packed for t in w]),
                            torch.stack([t.block_scale for t in w]), w_global, offsets, row_index=row_index)
+    assert y.shape == (s + spare, N) and (y[s:] == 0).all()
     x_deq = dequantize_nvfp4(a)
     x_deq = x_deq if row_index is None else x_deq[row_index]
     for i, lo, hi in _segments(offsets):
@@ -207,11 +210,13 @@ def test_grouped_gemms_refuse_bad_operands():
 
 
 def _routing(tokens, top_k, num_experts, seed):
-    """Random top-k routing with expert 1 unused and expert 4 hit by exactly one pair."""
+    """Random top-k routing with expert 1 unused, expert 4 hit by exactly one pair and one pair routed to
+    expert 6, of another (expert-parallel) rank."""
     g = torch.Generator().manual_seed(seed)
     choices = torch.tensor([0, 2, 3, 5])
     topk = choices[torch.stack([torch.randperm(4, generator=g)[:top_k] for _ in range(tokens)])]
     topk[tokens // 2, 0] = 4
+    topk[1, 1] = 6
     assert topk.shape == (tokens, top_k) and num_experts == 6
     return topk
 
@@ -236,6 +241,7 @@ def test_grouped_quantized_linear_matches_per_expert_fake_quant(scheme, static):
     for x, token_index in stages.values():
         y = grouped_quantized_linear(scheme, x, offsets, weights, token_index=token_index, input_global_scale=scales)
         assert y.shape == (tokens * top_k, N) and y.dtype == torch.bfloat16
+        assert int(offsets[-1]) == tokens * top_k - 1 and (y[-1] == 0).all()  # the other rank's pair
         rows = x if token_index is None else x[token_index]
         for i, lo, hi in _segments(offsets):
             if hi == lo:
@@ -356,7 +362,7 @@ def ptx(kernel, types, constexprs, tiles):
     text = compiled.asm["ptx"]
     return {"wgmma": "wgmma.mma_async" in text, "cp_async": "cp.async" in text}
 
-index = {"offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32", "row_index_ptr": "*i32", "y_ptr": "*bf16"}
+index = {"ends_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32", "row_index_ptr": "*i32", "y_ptr": "*bf16"}
 out = {}
 for m in (1, 4096):
     for gather in (False, True):
