@@ -86,11 +86,14 @@ report: $(MAIN_STAMP)
 gate: $(MAIN_STAMP)
 	$(VENV)/bin/quantkit gate --baseline $(BASELINE) --current $(RESULTS) --config quantkit/configs/gate.yaml
 
-# Triton GEMMs vs torch baselines (benchmarks/README.md), e.g. BENCH_ARGS=--quick (the only mode without a GPU).
+# Triton GEMMs, dense and grouped (MoE), vs torch baselines (benchmarks/README.md), e.g. BENCH_ARGS=--quick (the
+# only mode without a GPU; the grouped benchmark inherits --quick, else takes GROUPED_BENCH_ARGS).
 # No setup prerequisite: the GPU machines carry torch and triton but no vLLM and no network.
 BENCH_ARGS ?=
+GROUPED_BENCH_ARGS ?= $(filter --quick,$(BENCH_ARGS))
 bench:
 	$(PY) benchmarks/bench_gemm.py $(BENCH_ARGS)
+	$(PY) benchmarks/bench_grouped_gemm.py $(GROUPED_BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV) $(LLMC_VENV)

@@ -51,8 +51,7 @@ LAYERS = {
     "llama3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)},
 }
-DECODE_M = (1, 4, 16)
-PREFILL_M = (2048, 4096, 8192)
+TOKENS = (1, 16, 128, 2048, 8192)  # M: decode, small batch, prefill (issue 18's shapes)
 QUICK_LAYERS = {"tiny": {"edge": (136, 200), "square": (256, 256)}}  # N, K off and on the 128 grid
 QUICK_M = (1, 16)
 BASELINES = ("torch_bf16", "torch_fp8_rowwise", "torch_fp8_blockwise")
@@ -66,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick", action="store_true", help="tiny shapes, M in (1, 16): a smoke run (the only mode without a GPU)"
     )
     p.add_argument("--models", nargs="+", choices=sorted(LAYERS), default=sorted(LAYERS))
-    p.add_argument("--m", nargs="+", type=int, default=None, help=f"token counts (default {DECODE_M + PREFILL_M})")
+    p.add_argument("--m", nargs="+", type=int, default=None, help=f"token counts (default {TOKENS})")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -250,6 +249,36 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def metadata(device: torch.device, quick: bool) -> dict:
+    """What every result file records: device, date (UTC), versions, the command, the timing method."""
+    return {
+        "device": device_name(device),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms)" if device.type == "cuda"
+        else "time.perf_counter median of 3 after 1 warm-up call",
+        "quick": quick,
+    }
+
+
+def write_results(out: Path, prefix: str, meta: dict, rows: list[dict], text: str, final: bool = True) -> None:
+    """<out>/<prefix>_<device slug>_<date>[_quick].json (meta + rows) and .md (`text`), rewritten as rows come
+    (final=False: a run cut short keeps what it measured); the final write also prints the table."""
+    slug = re.sub(r"[^a-z0-9]+", "-", meta["device"].lower()).strip("-")
+    date = dt.datetime.fromisoformat(meta["date"])
+    stem = f"{prefix}_{slug}_{date:%Y-%m-%d_%H%M%S}{'_quick' if meta['quick'] else ''}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({**meta, "complete": final, "rows": rows}, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(text if final else text + "\n(incomplete: the run is still going or was cut short)\n")
+    if final:
+        print(text)
+        print(f"wrote {out / stem}.json and .md", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -260,35 +289,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     layers = QUICK_LAYERS if args.quick else {name: LAYERS[name] for name in args.models}
-    ms = tuple(args.m) if args.m else (QUICK_M if args.quick else DECODE_M + PREFILL_M)
+    ms = tuple(args.m) if args.m else (QUICK_M if args.quick else TOKENS)
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    now = dt.datetime.now(dt.timezone.utc)
-    meta = {
-        "device": device_name(device),
-        "date": now.isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms)" if device.type == "cuda"
-        else "time.perf_counter median of 3 after 1 warm-up call",
-        "quick": args.quick,
-    }
+    meta = metadata(device, args.quick)
     rows = []
     with torch.inference_mode():
         for model, shapes in layers.items():
             for layer, (n, k) in shapes.items():
                 print(f"{model} {layer} N={n} K={k} M={list(ms)}", file=sys.stderr, flush=True)
                 rows += bench_shape(model, layer, n, k, ms, device, gen)
-    slug = re.sub(r"[^a-z0-9]+", "-", meta["device"].lower()).strip("-")
-    stem = f"gemm_{slug}_{now:%Y-%m-%d_%H%M%S}{'_quick' if args.quick else ''}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
-    text = markdown(meta, rows)
-    (args.out / f"{stem}.md").write_text(text)
-    print(text)
-    print(f"wrote {args.out / stem}.json and .md", file=sys.stderr)
+                write_results(args.out, "gemm", meta, rows, markdown(meta, rows), final=False)
+    write_results(args.out, "gemm", meta, rows, markdown(meta, rows))
     return 0
 
 

@@ -10,6 +10,8 @@ and the kernels work around it. One module a job:
   gemm_tiles          what the GEMMs share: tiles (defaults by M), program -> tile mapping, epilogue, checks
   fp8_gemm            FP8 W8A8 GEMM: 128x128 block-scaled weights, per-token activations
   nvfp4_gemm          NVFP4 W4A4 GEMM for Hopper: E2M1 -> bf16 tiles, bf16 MMA, second stage in the epilogue
-  schemes             dispatch: each scheme of quantkit.formats.schemes -> its quantizer and GEMM
+  expert_sort         MoE routing -> (token, slot) pairs sorted by expert, per-expert offsets; and back (torch)
+  grouped_gemm        both GEMMs grouped over experts (rows sorted by expert, optional row gather), per-expert weights
+  schemes             dispatch: each scheme of quantkit.formats.schemes -> its quantizer, GEMM and grouped GEMM
   interpreter_quirks  what triton 3.9's interpreter gets wrong (bf16 dot, bf16/fp8 casts) and the switch
 """

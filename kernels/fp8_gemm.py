@@ -33,6 +33,29 @@ _check = partial(require, "fp8_block_gemm")  # _check(cond, msg): ValueError "fp
 
 
 @triton.jit
+def fp8_block_dot(x_rows, x_scale, w_rows, w_scale_rows, m_ok, n_ok, K,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K loop of one output tile: float32 (BLOCK_M, BLOCK_N) = sum_kb (x . w) * x_scale * w_scale.
+
+    x_rows (BLOCK_M,) / w_rows (BLOCK_N,): pointers to the first element of each activation / weight row;
+    x_scale (BLOCK_M,) float32; w_scale_rows (BLOCK_N,): pointers to each output row's first K-block scale
+    (consecutive K blocks adjacent). Rows outside (not m_ok / n_ok) and K past the edge read zeros."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_rows[:, None] + offs_k[None, :]
+    w_ptrs = w_rows[None, :] + offs_k[:, None]  # (BLOCK_K, BLOCK_N) view of w^T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - kb * BLOCK_K
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & n_ok[None, :], other=0.0)
+        w_scale = tl.load(w_scale_rows + kb, mask=n_ok, other=0.0)
+        acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
 def _fp8_block_gemm_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr,
     M, N, K, stride_xm, stride_wn, stride_wsn, stride_ym,
@@ -40,20 +63,9 @@ def _fp8_block_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     offs_m, offs_n, m_ok, n_ok = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # (BLOCK_K, BLOCK_N) view of w^T
     x_scale = tl.load(x_scale_ptr + offs_m, mask=m_ok, other=0.0)
-    w_scale_ptrs = w_scale_ptr + (offs_n // SCALE_BLOCK) * stride_wsn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - kb * BLOCK_K
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & n_ok[None, :], other=0.0)
-        w_scale = tl.load(w_scale_ptrs + kb, mask=n_ok, other=0.0)
-        acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = fp8_block_dot(x_ptr + offs_m.to(tl.int64) * stride_xm, x_scale, w_ptr + offs_n.to(tl.int64) * stride_wn,
+                        w_scale_ptr + (offs_n // SCALE_BLOCK) * stride_wsn, m_ok, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K)
     store_tile(acc, y_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, HAS_BIAS, ROUND_BF16)
 
 

@@ -58,16 +58,21 @@ def check_epilogue_args(fn: str, n: int, bias: torch.Tensor | None, out_dtype: t
 
 
 @triton.jit
-def output_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's output tile on a 1-D grid of cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) programs: (offs_m
-    (BLOCK_M,), offs_n (BLOCK_N,), m_ok, n_ok), its rows and columns and which of them lie inside (M, N)."""
+def tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n): this program's tile of a num_pid_m x num_pid_n tile grid, 1-D grid, grouped ordering."""
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
     first_m = (pid // (GROUP_M * num_pid_n)) * GROUP_M
     group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
     pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def output_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile on a 1-D grid of cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) programs: (offs_m
+    (BLOCK_M,), offs_n (BLOCK_N,), m_ok, n_ok), its rows and columns and which of them lie inside (M, N)."""
+    pid_m, pid_n = tile_ids(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return offs_m, offs_n, offs_m < M, offs_n < N

@@ -41,21 +41,21 @@ _check = partial(require, "nvfp4_gemm")  # _check(cond, msg): ValueError "nvfp4_
 
 
 @triton.jit
-def _nvfp4_gemm_kernel(
-    a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, bias_ptr, y_ptr,
-    M, N, K_BYTES, stride_am, stride_asm, stride_agm, stride_wgn, stride_wn, stride_wsn, stride_ym,
-    HAS_BIAS: tl.constexpr, TILE: tl.constexpr, ROUND_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
+def nvfp4_dot(a_rows, a_scale_rows, w_rows, w_scale_rows, m_ok, n_ok, K_BYTES, TILE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K loop of one output tile, before the second-stage scales: float32 (BLOCK_M, BLOCK_N) =
+    sum_k (e2m1(a) * a_bs) * (e2m1(w) * w_bs), K_BYTES packed bytes a row, BLOCK_K elements a step.
+
+    a_rows (BLOCK_M,) / w_rows (BLOCK_N,): pointers to the first packed byte of each row; a_scale_rows /
+    w_scale_rows: pointers to each row's first E4M3 group scale. Rows outside and bytes past the edge read 0."""
     BYTES: tl.constexpr = BLOCK_K // 2
-    offs_m, offs_n, m_ok, n_ok = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_b = tl.arange(0, BYTES)
     # A as (BLOCK_M, BYTES); W as (BYTES, BLOCK_N), the transposed view the dot wants. Byte j of a row
     # holds elements 2j, 2j + 1 of group j // 8: its scale is loaded once per byte (repeated addresses).
-    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_b[None, :]
-    a_scale_ptrs = a_scale_ptr + offs_m.to(tl.int64)[:, None] * stride_asm + offs_b[None, :] // _GROUP_BYTES
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_b[:, None]
-    w_scale_ptrs = w_scale_ptr + offs_n.to(tl.int64)[None, :] * stride_wsn + offs_b[:, None] // _GROUP_BYTES
+    a_ptrs = a_rows[:, None] + offs_b[None, :]
+    a_scale_ptrs = a_scale_rows[:, None] + offs_b[None, :] // _GROUP_BYTES
+    w_ptrs = w_rows[None, :] + offs_b[:, None]
+    w_scale_ptrs = w_scale_rows[None, :] + offs_b[:, None] // _GROUP_BYTES
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for b0 in range(0, K_BYTES, BYTES):
         a_mask = m_ok[:, None] & (offs_b[None, :] < K_BYTES - b0)
@@ -74,6 +74,20 @@ def _nvfp4_gemm_kernel(
         a_scale_ptrs += BYTES // _GROUP_BYTES
         w_ptrs += BYTES
         w_scale_ptrs += BYTES // _GROUP_BYTES
+    return acc
+
+
+@triton.jit
+def _nvfp4_gemm_kernel(
+    a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, bias_ptr, y_ptr,
+    M, N, K_BYTES, stride_am, stride_asm, stride_agm, stride_wgn, stride_wn, stride_wsn, stride_ym,
+    HAS_BIAS: tl.constexpr, TILE: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    offs_m, offs_n, m_ok, n_ok = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows, cols = offs_m.to(tl.int64), offs_n.to(tl.int64)
+    acc = nvfp4_dot(a_ptr + rows * stride_am, a_scale_ptr + rows * stride_asm, w_ptr + cols * stride_wn,
+                    w_scale_ptr + cols * stride_wsn, m_ok, n_ok, K_BYTES, TILE, BLOCK_M, BLOCK_N, BLOCK_K)
     a_global = tl.load(a_global_ptr + offs_m * stride_agm, mask=m_ok, other=0.0)
     w_global = tl.load(w_global_ptr + offs_n * stride_wgn, mask=n_ok, other=0.0)
     acc = acc * a_global[:, None] * w_global[None, :]

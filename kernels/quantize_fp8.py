@@ -22,11 +22,17 @@ INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_activation(fn: str, x: torch.Tensor) -> None:
-    """x must be a finite 2-D float32/bfloat16/float16 tensor with K > 0 (TypeError / ValueError naming `fn`)."""
+    """x must be a 2-D float32/bfloat16/float16 tensor with K > 0 (TypeError / ValueError naming `fn`), and
+    finite when on the CPU. A CUDA tensor's values are not checked: that would read x once more and wait for
+    the GPU (a host sync, which CUDA-graph capture forbids) on every call of the serving path; NaN or Inf
+    there give unspecified codes."""
     if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
         got = getattr(x, "dtype", type(x).__name__)
         raise TypeError(f"{fn}: x must be a float32/bfloat16/float16 tensor, got {got}")
-    check_quantizable(x, fn, name="x", ndim=2)
+    if not x.is_cuda:
+        check_quantizable(x, fn, name="x", ndim=2)
+    elif x.ndim != 2 or x.shape[1] == 0:
+        raise ValueError(f"{fn}: x must be 2-D with K > 0, got shape {tuple(x.shape)}")
 
 
 def check_tile(fn: str, name: str, value: int, least: int = 1) -> None:

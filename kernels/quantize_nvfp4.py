@@ -6,7 +6,8 @@ up to a multiple of 16 (zero padded). All scales are DECODE scales:
 ``x ~= e2m1(code) * float(block_scale) * global``.
 
 - global: per token (``global_scale=None``, mode "per_token"): ``row_amax / 2688``, 1.0 for an all-zero
-  row; static (mode "static"): the calibrated decode scale ``global_scale``, the same for every row.
+  row; static (mode "static"): the calibrated decode scale ``global_scale``, the same for every row -- or
+  one per row (M,): rows sorted by expert, each with its expert's static scale (`quantkit.kernels.schemes`).
 - block_scale: ``e4m3(clamp(group_amax / (6 * global), 2**-9, 448))``, 1.0 for an all-zero group.
 - codes: ``e2m1(x / (float(block_scale) * global))`` (the product first), nearest, ties to even,
   saturating at +-6, sign bit set exactly when the scaled value is < 0; byte j of a row holds element 2j
@@ -37,7 +38,7 @@ _PAIRS = tl.constexpr(NVFP4_GROUP // 2)  # bytes of a packed group
 @triton.jit
 def _quantize_nvfp4_kernel(
     x_ptr, packed_ptr, block_scale_ptr, global_ptr, static_global_ptr,
-    M, K, K_PAD, stride_xm, stride_pm, stride_sm,
+    M, K, K_PAD, stride_xm, stride_pm, stride_sm, stride_static,
     STATIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     GROUPS: tl.constexpr = BLOCK_K // _GROUP
@@ -45,7 +46,7 @@ def _quantize_nvfp4_kernel(
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
     if STATIC:
-        gs = tl.full((BLOCK_M,), 0.0, tl.float32) + tl.load(static_global_ptr)
+        gs = tl.load(static_global_ptr + rows * stride_static, mask=row_ok, other=1.0)  # stride 0: one number
     else:
         amax = row_absmax(x_ptr + rows64[:, None] * stride_xm, row_ok, K, BLOCK_M, BLOCK_K)
         gs = tl.div_rn(amax, tl.full((BLOCK_M,), _GLOBAL_DIVISOR, tl.float32))
@@ -82,15 +83,23 @@ def _quantize_nvfp4_kernel(
         )
 
 
-def _static_global(global_scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
-    """A calibrated decode scale (a number or a one-element tensor) -> float32 tensor (1,) on `device`."""
+def _static_global(global_scale: torch.Tensor | float, m: int, device: torch.device) -> torch.Tensor:
+    """A calibrated decode scale (a number or a one-element tensor; checked finite and > 0 unless it is on
+    CUDA) -> float32 tensor (1,) on `device`; a
+    float32 (m,) tensor on `device` (one scale per row) is returned as it is, its values unchecked (no host
+    sync: they are the checkpoint's loaded scales)."""
+    if isinstance(global_scale, torch.Tensor) and global_scale.numel() != 1 and global_scale.ndim == 1:
+        if global_scale.shape != (m,) or global_scale.dtype != torch.float32 or global_scale.device != device:
+            raise ValueError(f"quantize_nvfp4_per_token: per-row global_scale must be float32 ({m},) on {device}, got "
+                             f"{global_scale.dtype} {tuple(global_scale.shape)} on {global_scale.device}")
+        return global_scale.contiguous()
     gs = torch.as_tensor(global_scale, dtype=torch.float32)
     if gs.numel() != 1:
         raise ValueError(
-            "quantize_nvfp4_per_token: global_scale must be one number (a per-tensor decode scale), "
+            "quantize_nvfp4_per_token: global_scale must be one number (a per-tensor decode scale) or (M,), "
             f"got shape {tuple(gs.shape)}"
         )
-    if not (torch.isfinite(gs) & (gs > 0)).all():
+    if not gs.is_cuda and not (torch.isfinite(gs) & (gs > 0)).all():  # on CUDA: no host sync (see check_activation)
         raise ValueError(
             f"quantize_nvfp4_per_token: global_scale must be finite and > 0 (amax / 2688), got {gs.item()}"
         )
@@ -107,23 +116,24 @@ def quantize_nvfp4_per_token(
     """x (M, K) -> (packed uint8 (M, Kp/2), block_scale float8_e4m3fn (M, Kp/16), global float32 (M, 1)).
 
     global_scale None: per-token second stage row_amax / 2688; else the static calibrated DECODE scale
-    (a number or a one-element tensor), used for every row. block_m, block_k (powers of two, block_k a
-    multiple of 16): the tile of one program step; they change speed only.
+    (a number or a one-element tensor), used for every row, or a float32 (M,) tensor: one per row (values
+    unchecked). block_m, block_k (powers of two, block_k a multiple of 16): the tile of one program step;
+    they change speed only.
     """
     check_activation("quantize_nvfp4_per_token", x)
     check_tile("quantize_nvfp4_per_token", "block_m", block_m)
     check_tile("quantize_nvfp4_per_token", "block_k", block_k, least=NVFP4_GROUP)
     static = global_scale is not None
-    static_global = _static_global(global_scale, x.device) if static else torch.empty(1, device=x.device)
-    x = x if x.stride(-1) == 1 else x.contiguous()
     m, k = x.shape
+    static_global = _static_global(global_scale, m, x.device) if static else torch.empty(1, device=x.device)
+    x = x if x.stride(-1) == 1 else x.contiguous()
     k_pad = triton.cdiv(k, NVFP4_GROUP) * NVFP4_GROUP
     packed = torch.empty((m, k_pad // 2), dtype=torch.uint8, device=x.device)
     block_scale = torch.empty((m, k_pad // NVFP4_GROUP), dtype=torch.uint8, device=x.device)
     global_out = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     _quantize_nvfp4_kernel[(triton.cdiv(m, block_m),)](
         x, packed, block_scale, global_out, static_global,
-        m, k, k_pad, x.stride(0), packed.stride(0), block_scale.stride(0),
+        m, k, k_pad, x.stride(0), packed.stride(0), block_scale.stride(0), 1 if static_global.numel() != 1 else 0,
         STATIC=static, BLOCK_M=block_m, BLOCK_K=block_k,
     )
     return packed, block_scale.view(F8E4M3_DTYPE), global_out

@@ -1,5 +1,6 @@
-"""`make bench` (benchmarks/bench_gemm.py) and benchmarks/bench_serve.py run on this machine and write JSON + markdown
-(GEMM on CPU: --quick through the interpreter, kernels within tolerance; serving: a tiny checkpoint, two recipes)."""
+"""`make bench` (benchmarks/bench_gemm.py, bench_grouped_gemm.py) and benchmarks/bench_serve.py run on this machine and
+write JSON + markdown (GEMMs on CPU: --quick through the interpreter, kernels within tolerance; serving: a tiny
+checkpoint, two recipes)."""
 
 import json
 import subprocess
@@ -23,6 +24,24 @@ def test_quick_benchmark_writes_results(tmp_path):
         assert f"| {impl} |" in rows
     errs = [float(line.rsplit("|", 2)[-2]) for line in rows.splitlines() if "| triton_" in line]
     assert errs and max(errs) <= 1.0
+
+
+def test_quick_grouped_benchmark_writes_results(tmp_path):
+    """benchmarks/bench_grouped_gemm.py --quick (one token count: ~30 s on 2 cores): both projections, every impl
+    row (a baseline torch lacks on CPU listed as unsupported), ours within the GEMM tolerance."""
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_grouped_gemm.py"), "--quick", "--tokens", "5",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (json_file,), (md_file,) = tmp_path.glob("grouped_gemm_*.json"), tmp_path.glob("grouped_gemm_*.md")
+    result = json.loads(json_file.read_text())
+    assert {"device", "date", "torch", "triton", "command"} <= set(result)
+    assert {(r["projection"], r["tokens"], r["S"]) for r in result["rows"]} == {("gate_up", 5, 10), ("down", 5, 10)}
+    impls = {r["impl"] for r in result["rows"]}
+    assert {"torch_fp8_rowwise_grouped", "torch_fp8_rowwise_loop", "triton_fp8_block_grouped", "triton_nvfp4_grouped"} <= impls
+    assert impls & {"torch_bf16_grouped_mm", "torch_bf16_mm_loop"}
+    ours = [r for r in result["rows"] if r["impl"].startswith("triton_")]
+    assert len(ours) == 4 and all(r["status"] == "ok" and 0 < r["err_over_tol"] <= 1.0 for r in ours)
+    assert "| triton_nvfp4_grouped |" in md_file.read_text()
 
 
 def test_serving_throughput_benchmark_runs(tiny_checkpoint, tmp_path):
