@@ -50,6 +50,7 @@ import yaml
 from tqdm import tqdm
 
 from quantkit.atomic import atomic_dir, exclusive_lock, write_text_atomic
+from quantkit.checkpoints import describe_architecture
 
 logger = logging.getLogger(__name__)
 
@@ -342,11 +343,14 @@ def study_results(study: Study) -> dict[str, Any]:
     rows, suite = [], None
     for label in study.spec.models:
         outliers = _outliers(study, label)
+        config = json.loads((study.checkpoint_dir(label, BASELINE) / "config.json").read_text())
+        section = describe_architecture(config)
         for recipe in study.spec.recipes:
             ev = json.loads(study.artifact("eval", label, recipe).read_text())
             suite = ev["suite"]
             scores = {b: 100 * v["score"] for b, v in ev["benchmarks"].items() if not math.isnan(v["score"])}
-            row = dict(variant=label, model=study.spec.models[label], recipe=recipe, precision=_precision(recipe), scores=scores)
+            row = dict(variant=label, model=study.spec.models[label], section=section, recipe=recipe,
+                       precision=_precision(recipe), scores=scores)
             if recipe != BASELINE:
                 deg = json.loads(study.artifact("degradation", label, recipe).read_text())
                 bench = deg["benchmarks"]

@@ -52,3 +52,21 @@ def check_checkpoint_dir(model_dir: str | Path) -> tuple[dict, TensorHeaders]:
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
     return config, tensor_headers(model_dir)
+
+
+def describe_architecture(config: dict) -> str:
+    """One line naming a checkpoint's architecture from its config.json dict, for the report's section headings:
+    the model class, then the token mixers (softmax layers, or Gated DeltaNet + softmax for the hybrid family
+    and Qwen3-Next) and the MLP (dense, or routed experts top-k, + a shared expert), e.g.
+    "QuantkitHybridForCausalLM: 3 Gated DeltaNet + 1 softmax layers, MoE 8 experts top-2 + shared"."""
+    arch = (config.get("architectures") or [config.get("model_type", "unknown")])[0]
+    layer_types = config.get("layer_types") or []
+    linear = sum(t == "linear_attention" for t in layer_types)
+    layers = config.get("num_hidden_layers", len(layer_types))
+    mixers = f"{linear} Gated DeltaNet + {layers - linear} softmax layers" if linear else f"{layers} softmax layers"
+    experts = config.get("num_experts") or 0
+    mlp = "dense MLP"
+    if experts:
+        shared = " + shared" if config.get("shared_expert_intermediate_size") else ""
+        mlp = f"MoE {experts} experts top-{config.get('num_experts_per_tok')}{shared}"
+    return f"{arch}: {mixers}, {mlp}"
