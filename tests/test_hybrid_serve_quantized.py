@@ -34,7 +34,9 @@ must each differ from vLLM by more than that tolerance on some token. Expected m
 adds a relative error of std 2**-4 / sqrt(3) = 3.6e-2 (FP8: uniform over half a code step of 2**-3) or more
 (NVFP4) at each of the ~7 quantized inputs of each of 4 layers: sqrt(28) * 3.6e-2 = 0.19 relative on the final
 hidden state, a logprob std of sqrt(2) * 0.19 S = 0.27 S per token, whose maximum over ~66 tokens is ~0.7 S, about 4x
-the 0.18 S tolerance. The flips and the plain comparison are printed, not asserted.
+the 0.18 S tolerance. The flips are printed, not asserted. (Measured 2026-11-23, this 2-core machine: a plain
+comparison, codes not held, differed by 0.26 nats on ga-fp8_block, as much as the weight-only control's 0.25: the
+reason for holding the codes.)
 """
 
 from __future__ import annotations
@@ -96,11 +98,16 @@ def sources(tmp_path_factory):
     return source
 
 
-def logit_scale(model: torch.nn.Module, token_ids: list[list[int]]) -> float:
-    """S: RMS over positions of the logits' std over the vocabulary (float32 reference)."""
+def logprobs_and_scale(model: torch.nn.Module, token_ids: list[list[int]]) -> tuple[list[torch.Tensor], float]:
+    """`reference_logprobs` of the float32 source model, and S: RMS over positions of its logits' std over the
+    vocabulary (one forward per sequence)."""
+    logprobs, stds = [], []
     with torch.no_grad():
-        stds = [model(torch.tensor([ids[:-1]])).logits[0].float().std(-1) for ids in token_ids]
-    return torch.cat(stds).pow(2).mean().sqrt().item()
+        for ids in token_ids:
+            logits = model(torch.tensor([ids[:-1]])).logits[0].float()
+            stds.append(logits.std(-1))
+            logprobs.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0])
+    return logprobs, torch.cat(stds).pow(2).mean().sqrt().item()
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -125,14 +132,14 @@ def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch)
     assert any(".experts." in prefix for prefix in activations), "vLLM never ran a quantized expert"
     held = HeldCodes(held_model, activations, input_tol=BF16_INPUT_TOL)
     parity = token_diffs(served, reference_logprobs(held_model, token_ids))
-    plain = token_diffs(served, reference_logprobs(load_fake_quant_model(quantized), token_ids))
     weight_only = token_diffs(served, reference_logprobs(load_fake_quant_model(quantized, quantize_activations=False), token_ids))
     source_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    unquantized = token_diffs(served, reference_logprobs(source_model, token_ids))
-    tol = TOLERANCE_PER_LOGIT_STD * logit_scale(source_model, token_ids)
+    source_logprobs, scale = logprobs_and_scale(source_model, token_ids)
+    unquantized = token_diffs(served, source_logprobs)
+    tol = TOLERANCE_PER_LOGIT_STD * scale
     print(f"{case}: {len(parity)} tokens, tolerance {tol:.3f}; codes held: max {parity.max():.3f} nats, inputs within "
-          f"{held.max_input_diff:.1e} of row max, {held.flips} of {held.elements} activation codes flipped; codes not "
-          f"held: max {plain.max():.3f}; weight-only: max {weight_only.max():.3f}; unquantized: max {unquantized.max():.3f}")
+          f"{held.max_input_diff:.1e} of row max, {held.flips} of {held.elements} activation codes flipped; "
+          f"weight-only: max {weight_only.max():.3f}; unquantized: max {unquantized.max():.3f}")
     assert held.elements > 0
     assert parity.max() <= tol, f"{case}: with activation codes held equal, vLLM differs from the reference by {parity.max():.3f} nats"
     assert weight_only.max() > tol, f"{case}: the weight-only model matches too: activations not quantized?"
