@@ -140,7 +140,7 @@ def test_experts_triton_path_equals_torch_emulation(scheme, activation_scale, gl
         |out_t - out_e| <= sum_s |p_s| (|xq_t - xq_e| @ |w2|^T + ((I + 1) 2**-21 + (k + 1) 2**-23) S2)_s
 
     Routing: an expert with no token, one with one token, uneven counts, pairs of another rank's expert (-1).
-    glu: the same code through `QuantkitGLUExpertsMethod` (act = sigmoid). ~10 s a case on 2 shared cores.
+    glu: the same code through `QuantkitGLUExpertsMethod` (act = sigmoid). 2-3 s a case on 2 shared cores.
     """
     g = torch.Generator().manual_seed(1)
     down_scales = torch.tensor([0.002, 0.0005, 0.001, 0.004])  # NVFP4 static decode scales of the down inputs
