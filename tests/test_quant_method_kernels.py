@@ -1,5 +1,7 @@
 """The vLLM quant method's Triton path (`QUANTKIT_KERNEL=triton`, what CUDA runs) equals its torch-emulation
-path (what CPU runs, held against the fake-quant reference in tests/test_serve_quantized.py), layer by layer.
+path (what CPU runs, held against the fake-quant reference in tests/test_serve_quantized.py), layer by layer:
+quantized Linears (below) and routed experts (`quantkit.serve.moe_method`, grouped GEMMs; the bound per GEMM is
+the one below, the re-quantized down input handled in that test's docstring).
 
 The Triton kernels run through the interpreter here. Both paths quantize activations bit-identically
 (the kernel quantizers are bit-exact with quantkit.formats) and multiply the same decoded values in
@@ -15,9 +17,12 @@ scale) moves outputs by whole quantization steps (>= 2**-4 relative), orders of 
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from quantkit.formats.schemes import SCHEMES
-from quantkit.serve.quant_method import KERNEL_ENV, QuantkitLinearMethod, QuantkitQuantConfig
+from quantkit.kernels.expert_sort import sort_by_expert
+from quantkit.serve.moe_method import QuantkitExperts, QuantkitGLUExpertsMethod
+from quantkit.serve.quant_method import CAPTURE_ENV, KERNEL_ENV, QuantkitLinearMethod, QuantkitQuantConfig
 
 N, K = 136, 200  # neither a multiple of 128 nor (K) of the NVFP4 K tile
 
@@ -61,3 +66,140 @@ def test_triton_path_equals_torch_emulation(scheme, activation_scale, monkeypatc
 def test_kernel_choice_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="QUANTKIT_KERNEL='cuda'"):
         _layer("fp8_block", "per_token", "cuda", torch.randn(N, K), monkeypatch)
+
+
+# ---------------------------------------------------------------------------------------- routed experts
+
+E, H, I = 4, 40, 72  # w13 (E, 144, 40): the up shard starts off the 128 grid; NVFP4 pads H to 48, I to 80
+ROUTING = torch.tensor([[2, 3], [3, 2], [2, -1], [1, 2], [2, 3], [3, 2], [2, -1], [3, 2]])  # -1: another rank's
+# tokens per expert: 0 (none), 1 (one), 8, 5 (uneven); two pairs of no local expert
+
+
+def _experts(scheme, activation_scale, kernel, weights, glu, monkeypatch, capture_dir=None):
+    """(QuantkitExperts, layer, run(x, ids, topk_weights)): E experts loaded from per-expert `Scheme.encode` tensors
+    through vLLM's expert weight_loader; glu: through `QuantkitGLUExpertsMethod` (sigmoid), else silu (FusedMoE)."""
+    config = QuantkitQuantConfig({"format_version": 1, "scheme": scheme, "activation_scale": activation_scale,
+                                  "quantized_modules": ["experts.0.gate_proj"]})
+    if capture_dir is None:
+        monkeypatch.delenv(CAPTURE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CAPTURE_ENV, str(capture_dir))
+    layer = torch.nn.Module()
+    if glu:
+        method = QuantkitGLUExpertsMethod(config, "experts")
+        method.create_weights(layer, E, H, I)
+        experts = method.experts
+    else:
+        method = experts = QuantkitExperts(config, "experts")
+        experts.create_weights(layer, E, H, I, lambda e: e)
+    for (e, proj, shard), (weight, static_scale) in weights.items():
+        stem = "w2" if shard == "w2" else "w13"
+        tensors = SCHEMES[scheme].encode(weight, f"experts.{e}.{proj}")
+        if activation_scale == "static":
+            tensors["input_global_scale"] = torch.tensor([static_scale])
+        for suffix, tensor in tensors.items():
+            param = getattr(layer, f"{stem}_{suffix}")
+            param.weight_loader(param, tensor, f"experts.{e}.{proj}.{suffix}", shard, e)
+    monkeypatch.setenv(KERNEL_ENV, kernel)
+    method.process_weights_after_loading(layer)
+    assert experts.kernel == ("triton" if kernel == "triton" else "torch-emulation")
+
+    def run(x, ids, topk_weights):
+        if glu:
+            return method.apply(layer, x, ids, topk_weights)
+        return experts.forward(layer, x, ids, topk_weights, F.silu)
+
+    return experts, layer, run
+
+
+@pytest.mark.parametrize("scheme, activation_scale, glu", [("fp8_block", "per_token", False),
+                                                           ("nvfp4", "per_token", False), ("nvfp4", "static", False),
+                                                           ("nvfp4", "per_token", True)])
+def test_experts_triton_path_equals_torch_emulation(scheme, activation_scale, glu, monkeypatch, tmp_path):
+    """The routed experts' "triton" kernel (grouped GEMMs, interpreter) vs their torch emulation, per token.
+
+    Both quantize the block input identically (bit-exact quantizers) and multiply decoded values in float32, so
+    the w13 outputs [gate | up] of every (token, expert) pair differ by float32 rounding only: within
+    (H + 1) 2**-21 S1, S1 = |xq| @ |w13_e|^T (the Linear test's bound, module docstring), checked first -- a wrong
+    scale, expert or row there is off by quantization steps. The down input a = act(gate) * up is then
+    re-quantized from values that differ by that rounding, and an element of a within it of a rounding midpoint
+    (or a block amax at one of an NVFP4 group scale) gets the neighbouring code on one side: a "flip", a whole
+    quantization step, legitimate and rare (probability ~ rounding / step per element). The test finds the flips:
+    the two paths' down-input codes (every quantizer operand but the row's float32 scale) compared, the
+    emulation's a captured (QUANTKIT_CAPTURE_DIR), the triton path's act applied to its [gate | up]. Tokens with a
+    flip are left out: at most 2 of the 8 may be (flips are rare, ~2**-24 sqrt(H) / 2**-4 per element for the
+    typical rounding; an error upstream, which the w13 check would already catch, flips nearly all). For the
+    others, per pair s of token t with routing weight p_s, xq_t / xq_e the two dequantized down inputs (same
+    codes; the row scales may differ by the rounding of the row amax) and w2 the expert's decoded down weight:
+
+        |y_t - y_e| <= |xq_t - xq_e| @ |w2|^T + (I + 1) 2**-21 S2,    S2 = max(|xq_t|, |xq_e|) @ |w2|^T
+
+    (the first term exact for the operand difference, the second the Linear bound), and each path's combine of
+    k weighted rows in float32 adds at most (k + 1) 2**-24 sum_s |p_s| S2_s:
+
+        |out_t - out_e| <= sum_s |p_s| (|xq_t - xq_e| @ |w2|^T + ((I + 1) 2**-21 + (k + 1) 2**-23) S2)_s
+
+    Routing: an expert with no token, one with one token, uneven counts, pairs of another rank's expert (-1).
+    glu: the same code through `QuantkitGLUExpertsMethod` (act = sigmoid). 2-3 s a case on 2 shared cores.
+    """
+    g = torch.Generator().manual_seed(1)
+    down_scales = torch.tensor([0.002, 0.0005, 0.001, 0.004])  # NVFP4 static decode scales of the down inputs
+    x = torch.randn(len(ROUTING), H, generator=g) * torch.tensor([0.1, 1.0, 30.0, 3.0] * 2)[:, None]
+    block_scales = x.abs().amax() / 2688 * torch.tensor([1.0, 0.5, 2.0, 1.0])  # static: expert 1's inputs clip
+    weights = {}
+    for e in range(E):
+        for proj, shard, shape, scale in (("gate_proj", "w1", (I, H), block_scales[e]),
+                                          ("up_proj", "w3", (I, H), block_scales[e]),
+                                          ("down_proj", "w2", (H, I), down_scales[e])):
+            weights[e, proj, shard] = (torch.randn(shape, generator=g) * 0.05 * (e + 1), float(scale))
+    topk_weights = torch.rand(ROUTING.shape, generator=g) + 0.1
+    emulation, emulation_layer, run_emulation = _experts(scheme, activation_scale, "torch", weights, glu, monkeypatch,
+                                                         tmp_path)
+    triton, triton_layer, run_triton = _experts(scheme, activation_scale, "triton", weights, glu, monkeypatch)
+    want = run_emulation(x, ROUTING, topk_weights)
+    got = run_triton(x, ROUTING, topk_weights)
+    assert got.shape == want.shape == (len(ROUTING), H) and got.dtype == torch.float32
+
+    captured = {}
+    for path in tmp_path.glob("*.pt"):
+        record = torch.load(path)
+        _, expert, which = record["prefix"].split(".")
+        captured[int(expert), which] = record
+    scheme_ = SCHEMES[scheme]
+    act = torch.sigmoid if glu else F.silu
+    sort = sort_by_expert(ROUTING, E)
+    offsets = sort.expert_offsets.tolist()
+    h = triton.triton_gate_up(triton_layer, x, sort)
+    assert not h[offsets[E]:].any(), "pairs of no local expert must be zeros"
+    top_k = ROUTING.shape[1]
+    pair_weight = topk_weights.reshape(-1)[sort.flat_index].double().abs()
+    tol = torch.zeros(len(ROUTING), H, dtype=torch.float64)
+    flipped = torch.zeros(len(ROUTING), dtype=torch.bool)
+    assert {e for e, _ in captured} == {1, 2, 3}  # expert 0 has no token
+    for e in range(E):
+        rows = slice(offsets[e], offsets[e + 1])
+        if rows.start == rows.stop:
+            continue
+        w13, w2 = emulation_layer.w13_dequantized[e], emulation_layer.w2_dequantized[e]
+        xq_in = captured[e, "gate_up"]["xq"]
+        h_bound = (H + 1) * 2.0**-21 * (xq_in.abs() @ w13.abs().T)
+        h_err = (h[rows] - F.linear(xq_in, w13)).abs()
+        assert bool((h_err <= h_bound).all()), f"expert {e} gate_up: max err/bound {(h_err / h_bound).max():.3g}"
+        gate, up = h[rows].chunk(2, dim=-1)
+        a_triton, a_emulation = act(gate) * up, captured[e, "down"]["x"]
+        static = down_scales[e] if activation_scale == "static" else None
+        codes = [scheme_.quantize_activation(a, static)[:-1] for a in (a_triton, a_emulation)]
+        row_flips = torch.stack([(c_t.float() != c_e.float()).reshape(len(a_triton), -1).any(-1)
+                                 for c_t, c_e in zip(*codes)]).any(0)
+        tokens = sort.token_index[rows].long()
+        flipped[tokens[row_flips]] = True
+        xq_triton = scheme_.fake_quant_activation(a_triton, static).double()
+        xq_emulation = captured[e, "down"]["xq"].double()
+        w2_abs = w2.double().abs()
+        summed = torch.maximum(xq_triton.abs(), xq_emulation.abs()) @ w2_abs.T
+        row_tol = (xq_triton - xq_emulation).abs() @ w2_abs.T + ((I + 1) * 2.0**-21 + (top_k + 1) * 2.0**-23) * summed
+        tol.index_add_(0, tokens, pair_weight[rows, None] * row_tol)
+    compared = ~flipped
+    assert compared.sum() >= len(ROUTING) - 2, f"{int(flipped.sum())} of {len(ROUTING)} tokens with a code flip"
+    err = (got - want).double().abs()[compared]
+    assert bool((err <= tol[compared]).all()), f"max err/tol {(err / tol[compared]).max():.3g}"

@@ -15,8 +15,16 @@ Kernel (logged at load like the Linear method's, QUANTKIT_KERNEL):
 - "torch-emulation" (CPU): weights decoded once to float32; `quantkit.quantize.fake_quant.routed_experts_forward`,
   the transformers reference's own function: per expert hit, the block input quantized per token (or with the
   expert's static scale) before gate/up, act(gate) * up quantized again before down, float32 matmuls.
-- CUDA: not provided yet (the grouped Triton GEMMs are tested through the interpreter only; a GPU run has never
-  happened): loading such a checkpoint on CUDA raises an error naming this, rather than running a path no test covers.
+- "triton" (CUDA): the packed parameters above, kept as loaded, feed the grouped GEMMs
+  (`quantkit.kernels.schemes.grouped_quantized_linear`, the FusedMoE forward of its docstring): the (token, slot)
+  pairs sorted by expert (`sort_by_expert`), w13 on the gathered rows of x (each token quantized once, or each
+  pair with its expert's static scale), act(gate) * up in float32, w2 on that (quantized per sorted row, or with
+  the expert's static scale), `combine_expert_rows`. The same quantization points as the emulation, float32
+  accumulation; it equals the emulation within float32 rounding (tests/test_quant_method_kernels.py, through the
+  Triton interpreter; untested on a GPU so far). The FP8 weight_scale (E, N, ceil(K/128)) rows and NVFP4
+  weight_global_scale (E, N) rows are the grouped GEMMs' per-row layouts as stored.
+Under tensor parallelism the down input is a slice of I: its per-token amax is all-reduced (max) over the TP group on
+both kernels, so the scales equal the unsharded model's. Parity capture (QUANTKIT_CAPTURE_DIR) is torch-emulation only.
 The shared expert is an ordinary MLP of Linear layers (served by `QuantkitLinearMethod`); vLLM runs it before the
 routed experts.
 """
@@ -37,6 +45,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
 from quantkit.formats.schemes import LayerTensor
+from quantkit.kernels.expert_sort import ExpertSort, combine_expert_rows, sort_by_expert
 from quantkit.quantize.fake_quant import routed_experts_forward
 from quantkit.serve.quant_method import CAPTURE_ENV, copy_checkpoint_part, select_kernel
 
@@ -94,7 +103,8 @@ class QuantkitExperts:
         layer.register_parameter(name, param)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Check static scales, pick the kernel, decode every expert matrix to float32 (`w13/w2_dequantized`)."""
+        """Check static scales, pick the kernel; torch-emulation: decode every expert matrix to float32
+        (`w13/w2_dequantized`), triton: keep the packed parameters."""
         scheme = self.scheme
         if self.activation_scale == "static":
             w13_scales = layer.w13_input_global_scale.data
@@ -103,34 +113,60 @@ class QuantkitExperts:
                                  "input_global_scale; they read the same input")
             self.input_scales = torch.stack([w13_scales[:, 0], layer.w2_input_global_scale.data[:, 0]], 1)
         self.kernel = select_kernel(layer)
-        if self.kernel != "torch-emulation":
-            raise NotImplementedError(f"{self.prefix}: quantized routed experts run only in the torch emulation so far "
-                                      "(set QUANTKIT_KERNEL=torch); the grouped Triton GEMMs are not wired into vLLM yet")
-        for stem, (_, k) in layer.quantkit_layout.items():
-            params = {s: getattr(layer, f"{stem}_{s}").data for s in scheme.tensors}
-            decoded = torch.stack([scheme.decode_layer({s: t[e] for s, t in params.items()}, k)
-                                   for e in range(layer.quantkit_num_experts)])
-            for s in (*scheme.tensors, *scheme.static_tensors):
-                if hasattr(layer, f"{stem}_{s}"):
-                    delattr(layer, f"{stem}_{s}")
-            layer.register_parameter(f"{stem}_dequantized", Parameter(decoded, requires_grad=False))
+        if self.kernel == "torch-emulation":
+            for stem, (_, k) in layer.quantkit_layout.items():
+                params = {s: getattr(layer, f"{stem}_{s}").data for s in scheme.tensors}
+                decoded = torch.stack([scheme.decode_layer({s: t[e] for s, t in params.items()}, k)
+                                       for e in range(layer.quantkit_num_experts)])
+                for s in (*scheme.tensors, *scheme.static_tensors):
+                    if hasattr(layer, f"{stem}_{s}"):
+                        delattr(layer, f"{stem}_{s}")
+                layer.register_parameter(f"{stem}_dequantized", Parameter(decoded, requires_grad=False))
         logger.info("quantkit: %s experts=%d scheme=%s activations=%s kernel=%s", self.prefix,
                     layer.quantkit_num_experts, scheme.name, self.activation_scale, self.kernel)
 
     def forward(self, layer: torch.nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """x (T, H), topk_ids (T, k) local expert ids (-1: not here), topk_weights (T, k) -> (T, H) in x's dtype."""
-        out = routed_experts_forward(x, topk_ids, topk_weights, layer.w13_dequantized, layer.w2_dequantized, act,
-                                     self._fake_quant)
-        return out.to(x.dtype)
+        if self.kernel == "torch-emulation":
+            out = routed_experts_forward(x, topk_ids, topk_weights, layer.w13_dequantized, layer.w2_dequantized, act,
+                                         self._fake_quant)
+            return out.to(x.dtype)
+        sort = sort_by_expert(topk_ids, layer.quantkit_num_experts)
+        gate, up = self.triton_gate_up(layer, x, sort).chunk(2, dim=-1)
+        y = self._grouped(layer, "w2", act(gate) * up, sort.expert_offsets, 1)
+        return combine_expert_rows(y, sort, topk_weights).to(x.dtype)
+
+    def triton_gate_up(self, layer: torch.nn.Module, x: torch.Tensor, sort: ExpertSort) -> torch.Tensor:
+        """The "triton" kernel's w13 projection, float32 (S, 2 I_p) = [gate | up] of each (token, slot) pair in
+        `sort`'s order (`quantkit.kernels.expert_sort.ExpertSort` of this call's topk_ids); zeros for pairs of no
+        local expert."""
+        return self._grouped(layer, "w13", x, sort.expert_offsets, 0, sort.token_index)
+
+    def _grouped(self, layer: torch.nn.Module, stem: str, x: torch.Tensor, expert_offsets: torch.Tensor, which: int,
+                 token_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Grouped GEMM of `<stem>_<suffix>` over sorted rows, float32 (S, N); `which` as in `_fake_quant`."""
+        from quantkit.kernels.schemes import grouped_quantized_linear  # Triton: imported where used
+
+        scale = None if self.input_scales is None else self.input_scales[:, which]
+        row_amax = self._row_amax(x) if which == 1 and scale is None else None
+        weights = [getattr(layer, f"{stem}_{s}") for s in self.scheme.tensors]
+        return grouped_quantized_linear(self.scheme, x, expert_offsets, weights, token_index=token_index,
+                                        input_global_scale=scale, row_amax=row_amax, out_dtype=torch.float32)
+
+    def _row_amax(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """Per-token max |x| (rows, 1) of the down input over the whole intermediate under tensor parallelism (this
+        rank holds a slice of I; all-reduced, max, over the TP group), None without it (the rows are whole)."""
+        if self.tp_size == 1:
+            return None
+        row_amax = rows.float().abs().amax(dim=-1, keepdim=True)
+        torch.distributed.all_reduce(row_amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group)
+        return row_amax
 
     def _fake_quant(self, rows: torch.Tensor, expert: int, which: int) -> torch.Tensor:
         """The scheme's activation quantize-dequantize of expert `expert`'s input `which` (0: gate/up, 1: down)."""
         scale = None if self.input_scales is None else self.input_scales[expert, which]
-        row_amax = None
-        if which == 1 and self.tp_size > 1 and scale is None:  # this rank holds a slice of the intermediate
-            row_amax = rows.float().abs().amax(dim=-1, keepdim=True)
-            torch.distributed.all_reduce(row_amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group)
+        row_amax = self._row_amax(rows) if which == 1 and scale is None else None
         xq = self.scheme.fake_quant_activation(rows, scale, row_amax)
         if self.capture_dir:
             name = f"{self.prefix}.{expert}.{('gate_up', 'down')[which]}"
