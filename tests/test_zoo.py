@@ -81,7 +81,8 @@ HYBRID = "hybrid_ga_gatednorm"  # GatedNorm on every residual norm, the DeltaNet
 
 @pytest.fixture(scope="module")
 def hybrid_build(zoo_dir):
-    """A tiny-steps build of one hybrid preset (STEPS steps of 16 x 128 tokens: ~10-20 s on 2 CPU cores)."""
+    """A tiny-steps build of one hybrid preset: STEPS steps of 16 x 128 tokens. Measured on the shared 2-core
+    machine: 15-24 s with the module's tokenizer already trained, 100 s alone (the tokenizer takes ~75 s)."""
     return zoo.build(HYBRID, zoo_dir=zoo_dir, steps=STEPS)
 
 
@@ -161,9 +162,10 @@ def test_router_balance_loss_is_in_the_training_objective():
     router_aux_loss_coef: with coefficient c the router gradients differ from coefficient 0 by c * grad(aux).
 
     float64 model, identical weights and batch. The two runs' forwards are bitwise equal, so the difference is
-    the aux term only (the losses themselves are float32: see the asserts). On the last MoE layer's router the cross-entropy and aux gradients meet at its logits in
-    float64; the aux path itself runs in float32 (transformers' .float() in load_balancing_loss_func), whose
-    longest reduction is over 4 layers x 2 x 64 rows: worst case 512 * 2^-24 = 3e-5 relative, so 1e-4.
+    the aux term only (the losses themselves are float32: see the asserts). On the last MoE layer's router the
+    cross-entropy and aux gradients meet at its logits in float64; the aux path itself runs in float32
+    (transformers' .float() in load_balancing_loss_func), whose longest reduction is over 4 layers x 2 x 64 rows:
+    worst case 512 * 2^-24 = 3e-5 relative, so 1e-4.
     Earlier layers' routers also change (a nonzero difference), through their own logits and the layers above.
     """
     c = 0.01

@@ -106,7 +106,8 @@ HYBRID_SIZES = {
     "tiny": ZooSize(
         **{k: v for k, v in _HYBRID_TINY.items() if k in _ZOO_SIZE_KEYS}, vocab_size=2048, seq_len=128,
         batch_size=16, steps=400, lr=3e-3,
-        extra={**{k: v for k, v in _HYBRID_TINY.items() if k not in _ZOO_SIZE_KEYS}, "router_aux_loss_coef": ROUTER_AUX_LOSS_COEF},
+        extra={**{k: v for k, v in _HYBRID_TINY.items() if k not in _ZOO_SIZE_KEYS},
+               "router_aux_loss_coef": ROUTER_AUX_LOSS_COEF},
     ),
 }
 
@@ -150,7 +151,9 @@ def size_of(variant: str, size: str) -> ZooSize:
     return sizes[size]
 
 
-def make_config(variant: str, size: str, vocab_size: int, bos_token_id: int, eos_token_id: int) -> QuantkitConfig | QuantkitHybridConfig:
+def make_config(
+    variant: str, size: str, vocab_size: int, bos_token_id: int, eos_token_id: int
+) -> QuantkitConfig | QuantkitHybridConfig:
     """The model config of `variant` at `size` (untied embeddings; BOS doubles as pad, so no pad id: a
     padding_idx would freeze BOS's embedding at 0)."""
     shape = size_of(variant, size)
