@@ -33,11 +33,9 @@ def _zoo_build(args: argparse.Namespace) -> int:
     """Train zoo checkpoints from scratch (skips those already built)."""
     from quantkit.models import zoo
 
-    variants = list(zoo.TABLE2_PRESETS) if args.variants == ["table2"] else args.variants
-    if unknown := [v for v in variants if v not in zoo.PRESETS]:  # before training the first one
-        raise ValueError(f"unknown zoo variant(s) {unknown}; presets: {sorted(zoo.PRESETS)} or 'table2'")
-    if args.size not in zoo.SIZES:
-        raise ValueError(f"unknown zoo size {args.size!r}; sizes: {sorted(zoo.SIZES)}")
+    variants = zoo.expand(args.variants)  # every name and size checked before training the first one
+    for variant in variants:
+        zoo.size_of(variant, args.size)
     for variant in variants:
         out = zoo.build(variant, size=args.size, zoo_dir=args.out, seed=args.seed, steps=args.steps)
         print(f"{variant}: {out}")
@@ -45,11 +43,22 @@ def _zoo_build(args: argparse.Namespace) -> int:
 
 
 def _zoo_list(_: argparse.Namespace) -> int:
+    """Print every preset with its family and flags, the groups, and each family's sizes."""
     from quantkit.models import zoo
 
+    table2 = {v for group in zoo.GROUPS.values() for v in group}
+    print(f"{'preset':<20} {'family':<7} flags")
     for name, flags in zoo.PRESETS.items():
-        print(f"{name:<18} {'(Table 2) ' if name in zoo.TABLE2_PRESETS else ''}{flags}")
-    print("sizes:", ", ".join(f"{k} ({v.num_hidden_layers}x{v.hidden_size}, {v.steps} steps)" for k, v in zoo.SIZES.items()))
+        print(f"{name:<20} {zoo.family(name):<7} {'(Table 2) ' if name in table2 else ''}{flags}")
+    for group, members in zoo.GROUPS.items():
+        print(f"group {group}: {', '.join(members)}")
+    for fam, spec in zoo.FAMILIES.items():
+        sizes = ", ".join(
+            f"{k} ({v.num_hidden_layers}x{v.hidden_size}"
+            + (f", {v.extra['num_experts']} experts top-{v.extra['num_experts_per_tok']}" if "num_experts" in v.extra else "")
+            + f", {v.steps} steps)" for k, v in spec.sizes.items()
+        )
+        print(f"{fam} sizes: {sizes}")
     return 0
 
 
@@ -207,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     add_gate_parser(sub)
     add_diagnose_parser(sub)
     zoo = sub.add_parser("zoo", help="small checkpoints of each variant, trained from scratch offline").add_subparsers(dest="zoo_command", required=True)
-    build = zoo.add_parser("build", help="train variants (or 'table2' for the paper's three rows)")
-    build.add_argument("variants", nargs="+", help="preset names (see `quantkit zoo list`) or 'table2'")
+    build = zoo.add_parser("build", help="train variants (or a group: 'table2', 'table2-hybrid' for the paper's three rows)")
+    build.add_argument("variants", nargs="+", help="preset names (see `quantkit zoo list`) or groups 'table2', 'table2-hybrid'")
     build.add_argument("--size", default="tiny", help="tiny (2 CPU cores, minutes) or small (GPU)")
     build.add_argument("--out", default="zoo", help="zoo directory (default: ./zoo)")
     build.add_argument("--seed", type=int, default=0)
