@@ -78,10 +78,11 @@ def routed_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_wei
     vLLM's torch-emulation FusedMoE method, so the two compute the same thing by construction.
 
     x (T, H) any float dtype; top_k_index (T, k) expert ids (an id < 0 or >= E is skipped: not this rank's);
-    top_k_weights (T, k); gate_up (E, 2I, H) and down (E, H, I) decoded float32 weights (rows [0, I) of gate_up are
-    the gate). Per expert e hit by some token: y = down_e(fq(act(g) * u, e, 1)), [g; u] = gate_up_e(fq(x, e, 0)),
-    float32 matmuls; `fake_quant(rows, e, which)` returns float32 rows (which = 0: the block input, 1: down_proj's
-    input). Returns float32 (T, H) = sum over a token's experts of routing weight * y.
+    top_k_weights (T, k); gate_up (E, 2I, H) and down (E, H, I) weights (rows [0, I) of gate_up are the gate).
+    Per expert e hit by some token: y = down_e(fq(act(g) * u, e, 1)), [g; u] = gate_up_e(fq(x, e, 0)); the
+    matmuls run in the dtype `fake_quant(rows, e, which)` returns (which = 0: the block input, 1: down_proj's input):
+    float32 rows and decoded float32 weights for quantized experts, or the rows unchanged with weights of their
+    dtype for unquantized ones. Returns float32 (T, H) = sum over a token's experts of routing weight * y.
     """
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in top_k_index.unique().tolist():

@@ -54,6 +54,7 @@ from vllm.model_executor.models.utils import (
 
 from quantkit.models.configuration_hybrid import DELTANET_CONV_ACT
 from quantkit.models.modeling import rms_normalize, value_scale
+from quantkit.quantize.fake_quant import routed_experts_forward
 from quantkit.serve.models import HeadwiseRMSNorm, QuantkitMLP, _kv_head_sharded_parameter, gated_norm_gates
 
 # ----------------------------------------------------------------------------------------- norms
@@ -211,13 +212,8 @@ class GLUExperts(nn.Module):
         """x (T, H), top_ids / top_weights (T, k) -> sum_j top_weights[:, j] * expert_{top_ids[:, j]}(x)."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, top_ids, top_weights)
-        out = torch.zeros_like(x)
-        for expert in top_ids.unique().tolist():
-            token, slot = torch.where(top_ids == expert)
-            gate, up = F.linear(x[token], self.w13[expert]).chunk(2, dim=-1)
-            y = F.linear(torch.sigmoid(gate) * up, self.w2[expert]) * top_weights[token, slot, None]
-            out.index_put_((token,), y.to(out.dtype), accumulate=True)
-        return out
+        out = routed_experts_forward(x, top_ids, top_weights, self.w13, self.w2, torch.sigmoid, lambda rows, e, which: rows)
+        return out.to(x.dtype)
 
 
 class GLUSparseMoeBlock(nn.Module):
