@@ -56,3 +56,16 @@ def test_hybrid_study_end_to_end(run_dir):
     diagnostics = json.loads((run_dir / "diagnostics" / "hybrid" / "diagnostics.json").read_text())
     assert diagnostics["attention"]["layers"] == [3]  # sink statistics on the softmax layer only
     assert len(diagnostics["experts"]) == 4  # per-expert load and maxima in every MoE layer
+
+
+def test_embedded_hybrid_spec_names_the_hybrid_trio():
+    """pipelines/table2-hybrid.yaml (the hybrid trio's study, docs/hybrid.md) loads and names the zoo's hybrid
+    Table 2 group, evaluated in bf16 (vLLM's CPU Gated DeltaNet runs bf16 only)."""
+    from pathlib import Path
+
+    from quantkit.models import zoo
+
+    spec = load_spec(Path(__file__).parents[1] / "pipelines" / "table2-hybrid.yaml")
+    assert sorted(spec.models.values()) == sorted(f"zoo:{p}" for p in zoo.GROUPS["table2-hybrid"])
+    assert all(zoo.family(p.removeprefix("zoo:")) == "hybrid" for p in spec.models.values())
+    assert spec.eval["dtype"] == "bfloat16" and spec.recipes[0] == "bf16"
