@@ -150,7 +150,7 @@ class HeldCodes:
                 parent, _, leaf = name.rpartition(".")
                 module.forward = self._forward(module, f"{parent}.{FUSED_INTO.get(leaf, leaf)}")
             elif isinstance(module, FakeQuantExperts):
-                module._fq = self._experts_fq(module, name)
+                module.fake_quant_input = self._experts_fq(module, name)
 
     def held(self, prefix: str, x: torch.Tensor, scheme, input_global_scale: torch.Tensor | None) -> torch.Tensor:
         """The served quantized rows (float32, x's shape) for the reference input x of the quantizer `prefix`."""

@@ -59,7 +59,8 @@ class FakeQuantExperts(torch.nn.Module):
         self.register_buffer("quantized", quantized, persistent=False)  # (E, 2) bool: gate/up, down
         self.register_buffer("input_global_scale", input_global_scale, persistent=False)  # (E, 2) float32 or None
 
-    def _fq(self, x: torch.Tensor, e: int, which: int) -> torch.Tensor:
+    def fake_quant_input(self, x: torch.Tensor, e: int, which: int) -> torch.Tensor:
+        """Expert e's input `which` (0: gate/up, 1: down_proj) as its matmul reads it: quantized-dequantized, float32."""
         if not (self.quantize_activations and self.quantized[e, which]):
             return x.float()
         scale = None if self.input_global_scale is None else self.input_global_scale[e, which]
@@ -67,7 +68,7 @@ class FakeQuantExperts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out = routed_experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                                     self.act_fn, self._fq)
+                                     self.act_fn, self.fake_quant_input)
         return out.to(hidden_states.dtype)
 
 

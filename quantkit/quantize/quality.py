@@ -95,7 +95,7 @@ def _experts_snr_hook(name: str, q_experts: FakeQuantExperts, quantized: set[str
                 matrix = f"{name}.{p.expert}.{proj}"
                 if matrix not in quantized:
                     continue
-                x_q = q_experts._fq(x, p.expert, 1 if proj == "down_proj" else 0)  # input 0: gate/up, 1: down
+                x_q = q_experts.fake_quant_input(x, p.expert, 1 if proj == "down_proj" else 0)  # input 0: gate/up, 1: down
                 y_q = torch.nn.functional.linear(x_q, decoded[matrix])
                 signal[matrix] = signal.get(matrix, 0.0) + energy(y)
                 noise[matrix] = noise.get(matrix, 0.0) + energy(y_q - y)
