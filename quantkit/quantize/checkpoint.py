@@ -122,6 +122,8 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
     check_checkpoint_dir(model_dir)  # CheckpointError names a missing config, unreadable or truncated shards
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} exists; pass overwrite=True (--overwrite) to replace it")
+    if streaming and recipe.backend != "quantkit":
+        raise ValueError(f"recipe {recipe.name}: streaming quantization runs quantkit's own backend only, not {recipe.backend!r}")
     if recipe.backend == "llmcompressor":
         return quantize_with_llmcompressor(model_dir, recipe, out_dir)
     if recipe.backend == "modelopt":
