@@ -263,16 +263,12 @@ def _advance(stream: _Stream, layer: nn.Module, i: int) -> None:
 
 
 @torch.no_grad()
-def _logits(skeleton: nn.Module, layers: nn.ModuleList, stream: _Stream) -> list[torch.Tensor]:
-    """Per batch, float32 logits of the skeleton's forward with the decoder stack replaced by the stream's
-    final hidden states (the model's own final norm and head)."""
-    last = len(layers) - 1
-    out = []
-    for b, chunk in enumerate(stream.chunks):
-        final = stream.hidden[b]
-        with _layer_forwards(layers, lambda i, h, **kw: final if i == last else h):
-            out.append(skeleton(input_ids=chunk, use_cache=False).logits.float())
-    return out
+def _logits(skeleton: nn.Module, layers: nn.ModuleList, stream: _Stream, b: int) -> torch.Tensor:
+    """float32 logits of batch b: the skeleton's forward with the decoder stack replaced by the stream's final
+    hidden states (the model's own final norm and head)."""
+    last, final = len(layers) - 1, stream.hidden[b]
+    with _layer_forwards(layers, lambda i, h, **kw: final if i == last else h):
+        return skeleton(input_ids=stream.chunks[b], use_cache=False).logits.float()
 
 
 # --------------------------------------------------------------------------------------------- model pieces
@@ -506,13 +502,15 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
 def _verify(skeleton: nn.Module, layers: nn.ModuleList, ref: _Stream, smoothed: _Stream, plan: MappingPlan, sq,
             tokens: torch.Tensor, reports: list[MappingReport], scales: dict[str, torch.Tensor]) -> SmoothQuantReport:
     """smooth_model's function-preservation check on the carried verification windows; its report."""
-    reference = _logits(skeleton, layers, ref)
-    if not all(torch.isfinite(r).all() for r in reference):
-        raise NonFiniteStatisticsError(f"SmoothQuant: {plan.architecture} produces NaN/Inf logits before smoothing "
-                                       "(check the checkpoint and dtype); nothing was written")
-    after = _logits(skeleton, layers, smoothed)
-    change = max((a - r).abs().max().item() for a, r in zip(after, reference))
-    scale = torch.cat(reference).abs().max().item()
+    changes, scale = [], 0.0  # batch by batch: one batch of logits in memory (max is exact: the same numbers)
+    for b in range(len(ref.chunks)):
+        reference = _logits(skeleton, layers, ref, b)
+        if not torch.isfinite(reference).all():
+            raise NonFiniteStatisticsError(f"SmoothQuant: {plan.architecture} produces NaN/Inf logits before smoothing "
+                                           "(check the checkpoint and dtype); nothing was written")
+        changes.append((_logits(skeleton, layers, smoothed, b) - reference).abs().max().item())
+        scale = max(scale, reference.abs().max().item())
+    change = max(changes)  # as smooth_model: the same numbers in the same order
     relative = change / max(scale, torch.finfo(torch.float32).tiny)
     if not relative <= DEFAULT_TOLERANCE:
         raise FunctionPreservationError(
