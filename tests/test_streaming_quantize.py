@@ -209,3 +209,20 @@ def test_memory_benchmark_quick(tmp_path):
     assert [r["layers"] for r in result["rows"]] == [2, 4]
     assert all(r["streaming_peak_rss_gb"] > 0 and r["whole_peak_rss_gb"] > 0 for r in result["rows"])
     assert "| 4 |" in md_file.read_text()
+
+
+def test_model_without_decoder_layers_is_refused(dense, tmp_path):
+    """docs/errors.md: StreamingError names the missing decoder stack (GPT-2 keeps its blocks at transformer.h)."""
+    import shutil
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from quantkit.quantize.streaming import StreamingError
+
+    src = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=600, n_positions=64)).save_pretrained(src)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(dense / name, src / name)
+    with pytest.raises(StreamingError, match="GPT2LMHeadModel has no decoder layers at model.model.layers"):
+        quantize_checkpoint(src, "w8a8_fp8_block", tmp_path / "out", streaming=True)
+    assert not (tmp_path / "out").exists()
