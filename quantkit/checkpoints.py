@@ -4,39 +4,124 @@
 `CheckpointError` naming the file when config.json is missing or not a JSON object, there are no
 *.safetensors weights, or a weights file is unreadable (truncated or corrupt).
 `quantkit.serve.checkpoint_check` builds the serving checks on it.
+
+Sharded checkpoints (transformers' layout: `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`,
+whose `weight_map` names each tensor's file) are read through `weight_files` (the index's files, else every
+*.safetensors), `read_state` (all tensors) and `TensorReader` (one tensor at a time, by plain file reads: no
+memory map, so a streaming reader's resident set and address space hold the tensor it asked for and not the
+pages of every shard it has touched).
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from quantkit.errors import QuantkitError
 
 TensorHeaders = dict[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape)
+INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtype names -> torch dtypes (the safetensors format specification)
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
 
 
 class CheckpointError(QuantkitError, ValueError):
     """A checkpoint that cannot be used as it is; the message names the file, tensor or key."""
 
 
-def tensor_headers(model_dir: Path) -> TensorHeaders:
-    """{tensor name: (safetensors dtype, shape)} over every *.safetensors file, without reading data."""
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files: those of `model.safetensors.index.json`'s weight_map when there is an
+    index (CheckpointError names a listed file that is missing), else every *.safetensors, sorted."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index}: not a safetensors index (no JSON weight_map: {err!r})") from err
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: lists shard(s) {missing[:3]} that do not exist")
+        return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{model_dir}: no *.safetensors weights")
+    return files
+
+
+def tensor_headers(model_dir: Path) -> TensorHeaders:
+    """{tensor name: (safetensors dtype, shape)} over the checkpoint's weight files, without reading data; with
+    an index, CheckpointError names a tensor its weight_map puts in another file than the one holding it."""
+    model_dir = Path(model_dir)
     headers = {}
-    for file in files:
+    located = {}
+    for file in weight_files(model_dir):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     s = f.get_slice(name)
                     headers[name] = (s.get_dtype(), tuple(s.get_shape()))
+                    located[name] = file.name
         except Exception as err:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"{file}: unreadable safetensors file (truncated or corrupt?): {err}") from err
+    if (model_dir / INDEX_FILE).is_file():
+        weight_map = json.loads((model_dir / INDEX_FILE).read_text())["weight_map"]
+        wrong = sorted(n for n in set(weight_map) | set(located) if weight_map.get(n) != located.get(n))
+        if wrong:
+            n = wrong[0]
+            raise CheckpointError(f"{model_dir / INDEX_FILE}: weight_map disagrees with the shards for {len(wrong)} "
+                                  f"tensor(s), e.g. {n} (index: {weight_map.get(n)}, found in: {located.get(n)})")
     return headers
+
+
+def read_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint (one file or shards), by name."""
+    return {k: v for file in weight_files(model_dir) for k, v in load_file(str(file)).items()}
+
+
+class TensorReader:
+    """One tensor at a time from a checkpoint's safetensors files, read with plain file reads (module docstring).
+
+    `reader[name]` returns a new tensor of the stored dtype and shape; `names` lists every tensor (file order)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self._where: dict[str, tuple[Path, str, tuple[int, ...], int, int]] = {}
+        for file in weight_files(model_dir):
+            with open(file, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            header.pop("__metadata__", None)
+            for name, entry in header.items():
+                start, end = entry["data_offsets"]
+                self._where[name] = (file, entry["dtype"], tuple(entry["shape"]), 8 + length + start, end - start)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file, dtype, shape, offset, nbytes = self._where[name]
+        if dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}, which quantkit does not read")
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        with open(file, "rb") as f:
+            f.seek(offset)
+            if f.readinto(memoryview(data.numpy())) != nbytes:
+                raise CheckpointError(f"{file}: tensor {name} is truncated")
+        return data.view(SAFETENSORS_DTYPES[dtype]).reshape(shape)
 
 
 def check_checkpoint_dir(model_dir: str | Path) -> tuple[dict, TensorHeaders]:

@@ -69,7 +69,7 @@ def _quantize(args: argparse.Namespace) -> int:
     check_checkpoint_dir(args.model)  # before the slow imports
     from quantkit.quantize.checkpoint import quantize_checkpoint
 
-    out = quantize_checkpoint(args.model, args.recipe, args.out, overwrite=args.overwrite)
+    out = quantize_checkpoint(args.model, args.recipe, args.out, overwrite=args.overwrite, streaming=args.streaming)
     print(f"{args.recipe}: {out}")
     return 0
 
@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     quantize.add_argument("recipe", help="recipe name (quantkit/configs/recipes) or YAML path")
     quantize.add_argument("out", help="output directory (written atomically)")
     quantize.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    quantize.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=None,
+                          help="one decoder layer in memory at a time, sharded output, the same tensors (default: "
+                               "streaming when the whole model in float32 would not fit in the available memory)")
     quantize.set_defaults(func=_quantize)
     quality = sub.add_parser("quality", help="per-layer SNR and KL of quantized checkpoints vs their source")
     quality.add_argument("model", help="source checkpoint directory")

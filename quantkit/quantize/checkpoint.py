@@ -7,23 +7,28 @@ Two phases kept apart (gpt-fast): this module computes the quantized state dict 
 from __future__ import annotations
 
 import json
+import logging
+import math
+import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 import quantkit.models  # noqa: F401  (registers model_type "quantkit")
 from quantkit.atomic import atomic_dir
-from quantkit.calibrate import channel_max, smooth_model
+from quantkit.calibrate import SmoothQuantReport, channel_max, smooth_model
 from quantkit.checkpoints import check_checkpoint_dir
 from quantkit.data import calibration_windows
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
-from quantkit.formats.schemes import scheme_for
+from quantkit.formats.schemes import UNQUANTIZED, Scheme, scheme_for
 from quantkit.quantize.llmcompressor_backend import quantize_with_llmcompressor
 from quantkit.quantize.modelopt_backend import quantize_with_modelopt
 from quantkit.quantize.recipe import CalibrationSettings, Recipe, load_recipe
+
+logger = logging.getLogger(__name__)
 
 
 def quantizable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -57,17 +62,81 @@ def quantization_config(recipe: Recipe, quantized: list[str], ignored: list[str]
     }
 
 
-def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: str | Path, *, overwrite: bool = False) -> Path:
-    """Quantize the checkpoint in `model_dir` with `recipe`; write it atomically to `out_dir`."""
+def encode_matrices(state: dict[str, torch.Tensor], quantized: dict[str, torch.Tensor], scheme: Scheme,
+                    input_amax: dict[str, torch.Tensor], desc: str, progress: bool = True) -> None:
+    """Replace each quantized matrix's `<name>.weight` in `state` by the scheme's tensors (plus its static
+    activation tensors where `input_amax` has the calibrated max |x|, shape (1,)), in place."""
+    for name, weight in tqdm(quantized.items(), desc=desc, unit="matrix", disable=not (progress and quantized)):
+        state.pop(f"{name}.weight")
+        tensors = scheme.encode(weight.detach().contiguous(), name)
+        if name in input_amax:
+            tensors.update(scheme.static_activation_tensors(input_amax[name]))
+        for suffix, tensor in tensors.items():
+            state[f"{name}.{suffix}"] = tensor.contiguous()
+
+
+def output_config(config: PretrainedConfig, architecture: str, recipe: Recipe, quantized: list[str], ignored: list[str]) -> dict:
+    """config.json of the quantized checkpoint: the source's, with its class, dtype and quantization_config."""
+    out = config.to_dict()
+    out["architectures"] = [architecture]
+    out["dtype"] = "bfloat16" if recipe.scheme == UNQUANTIZED else "float32"
+    if recipe.scheme != UNQUANTIZED:
+        out["quantization_config"] = quantization_config(recipe, sorted(quantized), sorted(ignored))
+    return out
+
+
+def write_side_files(out_dir: Path, config: dict, tokenizer, smoothquant_report: SmoothQuantReport | None) -> None:
+    """config.json, the tokenizer and smoothquant.json (SQ recipes) of a quantized checkpoint."""
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    tokenizer.save_pretrained(out_dir)
+    if smoothquant_report is not None:
+        (out_dir / "smoothquant.json").write_text(json.dumps(smoothquant_report.to_dict(), indent=2))
+
+
+def float32_bytes(model_dir: str | Path) -> int:
+    """Bytes of the checkpoint's tensors in float32 (what the whole-model path holds, twice: model and state)."""
+    _, headers = check_checkpoint_dir(model_dir)
+    return sum(4 * math.prod(shape) for _, shape in headers.values())
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable of /proc/meminfo (bytes); physical memory where that file is absent."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: str | Path, *, overwrite: bool = False,
+                        streaming: bool | None = None) -> Path:
+    """Quantize the checkpoint in `model_dir` with `recipe`; write it atomically to `out_dir`.
+
+    streaming: True runs `quantkit.quantize.streaming` (one decoder layer in memory, sharded output, the same
+    tensors); False loads the whole model in float32 (one model.safetensors); None (default) streams when the
+    whole-model path would need more than the available memory (2 x the float32 size, `float32_bytes`)."""
     recipe = load_recipe(recipe) if isinstance(recipe, (str, Path)) else recipe
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_checkpoint_dir(model_dir)  # CheckpointError names a missing config, unreadable or truncated shards
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} exists; pass overwrite=True (--overwrite) to replace it")
+    if streaming and recipe.backend != "quantkit":
+        raise ValueError(f"recipe {recipe.name}: streaming quantization runs quantkit's own backend only, not {recipe.backend!r}")
     if recipe.backend == "llmcompressor":
         return quantize_with_llmcompressor(model_dir, recipe, out_dir)
     if recipe.backend == "modelopt":
         return quantize_with_modelopt(model_dir, recipe, out_dir)
+    if streaming is None:
+        need, have = 2 * float32_bytes(model_dir), available_memory_bytes()
+        streaming = need > have
+        if streaming:
+            logger.info("quantize: the whole-model path needs ~%.1f GB, %.1f GB available: streaming", need / 1e9, have / 1e9)
+    if streaming:
+        from quantkit.quantize.streaming import quantize_streaming
+
+        return quantize_streaming(model_dir, recipe, out_dir, overwrite=overwrite)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -89,26 +158,13 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
         maxima = channel_max(model, tokens, list(quantized), desc="static activation calibration")
         input_amax = {name: m.max().reshape(1) for name, m in maxima.items()}
     state = checkpoint_state(model)
-    for name, weight in tqdm(quantized.items(), desc=f"quantize {recipe.name}", unit="matrix"):
-        state.pop(f"{name}.weight")
-        tensors = scheme.encode(weight.detach().contiguous(), name)
-        if name in input_amax:
-            tensors.update(scheme.static_activation_tensors(input_amax[name]))
-        for suffix, tensor in tensors.items():
-            state[f"{name}.{suffix}"] = tensor.contiguous()
-    ignored = sorted(n for n in weights if n not in quantized)
-    if scheme is None:
+    if scheme is not None:
+        encode_matrices(state, quantized, scheme, input_amax, f"quantize {recipe.name}")
+    else:
         state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
 
-    config = model.config.to_dict()
-    config["architectures"] = [type(model).__name__]
-    config["dtype"] = "bfloat16" if scheme is None else "float32"
-    if scheme is not None:
-        config["quantization_config"] = quantization_config(recipe, sorted(quantized), ignored)
+    config = output_config(model.config, type(model).__name__, recipe, list(quantized), [n for n in weights if n not in quantized])
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "quantkit_recipe": recipe.name})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        tokenizer.save_pretrained(tmp)
-        if smoothquant_report is not None:
-            (tmp / "smoothquant.json").write_text(json.dumps(smoothquant_report.to_dict(), indent=2))
+        write_side_files(tmp, config, tokenizer, smoothquant_report)
     return out_dir

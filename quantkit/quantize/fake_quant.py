@@ -15,10 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import quantkit.models  # noqa: F401
+from quantkit.checkpoints import read_state
 from quantkit.formats.experts import expert_matrices, fuse_expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import Scheme, checkpoint_suffixes, get_scheme, scheme_from_config
 
@@ -121,7 +121,7 @@ def load_fake_quant_model(model_dir: str | Path, quantize_activations: bool = Tr
     config = AutoConfig.from_pretrained(model_dir)
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    state = load_file(str(model_dir / "model.safetensors"))
+    state = read_state(model_dir)  # one model.safetensors or shards with an index
     quantized = set(qc["quantized_modules"])  # expert matrices are taken out by _load_experts
     experts = fused_experts_modules(model)
     for name, module in experts.items():

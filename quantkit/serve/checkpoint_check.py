@@ -2,7 +2,8 @@
 
 `check_servable(model_dir)` reads config.json and the safetensors headers (no tensor data) and raises
 `CheckpointError` naming the problem when:
-- config.json or the weights are missing or unreadable (`quantkit.checkpoints.check_checkpoint_dir`);
+- config.json or the weights are missing or unreadable, or a shard index disagrees with its shards
+  (`quantkit.checkpoints.check_checkpoint_dir`: one model.safetensors or shards + model.safetensors.index.json);
 - the weights hold quantized tensors but config.json has no `quantization_config`;
 - a quantkit `quantization_config` is malformed or disagrees with the tensors (a listed module without
   its tensors, wrong dtypes or scale shapes, quantized tensors of an unlisted module);

@@ -1,0 +1,527 @@
+"""Streaming quantization: one decoder layer in memory at a time, the same tensors as the whole-model path.
+
+`quantize_checkpoint(..., streaming=True)` (`quantkit quantize --streaming`) lands here. The whole-model path
+(`quantkit.quantize.checkpoint`) loads every parameter in float32, keeps a second copy as the state it writes, and
+runs calibration through the whole model: ~8 bytes a parameter (a 24.6B model: ~200 GB). Here:
+
+1. The model is built on the meta device (`skeleton`: structure and names, no data); the parameters outside the
+   decoder layers (embeddings, final norm, lm_head) are loaded and written first.
+2. Without forward passes (recipes with neither SmoothQuant nor static activation scales) each layer's tensors
+   are read (`quantkit.checkpoints.TensorReader`, one tensor at a time, plain reads), encoded and written.
+3. With SmoothQuant and/or static scales, the calibration windows are embedded by the skeleton's own forward, with
+   each decoder layer's `forward` replaced by a recorder that keeps the keyword arguments the model passes it
+   (position embeddings, the mask of its layer type) and stops after the last layer. Then, layer by layer:
+   the layer is materialized from the checkpoint in float32; the hidden states of each calibration stream go
+   through it (in memory, or spilled to files with torch.save when a stream is larger than `spill_bytes`):
+     - `sq`: the SmoothQuant windows through the UNSMOOTHED layer, with the statistics hooks of
+       `quantkit.calibrate.stats` on the layer's consumers (the whole-model path also calibrates unsmoothed);
+     - `ref`: the verification windows (the first 4) through the unsmoothed layer;
+     then the layer's factors are computed and folded (`quantkit.calibrate.smoothquant`'s functions), and
+     - `smoothed`: the verification windows through the FOLDED layer;
+     - `static`: the static-scale windows through the folded (or, without SmoothQuant, the plain) layer with the
+       hooks on its quantized matrices (all-experts mode for routed experts, as the whole-model path);
+   the layer's tensors are encoded and written, and the layer goes back to the meta device.
+   At the end the skeleton's forward (layers replaced by the carried hidden states) gives the logits of `ref`
+   and `smoothed`: the function-preservation check of `smooth_model`, same tolerance, same error.
+
+Same bytes: every layer runs the same float32 operations on the same batches (batch size 8, as `smooth_model` and
+`channel_max`) with the same arguments as inside the whole model, so the statistics, factors, folds, encodings
+and the SmoothQuant report are bit-identical on CPU (tests/test_streaming_quantize.py asserts it for every recipe,
+dense and hybrid MoE). Output: `model-0000i-of-0000n.safetensors` shards of at most `max_shard_bytes` (a
+tensor is never split) and `model.safetensors.index.json`, written atomically like the whole-model checkpoint;
+config.json, tokenizer and smoothquant.json are the same files.
+
+Peak memory: one decoder layer in float32 (plus its encoded tensors), the non-layer parameters (embeddings,
+lm_head), and the calibration hidden states of the streams (N x T x hidden x 4 bytes each, twice while a layer
+runs; one batch when spilled): independent of depth (benchmarks/bench_quantize_memory.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+import quantkit.models  # noqa: F401  (registers quantkit's model types)
+from quantkit.atomic import atomic_dir
+from quantkit.calibrate.mappings import MappingPlan, resolve_mappings
+from quantkit.calibrate.smoothquant import (
+    DEFAULT_TOLERANCE,
+    DEFAULT_VERIFY_SEQUENCES,
+    FunctionPreservationError,
+    MappingReport,
+    SmoothQuantReport,
+    _as_tokens,
+    _check_finite,
+    _check_shared_input,
+    _smoothing_channels,
+    _to_smoothing_channels,
+    _weight_col_max,
+    fold_mapping,
+    smoothing_factors,
+)
+from quantkit.calibrate.stats import ChannelMaxObserver
+from quantkit.checkpoints import SAFETENSORS_DTYPES, CheckpointError, TensorReader
+from quantkit.data import calibration_windows
+from quantkit.errors import NonFiniteStatisticsError, QuantkitError
+from quantkit.formats.experts import fuse_expert_matrices, fused_experts_modules
+from quantkit.formats.schemes import scheme_for
+from quantkit.quantize.checkpoint import (
+    checkpoint_state,
+    encode_matrices,
+    output_config,
+    quantizable_weights,
+    write_side_files,
+)
+from quantkit.quantize.recipe import CalibrationSettings, Recipe
+
+logger = logging.getLogger(__name__)
+
+BATCH_SIZE = 8  # smooth_model's and channel_max's default: the same batches give the same bits
+DEFAULT_SPILL_BYTES = 256 * 2**20  # a stream's hidden states above this go to disk, one file a batch
+DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
+_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+class StreamingError(QuantkitError, ValueError):
+    """The model's structure does not allow layer-by-layer quantization (the message says what and why)."""
+
+
+# --------------------------------------------------------------------------------------------- output shards
+
+
+class ShardWriter:
+    """safetensors shards written as tensors arrive: each tensor's bytes go to a data file at once, the header
+    (which must precede the data) is written when the shard closes, then the data is copied behind it: memory is
+    one tensor, whatever the shard size. `finish()` names the shards model-0000i-of-0000n.safetensors and writes
+    model.safetensors.index.json."""
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int, metadata: dict[str, str]) -> None:
+        self.out_dir, self.max_shard_bytes, self.metadata = out_dir, max_shard_bytes, metadata
+        self.shards: list[tuple[Path, list[str]]] = []  # closed shards and their tensors
+        self.total_size = 0
+        self._data = None
+        self._entries: dict[str, dict] = {}
+        self._offset = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        if self._entries and self._offset + nbytes > self.max_shard_bytes:
+            self._close_shard()
+        if self._data is None:
+            self._data = open(self.out_dir / f".shard-{len(self.shards)}.data", "wb")
+        if t.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"{name}: dtype {t.dtype} has no safetensors name")
+        if nbytes:
+            self._data.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        self._entries[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                               "data_offsets": [self._offset, self._offset + nbytes]}
+        self._offset += nbytes
+        self.total_size += nbytes
+
+    def _close_shard(self) -> None:
+        data_path = Path(self._data.name)
+        self._data.close()
+        header = json.dumps({"__metadata__": self.metadata, **self._entries}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned (safetensors' own padding)
+        shard = self.out_dir / f".shard-{len(self.shards)}.safetensors"
+        with open(shard, "wb") as out, open(data_path, "rb") as data:
+            out.write(struct.pack("<Q", len(header)) + header)
+            shutil.copyfileobj(data, out, 16 * 2**20)
+        data_path.unlink()
+        self.shards.append((shard, list(self._entries)))
+        self._data, self._entries, self._offset = None, {}, 0
+
+    def finish(self) -> dict:
+        """Close the last shard, name the shards, write the index; returns the index."""
+        if self._data is not None:
+            self._close_shard()
+        n = len(self.shards)
+        weight_map = {}
+        for i, (path, names) in enumerate(self.shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            path.rename(self.out_dir / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self.total_size, **self.metadata}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return index
+
+
+# --------------------------------------------------------------------------------------------- calibration streams
+
+
+class _Batches:
+    """A stream's per-batch hidden states, in memory or (spill_dir set) one torch.save file a batch."""
+
+    def __init__(self, spill_dir: Path | None) -> None:
+        self.spill_dir, self._items = spill_dir, []
+
+    def append(self, t: torch.Tensor) -> None:
+        if self.spill_dir is None:
+            self._items.append(t)
+            return
+        fd, name = tempfile.mkstemp(suffix=".pt", dir=self.spill_dir)
+        os.close(fd)
+        path = Path(name)
+        torch.save(t, path)
+        self._items.append(path)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        item = self._items[i]
+        return torch.load(item, weights_only=True) if isinstance(item, Path) else item
+
+    def discard(self) -> None:
+        for item in self._items:
+            if isinstance(item, Path):
+                item.unlink()
+        self._items.clear()
+
+
+@dataclass
+class _Stream:
+    """Token windows carried layer by layer: per batch of BATCH_SIZE windows, the keyword arguments the model gives
+    each layer, and the hidden states entering the next layer."""
+
+    name: str
+    chunks: list[torch.Tensor]  # (B, T) int64 token batches
+    layer_kwargs: list[list[dict]]  # [batch][layer]
+    hidden: _Batches
+
+
+class _StopForward(Exception):
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__("stop after the last decoder layer")
+        self.hidden = hidden
+
+
+@contextmanager
+def _layer_forwards(layers: nn.ModuleList, fn: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Replace each decoder layer's forward by fn(i, hidden_states, **kwargs) (an instance attribute: the model's
+    loop, its mask choice by layer type and the layer's __call__ stay the real ones)."""
+    for i, layer in enumerate(layers):
+        layer.forward = lambda hidden_states, *args, _i=i, **kwargs: fn(_i, hidden_states, *args, **kwargs)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+@torch.no_grad()
+def _embed(skeleton: nn.Module, layers: nn.ModuleList, name: str, tokens: torch.Tensor, spill_dir: Path | None) -> _Stream:
+    """Run the skeleton's forward up to the first decoder layer for each batch; record every layer's arguments."""
+    stream = _Stream(name, [], [], _Batches(spill_dir))
+    last = len(layers) - 1
+
+    def record(i: int, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args:
+            raise StreamingError(f"the model passes decoder layer {i} positional arguments besides the hidden states")
+        stream.layer_kwargs[-1].append(kwargs)
+        if i == last:
+            raise _StopForward(hidden_states)
+        return hidden_states
+
+    with _layer_forwards(layers, record):
+        for start in range(0, len(tokens), BATCH_SIZE):
+            chunk = tokens[start : start + BATCH_SIZE]
+            stream.chunks.append(chunk)
+            stream.layer_kwargs.append([])
+            try:
+                skeleton(input_ids=chunk, use_cache=False)
+            except _StopForward as stop:
+                stream.hidden.append(stop.hidden)
+            else:
+                raise StreamingError("the model's forward did not call its last decoder layer")
+    return stream
+
+
+@torch.no_grad()
+def _advance(stream: _Stream, layer: nn.Module, i: int) -> None:
+    """Hidden states of `stream` through decoder layer i (the layer's own __call__, the model's arguments)."""
+    out = _Batches(stream.hidden.spill_dir)
+    for b in range(len(stream.hidden)):
+        out.append(layer(stream.hidden[b], **stream.layer_kwargs[b][i]))
+    stream.hidden.discard()
+    stream.hidden = out
+
+
+@torch.no_grad()
+def _logits(skeleton: nn.Module, layers: nn.ModuleList, stream: _Stream, b: int) -> torch.Tensor:
+    """float32 logits of batch b: the skeleton's forward with the decoder stack replaced by the stream's final
+    hidden states (the model's own final norm and head)."""
+    last, final = len(layers) - 1, stream.hidden[b]
+    with _layer_forwards(layers, lambda i, h, **kw: final if i == last else h):
+        return skeleton(input_ids=stream.chunks[b], use_cache=False).logits.float()
+
+
+# --------------------------------------------------------------------------------------------- model pieces
+
+
+def _skeleton(config) -> nn.Module:
+    """The model on the meta device (no data) with its non-persistent buffers (rotary frequencies) computed as
+    from_pretrained computes them (`_init_weights` of their modules), in eval mode."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    owners = {name.rpartition(".")[0] for name, b in model.named_buffers() if b.is_meta}
+    for name in owners:
+        module = model.get_submodule(name)
+        module.to_empty(device="cpu", recurse=False)
+        model._init_weights(module)
+    return model.eval()
+
+
+def _decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise StreamingError(f"{type(model).__name__} has no decoder layers at model.model.layers; streaming "
+                             "quantization needs them (use the whole-model path: --no-streaming)")
+    return "model.layers", layers
+
+
+def _source_tensors(reader: TensorReader, module: nn.Module, prefix: str, model_dir: Path) -> dict[str, torch.Tensor]:
+    """module's state (relative names) from the checkpoint in float32 (as from_pretrained(dtype=float32) loads it),
+    fused routed experts from their per-expert tensors (`fuse_expert_matrices`). CheckpointError names a missing
+    tensor."""
+    fused = fused_experts_modules(module)
+    state = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        key = f"{prefix}{name}"
+        owner, _, leaf = name.rpartition(".")
+        if key in reader:
+            tensor = reader[key]
+        elif owner in fused and leaf in ("gate_up_proj", "down_proj"):
+            continue  # below, both at once
+        else:
+            raise CheckpointError(f"{model_dir}: the checkpoint has no tensor {key}")
+        state[name] = tensor.float() if tensor.is_floating_point() else tensor
+    for name, experts in fused.items():
+        num = experts.gate_up_proj.shape[0]
+        base = f"{prefix}{name}"
+        matrices = {}
+        for key in (f"{base}.{e}.{p}" for e in range(num) for p in ("gate_proj", "up_proj", "down_proj")):
+            if f"{key}.weight" not in reader:
+                raise CheckpointError(f"{model_dir}: the checkpoint has no tensor {key}.weight (routed expert)")
+            matrices[key] = reader[f"{key}.weight"]
+        gate_up, down = fuse_expert_matrices(matrices, base, num)
+        state[f"{name}.gate_up_proj"], state[f"{name}.down_proj"] = gate_up.float(), down.float()
+    return state
+
+
+def _materialize(module: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    try:
+        module.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"{where}: the checkpoint's tensors do not fit the model: {err}") from err
+
+
+def _tied_partners(model: nn.Module) -> dict[str, str]:
+    """state key -> another key of the same (tied) tensor, e.g. lm_head.weight -> model.embed_tokens.weight."""
+    groups: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(value), []).append(key)
+    return {k: other for keys in groups.values() if len(keys) > 1 for k in keys for other in keys if other != k}
+
+
+# --------------------------------------------------------------------------------------------- the path
+
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+MMAP_THRESHOLD_BYTES = 2**20
+
+
+def _pin_mmap_threshold() -> None:
+    """glibc: serve every allocation >= 1 MiB by mmap and give it back to the OS when freed (process-wide).
+
+    glibc raises its mmap threshold to the size of each freed mmapped block (up to 32 MiB); the layer-sized
+    tensors allocated afterwards then come from the heap, whose freed pieces are not returned, and resident memory
+    drifted by 0.05-0.35 GB between identical runs (benchmarks/bench_quantize_memory.py). No effect elsewhere."""
+    try:
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):
+        pass
+
+
+def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, overwrite: bool = False,
+                       spill_bytes: int = DEFAULT_SPILL_BYTES, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Quantize `model_dir` with `recipe` one decoder layer at a time (module docstring); write `out_dir` atomically.
+
+    spill_bytes: a calibration stream whose hidden states (N x T x hidden x 4 bytes) exceed this is kept on disk;
+    max_shard_bytes: the output shard size. Raises what the whole-model path raises (CheckpointError,
+    SmoothQuantMappingError, NonFiniteStatisticsError, FunctionPreservationError), and StreamingError."""
+    _pin_mmap_threshold()
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    reader = TensorReader(model_dir)
+    skeleton = _skeleton(config)
+    stack_name, layers = _decoder_stack(skeleton)
+    scheme = scheme_for(recipe.scheme)
+    weights = quantizable_weights(skeleton)  # meta tensors: names only
+    quantized = [n for n in weights if not recipe.ignores(n)] if scheme is not None else []
+    in_layers = f"{stack_name}."
+    outside = [n for n in quantized if not n.startswith(in_layers)]
+    if outside and recipe.activation_scale == "static":
+        raise StreamingError(f"static activation scales for matrices outside the decoder layers ({outside[:3]}) are "
+                             "not calibrated by the streaming path; use the whole-model path (--no-streaming)")
+    sq = recipe.smoothquant
+    plan = resolve_mappings(skeleton, experts=sq.experts) if sq is not None else None
+    max_positions = config.max_position_embeddings
+    static_tokens = None
+    if recipe.activation_scale == "static":
+        cal = recipe.calibration or CalibrationSettings()
+        static_tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, max_positions))
+    sq_tokens = _as_tokens(None, tokenizer, sq.num_sequences, sq.seq_len, max_positions) if sq is not None else None
+
+    def finish_state(state: dict[str, torch.Tensor], matrices: dict[str, torch.Tensor], amax: dict) -> dict:
+        if scheme is None:
+            return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+        encode_matrices(state, matrices, scheme, amax, desc="", progress=False)
+        return state
+
+    quantized_set = set(quantized)
+    metadata = {"format": "pt", "quantkit_recipe": recipe.name}
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # named like atomic_dir's temporaries: a SIGKILLed run's hidden states are removed by the next writer of out_dir
+    spill_root = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+            writer = ShardWriter(tmp, max_shard_bytes, metadata)
+            # the parameters outside the decoder layers: loaded (the forward needs the embeddings, norm and head)
+            tied = _tied_partners(skeleton)
+            head = {}
+            for key in skeleton.state_dict(keep_vars=True):
+                if key.startswith(in_layers):
+                    continue
+                source = key if key in reader else tied.get(key)
+                if source is None or source not in reader:
+                    raise CheckpointError(f"{model_dir}: the checkpoint has no tensor {key}")
+                tensor = reader[source]
+                head[key] = tensor.float() if tensor.is_floating_point() else tensor
+            skeleton.load_state_dict(head, strict=False, assign=True)
+            head_weights = {n: skeleton.get_submodule(n).weight for n in outside}
+            for key, tensor in finish_state(dict(head), head_weights, {}).items():
+                writer.add(key, tensor)
+            del head
+
+            streams: dict[str, _Stream] = {}
+            spill = {}
+            hidden = config.hidden_size
+            for name, tokens in (("sq", sq_tokens), ("ref", None if sq_tokens is None else sq_tokens[:DEFAULT_VERIFY_SEQUENCES]),
+                                 ("static", static_tokens)):
+                if tokens is None:
+                    continue
+                big = tokens.numel() * hidden * 4 > spill_bytes
+                spill[name] = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=spill_root)) if big else None
+                streams[name] = _embed(skeleton, layers, name, tokens, spill[name])
+            if sq is not None:  # the smoothed stream starts from the same embeddings as the reference
+                streams["smoothed"] = _embed(skeleton, layers, "smoothed", sq_tokens[:DEFAULT_VERIFY_SEQUENCES], spill["ref"])
+
+            reports: list[MappingReport] = []
+            scales: dict[str, torch.Tensor] = {}
+            for i in tqdm(range(len(layers)), desc=f"quantize {recipe.name} (streaming)", unit="layer"):
+                prefix = f"{stack_name}.{i}."
+                layer = layers[i]
+                _materialize(layer, _source_tensors(reader, layer, prefix, model_dir), f"{model_dir} layer {i}")
+                layer.eval()
+                before = []
+                if sq is not None:
+                    mappings = tuple(m for m in plan.mappings if m.smooth.startswith(prefix))
+                    consumers = [c for m in mappings for c in m.consumers]
+                    with ChannelMaxObserver(skeleton, consumers) as observer:
+                        _advance(streams["sq"], layer, i)
+                    missing = [n for n in observer.names if n not in observer.maxima]
+                    if missing:
+                        raise RuntimeError(f"SmoothQuant calibration: these linears were never called in the forward pass: {missing}")
+                    sub_plan = MappingPlan(plan.architecture, mappings, ())
+                    _check_finite(sub_plan, observer.maxima)
+                    _check_shared_input(sub_plan, observer.maxima)
+                    for m in mappings:
+                        channels = _smoothing_channels(skeleton, m)
+                        x = _to_smoothing_channels(m, observer.maxima[m.consumers[0]], channels)
+                        w = _to_smoothing_channels(m, _weight_col_max(skeleton, m).to(x.device), channels)
+                        scales[m.smooth] = smoothing_factors(x, w, sq.alpha)
+                        before.append((m, x, w))
+                    _advance(streams["ref"], layer, i)
+                    for m in mappings:
+                        fold_mapping(skeleton, m, scales[m.smooth])
+                    _advance(streams["smoothed"], layer, i)
+                amax = {}
+                if static_tokens is not None:
+                    names = [n for n in quantized if n.startswith(prefix)]
+                    with ChannelMaxObserver(skeleton, names) as observer:
+                        _advance(streams["static"], layer, i)
+                    missing = [n for n in names if n not in observer.maxima]
+                    if missing:
+                        raise RuntimeError(f"static activation calibration: these linears were never called: {missing}")
+                    amax = {n: m.max().reshape(1) for n, m in observer.maxima.items()}
+                for m, x, w in before:
+                    s = scales[m.smooth]
+                    w_after = _to_smoothing_channels(m, _weight_col_max(skeleton, m).to(x.device), len(s))
+                    reports.append(MappingReport(
+                        name=m.name, kind=m.kind, smooth=m.smooth, consumers=m.consumers, channels=len(s),
+                        scale_min=s.min().item(), scale_median=s.median().item(), scale_max=s.max().item(),
+                        act_max_before=x.max().item(), act_max_after=(x / s).max().item(),
+                        weight_max_before=w.max().item(), weight_max_after=w_after.max().item(),
+                    ))
+                state = {prefix + k: v for k, v in checkpoint_state(layer).items()}
+                matrices = {prefix + k: v for k, v in quantizable_weights(layer).items() if prefix + k in quantized_set}
+                for key, tensor in finish_state(state, matrices, amax).items():
+                    writer.add(key, tensor)
+                del state, matrices
+                layer.to("meta")
+
+            report = None
+            if sq is not None:
+                report = _verify(skeleton, layers, streams["ref"], streams["smoothed"], plan, sq, sq_tokens, reports, scales)
+            writer.finish()
+            architecture = type(skeleton).__name__
+            config_out = output_config(config, architecture, recipe, quantized, [n for n in weights if n not in quantized_set])
+            write_side_files(tmp, config_out, tokenizer, report)
+    finally:
+        shutil.rmtree(spill_root, ignore_errors=True)
+    return out_dir
+
+
+def _verify(skeleton: nn.Module, layers: nn.ModuleList, ref: _Stream, smoothed: _Stream, plan: MappingPlan, sq,
+            tokens: torch.Tensor, reports: list[MappingReport], scales: dict[str, torch.Tensor]) -> SmoothQuantReport:
+    """smooth_model's function-preservation check on the carried verification windows; its report."""
+    changes, scale = [], 0.0  # batch by batch: one batch of logits in memory (max is exact: the same numbers)
+    for b in range(len(ref.chunks)):
+        reference = _logits(skeleton, layers, ref, b)
+        if not torch.isfinite(reference).all():
+            raise NonFiniteStatisticsError(f"SmoothQuant: {plan.architecture} produces NaN/Inf logits before smoothing "
+                                           "(check the checkpoint and dtype); nothing was written")
+        changes.append((_logits(skeleton, layers, smoothed, b) - reference).abs().max().item())
+        scale = max(scale, reference.abs().max().item())
+    change = max(changes)  # as smooth_model: the same numbers in the same order
+    relative = change / max(scale, torch.finfo(torch.float32).tiny)
+    if not relative <= DEFAULT_TOLERANCE:
+        raise FunctionPreservationError(
+            f"SmoothQuant changed the logits of {plan.architecture}: max |logit change| {change:.4g} "
+            f"= {relative:.3g} of the logit scale {scale:.4g}, above the tolerance {DEFAULT_TOLERANCE:.3g}; "
+            "nothing was written. A mapping is not function-preserving for this model."
+        )
+    report = SmoothQuantReport(
+        architecture=plan.architecture, alpha=sq.alpha, num_sequences=tokens.shape[0], seq_len=tokens.shape[1],
+        mappings=reports, skipped=list(plan.skipped), max_logit_change=change, logit_scale=scale,
+        relative_logit_change=relative, tolerance=DEFAULT_TOLERANCE, scales=dict(scales),
+    )
+    logger.info("SmoothQuant done (streaming):\n%s", report.summary())
+    return report

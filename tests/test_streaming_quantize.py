@@ -1,0 +1,228 @@
+"""Streaming quantization (`quantkit.quantize.streaming`): the same tensors as the whole-model path, one layer in memory.
+
+Exactness, not tolerance: the streaming path runs every decoder layer with the same float32 operations, on the same
+batches (8 windows) and the same keyword arguments as the whole model's forward does, reads the same values (bf16 or
+float32 -> float32 is exact), and calls the same statistics, factor, fold and encode functions. On one machine
+and thread count the float32 results are then the same bits, so every assertion below is `torch.equal` on the
+raw bytes (and equality of config.json and smoothquant.json), for every recipe, on the dense and the hybrid MoE
+tiny models, with hidden states spilled to disk or kept in memory and with the output cut into several shards.
+
+The memory test runs both paths in a subprocess whose address space (RLIMIT_AS) is capped at what it uses after a
+warm-up run on a tiny checkpoint plus half the model's float32 size. The whole-model path needs at least the float32
+size (its parameters; it also keeps a float32 copy of the state) and must fail; the streaming path needs one layer
+in float32 (~1/16 of the model here) plus its encoded tensors and must pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantkit.calibrate import mappings as mappings_module
+from quantkit.calibrate.smoothquant import FunctionPreservationError
+from quantkit.checkpoints import CheckpointError, TensorReader, read_state, tensor_headers, weight_files
+from quantkit.models.modeling import QuantkitNorm
+from quantkit.quantize.checkpoint import quantize_checkpoint
+from quantkit.quantize.fake_quant import load_fake_quant_model
+from quantkit.quantize.recipe import CalibrationSettings, load_recipe
+from quantkit.quantize.streaming import quantize_streaming
+from quantkit.serve.checkpoint_check import check_servable
+
+REPO = Path(__file__).resolve().parents[1]
+IDS = torch.tensor([[0, 5, 9, 44, 100, 7, 300, 12, 81, 3]])
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_quantize_memory", REPO / "benchmarks" / "bench_quantize_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def small(name: str, sequences: int, seq_len: int):
+    """The recipe with its calibration cut to `sequences` x `seq_len` tokens (2 cores)."""
+    recipe = load_recipe(name)
+    if recipe.smoothquant is not None:
+        recipe = dataclasses.replace(recipe, smoothquant=dataclasses.replace(recipe.smoothquant, num_sequences=sequences, seq_len=seq_len))
+    if recipe.activation_scale == "static":
+        recipe = dataclasses.replace(recipe, calibration=CalibrationSettings(num_sequences=sequences, seq_len=seq_len))
+    return recipe
+
+
+def assert_same_checkpoint(whole: Path, streamed: Path) -> None:
+    a, b = read_state(whole), read_state(streamed)
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name].reshape(-1).view(torch.uint8), b[name].reshape(-1).view(torch.uint8)), name
+    for side in ("config.json", "smoothquant.json", "tokenizer.json"):
+        assert (whole / side).exists() == (streamed / side).exists(), side
+        if (whole / side).exists():
+            assert (whole / side).read_text() == (streamed / side).read_text(), side
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    from quantkit.models.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("dense") / "m", attn_output_gate="headwise", gated_norm_rank=16,
+                                 attention_sink=True)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from quantkit.models.tiny_hybrid import build_tiny_hybrid_checkpoint
+
+    return build_tiny_hybrid_checkpoint(tmp_path_factory.mktemp("hybrid") / "m")
+
+
+# 12 windows: a full batch of 8 and a partial one; spill 0: every stream on disk; 1 MiB shards: several
+DENSE = [("bf16", None), ("w8a8_fp8_block", None), ("w4a4_nvfp4", None), ("w4a4_nvfp4_static", 0),
+         ("w8a8_fp8_block_sq", None), ("w4a4_nvfp4_sq", 0)]
+
+
+@pytest.mark.parametrize("recipe_name,spill", DENSE)
+def test_dense_streaming_is_bit_identical(dense, tmp_path, recipe_name, spill):
+    recipe = small(recipe_name, 12, 64)
+    whole = quantize_checkpoint(dense, recipe, tmp_path / "whole", streaming=False)
+    streamed = quantize_streaming(dense, recipe, tmp_path / "stream", max_shard_bytes=2**20,
+                                  **({} if spill is None else {"spill_bytes": spill}))
+    assert_same_checkpoint(whole, streamed)
+    index = json.loads((streamed / "model.safetensors.index.json").read_text())
+    files = weight_files(streamed)
+    assert len(files) > 1 and [f.name for f in files] == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in read_state(streamed).values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stream", "whole"]  # no temporaries or spilled activations left
+    if recipe.scheme == "bf16":
+        return
+    assert check_servable(streamed)["quantized_modules"]
+    with torch.no_grad():  # the fake-quant reference reads the shards: the same model as from one file
+        assert torch.equal(load_fake_quant_model(streamed)(IDS).logits, load_fake_quant_model(whole)(IDS).logits)
+
+
+@pytest.mark.parametrize("recipe_name", ["w8a8_fp8_block", "w4a4_nvfp4_static", "w4a4_nvfp4_sq", "w4a4_nvfp4_sq_noexperts"])
+def test_hybrid_moe_streaming_is_bit_identical(hybrid, tmp_path, recipe_name):
+    """Gated DeltaNet + softmax layers, routed experts fused in the model and per-expert in the checkpoint (all-experts
+    statistics for the static scales, the MoE norm smoothed into router, experts and shared expert)."""
+    recipe = small(recipe_name, 4, 32)
+    whole = quantize_checkpoint(hybrid, recipe, tmp_path / "whole", streaming=False)
+    streamed = quantize_streaming(hybrid, recipe, tmp_path / "stream", max_shard_bytes=2**20)
+    assert_same_checkpoint(whole, streamed)
+    assert check_servable(streamed)
+
+
+def test_function_preservation_failure_writes_nothing(dense, tmp_path, monkeypatch):
+    """A fold that is not function-preserving (GatedNorm without its gate fold) fails the carried logit check."""
+    monkeypatch.setitem(mappings_module._FOLDS, QuantkitNorm, functools.partial(mappings_module.fold_quantkit_norm, fold_gate=False))
+    with pytest.raises(FunctionPreservationError, match=r"above the tolerance 0\.001; nothing was written"):
+        quantize_streaming(dense, small("w8a8_fp8_block_sq", 8, 32), tmp_path / "out", spill_bytes=0)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+def test_sharded_readers(dense, tmp_path):
+    """TensorReader reads what safetensors reads; an index must agree with its shards."""
+    state = load_file(dense / "model.safetensors")
+    reader = TensorReader(dense)
+    assert set(reader.names) == set(state)
+    assert all(torch.equal(reader[k], v) and reader[k].dtype == v.dtype for k, v in state.items())
+    names = sorted(state)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text((dense / "config.json").read_text())
+    save_file({k: state[k] for k in names[:5]}, str(sharded / "a.safetensors"))
+    save_file({k: state[k] for k in names[5:]}, str(sharded / "b.safetensors"))
+    weight_map = {k: "a.safetensors" if i < 5 else "b.safetensors" for i, k in enumerate(names)}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert set(tensor_headers(sharded)) == set(state) and read_state(sharded).keys() == state.keys()
+    weight_map[names[0]] = "b.safetensors"
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=f"weight_map disagrees with the shards for 1 tensor.*{names[0]}"):
+        tensor_headers(sharded)
+    weight_map[names[0]] = "c.safetensors"
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=r"lists shard\(s\) \['c.safetensors'\] that do not exist"):
+        weight_files(sharded)
+
+
+def test_cli_streaming_flag(dense, tmp_path):
+    quantkit = Path(sys.executable).parent / "quantkit"
+    run = subprocess.run([quantkit, "quantize", str(dense), "w8a8_fp8_block", str(tmp_path / "q"), "--streaming"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "q" / "model.safetensors.index.json").exists() and not (tmp_path / "q" / "model.safetensors").exists()
+    with pytest.raises(ValueError, match="quantkit's own backend only"):
+        quantize_checkpoint(dense, "fp8_block_ct", tmp_path / "ct", streaming=True)
+
+
+_LIMITED = textwrap.dedent("""
+    import resource, sys
+    from quantkit.quantize.checkpoint import quantize_checkpoint
+    warm, model, out, streaming = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+    budget = int(sys.argv[5])
+    quantize_checkpoint(warm, "w8a8_fp8_block", out + "-warm", streaming=streaming)  # imports, threads, arenas
+    vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + budget, vm + budget))
+    quantize_checkpoint(model, "w8a8_fp8_block", out, streaming=streaming)
+    print("quantized under", vm + budget)
+""")
+
+
+def test_quantize_under_an_address_space_limit(tmp_path):
+    """16 layers (~755 MB in float32); limit: the warmed-up process' address space + 377 MB (half the float32 size)."""
+    bench = _bench()
+    from quantkit.data import stdlib_docstrings
+    from quantkit.models.tokenizer import save_tokenizer, train_bpe_tokenizer
+
+    save_tokenizer(train_bpe_tokenizer(stdlib_docstrings(), bench.SHAPE["vocab_size"]), tmp_path / "tok")
+    warm = bench.build_random_checkpoint(tmp_path / "warm", 1, tmp_path / "tok", **bench.QUICK_SHAPE)
+    model = bench.build_random_checkpoint(tmp_path / "model", 16, tmp_path / "tok")
+    float32_bytes = 2 * sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
+    runs = {}
+    for path, streaming in (("streaming", "1"), ("whole", "0")):
+        runs[path] = subprocess.run([sys.executable, "-c", _LIMITED, str(warm), str(model), str(tmp_path / path), streaming,
+                                     str(float32_bytes // 2)], capture_output=True, text=True, env=env, timeout=900)
+    assert runs["streaming"].returncode == 0, runs["streaming"].stderr[-3000:]
+    assert check_servable(tmp_path / "streaming")["quantized_modules"]
+    assert runs["whole"].returncode != 0, "the whole-model path fit under the limit: the test proves nothing"
+    assert any(s in runs["whole"].stderr for s in ("can't allocate memory", "MemoryError", "Cannot allocate memory")), runs["whole"].stderr[-3000:]
+
+
+def test_memory_benchmark_quick(tmp_path):
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_quantize_memory.py"), "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (json_file,), (md_file,) = tmp_path.glob("quantize_memory_*_quick.json"), tmp_path.glob("quantize_memory_*_quick.md")
+    result = json.loads(json_file.read_text())
+    assert {"machine", "date", "command", "rows", "summary"} <= set(result)
+    assert [r["layers"] for r in result["rows"]] == [2, 4]
+    assert all(r["streaming_peak_rss_gb"] > 0 and r["whole_peak_rss_gb"] > 0 for r in result["rows"])
+    assert "| 4 |" in md_file.read_text()
+
+
+def test_model_without_decoder_layers_is_refused(dense, tmp_path):
+    """docs/errors.md: StreamingError names the missing decoder stack (GPT-2 keeps its blocks at transformer.h)."""
+    import shutil
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from quantkit.quantize.streaming import StreamingError
+
+    src = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=600, n_positions=64)).save_pretrained(src)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(dense / name, src / name)
+    with pytest.raises(StreamingError, match="GPT2LMHeadModel has no decoder layers at model.model.layers"):
+        quantize_checkpoint(src, "w8a8_fp8_block", tmp_path / "out", streaming=True)
+    assert not (tmp_path / "out").exists()
