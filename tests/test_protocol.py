@@ -78,7 +78,7 @@ def _row(path: str, name: str | None, i: int, split: str) -> list[dict[str, Any]
                      tests=f"\n\nassert double_{i}({i}) == {2 * i}\n", doctests="", original="",
                      prompt_terminology="", stop_tokens=["\ndef"])]
     if path == "google-research-datasets/mbpp":
-        return [dict(task_id=100 + i, text=q, code=f"def add(a, b):\n    return a + b",
+        return [dict(task_id=100 + i, text=q, code="def add(a, b):\n    return a + b",
                      test_list=[f"assert add({i}, {i}) == {2 * i}"], test_setup_code="", challenge_test_list=[])]
     if path == "m-a-p/SuperGPQA":
         return [dict(question=q, options=[str(2 * i), "1", "2", "3"], answer_letter="A")]
@@ -213,3 +213,18 @@ def test_report_avg_is_over_the_paper_columns_only():
     assert "except HumanEval" in to_markdown(table)
     mini = build_table(load_results(dict(schema_version=1, suite="mini", rows=rows)))  # no `avg`: every column
     assert mini.rows[0].avg == (11 * 40.0 + 95.0) / 12 and mini.not_in_avg == ()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(avg=["MMLU-R", "Nope"]), "avg must list"),
+    (dict(protocol={"MMLU-R": {"num_fewshot": 5}}), "protocol needs one row per benchmark"),
+])
+def test_suite_avg_and_protocol_are_validated(change, message, tmp_path):
+    import yaml
+
+    from quantkit.configs import SUITES_DIR
+
+    raw = yaml.safe_load((SUITES_DIR / "table2.yaml").read_text()) | change
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match=message):
+        load_suite(tmp_path / "bad.yaml")
