@@ -3,9 +3,13 @@
     evaluate(model_dir, suite="mini", backend="vllm", out_dir=..., limit=None, allow_code=False) -> dict
 
 Suites: `smoke` (CI: 4 items of one task per benchmark, 32 generated tokens), `mini` (the offline
-items extracted by `make setup`), `full` (paper 000 Table 2; needs the hub). A suite maps Table 2
-benchmark names to lm-eval tasks; benchmarks listed under `code` execute model output and run only with
-`allow_code=True`. Each task is its own `simple_evaluate` call on one open engine (per-task timings).
+items extracted by `make setup`), `table2` (paper 000 Table 2 under a pinned protocol, docs/protocol.md;
+needs the hub; `full` is an alias of it). A suite maps Table 2 benchmark names to lm-eval tasks;
+benchmarks listed under `code` execute model output and run only with `allow_code=True`. Optional:
+`avg` (the benchmarks the report's Avg is over; default all) and `protocol` (per benchmark: num_fewshot,
+cot, generation_kwargs, metric, filter, source; the scored metric/filter is then that one, and
+tests/test_protocol.py checks the rest against the built tasks). A suite file holding only `alias: NAME`
+loads NAME. Each task is its own `simple_evaluate` call on one open engine (per-task timings).
 
 out_dir receives, each written atomically:
     results.json          stamp (model, recipe, suite + version, backend, seeds, versions, date),
@@ -44,7 +48,9 @@ from quantkit.evals.extract import MissingExtractionError, data_dir, is_current
 logger = logging.getLogger(__name__)
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
-TASK_CONFIGS = {"mini": [TASKS_DIR / "mini"], "full": [TASKS_DIR / "mini", TASKS_DIR / "full"]}
+TASK_CONFIGS = {"mini": [TASKS_DIR / "mini"], "full": [TASKS_DIR / "mini", TASKS_DIR / "full"],
+                "table2": [TASKS_DIR / "mini", TASKS_DIR / "full", TASKS_DIR / "table2"]}
+PROTOCOL_KEYS = {"num_fewshot", "cot", "generation_kwargs", "metric", "filter", "source"}
 DEFAULT_SEED = 1234
 MAX_CONTEXT = 4096  # default max_model_len cap: the checkpoint's max_position_embeddings when smaller
 
@@ -61,9 +67,19 @@ class Suite:
     code: list[str] = field(default_factory=list)
     limit: int | None = None
     gen_kwargs: dict[str, Any] = field(default_factory=dict)
+    avg: list[str] | None = None
+    protocol: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def tasks(self, allow_code: bool) -> list[str]:
         return [t for b, ts in self.benchmarks.items() if allow_code or b not in self.code for t in ts]
+
+    def benchmark_of(self, task: str) -> str:
+        return next(b for b, ts in self.benchmarks.items() if task in ts)
+
+    def pinned_metric(self, task: str) -> tuple[str, str] | None:
+        """(metric, filter) the protocol scores `task` by, or None without a protocol."""
+        row = self.protocol.get(self.benchmark_of(task))
+        return (row["metric"], row["filter"]) if row else None
 
 
 def available_suites() -> list[str]:
@@ -78,10 +94,13 @@ def load_suite(name_or_path: str | Path) -> Suite:
     if not path.exists():
         raise ValueError(f"unknown suite {str(name_or_path)!r}; known: {', '.join(available_suites())} (or a YAML path)")
     raw = yaml.safe_load(path.read_text())
+    if isinstance(raw, dict) and raw.keys() == {"alias"}:
+        return load_suite(raw["alias"])
     required = {"name", "version", "description", "task_configs", "benchmarks"}
-    allowed = required | {"code", "limit", "gen_kwargs"}
+    allowed = required | {"code", "limit", "gen_kwargs", "avg", "protocol"}
     if not isinstance(raw, dict) or required - raw.keys() or raw.keys() - allowed:
-        raise ValueError(f"{path}: a suite needs keys {sorted(required)} (optional: code, limit, gen_kwargs)")
+        raise ValueError(f"{path}: a suite needs keys {sorted(required)} (optional: code, limit, gen_kwargs, avg, "
+                         "protocol), or only `alias`")
     suite = Suite(**raw)
     if suite.task_configs not in TASK_CONFIGS:
         raise ValueError(f"{path}: task_configs must be one of {sorted(TASK_CONFIGS)}")
@@ -89,6 +108,11 @@ def load_suite(name_or_path: str | Path) -> Suite:
         raise ValueError(f"{path}: benchmarks must map names to non-empty task lists")
     if unknown := set(suite.code) - suite.benchmarks.keys():
         raise ValueError(f"{path}: code lists unknown benchmarks {sorted(unknown)}")
+    if suite.avg is not None and (not suite.avg or set(suite.avg) - suite.benchmarks.keys()):
+        raise ValueError(f"{path}: avg must list some of the suite's benchmarks {sorted(suite.benchmarks)}")
+    if suite.protocol and (suite.protocol.keys() != suite.benchmarks.keys()
+                           or any(set(row) != PROTOCOL_KEYS for row in suite.protocol.values())):
+        raise ValueError(f"{path}: protocol needs one row per benchmark, each with keys {sorted(PROTOCOL_KEYS)}")
     return suite
 
 
@@ -125,8 +149,12 @@ def _code_execution(allowed: bool) -> Iterator[None]:
             os.environ[ALLOW_ENV] = saved
 
 
-def _primary_metric(task_result: dict[str, Any]) -> tuple[str, str]:
-    """(metric, filter) of the first reported metric (`acc,none` -> ("acc", "none"))."""
+def _primary_metric(task_result: dict[str, Any], pinned: tuple[str, str] | None = None) -> tuple[str, str]:
+    """(metric, filter): the suite protocol's `pinned` one, else the first reported (`acc,none` -> ("acc", "none"))."""
+    if pinned is not None:
+        if ",".join(pinned) not in task_result:
+            raise ValueError(f"protocol metric {','.join(pinned)} not in lm-eval result {sorted(task_result)}")
+        return pinned
     for key in task_result:
         if "," in key and "_stderr" not in key:
             metric, _, filt = key.partition(",")
@@ -210,7 +238,7 @@ def evaluate(
         logger.warning("skipping %s: they execute model output; pass --allow-code-execution to run them", ", ".join(skipped))
 
     task_manager = TaskManager(include_path=[str(p) for p in TASK_CONFIGS[spec.task_configs]],
-                               include_defaults=spec.task_configs == "full")
+                               include_defaults=spec.task_configs != "mini")
     if unknown := [t for t in tasks if t not in task_manager.all_tasks]:
         raise ValueError(f"suite {spec.name}: unknown lm-eval tasks {unknown}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -227,8 +255,9 @@ def evaluate(
                                  allow_unsafe_code=allow_code)
             seconds = time.perf_counter() - t0
             n_items = truncated = 0
+            pinned = spec.pinned_metric(task)
             for name, samples in out["samples"].items():  # a group's leaves, or the task itself
-                metric, filt = _primary_metric(out["results"][name])
+                metric, filt = _primary_metric(out["results"][name], pinned)
                 records = sorted((_sample_record(name, s, metric) for s in samples if s.get("filter", filt) == filt),
                                  key=lambda r: r["doc_id"])
                 write_text_atomic(out_dir / "samples" / f"{name}.jsonl",
@@ -236,14 +265,14 @@ def evaluate(
                 n_items += len(records)
                 budget = (out["configs"][name].get("generation_kwargs") or {}).get("max_gen_toks", 256)
                 truncated += _truncated(tokenizer, records, max_model_len, 1 if _is_choice(records) else budget)
-            metric, filt = _primary_metric(out["results"][task])
+            metric, filt = _primary_metric(out["results"][task], pinned)
             per_task[task] = dict(score=out["results"][task][f"{metric},{filt}"], metric=metric, filter=filt, n=n_items,
                                   seconds=round(seconds, 2), truncated_prompts=truncated, lm_eval=out["results"][task])
     results = dict(
         out_dir=str(out_dir.resolve()),
         model=model_stamp(model_dir),
         suite=dict(name=spec.name, version=spec.version, description=spec.description, limit=limit,
-                   gen_kwargs=spec.gen_kwargs, code_executed=allow_code, skipped_benchmarks=skipped),
+                   gen_kwargs=spec.gen_kwargs, code_executed=allow_code, skipped_benchmarks=skipped, avg=spec.avg),
         backend=backend,
         settings=dict(max_model_len=max_model_len, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                       data_parallel_size=data_parallel_size, decoding="greedy (temperature 0) unless the task says otherwise"),

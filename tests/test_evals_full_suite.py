@@ -13,7 +13,7 @@ from lm_eval.tasks._yaml_loader import load_yaml
 
 from quantkit.evals.execution import ALLOW_ENV
 from quantkit.evals.extract import extract
-from quantkit.evals.suite import TASKS_DIR, load_suite
+from quantkit.evals.suite import TASK_CONFIGS, TASKS_DIR, load_suite
 from test_evals_scorers import ReferenceLM
 
 FIXTURES = {
@@ -33,6 +33,9 @@ FIXTURES = {
     "qk_multiple_sh": [dict(
         language="sh", prompt="#!/bin/bash\n# Sum of $1 and $2.\nadd() {\n",
         tests="}\n\nset -e\n[[ $(add 1 2) = 3 ]]\n", reference="    echo $(( $1 + $2 ))")],
+    "qk_multiple_py": [dict(
+        language="py", prompt="def add(a, b):\n    \"\"\"Sum of a and b.\"\"\"\n",
+        tests="\n\ndef check(candidate):\n    assert candidate(1, 2) == 3\n\ncheck(add)\n", reference="    return a + b\n")],
     "qk_multiple_rs": [dict(
         language="rs", prompt="/// Sum of a and b.\nfn add(a: isize, b: isize) -> isize {\n",
         tests="}\n\nfn main() {\n    assert_eq!(add(1, 2), 3);\n}\n", reference="    a + b")],
@@ -41,8 +44,8 @@ TOOLS = {"qk_multiple_cpp": "g++", "qk_multiple_js": "node", "qk_multiple_sh": "
 
 
 def test_full_suite_names_exist_in_lm_eval_registry():
-    suite = load_suite("full")
-    manager = TaskManager(include_path=[str(TASKS_DIR / "mini"), str(TASKS_DIR / "full")])
+    suite = load_suite("full")  # an alias of table2
+    manager = TaskManager(include_path=[str(p) for p in TASK_CONFIGS[suite.task_configs]])
     missing = [t for t in suite.tasks(allow_code=True) if t not in manager.all_tasks]
     assert missing == []
 

@@ -91,10 +91,17 @@ def _title(results: Results) -> str:
     return "; ".join(p for p in parts if p)
 
 
-NOTES = ("Scores in points (0-100). Avg: plain mean of the row's benchmark columns. ΔAvg and Δ: score minus the "
+NOTES = ("Scores in points (0-100). Avg: plain mean of the row's benchmark columns{avg}. ΔAvg and Δ: score minus the "
          "BF16 row of the same variant (negative = worse). Noise: half-width of the 95% paired-bootstrap CI of "
          "the delta (noise floor). Flips: mean over benchmarks of the fraction of items whose correctness "
          "changed vs BF16. KL: nats/token vs BF16 on held-out text.")
+
+
+def notes(table: Table) -> str:
+    """NOTES, naming the columns kept out of Avg (the suite's `avg` set) when there are any."""
+    out = table.not_in_avg
+    return NOTES.format(avg=f" except {', '.join(b.label for b in out)} (shown, not in Avg or ΔAvg: outside the "
+                            f"suite's Avg set)" if out else "")
 
 
 def timing_line(timings: Any) -> str | None:
@@ -128,7 +135,7 @@ def to_markdown(table: Table, time_line: str | None = None) -> str:
     lead, extra = _lead_columns(table), _extra_columns(table)
     groups = [g for g, n in _group_spans(table.columns) for g in [g] + [""] * (n - 1)]
     width = len(lead) + len(table.columns) + len(extra)
-    lines = ["# Table 2" + (f": {_title(table.results)}" if _title(table.results) else ""), "", NOTES, "",
+    lines = ["# Table 2" + (f": {_title(table.results)}" if _title(table.results) else ""), "", notes(table), "",
              *([time_line, ""] if time_line else []),
              _md_row([h for h, _ in lead] + groups + [h for h, _ in extra]),
              _md_row(["---"] * len(lead) + ["---:"] * (len(table.columns) + len(extra))),
@@ -261,7 +268,7 @@ def to_html(table: Table, figures: dict[str, str] | None = None, time_line: str 
             cells.append(_cell(f(r), _sign_class(value)))
         body.append("<tr>" + "".join(cells) + "</tr>")
     parts = [f"<h1>Table 2{': ' + html.escape(_title(table.results)) if _title(table.results) else ''}</h1>",
-             f'<p class="notes">{html.escape(NOTES)}</p>',
+             f'<p class="notes">{html.escape(notes(table))}</p>',
              *([f'<p class="notes">{html.escape(time_line)}</p>'] if time_line else []),
              "<table><thead><tr>" + "".join(head1) + "</tr><tr>" + "".join(head2) + "</tr></thead><tbody>"
              + "".join(body) + "</tbody></table>"]

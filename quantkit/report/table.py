@@ -1,8 +1,10 @@
 """Table 2 figures: Avg, degradation vs BF16 and its noise floor, per row.
 
-Conventions (points 0-100): Avg is the plain mean of the row's benchmark scores (paper 000, Table 2).
+Conventions (points 0-100): Avg is the plain mean of the row's benchmark scores (paper 000, Table 2), over
+the suite's `avg` benchmarks when the results name a suite that has one (table2: the paper's 11 columns;
+other columns are shown but kept out of Avg and Delta Avg), else over all of them.
 Delta = score(recipe) - score(BF16 of the same variant), negative = worse; Delta Avg is the mean of the
-per-benchmark deltas over the benchmarks both rows have (= Avg - Avg(BF16) when they have the same ones).
+per-benchmark deltas over the Avg benchmarks both rows have (= Avg - Avg(BF16) when they have the same ones).
 Noise of a delta: the row's `noise_floor` (half-width of the paired-bootstrap CI of the delta); else, with
 `ci95` on both rows, sqrt(h_recipe^2 + h_bf16^2) of the two CI half-widths; else unknown. Noise of Delta
 Avg: sqrt(sum noise_b^2) / n when every benchmark has one (independent benchmarks;
@@ -15,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from quantkit.metrics import noise_of_mean
-from quantkit.report.benchmarks import Benchmark, ordered
+from quantkit.report.benchmarks import Benchmark, ordered, resolve
 from quantkit.report.results import Results, Row
 
 
@@ -34,8 +36,8 @@ class Degradation:
     noise_avg: float | None
 
 
-def degradation(row: Row, base: Row) -> Degradation:
-    """Delta of `row` against its BF16 row `base` (see the module docstring)."""
+def degradation(row: Row, base: Row, avg_keys: frozenset[str] | None = None) -> Degradation:
+    """Delta of `row` against its BF16 row `base` (see the module docstring); Delta Avg over `avg_keys` (None: all)."""
     common = [b for b in row.scores if b in base.scores]
     delta = {b: row.scores[b] - base.scores[b] for b in common}
     noise = {}
@@ -44,9 +46,24 @@ def degradation(row: Row, base: Row) -> Degradation:
             noise[b] = row.noise_floor[b]
         elif b in row.ci95 and b in base.ci95:
             noise[b] = math.hypot(_half_width(row.ci95[b]), _half_width(base.ci95[b]))
-    noise_avg = noise_of_mean(list(noise.values())) if common and len(noise) == len(common) else None
-    return Degradation(delta=delta, delta_avg=mean(list(delta.values())) if delta else None, noise=noise,
+    in_avg = [b for b in common if avg_keys is None or b in avg_keys]
+    noise_avg = noise_of_mean([noise[b] for b in in_avg]) if in_avg and all(b in noise for b in in_avg) else None
+    return Degradation(delta=delta, delta_avg=mean([delta[b] for b in in_avg]) if in_avg else None, noise=noise,
                        noise_avg=noise_avg)
+
+
+def avg_keys_of(suite: str | None) -> frozenset[str] | None:
+    """Canonical keys of a named suite's `avg` benchmarks; None (Avg over all columns) for a suite without
+    one, or one that is not (or no longer) a known suite."""
+    from quantkit.evals.suite import load_suite
+
+    if suite is None:
+        return None
+    try:
+        spec = load_suite(suite)
+    except ValueError:
+        return None
+    return frozenset(resolve(b).key for b in spec.avg) if spec.avg else None
 
 
 def _half_width(ci: tuple[float, float]) -> float:
@@ -65,12 +82,19 @@ class TableRow:
 
 @dataclass(frozen=True)
 class Table:
-    """Columns (benchmarks present in any row, in Table 2 order), outlier figure names, rows in file order."""
+    """Columns (benchmarks present in any row, in Table 2 order), outlier figure names, rows in file order;
+    `avg_keys`: the columns Avg is over (None: all)."""
 
     columns: tuple[Benchmark, ...]
     outlier_keys: tuple[str, ...]
     rows: tuple[TableRow, ...]
     results: Results
+    avg_keys: frozenset[str] | None = None
+
+    @property
+    def not_in_avg(self) -> tuple[Benchmark, ...]:
+        """Columns shown but kept out of Avg and Delta Avg."""
+        return tuple(b for b in self.columns if self.avg_keys is not None and b.key not in self.avg_keys)
 
     @property
     def has_kl(self) -> bool:
@@ -96,10 +120,13 @@ class Table:
 def build_table(results: Results) -> Table:
     """Compute every row's Avg and degradation vs the BF16 row of its variant."""
     rows = []
+    avg_keys = avg_keys_of(results.suite)
     for row in results.rows:
-        deg = None if row.is_baseline else degradation(row, results.baseline(row.variant))
+        deg = None if row.is_baseline else degradation(row, results.baseline(row.variant), avg_keys)
         flips = mean(list(row.flips.values())) if row.flips and not row.is_baseline else None
-        rows.append(TableRow(row=row, avg=mean(list(row.scores.values())), degradation=deg, flips_mean=flips))
+        in_avg = [v for k, v in row.scores.items() if avg_keys is None or k in avg_keys]
+        rows.append(TableRow(row=row, avg=mean(in_avg) if in_avg else math.nan, degradation=deg, flips_mean=flips))
     columns = ordered([b for r in results.rows for b in r.scores])
     outlier_keys = tuple(dict.fromkeys(k for r in results.rows for k in r.outliers))
-    return Table(columns=tuple(columns), outlier_keys=outlier_keys, rows=tuple(rows), results=results)
+    return Table(columns=tuple(columns), outlier_keys=outlier_keys, rows=tuple(rows), results=results,
+                 avg_keys=avg_keys)
