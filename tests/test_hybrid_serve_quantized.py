@@ -29,12 +29,15 @@ reference reads the served quantized rows (`HeldCodes`). Asserted, per case:
     TOLERANCE_PER_LOGIT_STD * S (= 0.18 S, S the logits' std over the vocabulary): what remains is bf16 rounding
     of everything but the quantizers, the same count of roundings (a quantized projection rounds its output once
     to bf16, as an unquantized one).
-Controls: the weight-only reference (same decoded weights, activations not quantized) and the unquantized source
-must each differ from vLLM by more than that tolerance on some token. Expected margin: activation quantization
-adds a relative error of std 2**-4 / sqrt(3) = 3.6e-2 (FP8: uniform over half a code step of 2**-3) or more
-(NVFP4) at each of the ~7 quantized inputs of each of 4 layers: sqrt(28) * 3.6e-2 = 0.19 relative on the final
-hidden state, a logprob std of sqrt(2) * 0.19 S = 0.27 S per token, whose maximum over ~66 tokens is ~0.7 S, about 4x
-the 0.18 S tolerance. The flips are printed, not asserted. (Measured 2026-11-23, this 2-core machine: a plain
+Control (structural): in every served quantizer (each Linear, both inputs of every expert) more than half of the
+input elements are changed by quantization (CHANGED_MIN). Derivation: a bf16 input element survives per-token FP8
+E4M3 rounding unchanged only if its scaled significand has no bits beyond E4M3's 3 stored ones, i.e. its low 4 of 7
+stored bf16 bits are zero: probability ~2**-4 for non-degenerate values (fewer still for NVFP4's 1-bit E2M1), so
+~94% change, far from 50%; a path that skipped activation quantization changes none. Why not a logprob control: the
+bf16 bound (c) is a worst-case count, ~10x the measured noise, and on a weakly sensitive member the whole effect of
+activation quantization stays inside it (measured 2026-11-23, ga_gatednorm-fp8_block: weight-only reference 0.050
+nats from vLLM against the 0.054 bound; ga-fp8_block: 0.25 against 0.106), so the weight-only and unquantized
+comparisons are printed, not asserted. The flips are printed, not asserted. (Measured 2026-11-23, this 2-core machine: a plain
 comparison, codes not held, differed by 0.26 nats on ga-fp8_block, as much as the weight-only control's 0.25: the
 reason for holding the codes.)
 """
@@ -57,6 +60,7 @@ from quantkit.serve.quant_method import CAPTURE_ENV
 
 pytestmark = pytest.mark.slow
 
+CHANGED_MIN = 0.5  # control: fraction of each quantizer's input elements its quantization changes (docstring)
 BF16_INPUT_TOL = MAX_OVER_TOKENS_Z * math.sqrt(ROUNDINGS_ON_PATH) * BF16_U / math.sqrt(3)  # (a): 0.13
 
 MEMBERS = {  # name: hybrid flags (None: a stock Qwen3-Next checkpoint)
@@ -142,5 +146,6 @@ def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch)
           f"weight-only: max {weight_only.max():.3f}; unquantized: max {unquantized.max():.3f}")
     assert held.elements > 0
     assert parity.max() <= tol, f"{case}: with activation codes held equal, vLLM differs from the reference by {parity.max():.3f} nats"
-    assert weight_only.max() > tol, f"{case}: the weight-only model matches too: activations not quantized?"
-    assert unquantized.max() > tol
+    for prefix, (x, xq) in activations.items():
+        changed = (x != xq).float().mean().item()
+        assert changed > CHANGED_MIN, f"{case}: {prefix}: quantization changed only {changed:.0%} of its input elements"
