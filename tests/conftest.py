@@ -23,3 +23,22 @@ def tiny_checkpoint(tmp_path_factory):
     from quantkit.models.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Sum setup + call + teardown wall seconds per test file (module fixtures land on the file's first test)."""
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The 15 slowest test files, so a CI log shows where its time goes."""
+    if not _FILE_SECONDS:
+        return
+    terminalreporter.section("slowest 15 test files (setup + call + teardown)")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s  all {len(_FILE_SECONDS)} files")
