@@ -344,7 +344,7 @@ def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
     """Per benchmark (its tasks pooled): flip rate and paired-bootstrap delta (points) vs bf16, from
     `quantkit.evals.degradation.compare_samples`; held-out KL vs bf16: with kl.source vllm from the two eval
     engines' recorded logprobs (`engine_kl`), else the float32 transformers reference (`heldout_kl`)."""
-    from quantkit.evals.degradation import compare_samples, engine_kl, heldout_kl, read_samples
+    from quantkit.evals.degradation import HeldoutLogprobsError, compare_samples, engine_kl, heldout_kl, read_samples
 
     base_dir, test_dir = study.eval_dir(label, BASELINE), study.eval_dir(label, recipe)
     benchmarks = json.loads(study.artifact("eval", label, recipe).read_text())["benchmarks"]
@@ -357,6 +357,11 @@ def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
         for name, (flips, delta) in compared.items()}
     if study.spec.kl["source"] == "vllm":
         kl = engine_kl(base_dir, test_dir)
+        settings = study.spec.kl
+        if (kl["tokens"], kl["mode"], kl.get("top_k")) != (settings["num_sequences"] * settings["seq_len"],
+                                                          "full" if settings["top_k"] is None else "topk", settings["top_k"]):
+            raise HeldoutLogprobsError(f"{test_dir} recorded held-out logprobs under other kl settings than the spec's "
+                                       f"{settings}: remove the model's evals/ directories to re-run them")
     else:
         kl = dict(heldout_kl(study.checkpoint_dir(label, BASELINE), study.checkpoint_dir(label, recipe),
                              num_sequences=study.spec.kl["num_sequences"], seq_len=study.spec.kl["seq_len"]),

@@ -116,6 +116,8 @@ def test_engine_kl_agrees_with_the_transformers_reference(recorded):
     test, _ = load_heldout_logprobs(dirs["noisy", "full"])
     served = kl_divergence(ref["logprobs"], test["logprobs"])
     bound = kl_agreement_bound(ref_logits, test_logits, ETA)
+    print(f"KL per token: served mean {served.mean():.6g}, reference mean {reference.mean():.6g}; "
+          f"max |served - reference| {(served - reference).abs().max():.3g} against bounds {bound.min():.3g}..{bound.max():.3g}")
     assert ((served - reference).abs() <= bound).all()
     assert bound.mean() < reference.mean() / 10  # the bound is tight enough to catch an O(KL) error
     summary = engine_kl(dirs["ref", "full"], dirs["noisy", "full"])
