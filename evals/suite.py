@@ -13,7 +13,8 @@ loads NAME. Each task is its own `simple_evaluate` call on one open engine (per-
 
 out_dir receives, each written atomically:
     results.json          stamp (model, recipe, suite + version, backend, seeds, versions, date),
-                          per-benchmark and per-task scores, seconds, truncated prompts
+                          per-benchmark and per-task scores, seconds, truncated prompts, and with
+                          `heldout_logprobs` what was recorded (file, mode, top_k, vocab_size, shape, seconds)
     samples/<task>.jsonl  one line per item: doc_id, score (the task's primary metric), answer (chosen
                           choice index, or the filtered generation), prompt, target, lm-eval's raw record
     heldout_logprobs.safetensors   with `heldout_logprobs` (vLLM only): the same engine's prompt logprobs of
@@ -217,6 +218,7 @@ def evaluate(
     same engine records the prompt logprobs of `heldout_windows` (`degradation.record_heldout_logprobs`; top_k
     None = full vocabulary). Bad input (suite, backend, checkpoint, missing offline items) raises before any
     engine starts."""
+    from quantkit.evals.degradation import LOGPROBS_FILE, HeldoutLogprobsError, record_heldout_logprobs
     from quantkit.evals.harness import BACKENDS, evaluate_tasks, open_lm
     from quantkit.serve.checkpoint_check import check_servable
 
@@ -229,10 +231,9 @@ def evaluate(
     else:
         check_checkpoint_dir(model_dir)
     if heldout_logprobs is not None and (backend != "vllm" or data_parallel_size != 1):
-        from quantkit.evals.degradation import HeldoutLogprobsError
-
-        raise HeldoutLogprobsError("held-out logprobs are recorded by the eval's own vLLM engine: they need backend vllm and "
-                         "data_parallel_size 1 (lm-eval's replicas are ray workers); use kl.source: transformers")
+        raise HeldoutLogprobsError("held-out logprobs are recorded by the eval's own vLLM engine: they need backend "
+                                   "vllm and data_parallel_size 1 (lm-eval's replicas are ray workers); use "
+                                   "kl.source: transformers")
     if not is_current(data_dir()):
         raise MissingExtractionError(f"offline eval items missing or stale in {data_dir()}: run `make setup` "
                                      "(or `python -m quantkit.evals.extract`)")
@@ -260,9 +261,8 @@ def evaluate(
 
         kl_tokens = heldout_windows(tokenizer, heldout_logprobs["num_sequences"], heldout_logprobs["seq_len"])
         if kl_tokens.shape[1] > max_model_len:
-            from quantkit.evals.degradation import HeldoutLogprobsError
-
-            raise HeldoutLogprobsError(f"kl seq_len {kl_tokens.shape[1]} exceeds the eval context max_model_len {max_model_len}")
+            raise HeldoutLogprobsError(f"kl seq_len {kl_tokens.shape[1]} exceeds the eval context max_model_len "
+                                       f"{max_model_len}")
         top_k = heldout_logprobs.get("top_k")
         max_logprobs = -1 if top_k is None else max(top_k, 20)  # 20: vLLM's default, which lm-eval's requests fit
 
@@ -294,8 +294,6 @@ def evaluate(
             per_task[task] = dict(score=out["results"][task][f"{metric},{filt}"], metric=metric, filter=filt, n=n_items,
                                   seconds=round(seconds, 2), truncated_prompts=truncated, lm_eval=out["results"][task])
         if kl_tokens is not None:
-            from quantkit.evals.degradation import LOGPROBS_FILE, record_heldout_logprobs
-
             t0 = time.perf_counter()
             recorded = record_heldout_logprobs(lm.model, kl_tokens, out_dir / LOGPROBS_FILE, heldout_logprobs.get("top_k"))
             recorded["seconds"] = round(time.perf_counter() - t0, 2)
