@@ -209,7 +209,7 @@ def topk_kl(ref_ids: torch.Tensor, ref_logprobs: torch.Tensor, test_ids: torch.T
         KL(P|R || Q|R) <= max_{i in R} log(Q(R) / q_i) <= -min_i log q_i <= (z_max - z_min) + log V
     (z: the test model's logits, V: vocabulary). Hence 0 <= KL - KL_k <= P(R) * (-min_i log q_i). The top-k
     logprobs do not reveal min_i log q_i, so no upper bound follows from them alone (a test model that puts
-    e^-100 on one token carrying p = P(R) is off by 100 P(R)); the caller reports P(R) so the bound can be
+    e^-100 on the one token carrying P(R) is off by about 100 P(R)); the caller reports P(R) so the bound can be
     evaluated for any known logit range. float32 logprobs make each term exact to ~k * 2**-24 relative."""
     sorted_ids, order = test_ids.sort(dim=-1)
     slot = torch.searchsorted(sorted_ids, ref_ids.contiguous()).clamp(max=test_ids.shape[-1] - 1)
