@@ -29,11 +29,14 @@ class _DropCustomDatasetNotice(logging.Filter):
 
 @contextmanager
 def open_lm(model_dir: str | Path, backend: str = "vllm", seed: int = 1234, max_model_len: int = 1024,
-            dtype: str = "float32", tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> Iterator[Any]:
+            dtype: str = "float32", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+            max_logprobs: int | None = None) -> Iterator[Any]:
     """An lm-eval LM on `model_dir` (vLLM engine or transformers model), shut down on exit.
 
     vLLM only: tensor_parallel_size shards the model over that many GPUs (or CPU ranks); data_parallel_size
-    > 1 makes lm-eval run that many engine replicas (through ray, which lm-eval requires for it)."""
+    > 1 makes lm-eval run that many engine replicas (through ray, which lm-eval requires for it);
+    max_logprobs (None: vLLM's default, 20; -1: the whole vocabulary) caps the logprobs a request may ask for,
+    and changes nothing else the engine computes."""
     offline_environment()
     from lm_eval.api.registry import get_model
 
@@ -43,6 +46,8 @@ def open_lm(model_dir: str | Path, backend: str = "vllm", seed: int = 1234, max_
             pretrained=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
             tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size, **cpu_engine_kwargs(),
         )
+        if max_logprobs is not None:
+            model_args["max_logprobs"] = max_logprobs
     elif backend == "hf":
         model_args = dict(pretrained=str(model_dir), dtype=dtype, device="cpu", max_length=max_model_len, batch_size=1)
     else:

@@ -13,9 +13,12 @@ loads NAME. Each task is its own `simple_evaluate` call on one open engine (per-
 
 out_dir receives, each written atomically:
     results.json          stamp (model, recipe, suite + version, backend, seeds, versions, date),
-                          per-benchmark and per-task scores, seconds, truncated prompts
+                          per-benchmark and per-task scores, seconds, truncated prompts, and with
+                          `heldout_logprobs` what was recorded (file, mode, top_k, vocab_size, shape, seconds)
     samples/<task>.jsonl  one line per item: doc_id, score (the task's primary metric), answer (chosen
                           choice index, or the filtered generation), prompt, target, lm-eval's raw record
+    heldout_logprobs.safetensors   with `heldout_logprobs` (vLLM only): the same engine's prompt logprobs of
+                          the held-out KL windows, after the tasks (`quantkit.evals.degradation`)
 Prompts longer than the context are cut from the left by lm-eval (the end of a prompt is kept, the BOS
 and first tokens are lost); `truncated_prompts` counts them per task.
 """
@@ -207,10 +210,15 @@ def evaluate(
     dtype: str = "auto",
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
+    heldout_logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run `suite` on `model_dir`; write results.json and samples/*.jsonl into out_dir (default
     runs/eval/<model>-<suite>); return the results dict. `limit` (items per task) overrides the suite's.
-    Bad input (suite, backend, checkpoint, missing offline items) raises before any engine starts."""
+    `heldout_logprobs` ({num_sequences, seq_len, top_k}; vLLM backend, one engine replica): after the tasks, the
+    same engine records the prompt logprobs of `heldout_windows` (`degradation.record_heldout_logprobs`; top_k
+    None = full vocabulary). Bad input (suite, backend, checkpoint, missing offline items) raises before any
+    engine starts."""
+    from quantkit.evals.degradation import LOGPROBS_FILE, HeldoutLogprobsError, record_heldout_logprobs
     from quantkit.evals.harness import BACKENDS, evaluate_tasks, open_lm
     from quantkit.serve.checkpoint_check import check_servable
 
@@ -222,6 +230,10 @@ def evaluate(
         check_servable(model_dir)
     else:
         check_checkpoint_dir(model_dir)
+    if heldout_logprobs is not None and (backend != "vllm" or data_parallel_size != 1):
+        raise HeldoutLogprobsError("held-out logprobs are recorded by the eval's own vLLM engine: they need backend "
+                                   "vllm and data_parallel_size 1 (lm-eval's replicas are ray workers); use "
+                                   "kl.source: transformers")
     if not is_current(data_dir()):
         raise MissingExtractionError(f"offline eval items missing or stale in {data_dir()}: run `make setup` "
                                      "(or `python -m quantkit.evals.extract`)")
@@ -243,10 +255,23 @@ def evaluate(
         raise ValueError(f"suite {spec.name}: unknown lm-eval tasks {unknown}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
+    kl_tokens, max_logprobs = None, None
+    if heldout_logprobs is not None:
+        from quantkit.data import heldout_windows
+
+        kl_tokens = heldout_windows(tokenizer, heldout_logprobs["num_sequences"], heldout_logprobs["seq_len"])
+        if kl_tokens.shape[1] > max_model_len:
+            raise HeldoutLogprobsError(f"kl seq_len {kl_tokens.shape[1]} exceeds the eval context max_model_len "
+                                       f"{max_model_len}")
+        top_k = heldout_logprobs.get("top_k")
+        max_logprobs = -1 if top_k is None else max(top_k, 20)  # 20: vLLM's default, which lm-eval's requests fit
+
     per_task: dict[str, dict[str, Any]] = {}
+    recorded = None
     started = time.perf_counter()
     with _code_execution(allow_code), open_lm(model_dir, backend, seed=seed, max_model_len=max_model_len, dtype=dtype,
-                                                 tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size) as lm:
+                                                 tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+                                                 max_logprobs=max_logprobs) as lm:
         startup = time.perf_counter() - started
         for task in (bar := tqdm(tasks, desc=f"eval {spec.name}", unit="task")):
             bar.set_postfix_str(task)
@@ -268,6 +293,10 @@ def evaluate(
             metric, filt = _primary_metric(out["results"][task], pinned)
             per_task[task] = dict(score=out["results"][task][f"{metric},{filt}"], metric=metric, filter=filt, n=n_items,
                                   seconds=round(seconds, 2), truncated_prompts=truncated, lm_eval=out["results"][task])
+        if kl_tokens is not None:
+            t0 = time.perf_counter()
+            recorded = record_heldout_logprobs(lm.model, kl_tokens, out_dir / LOGPROBS_FILE, heldout_logprobs.get("top_k"))
+            recorded["seconds"] = round(time.perf_counter() - t0, 2)
     results = dict(
         out_dir=str(out_dir.resolve()),
         model=model_stamp(model_dir),
@@ -284,6 +313,8 @@ def evaluate(
         benchmarks=_benchmark_scores(spec, per_task),
         tasks=per_task,
     )
+    if recorded is not None:
+        results["heldout_logprobs"] = recorded
     write_text_atomic(out_dir / "results.json", json.dumps(results, indent=1, default=str) + "\n")
     return results
 

@@ -9,7 +9,9 @@ Spec (YAML, see pipelines/default.yaml):
     zoo: {size: tiny, dir: zoo}      # where zoo:<preset> checkpoints are built (cached)
     recipes: [bf16, w8a8_fp8_block, w4a4_nvfp4, w4a4_nvfp4_sq]   # bf16 is every model's baseline
     eval: {suite: mini, backend: vllm, limit: null, allow_code: false, seed: 1234, dtype: bfloat16}
-    kl: {num_sequences: 16, seq_len: 128}
+    kl: {num_sequences: 16, seq_len: 128, source: vllm, top_k: null}   # source: vllm (default with the vLLM
+                                     # backend: the eval engines' prompt logprobs) | transformers (float32 reference);
+                                     # top_k: null = full vocabulary, k = top-k lower bound (evals/degradation.py)
     diagnose: {num_sequences: 16, seq_len: 128}   # quantkit.diagnose on each source checkpoint
     parallel: {tensor_parallel_size: 1, data_parallel_size: 1}   # vLLM TP; lm-eval DP (engine replicas)
     runs_dir: runs
@@ -23,7 +25,8 @@ a second one refuses with LockedError naming the holder's pid):
     spec.json                       the resolved spec
     diagnostics/<label>/            `quantkit diagnose` of the source checkpoint (JSON, summary, figures)
     checkpoints/<label>-<recipe>/   `quantkit quantize` output (bf16 too: the baseline checkpoint)
-    evals/<label>-<recipe>/         `quantkit.evals.suite.evaluate` output (results.json, samples/)
+    evals/<label>-<recipe>/         `quantkit.evals.suite.evaluate` output (results.json, samples/, and with
+                                    kl.source vllm heldout_logprobs.safetensors: the engine's held-out logprobs)
     degradation/<label>-<recipe>.json   flips, paired bootstrap (noise floor), held-out KL vs bf16
     timings.json                    wall seconds per (stage, model, recipe), merged over resumed runs: a stage
                                     found done keeps the time of the run that made it (0 if unknown), `cached`
@@ -57,6 +60,8 @@ logger = logging.getLogger(__name__)
 BASELINE = "bf16"
 SPEC_KEYS = {"name", "models", "zoo", "recipes", "eval", "kl", "diagnose", "parallel", "runs_dir"}
 EVAL_DEFAULTS = dict(suite="mini", backend="vllm", limit=None, allow_code=False, seed=1234, dtype="bfloat16")
+KL_DEFAULTS = dict(num_sequences=16, seq_len=128, source=None, top_k=None)  # source None: vllm with the vllm backend
+KL_SOURCES = ("vllm", "transformers")
 
 
 class StageError(RuntimeError):
@@ -70,7 +75,7 @@ class StudySpec:
     recipes: list[str]
     zoo: dict[str, Any] = field(default_factory=lambda: dict(size="tiny", dir="zoo"))
     eval: dict[str, Any] = field(default_factory=lambda: dict(EVAL_DEFAULTS))
-    kl: dict[str, int] = field(default_factory=lambda: dict(num_sequences=16, seq_len=128))
+    kl: dict[str, Any] = field(default_factory=lambda: dict(KL_DEFAULTS, source="vllm"))
     diagnose: dict[str, int] = field(default_factory=lambda: dict(num_sequences=16, seq_len=128))
     parallel: dict[str, int] = field(default_factory=lambda: dict(tensor_parallel_size=1, data_parallel_size=1))
     runs_dir: str = "runs"
@@ -102,6 +107,18 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     spec.eval = {**EVAL_DEFAULTS, **(data.get("eval") or {})}
     if unknown := sorted(set(spec.eval) - set(EVAL_DEFAULTS)):
         raise ValueError(f"{path}: unknown eval key(s) {unknown}; known: {sorted(EVAL_DEFAULTS)}")
+    spec.kl = {**KL_DEFAULTS, **(data.get("kl") or {})}
+    if unknown := sorted(set(spec.kl) - set(KL_DEFAULTS)):
+        raise ValueError(f"{path}: unknown kl key(s) {unknown}; known: {sorted(KL_DEFAULTS)}")
+    spec.kl["source"] = spec.kl["source"] or ("vllm" if spec.eval["backend"] == "vllm" else "transformers")
+    if spec.kl["source"] not in KL_SOURCES:
+        raise ValueError(f"{path}: kl.source must be one of {list(KL_SOURCES)}, not {spec.kl['source']!r}")
+    if spec.kl["source"] == "vllm" and (spec.eval["backend"] != "vllm" or spec.parallel["data_parallel_size"] != 1):
+        raise ValueError(f"{path}: kl.source vllm reads the eval engine's logprobs: it needs eval.backend vllm and "
+                         "parallel.data_parallel_size 1 (else set kl.source: transformers)")
+    top_k = spec.kl["top_k"]
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"{path}: kl.top_k must be null (full vocabulary) or a positive integer, not {top_k!r}")
     if model is not None:
         label = model.removeprefix("zoo:") if model.startswith("zoo:") else Path(model.rstrip("/")).name
         spec.models = {label: model}
@@ -237,10 +254,13 @@ class Study:
             from quantkit.serve.checkpoint_check import check_servable
 
             check_servable(checkpoint)
+        kl = self.spec.kl
+        heldout = (dict(num_sequences=kl["num_sequences"], seq_len=kl["seq_len"], top_k=kl["top_k"])
+                   if kl["source"] == "vllm" else None)  # the KL's logprobs, from this same engine
         with atomic_dir(out, overwrite=True) as tmp:  # a killed eval leaves only a temp dir, never a half `out`
             results = evaluate(checkpoint, suite=e["suite"], backend=e["backend"], out_dir=tmp,
                                limit=e["limit"], allow_code=e["allow_code"], seed=e["seed"], dtype=e["dtype"],
-                               **self.spec.parallel)
+                               heldout_logprobs=heldout, **self.spec.parallel)
             _atomic_json(tmp / "results.json", {**results, "out_dir": str(out.resolve())})  # not the temp dir
 
     def _degradation(self, label: str, recipe: str) -> None:
@@ -322,8 +342,9 @@ def _timing_entries(timings: dict[tuple[str, str, str], dict[str, Any]]) -> list
 
 def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
     """Per benchmark (its tasks pooled): flip rate and paired-bootstrap delta (points) vs bf16, from
-    `quantkit.evals.degradation.compare_samples`; held-out KL of the checkpoint."""
-    from quantkit.evals.degradation import compare_samples, heldout_kl, read_samples
+    `quantkit.evals.degradation.compare_samples`; held-out KL vs bf16: with kl.source vllm from the two eval
+    engines' recorded logprobs (`engine_kl`), else the float32 transformers reference (`heldout_kl`)."""
+    from quantkit.evals.degradation import HeldoutLogprobsError, compare_samples, engine_kl, heldout_kl, read_samples
 
     base_dir, test_dir = study.eval_dir(label, BASELINE), study.eval_dir(label, recipe)
     benchmarks = json.loads(study.artifact("eval", label, recipe).read_text())["benchmarks"]
@@ -334,7 +355,17 @@ def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
                    noise_floor_points=100 * (delta.ci_high - delta.ci_low) / 2, p_not_worse=delta.p_not_worse,
                    n=delta.n, flip_rate=flips.flip_rate)
         for name, (flips, delta) in compared.items()}
-    kl = heldout_kl(study.checkpoint_dir(label, BASELINE), study.checkpoint_dir(label, recipe), **study.spec.kl)
+    if study.spec.kl["source"] == "vllm":
+        kl = engine_kl(base_dir, test_dir)
+        settings = study.spec.kl
+        if (kl["tokens"], kl["mode"], kl.get("top_k")) != (settings["num_sequences"] * settings["seq_len"],
+                                                          "full" if settings["top_k"] is None else "topk", settings["top_k"]):
+            raise HeldoutLogprobsError(f"{test_dir} recorded held-out logprobs under other kl settings than the spec's "
+                                       f"{settings}: remove the model's evals/ directories to re-run them")
+    else:
+        kl = dict(heldout_kl(study.checkpoint_dir(label, BASELINE), study.checkpoint_dir(label, recipe),
+                             num_sequences=study.spec.kl["num_sequences"], seq_len=study.spec.kl["seq_len"]),
+                  source="transformers", mode="full")
     return dict(model=label, recipe=recipe, benchmarks=per_benchmark, kl=kl)
 
 

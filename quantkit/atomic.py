@@ -33,12 +33,18 @@ class LockedError(QuantkitError, RuntimeError):
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write `text` (UTF-8) to `path` atomically, creating parent directories; returns the path."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` atomically (a temp file beside it, renamed into place), creating parent
+    directories; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.chmod(tmp, 0o644)  # mkstemp makes it 0600
         os.replace(tmp, path)
     except BaseException:

@@ -61,6 +61,13 @@ def test_study_writes_every_artifact(study):
     quantized = rows["w4a4_nvfp4"]
     assert quantized["kl"] > 0 and set(quantized["noise_floor"]) == set(quantized["scores"])
     assert all(0.0 <= f <= 1.0 for f in quantized["flips"].values())
+    # the KL comes from the eval engines' own logprobs of the held-out windows (full vocabulary, 4 x 64 tokens)
+    kl = json.loads((run_dir / "degradation" / "tiny-w4a4_nvfp4.json").read_text())["kl"]
+    assert (kl["source"], kl["mode"], kl["tokens"]) == ("vllm", "full", 4 * 64) and kl["mean"] == quantized["kl"]
+    for recipe in ("bf16", "w4a4_nvfp4"):
+        evaluated = json.loads((run_dir / "evals" / f"tiny-{recipe}" / "results.json").read_text())
+        assert evaluated["heldout_logprobs"]["mode"] == "full"
+        assert (run_dir / "evals" / f"tiny-{recipe}" / evaluated["heldout_logprobs"]["file"]).exists()
     timings = results["meta"]["timings"]  # wall seconds per stage, also in timings.json and the report
     assert list(timings["stages"]) == ["checkpoint", "diagnose", "quantize", "eval", "degradation"]
     assert timings["total"] == pytest.approx(sum(timings["stages"].values()), abs=0.05)
