@@ -185,6 +185,7 @@ def fixture_run(manager, tmp_path_factory) -> tuple[dict[str, tuple[str, Any]], 
     return leaves, out
 
 
+@pytest.mark.slow  # the shared fixture_run: ~2 min under load (part 1 is the cheap check of the same table)
 @pytest.mark.parametrize("bench", list(SUITE.benchmarks))
 def test_fixture_item_scores_with_the_fewshot_context_in_the_prompt(bench, fixture_run):
     leaves, out = fixture_run
