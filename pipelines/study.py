@@ -11,6 +11,8 @@ Spec (YAML, see pipelines/default.yaml):
     eval: {suite: mini, backend: vllm, limit: null, allow_code: false, seed: 1234, dtype: bfloat16}
     kl: {num_sequences: 16, seq_len: 128}
     diagnose: {num_sequences: 16, seq_len: 128}   # quantkit.diagnose on each source checkpoint
+    calibration: {num_sequences: 256, seq_len: 512}   # optional: every recipe's calibration sets resized
+                                     # (recipes default to paper 000's 4096 x 512 for SmoothQuant)
     parallel: {tensor_parallel_size: 1, data_parallel_size: 1}   # vLLM TP; lm-eval DP (engine replicas)
     runs_dir: runs
 
@@ -55,7 +57,7 @@ from quantkit.checkpoints import describe_architecture
 logger = logging.getLogger(__name__)
 
 BASELINE = "bf16"
-SPEC_KEYS = {"name", "models", "zoo", "recipes", "eval", "kl", "diagnose", "parallel", "runs_dir"}
+SPEC_KEYS = {"name", "models", "zoo", "recipes", "eval", "kl", "diagnose", "calibration", "parallel", "runs_dir"}
 EVAL_DEFAULTS = dict(suite="mini", backend="vllm", limit=None, allow_code=False, seed=1234, dtype="bfloat16")
 
 
@@ -74,6 +76,7 @@ class StudySpec:
     diagnose: dict[str, int] = field(default_factory=lambda: dict(num_sequences=16, seq_len=128))
     parallel: dict[str, int] = field(default_factory=lambda: dict(tensor_parallel_size=1, data_parallel_size=1))
     runs_dir: str = "runs"
+    calibration: dict[str, int] | None = None  # {num_sequences, seq_len} for every recipe; None: the recipes' own
 
 
 def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
@@ -99,6 +102,13 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     spec.parallel = {"tensor_parallel_size": 1, "data_parallel_size": 1, **(data.get("parallel") or {})}
     if unknown := sorted(set(spec.parallel) - {"tensor_parallel_size", "data_parallel_size"}):
         raise ValueError(f"{path}: unknown parallel key(s) {unknown}; known: tensor_parallel_size, data_parallel_size")
+    if spec.calibration is not None and (not isinstance(spec.calibration, dict)
+                                         or set(spec.calibration) != {"num_sequences", "seq_len"}):
+        raise ValueError(f"{path}: calibration must be a mapping with exactly num_sequences and seq_len")
+    if spec.calibration is not None:
+        from quantkit.calibrate.provenance import with_calibration
+
+        with_calibration(load_recipe(BASELINE), **spec.calibration)  # bad counts fail here, before any work
     spec.eval = {**EVAL_DEFAULTS, **(data.get("eval") or {})}
     if unknown := sorted(set(spec.eval) - set(EVAL_DEFAULTS)):
         raise ValueError(f"{path}: unknown eval key(s) {unknown}; known: {sorted(EVAL_DEFAULTS)}")
@@ -224,10 +234,18 @@ class Study:
         with atomic_dir(self.diagnostics_dir(label), overwrite=True) as tmp:
             write_diagnostics(result, tmp)
 
+    def recipe(self, name: str) -> Any:
+        """The recipe `name` as this study applies it: calibration sets resized by the spec's `calibration`."""
+        from quantkit.calibrate.provenance import with_calibration
+        from quantkit.quantize.recipe import load_recipe
+
+        recipe = load_recipe(name)
+        return with_calibration(recipe, **self.spec.calibration) if self.spec.calibration else recipe
+
     def _quantize(self, label: str, recipe: str) -> None:
         from quantkit.quantize.checkpoint import quantize_checkpoint
 
-        quantize_checkpoint(self._source(label), recipe, self.checkpoint_dir(label, recipe), overwrite=True)
+        quantize_checkpoint(self._source(label), self.recipe(recipe), self.checkpoint_dir(label, recipe), overwrite=True)
 
     def _eval(self, label: str, recipe: str) -> None:
         from quantkit.evals.suite import evaluate
@@ -340,6 +358,8 @@ def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
 
 def study_results(study: Study) -> dict[str, Any]:
     """The report's input (docs/report-format.md, schema_version 1) from the run directory."""
+    from quantkit.calibrate.provenance import checkpoint_calibration
+
     rows, suite = [], None
     for label in study.spec.models:
         outliers = _outliers(study, label)
@@ -350,7 +370,8 @@ def study_results(study: Study) -> dict[str, Any]:
             suite = ev["suite"]
             scores = {b: 100 * v["score"] for b, v in ev["benchmarks"].items() if not math.isnan(v["score"])}
             row = dict(variant=label, model=study.spec.models[label], section=section, recipe=recipe,
-                       precision=_precision(recipe), scores=scores)
+                       precision=_precision(recipe), scores=scores,
+                       calibration=checkpoint_calibration(study.recipe(recipe), study.checkpoint_dir(label, recipe)))
             if recipe != BASELINE:
                 deg = json.loads(study.artifact("degradation", label, recipe).read_text())
                 bench = deg["benchmarks"]
