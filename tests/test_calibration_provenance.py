@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from quantkit.calibrate.provenance import calibration_sets, checkpoint_calibration, describe, with_calibration
+from quantkit.calibrate.provenance import calibration_sets, checkpoint_calibration, with_calibration
 from quantkit.calibrate.stats import PAPER_NUM_SEQUENCES
 from quantkit.data import CALIBRATION_SOURCE
 from quantkit.pipelines.study import Study, load_spec
 from quantkit.quantize.recipe import available_recipes, load_recipe
+from quantkit.report.render import describe_calibration as describe
 
 PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
 

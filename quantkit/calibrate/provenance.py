@@ -58,12 +58,6 @@ def calibration_sets(recipe: Recipe, max_positions: int | None = None) -> list[d
     return [dict(use=use, source=CALIBRATION_SOURCE, num_sequences=n, seq_len=t) for use, n, t in sets]
 
 
-def describe(sets: list[dict[str, Any]]) -> str:
-    """A report cell: "4096x512 SQ", "64x512 scales", "none" (N sequences x T tokens per use)."""
-    short = {"smoothquant": "SQ", "activation scales": "scales"}
-    return ", ".join(f"{s['num_sequences']}x{s['seq_len']} {short.get(s['use'], s['use'])}" for s in sets) or "none"
-
-
 def checkpoint_calibration(recipe: Recipe, checkpoint_dir: str | Path) -> list[dict[str, Any]]:
     """`calibration_sets` of the checkpoint quantized with `recipe` in `checkpoint_dir`: T cut to its config's
     max_position_embeddings, and the SmoothQuant set as its smoothquant.json records it (the windows the

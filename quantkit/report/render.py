@@ -23,7 +23,6 @@ from typing import Any
 
 from quantkit.atomic import write_text_atomic
 from quantkit.report.benchmarks import Benchmark
-from quantkit.calibrate.provenance import describe
 from quantkit.report.plots import plot_benchmark_degradation, plot_variant_degradation, plot_variant_kl
 from quantkit.report.results import Results, load_results
 from quantkit.report.table import Table, TableRow, build_table, rank_variants, significant
@@ -56,6 +55,13 @@ def _outlier(x: float | None) -> str:
     return DASH if x is None else f"{x:.4g}"
 
 
+def describe_calibration(sets: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> str:
+    """A row's calibration sets as a cell: "4096x512 SQ", "64x512 scales", "none" (N sequences x T tokens per
+    use; docs/calibration.md)."""
+    short = {"smoothquant": "SQ", "activation scales": "scales"}
+    return ", ".join(f"{s['num_sequences']}x{s['seq_len']} {short.get(s['use'], s['use'])}" for s in sets) or "none"
+
+
 NS = "n.s."
 
 
@@ -85,7 +91,7 @@ def _diagnostic_columns(table: Table) -> list[tuple[str, Callable[[TableRow], st
     if table.has_kl:
         cols.append(("KL", lambda r: _kl(r.row.kl) if r.degradation else ""))
     if table.has_calibration:
-        cols.append(("Calibration", lambda r: DASH if r.row.calibration is None else describe(list(r.row.calibration))))
+        cols.append(("Calibration", lambda r: DASH if r.row.calibration is None else describe_calibration(r.row.calibration)))
     for key in table.outlier_keys:
         cols.append((key, lambda r, k=key: _outlier(r.row.outliers.get(k))))
     return cols
@@ -279,7 +285,7 @@ def to_csv(table: Table) -> str:
     if table.has_kl:
         columns.append(("kl", lambda r: r.row.kl))
     if table.has_calibration:
-        columns.append(("calibration", lambda r: r.row.calibration is not None and describe(list(r.row.calibration))
+        columns.append(("calibration", lambda r: r.row.calibration is not None and describe_calibration(r.row.calibration)
                         or None))
     columns += [(f"delta_{k}", lambda r, k=k: r.degradation and r.degradation.delta.get(k)) for k in keys]
     if table.has_noise:
