@@ -1,7 +1,7 @@
-"""The report leads with what is significant (docs/report-format.md, "Layout"): the summary paragraph orders
-the variants per precision and marks each step and each delta against the paired-bootstrap noise floors;
-deltas inside their noise floor read "n.s." (greyed in HTML); the KL per variant is plotted beside ΔAvg;
-diagnostics and the calibration set sit in a second table, so Table 2 ends at ΔAvg and its noise.
+"""The report leads with what is significant (docs/report-format.md: Figures, Report files): the summary
+paragraph orders the variants per precision and marks each step and each delta against the paired-bootstrap
+noise floors; deltas inside their noise floor read "n.s." (greyed in HTML); the KL per variant is plotted
+beside ΔAvg; diagnostics and the calibration set sit in a second table, so Table 2 ends at ΔAvg and its noise.
 
 All numbers are exact decimal inputs; every significance verdict below is decided by a margin of at least
 0.05 points (|delta| vs noise, or a step vs sqrt(n_a^2 + n_b^2)), far above float rounding (~1e-14).
