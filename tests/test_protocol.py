@@ -10,16 +10,17 @@ fixture question carries a unique marker `FIXTURE-<i>`.
 1. Settings: each leaf task's effective num_fewshot, generation_kwargs, metric and filter equal the table
    (a changed lm-eval default or a lost override fails here), and every generative task samples once.
 2. Prompts and scoring: the first leaf of every column scores one fixture document, all twelve in ONE
-   `simple_evaluate` call on one vLLM engine, pinned settings untouched. The per-sample log must hold the
+   `simple_evaluate` call (lm-eval's hf backend), pinned settings untouched. The per-sample log must hold the
    pinned generation kwargs and a prompt with exactly num_fewshot exemplars plus the scored item (counted
    by a marker that occurs once per item), and a score for the pinned metric. The checkpoint is conftest's
    tiny random model with its final norm zeroed (`build_eos_checkpoint`): every logit is 0, greedy decoding
    picks id 0 = EOS, so each request decodes one token instead of its pinned budget (a random model never
-   stops early and generated ~7.7k tokens here, ~8 min under load). Accuracy is not asserted.
+   stops early and generated ~7.7k tokens here through vLLM, ~8 min under load). Accuracy is not asserted.
 
-Cost (2 CPU cores, under load from other jobs, load average ~12): 210 s in all: part 1 ~60 s (building the
-~900 leaf tasks, 798 of them MMMLU's, on fixture datasets cached per (path, name)); part 2 ~125 s (building
-the checkpoint, one engine start, twelve one-item evaluations). Before this layout: 504 s.
+Cost (2 CPU cores, under load from other jobs, load average 6-12): ~190 s in all: part 1 ~120 s (lm-eval's
+task index ~45 s, building the ~900 leaf tasks ~70 s, 798 of them MMMLU's, on fixture datasets cached per
+(path, name)); part 2 30-90 s (building the checkpoint ~15 s, twelve one-item evaluations ~30 s). Before
+(one vLLM `simple_evaluate` per column on a random model that never stops early): 504 s.
 """
 
 from __future__ import annotations
@@ -175,17 +176,19 @@ def build_eos_checkpoint(out_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def fixture_run(manager, tmp_path_factory) -> tuple[dict[str, tuple[str, Any]], dict[str, Any]]:
     """({column: (leaf name, Task)}, lm-eval's output): the first leaf of every column scored on one fixture
-    item in ONE `simple_evaluate` call on one vLLM engine, pinned settings untouched."""
+    item in ONE `simple_evaluate` call, pinned settings untouched. lm-eval's hf backend: with one decoded token
+    per request its load (<1 s) beats a vLLM engine start (~80 s on 2 loaded cores); the prompts, requests and
+    scoring are lm-eval's whichever backend answers (vLLM under lm-eval: tests/test_evals_suite.py)."""
     leaves = {bench: _built(manager, bench)[0] for bench in SUITE.benchmarks}
     model_dir = build_eos_checkpoint(tmp_path_factory.mktemp("eos4k") / "model")
-    with pytest.MonkeyPatch.context() as mp, open_lm(model_dir, "vllm", max_model_len=4096, dtype="float32") as lm:
+    with pytest.MonkeyPatch.context() as mp, open_lm(model_dir, "hf", max_model_len=4096, dtype="float32") as lm:
         mp.setenv(ALLOW_ENV, "1")
         mp.setattr(lm_eval.api.task.datasets, "load_dataset", fixture_load_dataset)
         out = evaluate_tasks(lm, [task for _, task in leaves.values()], manager, limit=1, allow_unsafe_code=True)
     return leaves, out
 
 
-@pytest.mark.slow  # the shared fixture_run: ~2 min under load (part 1 is the cheap check of the same table)
+@pytest.mark.slow  # the shared fixture_run: 30-90 s under load (part 1 is the cheap check of the same table)
 @pytest.mark.parametrize("bench", list(SUITE.benchmarks))
 def test_fixture_item_scores_with_the_fewshot_context_in_the_prompt(bench, fixture_run):
     leaves, out = fixture_run
