@@ -53,6 +53,7 @@ from tqdm import tqdm
 
 from quantkit.atomic import atomic_dir, exclusive_lock, write_text_atomic
 from quantkit.checkpoints import describe_architecture
+from quantkit.quantize.recipe import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +103,9 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     spec.parallel = {"tensor_parallel_size": 1, "data_parallel_size": 1, **(data.get("parallel") or {})}
     if unknown := sorted(set(spec.parallel) - {"tensor_parallel_size", "data_parallel_size"}):
         raise ValueError(f"{path}: unknown parallel key(s) {unknown}; known: tensor_parallel_size, data_parallel_size")
-    if spec.calibration is not None and (not isinstance(spec.calibration, dict)
-                                         or set(spec.calibration) != {"num_sequences", "seq_len"}):
-        raise ValueError(f"{path}: calibration must be a mapping with exactly num_sequences and seq_len")
     if spec.calibration is not None:
+        if not isinstance(spec.calibration, dict) or set(spec.calibration) != {"num_sequences", "seq_len"}:
+            raise ValueError(f"{path}: calibration must be a mapping with exactly num_sequences and seq_len")
         from quantkit.calibrate.provenance import with_calibration
 
         with_calibration(load_recipe(BASELINE), **spec.calibration)  # bad counts fail here, before any work
@@ -234,7 +234,7 @@ class Study:
         with atomic_dir(self.diagnostics_dir(label), overwrite=True) as tmp:
             write_diagnostics(result, tmp)
 
-    def recipe(self, name: str) -> Any:
+    def recipe(self, name: str) -> Recipe:
         """The recipe `name` as this study applies it: calibration sets resized by the spec's `calibration`."""
         from quantkit.calibrate.provenance import with_calibration
         from quantkit.quantize.recipe import load_recipe

@@ -45,8 +45,8 @@ def with_calibration(recipe: Recipe, num_sequences: int, seq_len: int) -> Recipe
 
 def calibration_sets(recipe: Recipe, max_positions: int | None = None) -> list[dict[str, Any]]:
     """The calibration sets quantizing with `recipe` draws, one dict per use: {"use", "source",
-    "num_sequences", "seq_len"} (seq_len as drawn: quantkit's and modelopt's static scales cut it to the model's `max_positions`);
-    [] for a recipe that calibrates nothing."""
+    "num_sequences", "seq_len"} (seq_len as drawn: quantkit's and modelopt's static scales cut it to the
+    model's `max_positions`); [] for a recipe that calibrates nothing."""
     sets = []
     if recipe.smoothquant is not None:
         sets.append(("smoothquant", recipe.smoothquant.num_sequences, recipe.smoothquant.seq_len))
