@@ -108,7 +108,10 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
             raise ValueError(f"{path}: calibration must be a mapping with exactly num_sequences and seq_len")
         from quantkit.calibrate.provenance import with_calibration
 
-        with_calibration(load_recipe(BASELINE), **spec.calibration)  # bad counts fail here, before any work
+        try:  # bad counts fail here, before any work
+            with_calibration(load_recipe(BASELINE), **spec.calibration)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
     spec.eval = {**EVAL_DEFAULTS, **(data.get("eval") or {})}
     if unknown := sorted(set(spec.eval) - set(EVAL_DEFAULTS)):
         raise ValueError(f"{path}: unknown eval key(s) {unknown}; known: {sorted(EVAL_DEFAULTS)}")
