@@ -13,6 +13,8 @@ Spec (YAML, see pipelines/default.yaml):
                                      # backend: the eval engines' prompt logprobs) | transformers (float32 reference);
                                      # top_k: null = full vocabulary, k = top-k lower bound (evals/degradation.py)
     diagnose: {num_sequences: 16, seq_len: 128}   # quantkit.diagnose on each source checkpoint
+    calibration: {num_sequences: 256, seq_len: 512}   # optional: every recipe's calibration sets resized
+                                     # (recipes default to paper 000's 4096 x 512 for SmoothQuant)
     parallel: {tensor_parallel_size: 1, data_parallel_size: 1}   # vLLM TP; lm-eval DP (engine replicas)
     runs_dir: runs
 
@@ -54,11 +56,12 @@ from tqdm import tqdm
 
 from quantkit.atomic import atomic_dir, exclusive_lock, write_text_atomic
 from quantkit.checkpoints import describe_architecture
+from quantkit.quantize.recipe import Recipe
 
 logger = logging.getLogger(__name__)
 
 BASELINE = "bf16"
-SPEC_KEYS = {"name", "models", "zoo", "recipes", "eval", "kl", "diagnose", "parallel", "runs_dir"}
+SPEC_KEYS = {"name", "models", "zoo", "recipes", "eval", "kl", "diagnose", "calibration", "parallel", "runs_dir"}
 EVAL_DEFAULTS = dict(suite="mini", backend="vllm", limit=None, allow_code=False, seed=1234, dtype="bfloat16")
 KL_DEFAULTS = dict(num_sequences=16, seq_len=128, source=None, top_k=None)  # source None: vllm with the vllm backend
 KL_SOURCES = ("vllm", "transformers")
@@ -79,6 +82,7 @@ class StudySpec:
     diagnose: dict[str, int] = field(default_factory=lambda: dict(num_sequences=16, seq_len=128))
     parallel: dict[str, int] = field(default_factory=lambda: dict(tensor_parallel_size=1, data_parallel_size=1))
     runs_dir: str = "runs"
+    calibration: dict[str, int] | None = None  # {num_sequences, seq_len} for every recipe; None: the recipes' own
 
 
 def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
@@ -104,6 +108,15 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     spec.parallel = {"tensor_parallel_size": 1, "data_parallel_size": 1, **(data.get("parallel") or {})}
     if unknown := sorted(set(spec.parallel) - {"tensor_parallel_size", "data_parallel_size"}):
         raise ValueError(f"{path}: unknown parallel key(s) {unknown}; known: tensor_parallel_size, data_parallel_size")
+    if spec.calibration is not None:
+        if not isinstance(spec.calibration, dict) or set(spec.calibration) != {"num_sequences", "seq_len"}:
+            raise ValueError(f"{path}: calibration must be a mapping with exactly num_sequences and seq_len")
+        from quantkit.calibrate.provenance import with_calibration
+
+        try:  # bad counts fail here, before any work
+            with_calibration(load_recipe(BASELINE), **spec.calibration)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
     spec.eval = {**EVAL_DEFAULTS, **(data.get("eval") or {})}
     if unknown := sorted(set(spec.eval) - set(EVAL_DEFAULTS)):
         raise ValueError(f"{path}: unknown eval key(s) {unknown}; known: {sorted(EVAL_DEFAULTS)}")
@@ -241,10 +254,18 @@ class Study:
         with atomic_dir(self.diagnostics_dir(label), overwrite=True) as tmp:
             write_diagnostics(result, tmp)
 
+    def recipe(self, name: str) -> Recipe:
+        """The recipe `name` as this study applies it: calibration sets resized by the spec's `calibration`."""
+        from quantkit.calibrate.provenance import with_calibration
+        from quantkit.quantize.recipe import load_recipe
+
+        recipe = load_recipe(name)
+        return with_calibration(recipe, **self.spec.calibration) if self.spec.calibration else recipe
+
     def _quantize(self, label: str, recipe: str) -> None:
         from quantkit.quantize.checkpoint import quantize_checkpoint
 
-        quantize_checkpoint(self._source(label), recipe, self.checkpoint_dir(label, recipe), overwrite=True)
+        quantize_checkpoint(self._source(label), self.recipe(recipe), self.checkpoint_dir(label, recipe), overwrite=True)
 
     def _eval(self, label: str, recipe: str) -> None:
         from quantkit.evals.suite import evaluate
@@ -371,6 +392,8 @@ def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
 
 def study_results(study: Study) -> dict[str, Any]:
     """The report's input (docs/report-format.md, schema_version 1) from the run directory."""
+    from quantkit.calibrate.provenance import checkpoint_calibration
+
     rows, suite = [], None
     for label in study.spec.models:
         outliers = _outliers(study, label)
@@ -381,7 +404,8 @@ def study_results(study: Study) -> dict[str, Any]:
             suite = ev["suite"]
             scores = {b: 100 * v["score"] for b, v in ev["benchmarks"].items() if not math.isnan(v["score"])}
             row = dict(variant=label, model=study.spec.models[label], section=section, recipe=recipe,
-                       precision=_precision(recipe), scores=scores)
+                       precision=_precision(recipe), scores=scores,
+                       calibration=checkpoint_calibration(study.recipe(recipe), study.checkpoint_dir(label, recipe)))
             if recipe != BASELINE:
                 deg = json.loads(study.artifact("degradation", label, recipe).read_text())
                 bench = deg["benchmarks"]

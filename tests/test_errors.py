@@ -76,6 +76,7 @@ def inputs(tiny_checkpoint, tmp_path_factory) -> SimpleNamespace:
         "name: sq_quick\nscheme: nvfp4\nsmoothquant: {alpha: 0.5, num_sequences: 4, seq_len: 32}\n")
     (root / "bad_recipe.yaml").write_text("name: bad_recipe\nscheme: nvfp4\nsmoothing: true\n")
     (root / "spec.yaml").write_text(DEFAULT_SPEC.read_text() + "nope: 1\n")
+    (root / "spec_calibration.yaml").write_text(DEFAULT_SPEC.read_text().replace("calibration: {num_sequences: 256", "calibration: {num_sequences: 0"))
     (root / "results.json").write_text(json.dumps({"schema_version": 1, "rows": []}))
     (root / "gate.yaml").write_text("max_drop: 1.0\nnope: 2\n")
     (root / "current.json").write_text(json.dumps(dict(paper, rows=[r for r in paper["rows"] if r["id"] != "(7)"])))
@@ -206,6 +207,8 @@ ROWS = {
     "gate_missing_row": Row("gate", lambda p, t: ["gate", "--baseline", PAPER, "--current", p.root / "current.json"],
                             r"current\.json: missing row variant"),
     "run_spec_key": Row("run", lambda p, t: ["run", p.root / "spec.yaml"], r"spec\.yaml: unknown key\(s\) \['nope'\]"),
+    "run_spec_calibration": Row("run", lambda p, t: ["run", p.root / "spec_calibration.yaml"],
+                                r"spec_calibration\.yaml: calibration needs num_sequences >= 1 and seq_len >= 2, got 0, 512"),
     "run_spec_missing": Row("run", lambda p, t: ["run", t / "none.yaml"], r"pipeline spec .*none\.yaml does not exist"),
     "run_stage_bad_input": Row("run", lambda p, t: ["run", DEFAULT_SPEC, "--model", p.no_tokenizer, "--run-dir", t / "run",
                                                     "--until", "quantize"], r"stage '\w+' failed for model 'no_tokenizer'.*tokenizer"),

@@ -9,24 +9,23 @@ fixture question carries a unique marker `FIXTURE-<i>`.
 
 1. Settings: each leaf task's effective num_fewshot, generation_kwargs, metric and filter equal the table
    (a changed lm-eval default or a lost override fails here), and every generative task samples once.
-2. Prompts and scoring: one leaf per column scores one fixture document through `simple_evaluate` with the
-   vllm backend on a random tiny checkpoint (conftest's builder, 4096 positions), pinned settings untouched. The per-sample
-   log must hold the pinned generation kwargs and a prompt with exactly num_fewshot exemplars plus the
-   scored item (counted by a marker that occurs once per item), and a score for the pinned metric.
-   Accuracy is not asserted: the model is random.
+2. Prompts and scoring: the first leaf of every column scores one fixture document, all twelve in ONE
+   `simple_evaluate` call (lm-eval's hf backend), pinned settings untouched. The per-sample log must hold the
+   pinned generation kwargs and a prompt with exactly num_fewshot exemplars plus the scored item (counted
+   by a marker that occurs once per item), and a score for the pinned metric. The checkpoint is conftest's
+   tiny random model with its final norm zeroed (`build_eos_checkpoint`): every logit is 0, greedy decoding
+   picks id 0 = EOS, so each request decodes one token instead of its pinned budget (a random model never
+   stops early and generated ~7.7k tokens here through vLLM, ~8 min under load). Accuracy is not asserted.
 
-Cost (2 CPU cores): part 1 ~1.5 min (building the ~900 leaf tasks, 798 of them MMMLU's). Part 2 (marked
-slow) starts one vLLM engine and, the model being random, generates each column's full pinned budget one
-column after another (lm-eval batches by generation settings): ~7.7k decode steps (2048 MMLU-P, 1024 each
-for S-GPQA/GPQA-D/Crux, 512 each for GSM8k/MultiPL_E/MBPP/MGSM/HumanEval, 32 MMLU-R): ~8 min measured on
-the shared CI machine under load (37 tokens/s), ~3 min expected on 2 idle cores.
-Math needs lm-eval[math] (sympy, math_verify, antlr4 4.11) even to load its tasks: skipped without it.
+Cost (2 CPU cores, under load from other jobs, load average 6-12): ~190 s in all: part 1 ~120 s (lm-eval's
+task index ~45 s, building the ~900 leaf tasks ~70 s, 798 of them MMMLU's, on fixture datasets cached per
+(path, name)); part 2 30-90 s (building the checkpoint ~15 s, twelve one-item evaluations ~30 s). Before
+(one vLLM `simple_evaluate` per column on a random model that never stops early): 504 s.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any
 
 import lm_eval.api.task
 import pytest
+import torch
 from datasets import Dataset, DatasetDict
 from lm_eval.tasks import TaskManager
 
@@ -85,15 +85,12 @@ def _row(path: str, name: str | None, i: int, split: str) -> list[dict[str, Any]
     raise AssertionError(f"no fixture schema for hub dataset {path!r}: a table2 task reads a new dataset")
 
 
+@functools.cache
 def fixture_load_dataset(path: str, name: str | None = None, **_: Any) -> DatasetDict:
-    """Stands in for datasets.load_dataset in lm-eval's task module: N fixture items per split."""
+    """Stands in for datasets.load_dataset in lm-eval's task module: N fixture items per split. Cached per
+    (path, name): lm-eval never assigns into a loaded DatasetDict, and MMMLU's 798 leaves read 14 of them."""
     return DatasetDict({split: Dataset.from_list([r for i in range(N) for r in _row(path, name, i, split)])
                         for split in ("train", "validation", "test", "dev")})
-
-
-def _needs_math(bench: str) -> None:
-    if bench == "Math" and importlib.util.find_spec("math_verify") is None:
-        pytest.skip("minerva_math needs lm-eval[math] (sympy, math_verify, antlr4 4.11), not installed here")
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +136,6 @@ def test_table_covers_the_paper_columns_and_avg():
 
 @pytest.mark.parametrize("bench", list(SUITE.benchmarks))
 def test_effective_settings_match_the_table(bench, manager):
-    _needs_math(bench)
     row = SUITE.protocol[bench]
     leaves = _built(manager, bench)
     assert leaves
@@ -161,32 +157,50 @@ def test_effective_settings_match_the_table(bench, manager):
 MARKERS = {"GSM8k": "Q: ", "Math": "Problem:", "Crux": "[PYTHON]", "MBPP": "[BEGIN]", "HumanEval": "def "}
 
 
-@pytest.fixture(scope="module")
-def tiny_lm(tmp_path_factory):
-    """The conftest tiny checkpoint's builder, with 4096 positions (MMLU-P's 2048-token budget plus a 5-shot
-    prompt), served by vLLM: one engine for all columns, ~10x cheaper here than the hf backend's ~45 ms/token."""
+def build_eos_checkpoint(out_dir: Path) -> Path:
+    """conftest's tiny random checkpoint (4096 positions: MMLU-P's 2048-token budget plus a 5-shot prompt)
+    with its final norm's weight zeroed: the last hidden state is exactly 0, so every logit is 0 and greedy
+    decoding takes the first of the tied maxima, id 0, `<|endoftext|>`, the tokenizer's EOS. Every request
+    decodes one token and stops, whatever its pinned budget; the prompt still runs through every layer."""
+    from quantkit.models import QuantkitForCausalLM
     from quantkit.models.tiny import build_tiny_checkpoint
 
-    model = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny4k") / "model", seed=0, max_position_embeddings=4096)
-    with open_lm(model, "vllm", max_model_len=4096, dtype="float32") as lm:
-        yield lm
+    model_dir = build_tiny_checkpoint(out_dir, seed=0, max_position_embeddings=4096)
+    model = QuantkitForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+    model.save_pretrained(model_dir)
+    return model_dir
 
 
-@pytest.mark.slow
+@pytest.fixture(scope="module")
+def fixture_run(manager, tmp_path_factory) -> tuple[dict[str, tuple[str, Any]], dict[str, Any]]:
+    """({column: (leaf name, Task)}, lm-eval's output): the first leaf of every column scored on one fixture
+    item in ONE `simple_evaluate` call, pinned settings untouched. lm-eval's hf backend: with one decoded token
+    per request its load (<1 s) beats a vLLM engine start (~80 s on 2 loaded cores); the prompts, requests and
+    scoring are lm-eval's whichever backend answers (vLLM under lm-eval: tests/test_evals_suite.py)."""
+    leaves = {bench: _built(manager, bench)[0] for bench in SUITE.benchmarks}
+    model_dir = build_eos_checkpoint(tmp_path_factory.mktemp("eos4k") / "model")
+    with pytest.MonkeyPatch.context() as mp, open_lm(model_dir, "hf", max_model_len=4096, dtype="float32") as lm:
+        mp.setenv(ALLOW_ENV, "1")
+        mp.setattr(lm_eval.api.task.datasets, "load_dataset", fixture_load_dataset)
+        out = evaluate_tasks(lm, [task for _, task in leaves.values()], manager, limit=1, allow_unsafe_code=True)
+    return leaves, out
+
+
+@pytest.mark.slow  # the shared fixture_run: 30-90 s under load (part 1 is the cheap check of the same table)
 @pytest.mark.parametrize("bench", list(SUITE.benchmarks))
-def test_fixture_item_scores_with_the_fewshot_context_in_the_prompt(bench, manager, tiny_lm, monkeypatch):
-    _needs_math(bench)
-    monkeypatch.setenv(ALLOW_ENV, "1")
-    monkeypatch.setattr(lm_eval.api.task.datasets, "load_dataset", fixture_load_dataset)
+def test_fixture_item_scores_with_the_fewshot_context_in_the_prompt(bench, fixture_run):
+    leaves, out = fixture_run
     row = SUITE.protocol[bench]
-    name, task = _built(manager, bench)[0]
-    out = evaluate_tasks(tiny_lm, [task], manager, limit=1, allow_unsafe_code=True)
+    name, task = leaves[bench]
     samples = [s for s in out["samples"][name] if s["filter"] == row["filter"]]
     assert len(samples) == 1
     sample = samples[0]
     prompt, gen_kwargs = sample["arguments"][0][0], sample["arguments"][0][1]
     if row["generation_kwargs"] is not None:
         assert gen_kwargs == _expected_gen_kwargs(bench, name)
+        assert sample["resps"] == [[""]]  # the EOS checkpoint stopped at once: the run cost no decode budget
     marker = MARKERS.get(bench, "FIXTURE-")
     if bench == "HumanEval":  # 0-shot completion: the prompt is the item's own
         assert prompt == task.doc_to_text(sample["doc"])

@@ -92,9 +92,13 @@ def test_mini_results_degradation_noise_and_optional_columns():
     assert d.noise_avg is None  # not every benchmark has a noise floor
     assert w4.flips_mean == pytest.approx(0.2)
     md = to_markdown(table)
-    assert "| Type | Add | Knowledge | STEM | Code | Multilingual |  | Other | Avg | ΔAvg | Flips | KL | max_abs_residual | max_abs_linear_input |" in md
-    assert "| W4A4 | ga | 36.00 | 9.00 | 12.00 | 29.00 | 5.00 | 48.00 | 23.17 | -1.83 | 20.0% | 0.0104 | 9.87 | 15.03 |" in md
-    assert "| W4A4 | ga | -4.00 ±7.07 | -1.00 ±1.50 | +0.00 | -1.00 | -3.00 ±2.50 | -2.00 | -1.83 |" in md
+    # Table 2 ends at ΔAvg; flips, KL and the outlier figures are the diagnostics table's
+    assert "| Type | Add | Knowledge | STEM | Code | Multilingual |  | Other | Avg | ΔAvg |" in md
+    assert "| W4A4 | ga | 36.00 | 9.00 | 12.00 | 29.00 | 5.00 | 48.00 | 23.17 | -1.83 |" in md
+    assert "| Type | Add | Flips | KL | max_abs_residual | max_abs_linear_input |" in md
+    assert "| W4A4 | ga | 20.0% | 0.0104 | 9.87 | 15.03 |" in md
+    # |delta| <= noise is inside the noise floor: 4 <= 7.07 and 1 <= 1.5 are n.s., 3 > 2.5 is not
+    assert "| W4A4 | ga | -4.00 ±7.07 n.s. | -1.00 ±1.50 n.s. | +0.00 | -1.00 | -3.00 ±2.50 | -2.00 | -1.83 |" in md
 
 
 def test_render_writes_four_self_contained_files(tmp_path):
@@ -109,7 +113,9 @@ def test_render_writes_four_self_contained_files(tmp_path):
     doc = json.loads(paths["report.json"].read_text())
     assert [c["group"] for c in doc["columns"]][-1] == "Other" and doc["rows"][1]["delta"]["mgsm"] == -3.0
     page = paths["report.html"].read_text()
-    assert page.count("<svg") == 2 and "<?xml" not in page
+    assert page.count("<svg") == 3 and "<?xml" not in page  # per benchmark; per variant: ΔAvg and KL side by side
+    assert '<div class="figs">' in page and "KL vs BF16 per variant" in page
+    assert page.count('<td class="ns">') == 2  # MMLU -4.00 ±7.07 and GSM8k -1.00 ±1.50 greyed
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//|[\w./-]+\.(css|js|png|svg))""", page)
     assert "<script" not in page and "<link" not in page
     assert '<th colspan="4" style="text-align:center">Multilingual</th>' not in page  # 2 Multilingual columns

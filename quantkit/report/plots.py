@@ -1,7 +1,8 @@
-"""Degradation plots as inline SVG text (matplotlib, no pyplot state): per benchmark and per variant.
+"""Degradation plots as inline SVG text (matplotlib, no pyplot state): per benchmark and per variant, and
+the KL per variant beside them.
 
 Bars are Delta = score(recipe) - score(BF16) in points (negative = worse); error bars are the noise floor
-where the results carry one (quantkit.report.table).
+where the results carry one (quantkit.report.table). KL bars: the row's `kl`, nats/token vs BF16.
 """
 
 from __future__ import annotations
@@ -63,24 +64,45 @@ def plot_benchmark_degradation(table: Table) -> str | None:
     return inline_svg(fig)
 
 
-def plot_variant_degradation(table: Table) -> str | None:
-    """Delta Avg per variant, one bar per precision; None when there is no non-BF16 row."""
-    rows = [r for r in table.rows if r.degradation]
-    if not rows:
-        return None
+def _variant_series(rows: list[TableRow], value, noise) -> tuple[list[str], list[tuple[str, list, list]]]:
+    """(variant names, one series per precision) of `value(row)` / `noise(row)` for the given rows."""
     variants = list(dict.fromkeys(r.row.variant for r in rows))
     names = {r.row.variant: r.row.label for r in rows}
     if len(set(names.values())) < len(names):  # labels repeat across sizes/sections: the ids are unique
         names = {v: v for v in variants}
     precisions = list(dict.fromkeys(r.row.precision for r in rows))
-    by_key = {(r.row.variant, r.row.precision): r.degradation for r in rows}
+    by_key = {(r.row.variant, r.row.precision): r for r in rows}
     series = []
     for p in precisions:
-        degs = [by_key.get((v, p)) for v in variants]
-        series.append((p, [d.delta_avg if d else None for d in degs], [d.noise_avg if d else None for d in degs]))
+        cells = [by_key.get((v, p)) for v in variants]
+        series.append((p, [value(r) if r else None for r in cells], [noise(r) if r else None for r in cells]))
+    return [names[v] for v in variants], series
+
+
+def _variant_figure(groups: list[str], series: list, title: str, ylabel: str) -> str:
     with matplotlib.rc_context(_RC):
-        fig = Figure(figsize=(max(5.0, 1.2 * len(variants) + 0.3 * len(variants) * len(precisions)), 3.6))
+        fig = Figure(figsize=(max(5.0, 1.2 * len(groups) + 0.3 * len(groups) * len(series)), 3.6))
         ax = fig.add_subplot()
-        _bars(ax, [names[v] for v in variants], series)
-        ax.set_title("Degradation of Avg per variant")
+        _bars(ax, groups, series)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
     return inline_svg(fig)
+
+
+def plot_variant_degradation(table: Table) -> str | None:
+    """Delta Avg per variant, one bar per precision; None when there is no non-BF16 row."""
+    rows = [r for r in table.rows if r.degradation]
+    if not rows:
+        return None
+    groups, series = _variant_series(rows, lambda r: r.degradation.delta_avg, lambda r: r.degradation.noise_avg)
+    return _variant_figure(groups, series, "Degradation of Avg per variant", "Delta vs BF16 (points)")
+
+
+def plot_variant_kl(table: Table) -> str | None:
+    """KL(P_bf16 || P_recipe) per variant, one bar per precision (nats/token, no error bars: the study
+    reports the mean only); None when no non-BF16 row has a KL."""
+    rows = [r for r in table.rows if r.degradation and r.row.kl is not None]
+    if not rows:
+        return None
+    groups, series = _variant_series(rows, lambda r: r.row.kl, lambda r: None)
+    return _variant_figure(groups, series, "KL vs BF16 per variant", "KL vs BF16 (nats/token)")

@@ -1,11 +1,14 @@
 """Render a results file as paper 000's Table 2: Markdown, CSV, JSON and a self-contained HTML page.
 
-Layout: rows in file order under their `section` headings; columns are the benchmarks present, grouped
-Knowledge / STEM / Code / Multilingual / Other (quantkit.report.benchmarks), then Avg (plain mean of the
-row's benchmark scores) and Delta Avg vs the BF16 row of the same variant, then mean flip rate, KL and the
-noise floor of Delta Avg, and the checkpoint's outlier figures, each only when some row has it. Units:
-points 0-100; Delta = recipe - BF16, negative = worse. Markdown/HTML round to 2 decimals (as the paper),
-CSV/JSON keep full precision. Every file is written atomically (temporary file, then os.replace).
+Layout, what is significant first: a one-paragraph summary (per precision, the variants ordered by Delta
+Avg, each step marked significant or not against the paired-bootstrap noise floors: table.rank_variants);
+Table 2 (rows in file order under their `section` headings; the benchmarks present, grouped Knowledge /
+STEM / Code / Multilingual / Other (quantkit.report.benchmarks), then Avg, Delta Avg vs the BF16 row of
+the same variant and its noise floor); a diagnostics table (mean flip rate, KL, the calibration set, the
+checkpoint's outlier figures, each only when some row has it), so Table 2 fits a page width; then Delta
+per benchmark. A delta inside its noise floor is marked "n.s." (greyed in HTML). Units: points 0-100;
+Delta = recipe - BF16, negative = worse. Markdown/HTML round to 2 decimals (as the paper), CSV/JSON keep
+full precision. Every file is written atomically (temporary file, then os.replace).
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from typing import Any
 
 from quantkit.atomic import write_text_atomic
 from quantkit.report.benchmarks import Benchmark
-from quantkit.report.plots import plot_benchmark_degradation, plot_variant_degradation
+from quantkit.report.plots import plot_benchmark_degradation, plot_variant_degradation, plot_variant_kl
 from quantkit.report.results import Results, load_results
-from quantkit.report.table import Table, TableRow, build_table
+from quantkit.report.table import Table, TableRow, build_table, rank_variants, significant
 
 DASH = "–"
 REPORT_FILES = ("report.md", "report.csv", "report.json", "report.html")
@@ -52,21 +55,80 @@ def _outlier(x: float | None) -> str:
     return DASH if x is None else f"{x:.4g}"
 
 
+def describe_calibration(sets: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> str:
+    """A row's calibration sets as a cell: "4096x512 SQ", "64x512 scales", "none" (N sequences x T tokens per
+    use; docs/calibration.md)."""
+    short = {"smoothquant": "SQ", "activation scales": "scales"}
+    return ", ".join(f"{s['num_sequences']}x{s['seq_len']} {short.get(s['use'], s['use'])}" for s in sets) or "none"
+
+
+NS = "n.s."
+
+
+def _delta_ns(delta: float | None, noise: float | None, with_noise: bool = False) -> str:
+    """A delta, with its noise floor when `with_noise` and known, marked n.s. when inside it."""
+    text = _delta(delta) + (f" ±{noise:.2f}" if with_noise and noise is not None else "")
+    return text + (f" {NS}" if significant(delta, noise) is False else "")
+
+
 def _extra_columns(table: Table) -> list[tuple[str, Callable[[TableRow], str]]]:
-    """(header, cell) of the columns after the benchmarks: Avg, Delta Avg, then those some row has."""
+    """(header, cell) of Table 2's columns after the benchmarks: Avg, Delta Avg (n.s. inside its noise floor),
+    and its noise floor when some row has one."""
     cols: list[tuple[str, Callable[[TableRow], str]]] = [
         ("Avg", lambda r: _score(r.avg)),
-        ("ΔAvg", lambda r: _delta(r.degradation.delta_avg) if r.degradation else ""),
+        ("ΔAvg", lambda r: _delta_ns(r.degradation.delta_avg, r.degradation.noise_avg) if r.degradation else ""),
     ]
     if table.has_noise:
         cols.append(("Noise", lambda r: _noise(r.degradation.noise_avg) if r.degradation else ""))
+    return cols
+
+
+def _diagnostic_columns(table: Table) -> list[tuple[str, Callable[[TableRow], str]]]:
+    """(header, cell) of the diagnostics table: flips, KL, calibration set, outlier figures (those some row has)."""
+    cols: list[tuple[str, Callable[[TableRow], str]]] = []
     if table.has_flips:
         cols.append(("Flips", lambda r: _pct(r.flips_mean) if r.degradation else ""))
     if table.has_kl:
         cols.append(("KL", lambda r: _kl(r.row.kl) if r.degradation else ""))
+    if table.has_calibration:
+        cols.append(("Calibration", lambda r: DASH if r.row.calibration is None else describe_calibration(r.row.calibration)))
     for key in table.outlier_keys:
         cols.append((key, lambda r, k=key: _outlier(r.row.outliers.get(k))))
     return cols
+
+
+def _row_name(r: TableRow) -> str:
+    return " ".join(p for p in (r.row.row_id, r.row.label) if p)
+
+
+STEP = {True: ">", False: "≈", None: "?"}
+
+
+def summary(table: Table) -> str | None:
+    """One paragraph: per precision, the variants ordered by ΔAvg (least loss first), each step marked
+    significant (">") or inside the combined noise floors ("≈"), each ΔAvg marked n.s. when inside its own;
+    None without quantized rows."""
+    ranked = rank_variants(table)
+    if not ranked:
+        return None
+    parts = []
+    for rank in ranked:
+        chain = _row_name(rank.rows[0]) + _summary_delta(rank.rows[0])
+        for step, r in zip(rank.steps, rank.rows[1:]):
+            chain += f" {STEP[step]} {_row_name(r)}{_summary_delta(r)}"
+        parts.append(f"{rank.precision}: {chain}.")
+    steps = [s for rank in ranked for s in rank.steps]
+    verdict = ("" if not steps else "No noise floors: the ordering's significance is unknown." if all(s is None for s in steps)
+               else "No step of the ordering is significant." if all(s is False for s in steps)
+               else "Every step of the ordering is significant." if all(steps) else "")
+    return ("Summary (ΔAvg vs BF16 ± noise floor, variants ordered least loss first; \">\": the step exceeds "
+            "the two noise floors combined, \"≈\": it does not, \"?\": no noise floor; n.s.: inside its own noise "
+            "floor). " + " ".join(parts) + (f" {verdict}" if verdict else ""))
+
+
+def _summary_delta(r: TableRow) -> str:
+    d = r.degradation
+    return f" ({_delta_ns(d.delta_avg, d.noise_avg, with_noise=True)})"
 
 
 def _lead_columns(table: Table) -> list[tuple[str, Callable[[TableRow], str]]]:
@@ -129,13 +191,22 @@ def _md_row(cells: list[str]) -> str:
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
+def _degradation_cell(r: TableRow, key: str | None) -> tuple[str, bool | None]:
+    """(text, significant) of a degradation-table cell: Delta ± noise, n.s. inside it; key None: Delta Avg."""
+    d = r.degradation
+    delta, noise = (d.delta_avg, d.noise_avg) if key is None else (d.delta.get(key), d.noise.get(key))
+    return _delta_ns(delta, noise, with_noise=True), significant(delta, noise)
+
+
 def to_markdown(table: Table, time_line: str | None = None) -> str:
-    """Two tables: Table 2 (scores, Avg, ΔAvg, diagnostics) and the per-benchmark degradation vs BF16; `time_line`
-    (timing_line) under the notes."""
-    lead, extra = _lead_columns(table), _extra_columns(table)
+    """The summary paragraph, Table 2 (scores, Avg, ΔAvg, noise), the diagnostics table, the per-benchmark
+    degradation vs BF16; `time_line` (timing_line) under the notes."""
+    lead, extra, diag = _lead_columns(table), _extra_columns(table), _diagnostic_columns(table)
     groups = [g for g, n in _group_spans(table.columns) for g in [g] + [""] * (n - 1)]
     width = len(lead) + len(table.columns) + len(extra)
-    lines = ["# Table 2" + (f": {_title(table.results)}" if _title(table.results) else ""), "", notes(table), "",
+    text = summary(table)
+    lines = ["# Table 2" + (f": {_title(table.results)}" if _title(table.results) else ""), "",
+             *([text, ""] if text else []), notes(table), "",
              *([time_line, ""] if time_line else []),
              _md_row([h for h, _ in lead] + groups + [h for h, _ in extra]),
              _md_row(["---"] * len(lead) + ["---:"] * (len(table.columns) + len(extra))),
@@ -147,17 +218,18 @@ def to_markdown(table: Table, time_line: str | None = None) -> str:
             lines.append(_md_row([f"*{section or ''}*"] + [""] * (width - 1)))
         lines.append(_md_row([f(r) for _, f in lead] + [_score(r.row.scores.get(b.key)) for b in table.columns]
                              + [f(r) for _, f in extra]))
+    if diag:
+        lines += ["", "## Diagnostics", "", _md_row([h for h, _ in lead] + [h for h, _ in diag]),
+                  _md_row(["---"] * len(lead) + ["---:"] * len(diag))]
+        lines += [_md_row([f(r) for _, f in lead] + [f(r) for _, f in diag]) for r in table.rows]
     degraded = [r for r in table.rows if r.degradation]
     if degraded:
-        lines += ["", "## Degradation vs BF16 (points, ± noise floor where known)", "",
+        lines += ["", f"## Degradation vs BF16 (points, ± noise floor where known; {NS}: inside it)", "",
                   _md_row([h for h, _ in lead] + [b.label for b in table.columns] + ["ΔAvg"]),
                   _md_row(["---"] * len(lead) + ["---:"] * (len(table.columns) + 1))]
         for r in degraded:
-            d = r.degradation
-            cells = [_delta(d.delta.get(b.key)) + (f" ±{d.noise[b.key]:.2f}" if b.key in d.noise else "")
-                     for b in table.columns]
-            avg = _delta(d.delta_avg) + (f" ±{d.noise_avg:.2f}" if d.noise_avg is not None else "")
-            lines.append(_md_row([f(r) for _, f in lead] + cells + [avg]))
+            cells = [_degradation_cell(r, b.key)[0] for b in table.columns] + [_degradation_cell(r, None)[0]]
+            lines.append(_md_row([f(r) for _, f in lead] + cells))
     return "\n".join(lines) + "\n"
 
 
@@ -180,7 +252,10 @@ def _row_record(table: Table, r: TableRow) -> dict[str, Any]:
         "avg": r.avg,
         "delta": d.delta if d else None, "delta_avg": d.delta_avg if d else None,
         "noise": d.noise if d else None, "noise_avg": d.noise_avg if d else None,
+        "significant": {k: significant(v, d.noise.get(k)) for k, v in d.delta.items()} if d else None,
+        "delta_avg_significant": significant(d.delta_avg, d.noise_avg) if d else None,
         "flips": r.row.flips or None, "flips_mean": r.flips_mean, "kl": r.row.kl, "outliers": r.row.outliers or None,
+        "calibration": None if r.row.calibration is None else list(r.row.calibration),
     }
 
 
@@ -209,6 +284,9 @@ def to_csv(table: Table) -> str:
         columns.append(("flips_mean", lambda r: r.flips_mean))
     if table.has_kl:
         columns.append(("kl", lambda r: r.row.kl))
+    if table.has_calibration:
+        columns.append(("calibration", lambda r: r.row.calibration is not None and describe_calibration(r.row.calibration)
+                        or None))
     columns += [(f"delta_{k}", lambda r, k=k: r.degradation and r.degradation.delta.get(k)) for k in keys]
     if table.has_noise:
         columns += [(f"noise_{k}", lambda r, k=k: r.degradation and r.degradation.noise.get(k)) for k in keys]
@@ -233,6 +311,8 @@ tr.section td{text-align:left;font-style:italic;background:#f4f4f4;border-top:1p
 thead tr:first-child th{border-top:2px solid #222}
 tbody tr:last-child td{border-bottom:2px solid #222}
 .neg{color:#b00020}.pos{color:#1b7a1b}
+td.ns{color:#999}
+.figs{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}
 .notes{font-size:12px;color:#555;max-width:70em}
 figure{margin:1em 0}figcaption{font-size:12px;color:#555}
 """
@@ -243,15 +323,28 @@ def _cell(text: str, cls: str = "", tag: str = "td", attrs: str = "") -> str:
     return f"<{tag}{cls_attr}{attrs}>{html.escape(text)}</{tag}>"
 
 
-def _sign_class(x: float | None) -> str:
+def _sign_class(x: float | None, sig: bool | None = None) -> str:
+    """"ns" (greyed) for a delta inside its noise floor, else "neg"/"pos" by sign."""
+    if sig is False:
+        return "ns"
     return "" if x is None or x == 0 else ("neg" if x < 0 else "pos")
 
 
+def _html_table(head: list[str], rows: list[list[str]]) -> str:
+    return (f"<table><thead><tr>{''.join(head)}</tr></thead><tbody>"
+            + "".join("<tr>" + "".join(r) + "</tr>" for r in rows) + "</tbody></table>")
+
+
+def _figure(svg: str, caption: str) -> str:
+    return f"<figure>{svg}<figcaption>{html.escape(caption)}</figcaption></figure>"
+
+
 def to_html(table: Table, figures: dict[str, str] | None = None, time_line: str | None = None) -> str:
-    """Self-contained page: inline CSS, the Table 2 with grouped headers, degradation table, inline SVG plots,
-    then `figures` ({caption: inline <svg>}, e.g. each checkpoint's outlier diagnostics) when given; `time_line`
-    (timing_line) under the notes."""
-    lead, extra = _lead_columns(table), _extra_columns(table)
+    """Self-contained page: inline CSS; the summary paragraph; Table 2 with grouped headers; the diagnostics
+    table; the degradation table (n.s. cells greyed); inline SVG plots (Delta per benchmark, then Delta Avg
+    and KL per variant side by side); then `figures` ({caption: inline <svg>}, e.g. each checkpoint's outlier
+    diagnostics) when given; `time_line` (timing_line) under the notes."""
+    lead, extra, diag = _lead_columns(table), _extra_columns(table), _diagnostic_columns(table)
     width = len(lead) + len(table.columns) + len(extra)
     head1 = [_cell(h, "l", "th", ' rowspan="2"') for h, _ in lead]
     head1 += [_cell(g, "", "th", f' colspan="{n}" style="text-align:center"') for g, n in _group_spans(table.columns)]
@@ -264,36 +357,40 @@ def to_html(table: Table, figures: dict[str, str] | None = None, time_line: str 
             body.append(f'<tr class="section"><td colspan="{width}">{html.escape(section or "")}</td></tr>')
         cells = [_cell(f(r), "l") for _, f in lead] + [_cell(_score(r.row.scores.get(b.key))) for b in table.columns]
         for header, f in extra:
-            value = r.degradation.delta_avg if header == "ΔAvg" and r.degradation else None
-            cells.append(_cell(f(r), _sign_class(value)))
+            d = r.degradation if header == "ΔAvg" else None
+            cells.append(_cell(f(r), _sign_class(d.delta_avg, significant(d.delta_avg, d.noise_avg)) if d else ""))
         body.append("<tr>" + "".join(cells) + "</tr>")
+    text = summary(table)
     parts = [f"<h1>Table 2{': ' + html.escape(_title(table.results)) if _title(table.results) else ''}</h1>",
+             *([f"<p>{html.escape(text)}</p>"] if text else []),
              f'<p class="notes">{html.escape(notes(table))}</p>',
              *([f'<p class="notes">{html.escape(time_line)}</p>'] if time_line else []),
              "<table><thead><tr>" + "".join(head1) + "</tr><tr>" + "".join(head2) + "</tr></thead><tbody>"
              + "".join(body) + "</tbody></table>"]
+    if diag:
+        parts += ["<h2>Diagnostics</h2>",
+                  _html_table([_cell(h, "l", "th") for h, _ in lead] + [_cell(h, "", "th") for h, _ in diag],
+                              [[_cell(f(r), "l") for _, f in lead] + [_cell(f(r)) for _, f in diag] for r in table.rows])]
     degraded = [r for r in table.rows if r.degradation]
     if degraded:
         rows_html = []
         for r in degraded:
-            d = r.degradation
             cells = [_cell(f(r), "l") for _, f in lead]
-            for b in table.columns:
-                text = _delta(d.delta.get(b.key)) + (f" ±{d.noise[b.key]:.2f}" if b.key in d.noise else "")
-                cells.append(_cell(text, _sign_class(d.delta.get(b.key))))
-            cells.append(_cell(_delta(d.delta_avg) + (f" ±{d.noise_avg:.2f}" if d.noise_avg is not None else ""),
-                               _sign_class(d.delta_avg)))
-            rows_html.append("<tr>" + "".join(cells) + "</tr>")
-        header = "".join([_cell(h, "l", "th") for h, _ in lead] + [_cell(b.label, "", "th") for b in table.columns]
-                         + [_cell("ΔAvg", "", "th")])
-        parts += ["<h2>Degradation vs BF16 (points, ± noise floor where known)</h2>",
-                  f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows_html)}</tbody></table>", "<h2>Plots</h2>"]
-        for svg, caption in ((plot_benchmark_degradation(table), "Delta vs BF16 per benchmark and Avg (points)"),
-                             (plot_variant_degradation(table), "Delta Avg vs BF16 per variant and precision (points)")):
-            parts.append(f"<figure>{svg}<figcaption>{html.escape(caption)}</figcaption></figure>")
+            for key, delta in [(b.key, r.degradation.delta.get(b.key)) for b in table.columns] + [(None, r.degradation.delta_avg)]:
+                text, sig = _degradation_cell(r, key)
+                cells.append(_cell(text, _sign_class(delta, sig)))
+            rows_html.append(cells)
+        header = ([_cell(h, "l", "th") for h, _ in lead] + [_cell(b.label, "", "th") for b in table.columns]
+                  + [_cell("ΔAvg", "", "th")])
+        parts += [f"<h2>Degradation vs BF16 (points, ± noise floor where known; {NS}: inside it, greyed)</h2>",
+                  _html_table(header, rows_html), "<h2>Plots</h2>",
+                  _figure(plot_benchmark_degradation(table), "Delta vs BF16 per benchmark and Avg (points)")]
+        side = [(plot_variant_degradation(table), "Delta Avg vs BF16 per variant and precision (points)"),
+                (plot_variant_kl(table), "KL vs BF16 per variant and precision (nats/token, held-out text)")]
+        parts.append('<div class="figs">' + "".join(_figure(svg, c) for svg, c in side if svg) + "</div>")
     if figures:
         parts.append("<h2>Outlier diagnostics</h2>")
-        parts += [f"<figure>{svg}<figcaption>{html.escape(caption)}</figcaption></figure>" for caption, svg in figures.items()]
+        parts += [_figure(svg, caption) for caption, svg in figures.items()]
     title = html.escape(f"quantkit report: {_title(table.results) or table.results.source}")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
             f"<style>{_CSS}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n")

@@ -1,7 +1,8 @@
 """The results JSON (docs/report-format.md, schema_version 1): load and validate, with errors that name the problem.
 
 Conventions: scores are points 0-100 as the paper prints them; `noise_floor` and CI bounds are points too;
-`flips` are fractions 0-1 of items whose correctness changed vs BF16; `kl` is nats/token vs BF16. The row
+`flips` are fractions 0-1 of items whose correctness changed vs BF16; `kl` is nats/token vs BF16;
+`calibration` lists the calibration sets the row's checkpoint was made with (quantkit.calibrate.provenance). The row
 with recipe "bf16" is the baseline of its variant; every other row of that variant is compared with it.
 Benchmark keys are canonicalized on load (quantkit.report.benchmarks.resolve).
 """
@@ -23,7 +24,8 @@ BASELINE_RECIPE = "bf16"
 
 _TOP_KEYS = {"schema_version", "study", "suite", "suite_version", "created", "rows", "meta"}
 _ROW_KEYS = {"id", "section", "variant", "label", "model", "recipe", "precision", "scores", "ci95", "noise_floor",
-             "flips", "kl", "outliers", "meta"}
+             "flips", "kl", "outliers", "calibration", "meta"}
+_CALIBRATION_KEYS = {"use", "source", "num_sequences", "seq_len"}
 
 
 class ResultsError(QuantkitError, ValueError):
@@ -47,6 +49,7 @@ class Row:
     flips: dict[str, float] = field(default_factory=dict)
     kl: float | None = None
     outliers: dict[str, float] = field(default_factory=dict)
+    calibration: tuple[dict[str, Any], ...] | None = None  # None: not recorded; (): the recipe calibrates nothing
 
     @property
     def is_baseline(self) -> bool:
@@ -144,7 +147,26 @@ def _row(data: Any, where: str) -> Row:
         row_id=_opt_str(data, "id", where), ci95=ci95, noise_floor=noise, flips=flips,
         kl=None if kl is None else _number(kl, f"{where}: 'kl'", 0.0, math.inf),
         outliers={k: _number(v, f"{where}: outliers[{k!r}]", -math.inf, math.inf) for k, v in outliers.items()},
+        calibration=_calibration(data.get("calibration"), f"{where}: 'calibration'"),
     )
+
+
+def _calibration(value: Any, where: str) -> tuple[dict[str, Any], ...] | None:
+    """A row's calibration sets: a list of {use, source, num_sequences, seq_len} (None: not recorded)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ResultsError(f"{where}: expected a list of calibration sets, got {value!r}")
+    for i, s in enumerate(value):
+        if not isinstance(s, dict) or set(s) != _CALIBRATION_KEYS:
+            raise ResultsError(f"{where}[{i}]: a calibration set is an object with exactly "
+                               f"{', '.join(sorted(_CALIBRATION_KEYS))}, got {s!r}")
+        for key in ("use", "source"):
+            _req_str(s, key, f"{where}[{i}]")
+        for key in ("num_sequences", "seq_len"):
+            if isinstance(s[key], bool) or not isinstance(s[key], int) or s[key] < 1:
+                raise ResultsError(f"{where}[{i}]: '{key}' must be a positive integer, got {s[key]!r}")
+    return tuple(dict(s) for s in value)
 
 
 def _no_unknown(data: dict, allowed: set[str], where: str) -> None:

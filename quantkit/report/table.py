@@ -9,6 +9,10 @@ Noise of a delta: the row's `noise_floor` (half-width of the paired-bootstrap CI
 `ci95` on both rows, sqrt(h_recipe^2 + h_bf16^2) of the two CI half-widths; else unknown. Noise of Delta
 Avg: sqrt(sum noise_b^2) / n when every benchmark has one (independent benchmarks;
 `quantkit.metrics.noise_of_mean`).
+Significance: a delta is inside its noise floor ("n.s.") when |delta| <= noise (the 95% CI of the delta
+contains 0); unknown without a noise. Two variants' Delta Avg under one precision differ significantly when
+|difference| > sqrt(noise_a^2 + noise_b^2) (their paired bootstraps are over different models' items,
+independent).
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ def degradation(row: Row, base: Row, avg_keys: frozenset[str] | None = None) -> 
     noise_avg = noise_of_mean([noise[b] for b in in_avg]) if in_avg and all(b in noise for b in in_avg) else None
     return Degradation(delta=delta, delta_avg=mean([delta[b] for b in in_avg]) if in_avg else None, noise=noise,
                        noise_avg=noise_avg)
+
+
+def significant(delta: float | None, noise: float | None) -> bool | None:
+    """Whether a delta lies outside its noise floor (|delta| > noise); None when either is unknown."""
+    return None if delta is None or noise is None else abs(delta) > noise
 
 
 def avg_keys_of(suite: str | None) -> frozenset[str] | None:
@@ -109,6 +118,10 @@ class Table:
         return any(r.degradation and r.degradation.noise_avg is not None for r in self.rows)
 
     @property
+    def has_calibration(self) -> bool:
+        return any(r.row.calibration is not None for r in self.rows)
+
+    @property
     def has_sections(self) -> bool:
         return any(r.row.section for r in self.rows)
 
@@ -130,3 +143,31 @@ def build_table(results: Results) -> Table:
     outlier_keys = tuple(dict.fromkeys(k for r in results.rows for k in r.outliers))
     return Table(columns=tuple(columns), outlier_keys=outlier_keys, rows=tuple(rows), results=results,
                  avg_keys=avg_keys)
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """One precision's quantized rows ordered by Delta Avg, least loss first, and for each adjacent pair
+    whether the step down is significant (None: a noise unknown)."""
+
+    precision: str
+    rows: tuple[TableRow, ...]
+    steps: tuple[bool | None, ...]
+
+
+def rank_variants(table: Table) -> list[Ranked]:
+    """Per precision (first-appearance order), the non-BF16 rows with a Delta Avg, ordered best first."""
+    by_precision: dict[str, list[TableRow]] = {}
+    for r in table.rows:
+        if r.degradation and r.degradation.delta_avg is not None:
+            by_precision.setdefault(r.row.precision, []).append(r)
+    out = []
+    for precision, rows in by_precision.items():
+        rows = sorted(rows, key=lambda r: -r.degradation.delta_avg)
+        steps = []
+        for a, b in zip(rows, rows[1:]):
+            na, nb = a.degradation.noise_avg, b.degradation.noise_avg
+            noise = None if na is None or nb is None else math.hypot(na, nb)
+            steps.append(significant(a.degradation.delta_avg - b.degradation.delta_avg, noise))
+        out.append(Ranked(precision=precision, rows=tuple(rows), steps=tuple(steps)))
+    return out

@@ -1,0 +1,74 @@
+"""Which calibration set a recipe draws: resized by a study, recorded per results row (docs/calibration.md).
+
+A recipe calibrates on windows of `quantkit.data.calibration_windows` (source: `quantkit.data.CALIBRATION_SOURCE`)
+for up to two uses:
+- "smoothquant": the per-channel maxima behind the smoothing factors (the recipe's `smoothquant` block;
+  paper 000 App. A.4.2 uses 4096 sequences, so the SmoothQuant recipes default to 4096 x 512);
+- "activation scales": static calibrated activation scales (quantkit's `activation_scale: static`,
+  llmcompressor's NVFP4 preset, every modelopt preset; the recipe's `calibration` block, default
+  `CalibrationSettings`).
+Recipes with dynamic per-token activations and no SmoothQuant (bf16, w8a8_fp8_block, w4a4_nvfp4) draw none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from quantkit.data import CALIBRATION_SOURCE
+from quantkit.quantize.recipe import CalibrationSettings, Recipe
+
+
+def _calibrates_scales(recipe: Recipe) -> bool:
+    """Whether quantizing with `recipe` calibrates static activation scales (the backends' own rules)."""
+    if recipe.backend == "quantkit":
+        return recipe.activation_scale == "static"
+    if recipe.backend == "llmcompressor":
+        return recipe.scheme == "NVFP4"  # FP8_BLOCK's activations are dynamic: no calibration pass
+    return True  # modelopt calibrates every preset
+
+
+def with_calibration(recipe: Recipe, num_sequences: int, seq_len: int) -> Recipe:
+    """`recipe` with every calibration set it draws resized to num_sequences x seq_len tokens (the study's
+    `calibration` key); a recipe that draws none is returned unchanged."""
+    if not all(isinstance(v, int) for v in (num_sequences, seq_len)) or num_sequences < 1 or seq_len < 2:
+        raise ValueError(f"calibration needs num_sequences >= 1 and seq_len >= 2, got {num_sequences}, {seq_len}")
+    changes: dict[str, Any] = {}
+    if recipe.smoothquant is not None:
+        changes["smoothquant"] = dataclasses.replace(recipe.smoothquant, num_sequences=num_sequences, seq_len=seq_len)
+    if _calibrates_scales(recipe):
+        changes["calibration"] = CalibrationSettings(num_sequences=num_sequences, seq_len=seq_len)
+    return dataclasses.replace(recipe, **changes) if changes else recipe
+
+
+def calibration_sets(recipe: Recipe, max_positions: int | None = None) -> list[dict[str, Any]]:
+    """The calibration sets quantizing with `recipe` draws, one dict per use: {"use", "source",
+    "num_sequences", "seq_len"} (seq_len as drawn: quantkit's and modelopt's static scales cut it to the
+    model's `max_positions`); [] for a recipe that calibrates nothing."""
+    sets = []
+    if recipe.smoothquant is not None:
+        sets.append(("smoothquant", recipe.smoothquant.num_sequences, recipe.smoothquant.seq_len))
+    if _calibrates_scales(recipe):
+        cal = recipe.calibration or CalibrationSettings()
+        clipped = max_positions and recipe.backend != "llmcompressor"  # llmcompressor's job takes T as given
+        seq_len = min(cal.seq_len, max_positions) if clipped else cal.seq_len
+        sets.append(("activation scales", cal.num_sequences, seq_len))
+    return [dict(use=use, source=CALIBRATION_SOURCE, num_sequences=n, seq_len=t) for use, n, t in sets]
+
+
+def checkpoint_calibration(recipe: Recipe, checkpoint_dir: str | Path) -> list[dict[str, Any]]:
+    """`calibration_sets` of the checkpoint quantized with `recipe` in `checkpoint_dir`: T cut to its config's
+    max_position_embeddings, and the SmoothQuant set as its smoothquant.json records it (the windows the
+    factors were actually computed on) where that file exists."""
+    checkpoint_dir = Path(checkpoint_dir)
+    config = json.loads((checkpoint_dir / "config.json").read_text())
+    sets = calibration_sets(recipe, config.get("max_position_embeddings"))
+    report = checkpoint_dir / "smoothquant.json"
+    if report.exists():
+        sq = json.loads(report.read_text())
+        for s in sets:
+            if s["use"] == "smoothquant":
+                s.update(num_sequences=sq["num_sequences"], seq_len=sq["seq_len"])
+    return sets

@@ -1,0 +1,66 @@
+"""Calibration sets (quantkit.calibrate.provenance, docs/calibration.md): the recipes default to paper 000's
+count for SmoothQuant (4096 sequences x 512 tokens), a study's `calibration` key resizes every set (the
+offline default study and CI run 256 x 512), and each results row records the set its checkpoint was made
+with (read back from the quantized checkpoint). Cost: one tiny-checkpoint quantization with 4 x 32 tokens
+of SmoothQuant calibration (~5 s on 2 cores); everything else reads YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quantkit.calibrate.provenance import calibration_sets, checkpoint_calibration, with_calibration
+from quantkit.calibrate.stats import PAPER_NUM_SEQUENCES
+from quantkit.data import CALIBRATION_SOURCE
+from quantkit.pipelines.study import Study, load_spec
+from quantkit.quantize.recipe import available_recipes, load_recipe
+from quantkit.report.render import describe_calibration as describe
+
+PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
+
+
+def test_smoothquant_recipes_default_to_the_paper_count():
+    sq = [name for name in available_recipes() if load_recipe(name).smoothquant is not None]
+    assert sorted(sq) == ["w4a4_nvfp4_sq", "w4a4_nvfp4_sq_noexperts", "w8a8_fp8_block_sq"]
+    for name in sq:
+        assert calibration_sets(load_recipe(name)) == [
+            dict(use="smoothquant", source=CALIBRATION_SOURCE, num_sequences=PAPER_NUM_SEQUENCES, seq_len=512)]
+    assert PAPER_NUM_SEQUENCES == 4096  # paper 000 App. A.4.2
+    # recipes with dynamic activations and no SmoothQuant draw nothing; static scales draw their own set
+    assert calibration_sets(load_recipe("bf16")) == calibration_sets(load_recipe("w4a4_nvfp4")) == []
+    assert describe(calibration_sets(load_recipe("w4a4_nvfp4_static"), max_positions=128)) == "64x128 scales"
+    assert describe(calibration_sets(load_recipe("fp8_block_ct"))) == "none"  # llmcompressor FP8_BLOCK: dynamic
+
+
+def test_a_study_resizes_every_calibration_set():
+    for spec_file in ("default.yaml", "table2-hybrid.yaml"):  # the cheap setting of the offline studies
+        assert load_spec(PIPELINES / spec_file).calibration == {"num_sequences": 256, "seq_len": 512}
+    study = Study(load_spec(PIPELINES / "default.yaml"))
+    assert describe(calibration_sets(study.recipe("w4a4_nvfp4_sq"))) == "256x512 SQ"
+    assert study.recipe("w4a4_nvfp4") == load_recipe("w4a4_nvfp4")  # nothing to resize
+    assert describe(calibration_sets(with_calibration(load_recipe("nvfp4_modelopt"), 8, 64))) == "8x64 scales"
+    with pytest.raises(ValueError, match="num_sequences >= 1"):
+        with_calibration(load_recipe("w4a4_nvfp4_sq"), 0, 512)
+
+
+@pytest.mark.parametrize("calibration, message", [
+    ({"num_sequences": 256}, "exactly num_sequences and seq_len"),
+    ({"num_sequences": 256, "seq_len": 1}, "seq_len >= 2"),
+])
+def test_a_bad_study_calibration_fails_on_load(calibration, message, tmp_path):
+    spec = yaml.safe_load((PIPELINES / "default.yaml").read_text()) | {"calibration": calibration}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(ValueError, match=message):
+        load_spec(tmp_path / "bad.yaml")
+
+
+def test_the_row_records_the_set_the_checkpoint_was_made_with(tiny_checkpoint, tmp_path):
+    from quantkit.quantize.checkpoint import quantize_checkpoint
+
+    recipe = with_calibration(load_recipe("w4a4_nvfp4_sq"), 4, 32)
+    out = quantize_checkpoint(tiny_checkpoint, recipe, tmp_path / "sq", streaming=False)
+    # read from the checkpoint's smoothquant.json, not the recipe: the paper-count recipe still reads 4 x 32
+    assert checkpoint_calibration(load_recipe("w4a4_nvfp4_sq"), out) == [
+        dict(use="smoothquant", source=CALIBRATION_SOURCE, num_sequences=4, seq_len=32)]
