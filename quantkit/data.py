@@ -26,10 +26,11 @@ Both spread N starts evenly over the stream (`spread_windows`), so with the defa
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import inspect
+import json
 import logging
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -73,17 +74,32 @@ def heldout_texts() -> list[str]:
     return corpus_split()[1]
 
 
+# Run in a fresh interpreter by `stdlib_docstrings`: argv[1] = JSON [modules, min_chars]; prints the JSON list.
+_DOCSTRINGS_SCRIPT = """
+import importlib, inspect, json, sys
+modules, min_chars = json.loads(sys.argv[1])
+texts = []
+for name in modules:
+    module = importlib.import_module(name)
+    objects = [module] + [obj for _, obj in sorted(vars(module).items()) if inspect.isclass(obj) or inspect.isfunction(obj)]
+    for obj in objects:
+        doc = inspect.getdoc(obj)
+        if doc and len(doc) >= min_chars:
+            texts.append(" ".join(doc.split()))
+json.dump(list(dict.fromkeys(texts)), sys.stdout)
+"""
+
+
 def stdlib_docstrings(modules: tuple[str, ...] = STDLIB_MODULES, min_chars: int = 40) -> list[str]:
-    """Docstrings (>= min_chars characters, whitespace-normalized) of `modules` and their members."""
-    texts: list[str] = []
-    for name in modules:
-        module = importlib.import_module(name)
-        objects = [module] + [obj for _, obj in sorted(vars(module).items()) if inspect.isclass(obj) or inspect.isfunction(obj)]
-        for obj in objects:
-            doc = inspect.getdoc(obj)
-            if doc and len(doc) >= min_chars:
-                texts.append(" ".join(doc.split()))
-    return list(dict.fromkeys(texts))
+    """Docstrings (>= min_chars characters, whitespace-normalized, first occurrence kept) of `modules` and their
+    classes and functions, in module order then member name order.
+
+    Read in a fresh isolated interpreter (`python -I`, nothing but the standard library imported): packages this
+    process has imported may patch stdlib members (ray replaces `inspect.isgenerator` with an undocumented
+    function), which would change the text, the tiny tokenizers and every tiny checkpoint built after them."""
+    out = subprocess.run([sys.executable, "-I", "-c", _DOCSTRINGS_SCRIPT, json.dumps([list(modules), min_chars])],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
 
 
 def token_stream(texts: Sequence[str], tokenizer: Any) -> torch.Tensor:

@@ -49,7 +49,8 @@ from quantkit.formats.schemes import get_scheme
 from quantkit.models.tiny import randomize_parameters
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import FakeQuantExperts, load_fake_quant_model
-from quantkit.quantize.recipe import CalibrationSettings, load_recipe
+from quantkit.calibrate.provenance import with_calibration
+from quantkit.quantize.recipe import load_recipe
 from quantkit.serve.checkpoint_check import check_servable
 
 SHAPE = dict(
@@ -254,16 +255,6 @@ def source(tmp_path_factory):
     return out
 
 
-def small(recipe_name: str):
-    """The recipe with calibration cut to 8 x 64 tokens (2 cores)."""
-    recipe = load_recipe(recipe_name)
-    if recipe.smoothquant is not None:
-        recipe = dataclasses.replace(recipe, smoothquant=dataclasses.replace(recipe.smoothquant, num_sequences=8, seq_len=64))
-    if recipe.activation_scale == "static":
-        recipe = dataclasses.replace(recipe, calibration=CalibrationSettings(num_sequences=8, seq_len=64))
-    return recipe
-
-
 def test_source_checkpoint_uses_per_expert_names(source):
     with safe_open(source / "model.safetensors", "pt") as f:
         keys = set(f.keys())
@@ -273,7 +264,7 @@ def test_source_checkpoint_uses_per_expert_names(source):
 
 @pytest.mark.parametrize("recipe_name", RECIPES)
 def test_every_recipe_writes_a_checked_loadable_checkpoint(source, tmp_path, recipe_name):
-    recipe = small(recipe_name)
+    recipe = with_calibration(load_recipe(recipe_name), 8, 64)
     out = quantize_checkpoint(source, recipe, tmp_path / recipe_name)
     qc = check_servable(out)
     with safe_open(out / "model.safetensors", "pt") as f:
@@ -345,7 +336,7 @@ def test_fp8_is_closer_than_nvfp4(source, tmp_path):
     reference = torch.log_softmax(logits(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval(), toks), -1)
     kl = {}
     for name in ("w8a8_fp8_block", "w4a4_nvfp4"):
-        out = quantize_checkpoint(source, small(name), tmp_path / name)
+        out = quantize_checkpoint(source, with_calibration(load_recipe(name), 8, 64), tmp_path / name)
         q = torch.log_softmax(logits(load_fake_quant_model(out), toks), -1)
         kl[name] = (reference.exp() * (reference - q)).sum(-1).mean().item()
     assert 0 < kl["w8a8_fp8_block"] < kl["w4a4_nvfp4"], kl
@@ -354,7 +345,7 @@ def test_fp8_is_closer_than_nvfp4(source, tmp_path):
 def test_checker_rejects_incomplete_or_partly_quantized_experts(source, tmp_path):
     from safetensors.torch import save_file
 
-    out = quantize_checkpoint(source, small("w8a8_fp8_block"), tmp_path / "fp8")
+    out = quantize_checkpoint(source, with_calibration(load_recipe("w8a8_fp8_block"), 8, 64), tmp_path / "fp8")
     state = load_file(out / "model.safetensors")
     config = json.loads((out / "config.json").read_text())
 

@@ -15,7 +15,6 @@ in float32 (~1/16 of the model here) plus its encoded tensors and must pass.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
 import json
@@ -35,7 +34,8 @@ from quantkit.checkpoints import CheckpointError, TensorReader, read_state, tens
 from quantkit.models.modeling import QuantkitNorm
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import load_fake_quant_model
-from quantkit.quantize.recipe import CalibrationSettings, load_recipe
+from quantkit.calibrate.provenance import with_calibration
+from quantkit.quantize.recipe import load_recipe
 from quantkit.quantize.streaming import quantize_streaming
 from quantkit.serve.checkpoint_check import check_servable
 
@@ -48,16 +48,6 @@ def _bench():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def small(name: str, sequences: int, seq_len: int):
-    """The recipe with its calibration cut to `sequences` x `seq_len` tokens (2 cores)."""
-    recipe = load_recipe(name)
-    if recipe.smoothquant is not None:
-        recipe = dataclasses.replace(recipe, smoothquant=dataclasses.replace(recipe.smoothquant, num_sequences=sequences, seq_len=seq_len))
-    if recipe.activation_scale == "static":
-        recipe = dataclasses.replace(recipe, calibration=CalibrationSettings(num_sequences=sequences, seq_len=seq_len))
-    return recipe
 
 
 def assert_same_checkpoint(whole: Path, streamed: Path) -> None:
@@ -94,7 +84,7 @@ DENSE = [("bf16", None), ("w8a8_fp8_block", None), ("w4a4_nvfp4", None), ("w4a4_
 
 @pytest.mark.parametrize("recipe_name,spill", DENSE)
 def test_dense_streaming_is_bit_identical(dense, tmp_path, recipe_name, spill):
-    recipe = small(recipe_name, 12, 64)
+    recipe = with_calibration(load_recipe(recipe_name), 12, 64)
     whole = quantize_checkpoint(dense, recipe, tmp_path / "whole", streaming=False)
     streamed = quantize_streaming(dense, recipe, tmp_path / "stream", max_shard_bytes=2**20,
                                   **({} if spill is None else {"spill_bytes": spill}))
@@ -115,7 +105,7 @@ def test_dense_streaming_is_bit_identical(dense, tmp_path, recipe_name, spill):
 def test_hybrid_moe_streaming_is_bit_identical(hybrid, tmp_path, recipe_name):
     """Gated DeltaNet + softmax layers, routed experts fused in the model and per-expert in the checkpoint (all-experts
     statistics for the static scales, the MoE norm smoothed into router, experts and shared expert)."""
-    recipe = small(recipe_name, 4, 32)
+    recipe = with_calibration(load_recipe(recipe_name), 4, 32)
     whole = quantize_checkpoint(hybrid, recipe, tmp_path / "whole", streaming=False)
     streamed = quantize_streaming(hybrid, recipe, tmp_path / "stream", max_shard_bytes=2**20)
     assert_same_checkpoint(whole, streamed)
@@ -126,7 +116,7 @@ def test_function_preservation_failure_writes_nothing(dense, tmp_path, monkeypat
     """A fold that is not function-preserving (GatedNorm without its gate fold) fails the carried logit check."""
     monkeypatch.setitem(mappings_module._FOLDS, QuantkitNorm, functools.partial(mappings_module.fold_quantkit_norm, fold_gate=False))
     with pytest.raises(FunctionPreservationError, match=r"above the tolerance 0\.001; nothing was written"):
-        quantize_streaming(dense, small("w8a8_fp8_block_sq", 8, 32), tmp_path / "out", spill_bytes=0)
+        quantize_streaming(dense, with_calibration(load_recipe("w8a8_fp8_block_sq"), 8, 32), tmp_path / "out", spill_bytes=0)
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
 
 
