@@ -81,10 +81,9 @@ def run_task(spec: StudySpec, run_dir: str, task: Task, sources: dict[str, str])
 
 
 def _use_assigned_cpus(torch: ModuleType) -> None:
-    """On a CPU node, keep this task's torch and vLLM threads to the number of CPUs Ray assigned it. Otherwise every
-    vLLM engine binds its OpenMP threads to all the node's cores (offline_environment's default), and concurrent
-    chains' engines spin on the same cores: on 2 cores the tiny study's bf16 eval, next to the other chain, took
-    502 s bound to both cores (a busy machine)."""
+    """On a CPU node, keep this task's torch and vLLM threads to the number of CPUs Ray assigned it: otherwise every
+    vLLM engine binds one OpenMP thread to each of the node's cores (offline_environment's default), and the
+    engines of concurrent chains compete for the same cores while Ray counts each as using only its request."""
     import ray
 
     cpus = max(int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)), 1)

@@ -10,8 +10,9 @@ with 2 CPUs for the module (started here, shut down at the end, its processes ch
 - A model task failing on bad input (a checkpoint without its tokenizer): `quantkit run` exits 2 naming the stage
   and model; the model's chains never start.
 
-The tiny study is the one of tests/test_pipeline.py (same spec). Cost on 2 cores: Ray's start (~10-30 s), one
-tiny study (two chains in parallel), the killed eval redone.
+The tiny study is the one of tests/test_pipeline.py (same spec; fewer diagnose windows, which the gate does not
+read). Cost: one tiny study (two chains in parallel), the killed eval redone, Ray's start (12-24 s): 293 s for the
+module on the 2-core machine shared with other jobs (load average 5-11), 2026-11-23.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def test_killed_chain_resumes_without_redoing_finished_stages(tiny_checkpoint, c
     from quantkit.report.gate import load_thresholds, run_gate
 
     path, run_dir = _spec(tmp_path, tiny_checkpoint), tmp_path / "runs" / "tiny"
+    path.write_text(path.read_text() + "diagnose: {num_sequences: 2, seq_len: 32}\n")  # the gate reads no diagnostics
     log = tmp_path / "run1.log"
     with open(log, "w") as out:  # a driver of its own, on the module's cluster
         driver = subprocess.Popen([QUANTKIT, "run", str(path), "--executor", "ray", "--address", cluster],
