@@ -145,6 +145,7 @@ class RayExecutor:
         remote = ray.remote(max_retries=0)(run_task)
         tp = spec.parallel["tensor_parallel_size"]
         chain_resources = dict(num_cpus=1, num_gpus=tp) if ray.cluster_resources().get("GPU", 0) > 0 else dict(num_cpus=tp)
+        _check_schedulable(ray, chain_resources, tp)
         sources: dict[str, str] = {}
         chains: set[tuple[str, str]] = set()  # (label, recipe) whose chain finished
         pending: dict[Any, Task] = {}  # ObjectRef -> its task
@@ -154,7 +155,8 @@ class RayExecutor:
             """Submit the task of (scope, label, recipe); with no stage of that scope to run, go on to its dependents."""
             task = Task(scope, label, recipe, by_scope[scope])
             if not task.stages:
-                return finished(task)
+                finished(task)
+                return
             resources = chain_resources if scope == "recipe" else dict(num_cpus=1)
             known = {label: sources[label]} if label in sources else {}
             pending[remote.options(name=task.name, **resources).remote(spec, run_dir, task, known)] = task
@@ -193,6 +195,16 @@ class RayExecutor:
         study.timings = read_timings(study.dir)  # the tasks' entries, for the report
         for name in by_scope["study"]:
             study._do(STAGE_BY_NAME[name], None, None)
+
+
+def _check_schedulable(ray: ModuleType, resources: dict[str, int], tp: int) -> None:
+    """RayExecutorError when no node of the cluster has the CPUs or GPUs a chain asks for (Ray would wait forever)."""
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    for key, kind in (("num_cpus", "CPU"), ("num_gpus", "GPU")):
+        largest = max((node.get(kind, 0) for node in nodes), default=0)
+        if resources.get(key, 0) > largest:
+            raise RayExecutorError(f"a chain asks for {resources[key]} {kind}(s) on one node (tensor_parallel_size {tp}); "
+                                   f"the cluster's largest node has {largest:g}")
 
 
 def _failure(study: Study, task: Task, err: Exception) -> StageError:

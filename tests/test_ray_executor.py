@@ -106,6 +106,16 @@ def test_failure_names_stage_and_model_and_exits_2(tiny_checkpoint, cluster, tmp
     assert not (tmp_path / "runs" / "tiny" / "checkpoints").exists(), "the model's chains never start"
 
 
+def test_a_chain_no_node_can_hold_is_refused(tiny_checkpoint, cluster, tmp_path, capsys):
+    path = _spec(tmp_path, tiny_checkpoint)
+    path.write_text(path.read_text() + "parallel: {tensor_parallel_size: 4}\n")  # 4 CPU ranks; the cluster has 2 CPUs
+    code = main(["run", str(path), "--executor", "ray"])
+    err = capsys.readouterr().err
+    assert code == 2 and "quantkit run: error: a chain asks for 4 CPU(s) on one node (tensor_parallel_size 4); " \
+                         "the cluster's largest node has 2" in err, err[-3000:]
+    assert not (tmp_path / "runs" / "tiny" / "checkpoints").exists()
+
+
 def test_killed_chain_resumes_without_redoing_finished_stages(tiny_checkpoint, cluster, tmp_path):
     from quantkit.report.gate import load_thresholds, run_gate
 
