@@ -9,10 +9,11 @@ with 2 CPUs for the module (started here, shut down at the end, its processes ch
   only the thresholds' run-to-run allowance is needed).
 - A model task failing on bad input (a checkpoint without its tokenizer): `quantkit run` exits 2 naming the stage
   and model; the model's chains never start.
+- A chain no node can hold (tensor_parallel_size 4 CPU ranks on 2 CPUs): exit 2 before any task.
 
 The tiny study is the one of tests/test_pipeline.py (same spec; fewer diagnose windows, which the gate does not
-read). Cost: one tiny study (two chains in parallel), the killed eval redone, Ray's start (12-24 s): 293 s for the
-module on the 2-core machine shared with other jobs (load average 5-11), 2026-11-23.
+read). Cost: one tiny study (two chains in parallel), the killed eval redone, Ray's start (12-24 s): the whole
+module (293-353 s over two runs) on the 2-core machine shared with other jobs (load average 5-11), 2026-11-23.
 """
 
 from __future__ import annotations
