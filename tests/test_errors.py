@@ -77,6 +77,7 @@ def inputs(tiny_checkpoint, tmp_path_factory) -> SimpleNamespace:
     (root / "bad_recipe.yaml").write_text("name: bad_recipe\nscheme: nvfp4\nsmoothing: true\n")
     (root / "spec.yaml").write_text(DEFAULT_SPEC.read_text() + "nope: 1\n")
     (root / "spec_calibration.yaml").write_text(DEFAULT_SPEC.read_text().replace("calibration: {num_sequences: 256", "calibration: {num_sequences: 0"))
+    (root / "dp_spec.yaml").write_text(DEFAULT_SPEC.read_text().replace("data_parallel_size: 1", "data_parallel_size: 2"))
     (root / "results.json").write_text(json.dumps({"schema_version": 1, "rows": []}))
     (root / "gate.yaml").write_text("max_drop: 1.0\nnope: 2\n")
     (root / "current.json").write_text(json.dumps(dict(paper, rows=[r for r in paper["rows"] if r["id"] != "(7)"])))
@@ -215,6 +216,15 @@ ROWS = {
     "run_dir_locked": Row("run", lambda p, t: ["run", DEFAULT_SPEC, "--model", p.tiny, "--run-dir", p.root / "locked_run"],
                           r"run directory .* is in use by another quantkit process \(pid \d+",
                           lambda p, mp: exclusive_lock(p.root / "locked_run" / ".lock", "this test")),
+    "run_ray_missing": Row("run", lambda p, t: ["run", DEFAULT_SPEC, "--model", p.tiny, "--run-dir", t / "run", "--executor", "ray"],
+                           r"--executor ray needs ray \(.*\): pip install 'quantkit\[ray\]'",
+                           lambda p, mp: mp.setitem(sys.modules, "ray", None)),
+    "run_ray_unreachable": Row("run", lambda p, t: ["run", DEFAULT_SPEC, "--model", p.tiny, "--run-dir", t / "run", "--executor",
+                                                    "ray", "--address", "127.0.0.1:1"],
+                               r"cannot reach a Ray cluster at 127\.0\.0\.1:1: .*is `ray start --head` running there"),
+    "run_ray_data_parallel": Row("run", lambda p, t: ["run", p.root / "dp_spec.yaml", "--model", p.tiny, "--run-dir", t / "run",
+                                                      "--executor", "ray"], r"parallel\.data_parallel_size is 2: .*set data_parallel_size: 1"),
+    "run_address_without_ray": Row("run", lambda p, t: ["run", DEFAULT_SPEC, "--address", "auto"], r"--address .* needs --executor ray"),
     "zoo_preset": Row("zoo", lambda p, t: ["zoo", "build", "ga", "nope", "--out", t / "zoo"], r"unknown zoo variant\(s\) \['nope'\]"),
     "zoo_size": Row("zoo", lambda p, t: ["zoo", "build", "ga", "--size", "huge", "--out", t / "zoo"], r"unknown zoo size 'huge'"),
 }
