@@ -212,7 +212,7 @@ class GLUExperts(nn.Module):
         """x (T, H), top_ids / top_weights (T, k) -> sum_j top_weights[:, j] * expert_{top_ids[:, j]}(x)."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, top_ids, top_weights)
-        out = routed_experts_forward(x, top_ids, top_weights, self.w13, self.w2, torch.sigmoid, lambda rows, e, which: rows)
+        out = routed_experts_forward(x, top_ids, top_weights, self.w13, self.w2, torch.sigmoid, lambda rows, segments, which: rows)
         return out.to(x.dtype)
 
 

@@ -14,7 +14,9 @@ w1, global expert e; `expert_map` decides which rank holds it), `up_proj` to sha
 Kernel (logged at load like the Linear method's, QUANTKIT_KERNEL):
 - "torch-emulation" (CPU): weights decoded once to float32; `quantkit.quantize.fake_quant.routed_experts_forward`,
   the transformers reference's own function: per expert hit, the block input quantized per token (or with the
-  expert's static scale) before gate/up, act(gate) * up quantized again before down, float32 matmuls.
+  expert's static scale) before gate/up, act(gate) * up quantized again before down, float32 matmuls. Per-token
+  quantization runs once per layer and input over all (token, expert) rows (it is row by row, so this equals one
+  call per expert), static scales once per expert.
 - "triton" (CUDA): the packed parameters above, kept as loaded, feed the grouped GEMMs
   (`quantkit.kernels.schemes.grouped_quantized_linear`, the FusedMoE forward of its docstring): the (token, slot)
   pairs sorted by expert (`sort_by_expert`), w13 on the gathered rows of x (each token quantized once, or each
@@ -46,7 +48,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBa
 
 from quantkit.formats.schemes import LayerTensor
 from quantkit.kernels.expert_sort import ExpertSort, combine_expert_rows, sort_by_expert
-from quantkit.quantize.fake_quant import routed_experts_forward
+from quantkit.quantize.fake_quant import Segments, routed_experts_forward
 from quantkit.serve.quant_method import CAPTURE_ENV, copy_checkpoint_part, select_kernel
 
 logger = init_logger(f"vllm.{__name__}")
@@ -163,16 +165,23 @@ class QuantkitExperts:
         torch.distributed.all_reduce(row_amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group)
         return row_amax
 
-    def _fake_quant(self, rows: torch.Tensor, expert: int, which: int) -> torch.Tensor:
-        """The scheme's activation quantize-dequantize of expert `expert`'s input `which` (0: gate/up, 1: down)."""
-        scale = None if self.input_scales is None else self.input_scales[expert, which]
-        row_amax = self._row_amax(rows) if which == 1 and scale is None else None
-        xq = self.scheme.fake_quant_activation(rows, scale, row_amax)
+    def _fake_quant(self, rows: torch.Tensor, segments: Segments, which: int) -> torch.Tensor:
+        """The scheme's activation quantize-dequantize of input `which` (0: gate/up, 1: down) of the rows of each
+        expert segment (`quantkit.quantize.fake_quant.RowsQuantizer`): per token, one call for all rows (the
+        quantization is row by row); static, one call per expert with its scale."""
+        if self.input_scales is None:
+            row_amax = self._row_amax(rows) if which == 1 else None
+            xq = self.scheme.fake_quant_activation(rows, None, row_amax)
+        else:
+            xq = torch.cat([self.scheme.fake_quant_activation(rows[start:stop], self.input_scales[e, which])
+                            for e, start, stop in segments])
         if self.capture_dir:
-            name = f"{self.prefix}.{expert}.{('gate_up', 'down')[which]}"
-            path = os.path.join(self.capture_dir, f"{name}.{self.tp_rank}.{self.calls:05d}.pt")
-            torch.save({"prefix": name, "tp_rank": self.tp_rank, "x": rows.float().clone(), "xq": xq.clone()}, path)
-            self.calls += 1
+            for e, start, stop in segments:
+                name = f"{self.prefix}.{e}.{('gate_up', 'down')[which]}"
+                path = os.path.join(self.capture_dir, f"{name}.{self.tp_rank}.{self.calls:05d}.pt")
+                torch.save({"prefix": name, "tp_rank": self.tp_rank, "x": rows[start:stop].float().clone(),
+                            "xq": xq[start:stop].clone()}, path)
+                self.calls += 1
         return xq
 
 

@@ -22,14 +22,17 @@ TRACE_ENV = "QUANTKIT_PLUGIN_TRACE"
 
 def register() -> None:
     """Register quantkit's config type with transformers, its architectures, its quantization method
-    (`quant_method: "quantkit"`) and CPU emulation kernels for the peers' formats with vLLM (idempotent)."""
+    (`quant_method: "quantkit"`), CPU emulation kernels for the peers' formats and the batched CPU Gated DeltaNet
+    prefill conv (`quantkit.serve.gdn_cpu`) with vLLM (idempotent)."""
     from vllm import ModelRegistry
 
     import quantkit.models  # noqa: F401  (registers model_types "quantkit", "quantkit_hybrid" with AutoConfig)
     import quantkit.serve.quant_method  # noqa: F401  (@register_quantization_config("quantkit"))
+    from quantkit.serve import gdn_cpu
     from quantkit.serve.peer_kernels import register_cpu_emulation_kernels
 
     register_cpu_emulation_kernels()
+    gdn_cpu.install()
 
     for arch, target in ARCHITECTURES.items():
         if arch not in ModelRegistry.get_supported_archs():
