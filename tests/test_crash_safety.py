@@ -92,6 +92,27 @@ def _assert_no_half_artifact(run_dir: Path) -> None:
         assert (diag / "diagnostics.json").exists() and (diag / "summary.md").exists(), diag
 
 
+def assert_resumed(run_dir: Path, killed: dict[str, tuple[int, int]]) -> dict[tuple[str, str], dict]:
+    """A resumed study's checks: the artifacts finished before the kill (`killed`, as `_finished` gave them) are
+    untouched, no temp dir or half artifact is left, the rows and the gate match the committed baseline (an
+    uninterrupted run's results), every stage is timed; returns the timing entries by (stage, recipe)."""
+    from quantkit.report.gate import load_thresholds, run_gate
+
+    after = _finished(run_dir)
+    assert {k: after[k] for k in killed} == killed, "finished artifacts were redone"
+    assert _temps(run_dir) == [], "the killed runs' temp dirs are removed when their stage is redone"
+    _assert_no_half_artifact(run_dir)
+    results = json.loads((run_dir / "results.json").read_text())
+    baseline = json.loads(BASELINE_RESULTS.read_text())
+    assert [(r["variant"], r["recipe"], sorted(r["scores"])) for r in results["rows"]] == \
+           [(r["variant"], r["recipe"], sorted(r["scores"])) for r in baseline["rows"]]
+    assert run_gate(BASELINE_RESULTS, run_dir / "results.json", load_thresholds()) == 0
+    timings = results["meta"]["timings"]
+    assert list(timings["stages"]) == ["checkpoint", "diagnose", "quantize", "eval", "degradation"]
+    assert "Time: checkpoint" in (run_dir / "report" / "report.md").read_text()
+    return {(e["stage"], e["recipe"]): e for e in timings["entries"]}
+
+
 @pytest.fixture(scope="module")
 def spec(tiny_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
     """The tiny study's spec and its run directory."""
@@ -159,26 +180,12 @@ def test_resumed_study_completes_and_reuses(spec, killed_in_eval, timings_before
     """A stage found done keeps the seconds recorded by the run that made it; that is 0.0 when the run was killed
     between finishing the artifact and writing timings.json (the first kill can land there, so the cached bf16
     quantize is compared with the killed runs' record, not required to be positive)."""
-    from quantkit.report.gate import load_thresholds, run_gate
-
     _, run_dir = spec
-    after = _finished(run_dir)
-    assert {k: after[k] for k in killed_in_eval} == killed_in_eval, "finished artifacts were redone"
-    assert _temps(run_dir) == [], "the killed runs' temp dirs are removed when their stage is redone"
-    _assert_no_half_artifact(run_dir)
-    results = json.loads((run_dir / "results.json").read_text())
-    baseline = json.loads(BASELINE_RESULTS.read_text())  # an uninterrupted run's results
-    assert [(r["variant"], r["recipe"], sorted(r["scores"])) for r in results["rows"]] == \
-           [(r["variant"], r["recipe"], sorted(r["scores"])) for r in baseline["rows"]]
-    assert run_gate(BASELINE_RESULTS, run_dir / "results.json", load_thresholds()) == 0
-    timings = results["meta"]["timings"]
-    assert list(timings["stages"]) == ["checkpoint", "diagnose", "quantize", "eval", "degradation"]
-    entries = {(e["stage"], e["recipe"]): e for e in timings["entries"]}
+    entries = assert_resumed(run_dir, killed_in_eval)
     before = timings_before_resume[("quantize", "tiny", "bf16")]
     assert entries[("quantize", "bf16")] == {"stage": "quantize", "model": "tiny", "recipe": "bf16",
                                              "seconds": before["seconds"], "cached": True}
     assert not entries[("eval", "w4a4_nvfp4")]["cached"] and entries[("eval", "w4a4_nvfp4")]["seconds"] > 0
-    assert "Time: checkpoint" in (run_dir / "report" / "report.md").read_text()
 
 
 def test_second_concurrent_run_refuses(spec, resumed):

@@ -18,7 +18,6 @@ module (293-353 s over two runs) on the 2-core machine shared with other jobs (l
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -31,8 +30,8 @@ import pytest
 from quantkit.cli import main
 from quantkit.pipelines.executors import RayExecutor
 from quantkit.pipelines.study import Study, load_spec
-from test_crash_safety import QUANTKIT, _assert_no_half_artifact, _finished, _poll, _temps
-from test_pipeline import BASELINE_RESULTS, _spec
+from test_crash_safety import QUANTKIT, _assert_no_half_artifact, _finished, _poll, assert_resumed
+from test_pipeline import _spec
 
 pytestmark = pytest.mark.slow
 
@@ -118,8 +117,6 @@ def test_a_chain_no_node_can_hold_is_refused(tiny_checkpoint, cluster, tmp_path,
 
 
 def test_killed_chain_resumes_without_redoing_finished_stages(tiny_checkpoint, cluster, tmp_path):
-    from quantkit.report.gate import load_thresholds, run_gate
-
     path, run_dir = _spec(tmp_path, tiny_checkpoint), tmp_path / "runs" / "tiny"
     path.write_text(path.read_text() + "diagnose: {num_sequences: 2, seq_len: 32}\n")  # the gate reads no diagnostics
     log = tmp_path / "run1.log"
@@ -151,19 +148,7 @@ def test_killed_chain_resumes_without_redoing_finished_stages(tiny_checkpoint, c
 
     with RayExecutor() as executor:  # resumed from this process (its connection to the cluster reused)
         Study(load_spec(path)).run(executor=executor)
-    after = _finished(run_dir)
-    assert {k: after[k] for k in killed} == killed, "finished artifacts were redone"
-    assert _temps(run_dir) == [], "the killed task's temp dir is removed when its stage is redone"
-    _assert_no_half_artifact(run_dir)
-    results = json.loads((run_dir / "results.json").read_text())
-    baseline = json.loads(BASELINE_RESULTS.read_text())  # the local executor's results
-    assert [(r["variant"], r["recipe"], sorted(r["scores"])) for r in results["rows"]] == \
-           [(r["variant"], r["recipe"], sorted(r["scores"])) for r in baseline["rows"]]
-    assert run_gate(BASELINE_RESULTS, run_dir / "results.json", load_thresholds()) == 0
-    timings = results["meta"]["timings"]
-    assert list(timings["stages"]) == ["checkpoint", "diagnose", "quantize", "eval", "degradation"]
-    entries = {(e["stage"], e["recipe"]): e for e in timings["entries"]}
+    entries = assert_resumed(run_dir, killed)
     assert entries[("quantize", "w4a4_nvfp4")]["cached"] and entries[("quantize", "w4a4_nvfp4")]["seconds"] > 0, \
         "the killed task's finished stage kept the time it was recorded with"
     assert not entries[("eval", "w4a4_nvfp4")]["cached"] and entries[("eval", "w4a4_nvfp4")]["seconds"] > 0
-    assert "Time: checkpoint" in (run_dir / "report" / "report.md").read_text()
