@@ -55,7 +55,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from quantkit.models.tiny_hybrid import build_tiny_hybrid_checkpoint, build_tiny_qwen3_next_checkpoint
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import FakeQuantExperts, load_fake_quant_model
-from quantkit.serve.offline import generate
+from quantkit.serve.offline import generate, omp_bind_per_rank
 from quantkit.serve.quant_method import CAPTURE_ENV
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ MEMBERS = {  # name: hybrid flags (None: a stock Qwen3-Next checkpoint)
     "glu": {"hidden_act": "sigmoid"},  # GLU experts: served by GLUExperts, not FusedMoE
     "stock": None,
 }
-# name: (member, recipe). SmoothQuant recipes change only the weights (served by the same code); their fold is
+# name: (member, recipe[, tensor parallel size, default 1]). SmoothQuant recipes change only the weights (served by the same code); their fold is
 # verified by tests/test_hybrid_quantize.py, and their hybrid calibration costs ~2 min a case here.
 CASES = {
     "ga-fp8_block": ("ga", "w8a8_fp8_block"),
@@ -82,6 +82,10 @@ CASES = {
     "glu-nvfp4_static": ("glu", "w4a4_nvfp4_static"),
     "stock-fp8_block": ("stock", "w8a8_fp8_block"),
     "stock-nvfp4": ("stock", "w4a4_nvfp4"),
+    # tensor parallel 2 (vLLM's CPU backend runs it; FP8's 128-wide blocks cannot split the tiny model's 128-wide
+    # expert / shared-expert intermediate, NVFP4's 16-wide groups can): every shard, the experts' down inputs
+    # all-reduced for their per-token scale, joined back by served_activations
+    "ga-nvfp4-tp2": ("ga", "w4a4_nvfp4", 2),
 }
 
 
@@ -116,7 +120,9 @@ def logprobs_and_scale(model: torch.nn.Module, token_ids: list[list[int]]) -> tu
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch):
-    member, recipe = CASES[case]
+    member, recipe, tp = (*CASES[case], 1)[:3]
+    if tp > 1 and omp_bind_per_rank(tp) is None:
+        pytest.skip(f"tensor parallelism {tp} on CPU needs {tp} cores")
     source = sources(member)
     quantized = quantize_checkpoint(source, recipe, tmp_path / recipe)
     tok = AutoTokenizer.from_pretrained(quantized)
@@ -124,7 +130,7 @@ def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch)
     capture = tmp_path / "capture"
     capture.mkdir()
     monkeypatch.setenv(CAPTURE_ENV, str(capture))
-    run = generate(quantized, prompts, max_tokens=DECODE_TOKENS, max_model_len=256, dtype="bfloat16")
+    run = generate(quantized, prompts, max_tokens=DECODE_TOKENS, max_model_len=256, dtype="bfloat16", tensor_parallel_size=tp)
     token_ids = [g.token_ids for g in run.generations]
     served = [torch.tensor(g.logprobs) for g in run.generations]
     assert all(len(g.token_ids) == len(p) + DECODE_TOKENS for g, p in zip(run.generations, prompts))

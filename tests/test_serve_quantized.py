@@ -70,7 +70,8 @@ CONTROL_MAX_EXACT_FRACTION = 0.5
 VARIANT = dict(attn_output_gate="headwise", gated_norm_rank=16)  # GA + GatedNorm: the paper's best row
 FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
               "up_proj": "gate_up_proj"}  # checkpoint module -> vLLM's fused layer (packed_modules_mapping)
-ROW_PARALLEL = ("o_proj", "down_proj")   # under TP each rank holds a slice of their input columns
+ROW_PARALLEL = ("o_proj", "down_proj", "out_proj", ".down")  # under TP each rank holds a slice of their input
+# columns (dense and hybrid: attention / DeltaNet output projections, MLP and shared-expert down, routed experts' down)
 
 CASES = {  # name: (architecture, recipe, tensor parallel size)
     "ga_gatednorm-fp8_block": ("variant", "w8a8_fp8_block", 1),
