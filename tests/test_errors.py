@@ -77,7 +77,9 @@ def inputs(tiny_checkpoint, tmp_path_factory) -> SimpleNamespace:
     (root / "bad_recipe.yaml").write_text("name: bad_recipe\nscheme: nvfp4\nsmoothing: true\n")
     (root / "spec.yaml").write_text(DEFAULT_SPEC.read_text() + "nope: 1\n")
     (root / "spec_calibration.yaml").write_text(DEFAULT_SPEC.read_text().replace("calibration: {num_sequences: 256", "calibration: {num_sequences: 0"))
-    (root / "dp_spec.yaml").write_text(DEFAULT_SPEC.read_text().replace("data_parallel_size: 1", "data_parallel_size: 2"))
+    # data parallel 2 with KL from transformers (engine-side KL refuses dp > 1 first): the Ray executor's own check
+    (root / "dp_spec.yaml").write_text(DEFAULT_SPEC.read_text().replace("data_parallel_size: 1", "data_parallel_size: 2")
+                                       .replace("seq_len: 128}", "seq_len: 128, source: transformers}", 1))
     (root / "results.json").write_text(json.dumps({"schema_version": 1, "rows": []}))
     (root / "gate.yaml").write_text("max_drop: 1.0\nnope: 2\n")
     (root / "current.json").write_text(json.dumps(dict(paper, rows=[r for r in paper["rows"] if r["id"] != "(7)"])))
