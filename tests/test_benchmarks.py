@@ -10,16 +10,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_quick_benchmark_writes_results(tmp_path):
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_gemm.py"), "--quick", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600)
+def run_benchmark(script: str, args: list[str], out: Path, pattern: str = "*", timeout: int = 600) -> tuple[dict, str]:
+    """`python benchmarks/<script> ARGS --out OUT` (asserted to exit 0): its one `<pattern>.json` results file,
+    parsed, and the text of its one `<pattern>.md` table."""
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args, "--out", str(out)],
+                         capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
-    (json_file,), (md_file,) = tmp_path.glob("*.json"), tmp_path.glob("*.md")
-    result = json.loads(json_file.read_text())
+    (json_file,), (md_file,) = out.glob(f"{pattern}.json"), out.glob(f"{pattern}.md")
+    return json.loads(json_file.read_text()), md_file.read_text()
+
+
+def test_quick_benchmark_writes_results(tmp_path):
+    result, rows = run_benchmark("bench_gemm.py", ["--quick"], tmp_path)
     text = json.dumps(result)
     for key in ("torch", "triton", "date", "command"):
         assert key in text
-    rows = md_file.read_text()
     for impl in ("torch_bf16", "torch_fp8_rowwise", "triton_fp8_block", "triton_nvfp4"):
         assert f"| {impl} |" in rows
     errs = [float(line.rsplit("|", 2)[-2]) for line in rows.splitlines() if "| triton_" in line]
@@ -29,11 +34,7 @@ def test_quick_benchmark_writes_results(tmp_path):
 def test_quick_grouped_benchmark_writes_results(tmp_path):
     """benchmarks/bench_grouped_gemm.py --quick (one token count: ~30 s on 2 cores): both projections, every impl
     row (a baseline torch lacks on CPU listed as unsupported), ours within the GEMM tolerance."""
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_grouped_gemm.py"), "--quick", "--tokens", "5",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    (json_file,), (md_file,) = tmp_path.glob("grouped_gemm_*.json"), tmp_path.glob("grouped_gemm_*.md")
-    result = json.loads(json_file.read_text())
+    result, table = run_benchmark("bench_grouped_gemm.py", ["--quick", "--tokens", "5"], tmp_path, "grouped_gemm_*")
     assert {"device", "date", "torch", "triton", "command"} <= set(result)
     assert {(r["projection"], r["tokens"], r["S"]) for r in result["rows"]} == {("gate_up", 5, 10), ("down", 5, 10)}
     impls = {r["impl"] for r in result["rows"]}
@@ -41,7 +42,7 @@ def test_quick_grouped_benchmark_writes_results(tmp_path):
     assert impls & {"torch_bf16_grouped_mm", "torch_bf16_mm_loop"}
     ours = [r for r in result["rows"] if r["impl"].startswith("triton_")]
     assert len(ours) == 4 and all(r["status"] == "ok" and 0 < r["err_over_tol"] <= 1.0 for r in ours)
-    assert "| triton_nvfp4_grouped |" in md_file.read_text()
+    assert "| triton_nvfp4_grouped |" in table
 
 
 def test_serving_throughput_benchmark_runs(tiny_checkpoint, tmp_path):

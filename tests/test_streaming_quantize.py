@@ -38,6 +38,7 @@ from quantkit.calibrate.provenance import with_calibration
 from quantkit.quantize.recipe import load_recipe
 from quantkit.quantize.streaming import quantize_streaming
 from quantkit.serve.checkpoint_check import check_servable
+from test_benchmarks import run_benchmark
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = torch.tensor([[0, 5, 9, 44, 100, 7, 300, 12, 81, 3]])
@@ -190,15 +191,11 @@ def test_quantize_under_an_address_space_limit(tmp_path):
 
 
 def test_memory_benchmark_quick(tmp_path):
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_quantize_memory.py"), "--quick", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    (json_file,), (md_file,) = tmp_path.glob("quantize_memory_*_quick.json"), tmp_path.glob("quantize_memory_*_quick.md")
-    result = json.loads(json_file.read_text())
+    result, table = run_benchmark("bench_quantize_memory.py", ["--quick"], tmp_path, "quantize_memory_*_quick", timeout=900)
     assert {"machine", "date", "command", "rows", "summary"} <= set(result)
     assert [r["layers"] for r in result["rows"]] == [2, 4]
     assert all(r["streaming_peak_rss_gb"] > 0 and r["whole_peak_rss_gb"] > 0 for r in result["rows"])
-    assert "| 4 |" in md_file.read_text()
+    assert "| 4 |" in table
 
 
 def test_model_without_decoder_layers_is_refused(dense, tmp_path):

@@ -161,6 +161,19 @@ def _weight_col_max(model: nn.Module, mapping: SmoothMapping) -> torch.Tensor:
     return torch.stack([w.abs().reshape(-1, w.shape[-1]).amax(0).float() for w in weights]).amax(0)
 
 
+def mapping_report(model: nn.Module, mapping: SmoothMapping, scale: torch.Tensor, act_max: torch.Tensor,
+                   weight_max: torch.Tensor) -> MappingReport:
+    """The report of one folded mapping: `scale` (channels,) its smoothing scale, `act_max` / `weight_max`
+    (channels,) the activation and consumer-weight maxima before the fold; `model` holds the folded weights."""
+    w_after = _to_smoothing_channels(mapping, _weight_col_max(model, mapping).to(act_max.device), len(scale))
+    return MappingReport(
+        name=mapping.name, kind=mapping.kind, smooth=mapping.smooth, consumers=mapping.consumers, channels=len(scale),
+        scale_min=scale.min().item(), scale_median=scale.median().item(), scale_max=scale.max().item(),
+        act_max_before=act_max.max().item(), act_max_after=(act_max / scale).max().item(),
+        weight_max_before=weight_max.max().item(), weight_max_after=w_after.max().item(),
+    )
+
+
 @torch.no_grad()
 def fold_mapping(model: nn.Module, mapping: SmoothMapping, s: torch.Tensor) -> None:
     """Divide the smoothing layer's channel j (and its `extra_divide` copies) by s_j; multiply consumers' columns."""
@@ -327,14 +340,7 @@ def smooth_model(
         )
 
     for m, (x, w) in zip(plan.mappings, before):
-        s = scales[m.smooth]
-        w_after = _to_smoothing_channels(m, _weight_col_max(model, m).to(x.device), len(s))
-        reports.append(MappingReport(
-            name=m.name, kind=m.kind, smooth=m.smooth, consumers=m.consumers, channels=len(s),
-            scale_min=s.min().item(), scale_median=s.median().item(), scale_max=s.max().item(),
-            act_max_before=x.max().item(), act_max_after=(x / s).max().item(),
-            weight_max_before=w.max().item(), weight_max_after=w_after.max().item(),
-        ))
+        reports.append(mapping_report(model, m, scales[m.smooth], x, w))
     report = SmoothQuantReport(
         architecture=plan.architecture, alpha=alpha, num_sequences=tokens.shape[0], seq_len=tokens.shape[1],
         mappings=reports, skipped=list(plan.skipped), max_logit_change=change, logit_scale=scale,

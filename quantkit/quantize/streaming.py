@@ -71,6 +71,7 @@ from quantkit.calibrate.smoothquant import (
     _to_smoothing_channels,
     _weight_col_max,
     fold_mapping,
+    mapping_report,
     smoothing_factors,
 )
 from quantkit.calibrate.stats import ChannelMaxObserver
@@ -472,14 +473,7 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
                         raise RuntimeError(f"static activation calibration: these linears were never called: {missing}")
                     amax = {n: m.max().reshape(1) for n, m in observer.maxima.items()}
                 for m, x, w in before:
-                    s = scales[m.smooth]
-                    w_after = _to_smoothing_channels(m, _weight_col_max(skeleton, m).to(x.device), len(s))
-                    reports.append(MappingReport(
-                        name=m.name, kind=m.kind, smooth=m.smooth, consumers=m.consumers, channels=len(s),
-                        scale_min=s.min().item(), scale_median=s.median().item(), scale_max=s.max().item(),
-                        act_max_before=x.max().item(), act_max_after=(x / s).max().item(),
-                        weight_max_before=w.max().item(), weight_max_after=w_after.max().item(),
-                    ))
+                    reports.append(mapping_report(skeleton, m, scales[m.smooth], x, w))
                 state = {prefix + k: v for k, v in checkpoint_state(layer).items()}
                 matrices = {prefix + k: v for k, v in quantizable_weights(layer).items() if prefix + k in quantized_set}
                 for key, tensor in finish_state(state, matrices, amax).items():
