@@ -84,6 +84,64 @@ def causal_conv1d_prefill(
     return out.to(out_dtype)
 
 
+def chunk_gated_delta_rule_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    output_final_state: bool,
+    cu_seqlens: torch.Tensor,
+    head_first: bool,
+    use_qk_l2norm_in_kernel: bool,
+    initial_state_indices: torch.Tensor,
+    eps: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over packed sequences; the signature and semantics of vLLM's
+    `chunk_gated_delta_rule_cpu` as its CPU Gated DeltaNet prefill calls it (head_first False).
+
+    query, key (1, T, Hk, Dk); value (1, T, Hv, Dv); g (1, T, Hv): log decay; beta (1, T, Hv); sequence s spans
+    tokens [cu_seqlens[s], cu_seqlens[s + 1]). initial_state (slots, Hv, Dk, Dv): sequence s starts from slot
+    initial_state_indices[s] and its final state is written back there (in place; a `PAD_SLOT_ID` slot starts at
+    zero and is not written). q and k are L2-normalized per head (x / sqrt(sum x^2 + eps)) when asked; Hv / Hk value
+    heads share each key head, as Qwen3-Next's `repeat_interleave`. The sequences are padded to one batch (padding:
+    g = 0, beta = 0, k = 0, which leaves a state unchanged) and run through transformers' float32 reference
+    `torch_chunk_gated_delta_rule` (chunks of 64). Returns ((1, T, Hv, Dv) in query's dtype, the states written).
+    """
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    assert not head_first, "vLLM's CPU prefill passes head_first=False"
+    out_dtype = query.dtype
+    q, k, v = query[0].float(), key[0].float(), value[0].float()
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + eps)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + eps)
+    groups = v.shape[1] // q.shape[1]
+    q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
+    starts = cu_seqlens[:-1].long()
+    lengths = cu_seqlens[1:].long() - starts
+    num_seqs, longest = lengths.numel(), int(lengths.max()) if lengths.numel() else 0
+    seq = torch.repeat_interleave(torch.arange(num_seqs), lengths)   # (T,): token -> (sequence, position)
+    pos = torch.arange(q.shape[0]) - starts[seq]
+
+    def batched(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros((num_seqs, longest, *x.shape[1:]))
+        out[seq, pos] = x
+        return out
+
+    slots = initial_state_indices.long()
+    real = slots != PAD_SLOT_ID
+    state = torch.zeros((num_seqs, *initial_state.shape[1:]), dtype=torch.float32)
+    state[real] = initial_state[slots[real]].float()
+    out, final = torch_chunk_gated_delta_rule(
+        batched(q), batched(k), batched(v), batched(g[0].float()), batched(beta[0].float()),
+        initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=False,
+    )
+    initial_state[slots[real]] = final[real].to(initial_state.dtype)
+    return out[seq, pos].to(out_dtype).unsqueeze(0), final
+
+
 def install() -> bool:
     """Make vLLM's CPU Gated DeltaNet use `causal_conv1d_prefill` for its prefill conv where it would use its
     per-sequence torch fallback (no AVX-512 BF16 / Arm BF16); True if swapped in (idempotent)."""
@@ -94,4 +152,5 @@ def install() -> bool:
     if torch.cpu._is_avx512_bf16_supported() or gdn_attention.is_arm_bf16():
         return False  # vLLM's C++ conv runs there
     gdn_attention.causal_conv1d_torch = causal_conv1d_prefill
+    gdn_attention.ops.chunk_gated_delta_rule_cpu = chunk_gated_delta_rule_prefill
     return True

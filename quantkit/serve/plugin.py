@@ -22,17 +22,19 @@ TRACE_ENV = "QUANTKIT_PLUGIN_TRACE"
 
 def register() -> None:
     """Register quantkit's config type with transformers, its architectures, its quantization method
-    (`quant_method: "quantkit"`), CPU emulation kernels for the peers' formats and the batched CPU Gated DeltaNet
-    prefill conv (`quantkit.serve.gdn_cpu`) with vLLM (idempotent)."""
+    (`quant_method: "quantkit"`), CPU emulation kernels for the peers' formats, and, on CPUs without bf16 matmuls,
+    the batched Gated DeltaNet prefill conv (`quantkit.serve.gdn_cpu`) and float32 compute for unquantized bf16
+    Linears (`quantkit.serve.cpu_linear`) with vLLM (idempotent)."""
     from vllm import ModelRegistry
 
     import quantkit.models  # noqa: F401  (registers model_types "quantkit", "quantkit_hybrid" with AutoConfig)
     import quantkit.serve.quant_method  # noqa: F401  (@register_quantization_config("quantkit"))
-    from quantkit.serve import gdn_cpu
+    from quantkit.serve import cpu_linear, gdn_cpu
     from quantkit.serve.peer_kernels import register_cpu_emulation_kernels
 
     register_cpu_emulation_kernels()
     gdn_cpu.install()
+    cpu_linear.install()
 
     for arch, target in ARCHITECTURES.items():
         if arch not in ModelRegistry.get_supported_archs():

@@ -1,0 +1,71 @@
+"""Unquantized bf16/fp16 Linears computed in float32 on CPUs without a native bf16 matmul.
+
+vLLM 0.32's CPU GEMM dispatch for unquantized layers (`vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`)
+tries oneDNN, whose bf16 matmul primitive needs AVX-512 BF16 / AMX / Arm BF16 (on this project's AVX2 machine
+`create_onednn_mm` refuses), then falls back to `F.linear` in bf16, which PyTorch's CPU backend runs about 10x slower
+than a float32 matmul of the same shape there (profiled 2026-11-24: 28% of a tiny hybrid's prefill, 26% of its
+decode; benchmarks/README.md, "Hybrid MoE"). Every served model's unquantized layers take that path: embeddings'
+tied LM heads, routers, the bf16 rows of a study, the layers a recipe leaves unquantized.
+
+`install()` (called by the plugin in every vLLM process) wraps the dispatch: a layer left on that fallback gets a
+float32 copy of its weight (and bias), and computes `F.linear(x.float(), w32, b32)` rounded to the input dtype
+once. Same products (a product of two bf16 numbers is exact in float32) and float32 accumulation as PyTorch's bf16
+fallback, only another summation order; tests/test_cpu_linear.py bounds the difference. Memory: the float32 copy
+replaces the bf16 weight where vLLM would drop it (`remove_weight`, all Linear layers), else sits beside it
+(embeddings, which still look rows up in their weight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def float32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[..., torch.Tensor]:
+    """A `layer.cpu_linear(x, weight, bias)` computing in float32 with copies of `weight` (N, K) and `bias` (N,)
+    made now; its output has x's dtype. The `weight`/`bias` arguments it is called with are ignored."""
+    weight32 = weight.detach().float().contiguous()
+    bias32 = None if bias is None else bias.detach().float()
+
+    def linear(x: torch.Tensor, _weight: torch.Tensor, _bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x.float(), weight32, bias32).to(x.dtype)
+
+    return linear
+
+
+def _needs_float32(layer: torch.nn.Module) -> bool:
+    """True for a 2-D half-precision weight that vLLM's dispatch left on the bf16 `F.linear` fallback (the paths
+    that took the layer elsewhere -- oneDNN, sgl, zentorch -- drop or repack the weight when allowed to)."""
+    weight = layer.weight
+    return not weight.is_meta and weight.ndim == 2 and weight.numel() > 0 and weight.dtype in HALF_DTYPES
+
+
+def install() -> bool:
+    """Make vLLM's CPU unquantized GEMM dispatch compute half-precision Linears in float32 where the CPU has no
+    bf16 matmul (no AVX-512 BF16, no Arm BF16); True if installed (idempotent)."""
+    if torch.cuda.is_available():
+        return False
+    from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
+
+    if torch.cpu._is_avx512_bf16_supported() or is_arm_bf16():
+        return False  # oneDNN runs bf16 matmuls natively there
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    if getattr(dispatch, "quantkit_float32", False):
+        return True
+
+    def dispatch_float32(layer: torch.nn.Module, remove_weight: bool) -> None:
+        dispatch(layer, remove_weight)
+        if not _needs_float32(layer):
+            return
+        layer.cpu_linear = float32_linear(layer.weight, getattr(layer, "bias", None))
+        if remove_weight:  # as vLLM's oneDNN path does: the layer computes from its own copy only
+            layer.weight = torch.nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+
+    dispatch_float32.quantkit_float32 = True
+    utils.dispatch_cpu_unquantized_gemm = dispatch_float32
+    return True
