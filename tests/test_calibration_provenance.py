@@ -35,7 +35,7 @@ def test_smoothquant_recipes_default_to_the_paper_count():
 
 
 def test_a_study_resizes_every_calibration_set():
-    for spec_file in ("default.yaml", "table2-hybrid.yaml"):  # the cheap setting of the offline studies
+    for spec_file in ("default.yaml", "table2-dense.yaml"):  # the cheap setting of the offline studies
         assert load_spec(PIPELINES / spec_file).calibration == {"num_sequences": 256, "seq_len": 512}
     study = Study(load_spec(PIPELINES / "default.yaml"))
     assert describe(calibration_sets(study.recipe("w4a4_nvfp4_sq"))) == "256x512 SQ"

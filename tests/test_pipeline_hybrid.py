@@ -58,14 +58,19 @@ def test_hybrid_study_end_to_end(run_dir):
     assert len(diagnostics["experts"]) == 4  # per-expert load and maxima in every MoE layer
 
 
-def test_embedded_hybrid_spec_names_the_hybrid_trio():
-    """pipelines/table2-hybrid.yaml (the hybrid trio's study, docs/hybrid.md) loads and names the zoo's hybrid
-    Table 2 group, evaluated in bf16 (vLLM's CPU Gated DeltaNet runs bf16 only)."""
+def test_embedded_default_spec_is_the_hybrid_trio():
+    """pipelines/default.yaml (the embedded default study, docs/hybrid.md) names the zoo's hybrid Table 2 group,
+    evaluated in bf16 (vLLM's CPU Gated DeltaNet runs bf16 only); pipelines/table2-dense.yaml keeps the dense trio."""
     from pathlib import Path
 
     from quantkit.models import zoo
 
-    spec = load_spec(Path(__file__).parents[1] / "pipelines" / "table2-hybrid.yaml")
+    pipelines = Path(__file__).parents[1] / "pipelines"
+    spec = load_spec(pipelines / "default.yaml")
+    assert spec.name == "default"
     assert sorted(spec.models.values()) == sorted(f"zoo:{p}" for p in zoo.GROUPS["table2-hybrid"])
     assert all(zoo.family(p.removeprefix("zoo:")) == "hybrid" for p in spec.models.values())
     assert spec.eval["dtype"] == "bfloat16" and spec.recipes[0] == "bf16"
+    dense = load_spec(pipelines / "table2-dense.yaml")
+    assert sorted(dense.models.values()) == sorted(f"zoo:{p}" for p in zoo.GROUPS["table2"])
+    assert dense.recipes == spec.recipes and dense.eval == spec.eval
