@@ -18,7 +18,7 @@ MAIN_STAMP   := $(VENV)/.quantkit-setup-$(DEVICE)
 LLMC_STAMP   := $(LLMC_VENV)/.quantkit-setup
 PY           := $(VENV)/bin/python
 
-.PHONY: help setup setup-llmcompressor test zoo quantize eval report gate bench clean-venv
+.PHONY: help setup setup-llmcompressor setup-toolchains test zoo quantize eval report gate bench clean-venv
 
 help:
 	@sed -n '2,9p' Makefile
@@ -56,7 +56,25 @@ $(LLMC_STAMP): Makefile
 	$(LLMC_VENV)/bin/python -c "import llmcompressor, compressed_tensors; print('llmcompressor environment ready:', compressed_tensors.__version__)"
 	@touch $@
 
-test: $(MAIN_STAMP) $(LLMC_STAMP)
+# System toolchains for the full suite's MultiPL-E languages beyond the image's python, g++, node and bash:
+# Java (+ javatuples, which MultiPL-E's Java programs import), PHP, TypeScript (tsc), C# (mono). Debian
+# packages, installed when apt-get is there and we are root; elsewhere it names them and carries on (their
+# tests then skip, naming what is missing). docs/protocol.md.
+TOOLCHAIN_PKGS  := default-jdk-headless libjavatuples-java php-cli node-typescript mono-mcs mono-runtime
+TOOLCHAIN_STAMP := $(VENV)/.quantkit-toolchains
+setup-toolchains: $(TOOLCHAIN_STAMP)
+
+$(TOOLCHAIN_STAMP): Makefile
+	@if ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ]; then \
+		echo "setup-toolchains: needs root and apt-get; install $(TOOLCHAIN_PKGS) (or your system's equivalents) for the full suite's MultiPL-E languages"; \
+	elif apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			$(TOOLCHAIN_PKGS) >/dev/null; then \
+		mkdir -p $(VENV) && touch $@ && echo "toolchains ready: $(TOOLCHAIN_PKGS)"; \
+	else \
+		echo "setup-toolchains: apt-get failed (retried on the next make); tests of the languages it lacks skip, naming them" >&2; \
+	fi
+
+test: $(MAIN_STAMP) $(LLMC_STAMP) $(TOOLCHAIN_STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # The zoo: checkpoints of each variant trained from scratch on an offline corpus (quantkit/models/zoo.py).

@@ -62,14 +62,46 @@ class Limits:
 COMPILE_LIMITS = Limits(memory_bytes=8 << 30, file_bytes=256 << 20, processes=256)
 RUN_LIMITS = Limits(memory_bytes=4 << 30, file_bytes=16 << 20, processes=64)
 
-# MultiPL-E languages we can run: file suffix and the commands (`{src}`, `{exe}` substituted); the last
-# command runs the program, those before it compile it.
-TOOLCHAINS: dict[str, tuple[str, list[list[str]]]] = {
-    "py": (".py", [[sys.executable, "-I", "{src}"]]),
-    "js": (".js", [["node", "{src}"]]),
-    "sh": (".sh", [["bash", "{src}"]]),
-    "cpp": (".cpp", [["g++", "-std=c++17", "-O0", "-o", "{exe}", "{src}"], ["{exe}"]]),
-    "rs": (".rs", [["rustc", "-O", "-o", "{exe}", "{src}"], ["{exe}"]]),
+# Debian's libjavatuples-java: MultiPL-E's Java programs all `import org.javatuples.*;`.
+JAVATUPLES_JAR = "/usr/share/java/javatuples.jar"
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """How MultiPL-E's evaluator runs one language (its `evaluation/src/eval_<lang>.py`), in our sandbox.
+
+    `steps`: commands with `{src}` (the program file), `{exe}` (a path to build to) and `{dir}` (the working
+    directory) substituted; the last runs the program, those before it compile it. `files`: files the steps
+    need besides their commands. `env`: extra environment for every step. `failure_markers`: text on the run
+    step's stderr that fails the program although it exited 0 (mono's failed `Debug.Assert` does).
+    """
+
+    suffix: str
+    steps: tuple[tuple[str, ...], ...]
+    files: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    failure_markers: tuple[str, ...] = ()
+
+
+# MultiPL-E languages we can run (Makefile `setup-toolchains` installs the system packages of the last four).
+TOOLCHAINS: dict[str, Toolchain] = {
+    "py": Toolchain(".py", ((sys.executable, "-I", "{src}"),)),
+    "js": Toolchain(".js", (("node", "{src}"),)),
+    "sh": Toolchain(".sh", (("bash", "{src}"),)),
+    "cpp": Toolchain(".cpp", (("g++", "-std=c++17", "-O0", "-o", "{exe}", "{src}"), ("{exe}",))),
+    "rs": Toolchain(".rs", (("rustc", "-O", "-o", "{exe}", "{src}"), ("{exe}",))),
+    # javac/java are JVMs: their heaps are capped so that they start under the address-space rlimit
+    # (the default reserves a quarter of RAM); -ea turns the tests' `assert`s on.
+    "java": Toolchain(".java", (("javac", "-J-Xmx1g", "-encoding", "UTF8", "-cp", JAVATUPLES_JAR, "-d", "{dir}", "{src}"),
+                                ("java", "-Xmx1g", "-Xss8m", "-XX:ReservedCodeCacheSize=64m", "-ea",
+                                 "-cp", "{dir}:" + JAVATUPLES_JAR, "Problem")),
+                      files=(JAVATUPLES_JAR,)),
+    "ts": Toolchain(".ts", (("tsc", "--target", "esnext", "{src}"), ("node", "{dir}/program.js"))),
+    "php": Toolchain(".php", (("php", "{src}"),)),
+    # mcs: mono's C# compiler (MultiPL-E uses csc, the same language with DEBUG defined for Debug.Assert).
+    "cs": Toolchain(".cs", (("mcs", "-d:DEBUG", "-r:System.Numerics.dll", "-out:{exe}", "{src}"), ("mono", "{exe}")),
+                    env=(("MONO_TRACE_LISTENER", "Console.Error"),),
+                    failure_markers=("System.Diagnostics.DefaultTraceListener.Fail", "Unhandled Exception")),
 }
 
 
@@ -215,47 +247,68 @@ def _exited_unreaped(pid: int, timeout: float) -> bool:
     return True
 
 
-def _run_step(argv: list[str], workdir: str, env: dict[str, str], limits: Limits, timeout: float) -> bool:
-    """True when `argv` exits with status 0 within `timeout`; then its process group (and cgroup) is killed."""
+def _run_step(argv: list[str], workdir: str, env: dict[str, str], limits: Limits, timeout: float,
+              failure_markers: tuple[str, ...] = ()) -> bool:
+    """True when `argv` exits with status 0 within `timeout` and its stderr shows none of `failure_markers`;
+    then its process group (and cgroup) is killed."""
     parent = _pids_cgroup()
     cgroup = _new_pids_cgroup(parent, limits.processes) if parent else None
-    try:
-        proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_child_setup(workdir, limits, math.ceil(timeout) + 1, cgroup,
-                                                         _namespaces_work()))
-        finished = _exited_unreaped(proc.pid, timeout)
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        return proc.wait() == 0 and finished
-    finally:
-        if cgroup:
-            _kill_and_remove(cgroup)
+    # an unlinked file of ours (the program cannot reach it by name); read only when markers are given
+    with tempfile.TemporaryFile() if failure_markers else open(os.devnull, "wb") as stderr:
+        try:
+            proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=stderr, start_new_session=True,
+                                    preexec_fn=_child_setup(workdir, limits, math.ceil(timeout) + 1, cgroup,
+                                                             _namespaces_work()))
+            finished = _exited_unreaped(proc.pid, timeout)
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            passed = proc.wait() == 0 and finished
+        finally:
+            if cgroup:
+                _kill_and_remove(cgroup)
+        if passed and failure_markers:
+            stderr.seek(0)
+            text = stderr.read(limits.file_bytes).decode("utf-8", errors="replace")
+            passed = not any(marker in text for marker in failure_markers)
+    return passed
+
+
+def missing_tools(language: str) -> list[str]:
+    """The commands (not on PATH) and files (absent) that `language`'s toolchain needs and this machine lacks."""
+    toolchain = TOOLCHAINS[language]
+    commands = dict.fromkeys(step[0] for step in toolchain.steps if "{" not in step[0])
+    return [c for c in commands if shutil.which(c) is None] + [f for f in toolchain.files if not Path(f).is_file()]
 
 
 def run_program(source: str, language: str = "py", timeout: float = DEFAULT_TIMEOUT_S) -> bool:
-    """True when `source` compiles and exits with status 0 within `timeout` seconds (per step)."""
+    """True when `source` compiles and runs successfully (exit status 0, no failure marker) within `timeout`
+    seconds per step, by the language's `TOOLCHAINS` entry."""
     if not code_execution_allowed():
         raise CodeExecutionRefused(
             f"code benchmarks execute model output: opt in with --allow-code-execution (or {ALLOW_ENV}=1)"
         )
     if language not in TOOLCHAINS:
         raise ValueError(f"no toolchain for language {language!r}; known: {sorted(TOOLCHAINS)}")
-    suffix, steps = TOOLCHAINS[language]
-    if shutil.which(steps[0][0]) is None:
-        raise FileNotFoundError(f"{language} programs need {steps[0][0]!r} on PATH")
+    toolchain = TOOLCHAINS[language]
+    if missing := missing_tools(language):
+        raise FileNotFoundError(f"{language} programs need {', '.join(map(repr, missing))} (commands on PATH, "
+                                f"files): `make setup-toolchains` installs them on Debian")
     _log_report_once()
     with tempfile.TemporaryDirectory(prefix="quantkit-exec-") as tmp:
-        src, exe = Path(tmp) / f"program{suffix}", Path(tmp) / "program"
+        src, exe = Path(tmp) / f"program{toolchain.suffix}", Path(tmp) / "program"
         src.write_text(source, encoding="utf-8")
         env = {"PATH": os.environ.get("PATH", ""), "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8",
                "PYTHONHASHSEED": "0",
                # rustup's rustc proxy finds its toolchains through these (default: under the real $HOME)
                "RUSTUP_HOME": os.environ.get("RUSTUP_HOME", str(Path.home() / ".rustup")),
-               "CARGO_HOME": os.environ.get("CARGO_HOME", str(Path.home() / ".cargo"))}
-        for i, step in enumerate(steps):
-            limits = RUN_LIMITS if i == len(steps) - 1 else COMPILE_LIMITS
-            if not _run_step([arg.format(src=src, exe=exe) for arg in step], tmp, env, limits, timeout):
+               "CARGO_HOME": os.environ.get("CARGO_HOME", str(Path.home() / ".cargo")),
+               **dict(toolchain.env)}
+        for i, step in enumerate(toolchain.steps):
+            last = i == len(toolchain.steps) - 1
+            argv = [arg.format(src=src, exe=exe, dir=tmp) for arg in step]
+            if not _run_step(argv, tmp, env, RUN_LIMITS if last else COMPILE_LIMITS, timeout,
+                             toolchain.failure_markers if last else ()):
                 return False
     return True
 

@@ -199,3 +199,24 @@ def test_no_network():
         server.setblocking(False)
         with pytest.raises(BlockingIOError):
             server.accept()
+
+
+# One program per MultiPL-E language whose assertion style needs the toolchain's flags: `{check}` is a true or
+# a false comparison, so the program compiles either way and only the run step can tell them apart (Java's
+# `assert` needs -ea; mono exits 0 after a failed Debug.Assert, so its stderr marker decides).
+RUNTIME_ASSERTIONS = {
+    "java": "class Problem {{\n    public static void main(String[] args) {{\n    assert({check});\n    }}\n}}\n",
+    "cs": "using System.Diagnostics;\nclass Problem {{\n    public static void Main(string[] args) {{\n"
+          "    Debug.Assert({check});\n    }}\n}}\n",
+    "php": "<?php\nif (!({check})) {{ throw new Exception(\"Test failed!\"); }}\n",
+    "ts": "declare var require: any;\nconst assert = require('node:assert');\nconst n: number = 1;\nassert.ok({check});\n",
+}
+
+
+@pytest.mark.parametrize("language", sorted(RUNTIME_ASSERTIONS))
+def test_failed_runtime_assertion_fails_the_program(language):
+    if missing := execution.missing_tools(language):
+        pytest.skip(f"{language} needs {missing}, system tools (`make setup-toolchains`) absent here")
+    source = RUNTIME_ASSERTIONS[language]
+    assert run_program(source.format(check="1 + 1 == 2"), language, timeout=30)
+    assert not run_program(source.format(check="1 + 1 == 3"), language, timeout=30)

@@ -2,8 +2,6 @@
 installed registry, and our own task configs (SuperGPQA, MultiPL-E, MBPP) load, render prompts on
 fixture docs and score through lm-eval: reference answers 1.0, wrong answers 0.0 (code executed)."""
 
-import shutil
-
 import lm_eval
 import pytest
 from datasets import Dataset
@@ -11,11 +9,15 @@ from lm_eval.api.task import ConfigurableTask
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
-from quantkit.evals.execution import ALLOW_ENV
+from quantkit.evals.execution import ALLOW_ENV, missing_tools
 from quantkit.evals.extract import extract
 from quantkit.evals.suite import TASK_CONFIGS, TASKS_DIR, load_suite
 from test_evals_scorers import ReferenceLM
 
+JAVA_IMPORTS = "".join(f"import {p};\n" for p in ("java.util.*", "java.lang.reflect.*", "org.javatuples.*",
+                                                   "java.security.*", "java.math.*", "java.io.*", "java.util.stream.*"))
+CS_USINGS = "".join(f"using {n};\n" for n in ("System", "System.Numerics", "System.Diagnostics", "System.Collections.Generic",
+                                              "System.Linq", "System.Text", "System.Security.Cryptography"))
 FIXTURES = {
     "qk_supergpqa": [dict(
         question="Which gas makes up most of Earth's atmosphere?", options=["Oxygen", "Argon", "Nitrogen", "CO2", "Neon"],
@@ -39,8 +41,30 @@ FIXTURES = {
     "qk_multiple_rs": [dict(
         language="rs", prompt="/// Sum of a and b.\nfn add(a: isize, b: isize) -> isize {\n",
         tests="}\n\nfn main() {\n    assert_eq!(add(1, 2), 3);\n}\n", reference="    a + b")],
+    # MultiPL-E's Java, TypeScript, PHP and C# shapes (its dataset_builder translators): class Problem, imports,
+    # test harness; the Java item returns a javatuples Pair, so the jar must be on the class path.
+    "qk_multiple_java": [dict(
+        language="java", prompt=JAVA_IMPORTS + "class Problem {\n    // Sum and difference of a and b.\n"
+                                "    public static Pair<Long, Long> sumDiff(long a, long b) {\n",
+        tests="    }\n    public static void main(String[] args) {\n"
+              "    assert(sumDiff((3l), (1l)).equals((Pair.with(4l, 2l))));\n    }\n\n}\n",
+        reference="        return Pair.with(a + b, a - b);")],
+    "qk_multiple_ts": [dict(
+        language="ts", prompt="//Sum of a and b.\nfunction add(a: number, b: number): number {\n",
+        tests="declare var require: any;\nconst assert = require('node:assert');\n\n\nfunction test() {\n"
+              "  let candidate = add;\n  assert.deepEqual(candidate(1, 2),3);\n}\n\ntest();",
+        reference="  return a + b;\n}")],
+    "qk_multiple_php": [dict(
+        language="php", prompt="<?php\n// Sum of a and b.\nfunction add($a, $b) {\n",
+        tests="function candidate(...$args) {\n    return add(...$args);\n}\n\nfunction test(): void {\n"
+              "    if (candidate(1, 2) !== 3) { throw new Exception(\"Test failed!\"); }\n}\n\ntest();",
+        reference="    return $a + $b;\n}")],
+    "qk_multiple_cs": [dict(
+        language="cs", prompt=CS_USINGS + "class Problem {\n    // Sum of a and b.\n"
+                              "    public static long Add(long a, long b) {\n",
+        tests="    }\n    public static void Main(string[] args) {\n    Debug.Assert(Add((1L), (2L)) == (3L));\n    }\n\n}\n",
+        reference="        return a + b;")],
 }
-TOOLS = {"qk_multiple_cpp": "g++", "qk_multiple_js": "node", "qk_multiple_sh": "bash", "qk_multiple_rs": "rustc"}
 
 
 def test_full_suite_names_exist_in_lm_eval_registry():
@@ -66,8 +90,9 @@ def small_task_manager():
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_own_full_configs_render_and_score(name, small_task_manager, monkeypatch):
-    if name in TOOLS and shutil.which(TOOLS[name]) is None:
-        pytest.skip(f"{name} executes programs with {TOOLS[name]}, a system tool (not a quantkit dependency) absent from PATH")
+    language = FIXTURES[name][0].get("language")
+    if language and (missing := missing_tools(language)):
+        pytest.skip(f"{name} executes programs with {missing}, system tools (`make setup-toolchains`) absent here")
     extract()  # qk_mbpp_full's few-shot exemplars come from the offline extraction
     monkeypatch.setenv(ALLOW_ENV, "1")
     doc = FIXTURES[name][0]
