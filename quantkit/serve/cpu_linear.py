@@ -34,6 +34,7 @@ def float32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[
     def linear(x: torch.Tensor, _weight: torch.Tensor, _bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x.float(), weight32, bias32).to(x.dtype)
 
+    linear.weight32, linear.bias32 = weight32, bias32  # for inspection (benchmarks/ab_hybrid_cpu.py)
     return linear
 
 
