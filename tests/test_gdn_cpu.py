@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quantkit.serve.gdn_cpu import PAD_SLOT_ID, causal_conv1d_prefill, chunk_gated_delta_rule_prefill
+from quantkit.serve.gdn_cpu import PAD_SLOT_ID, causal_conv1d_prefill, chunk_gated_delta_rule_prefill, length_groups
 
 causal_conv1d = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d")
 
@@ -51,9 +51,9 @@ def test_prefill_conv_equals_vllm(with_bias):
 
 
 
-DELTA_LENGTHS = [5, 1, 130, 2, 64, 65, 3]              # one token; several 64-token chunks; exactly one chunk
-DELTA_SLOTS = [3, 7, 1, 0, 9, 4, PAD_SLOT_ID]          # the last: a padded request (no slot: starts at zero)
-DELTA_HAS_STATE = [True, False, True, True, False, True, False]
+DELTA_LENGTHS = [5, 1, 130, 2, 64, 0, 65, 3]          # one token; several 64-token chunks; one chunk; empty
+DELTA_SLOTS = [3, 7, 1, 0, 9, 8, 4, PAD_SLOT_ID]       # the last: a padded request (no slot: starts at zero)
+DELTA_HAS_STATE = [True, False, True, True, False, True, True, False]
 HK, HV, DK, DV = 2, 4, 64, 64                          # the tiny hybrid's heads: 2 value heads per key head
 
 
@@ -95,18 +95,20 @@ def exact_delta_rule(q, k, v, gate, beta, state, cu):
     return out, states
 
 
-def test_delta_rule_is_correctly_rounded():
+@pytest.mark.parametrize("pad_budget", [4096, 1])  # one padded batch; groups of similar length (4 here)
+def test_delta_rule_is_correctly_rounded(pad_budget):
     """Against float64 truth: quantkit computes in float32 and rounds outputs and states to bf16 once, so each is
     within half a bf16 step of the truth (<= 2^-8 of its magnitude) plus float32 error: per 64-token chunk ~(64 + 2 x
     64) accumulations of terms bounded by the state / value scale M, 2^-24 each, over <= 3 chunks: < 600 x 2^-24 M,
     allowed as 2^-14 M. Slots of no sequence (and the padded request's) are left bit-identical."""
     q, k, v, gate, beta, state, cu, slots = delta_rule_inputs()
     ours_state = state.clone()
-    out, _ = chunk_gated_delta_rule_prefill(q, k, v, gate, beta, ours_state, True, cu, False, True, slots)
+    out, _ = chunk_gated_delta_rule_prefill(q, k, v, gate, beta, ours_state, True, cu, False, True, slots,
+                                            pad_budget=pad_budget)
     exact_out, exact_states = exact_delta_rule(q, k, v, gate, beta, state, cu)
     scale = max(float(v.abs().max()), float(exact_states.abs().max()))
     assert ((out[0].double() - exact_out).abs() <= 2**-8 * exact_out.abs() + 2**-14 * scale).all()
-    written = [s for s in DELTA_SLOTS if s != PAD_SLOT_ID]
+    written = [s for s, n in zip(DELTA_SLOTS, DELTA_LENGTHS) if s != PAD_SLOT_ID and n > 0]
     got, want = ours_state[written].double(), exact_states[written]
     assert ((got - want).abs() <= 2**-8 * want.abs() + 2**-14 * scale).all()
     untouched = [s for s in range(state.shape[0]) if s not in written]
@@ -132,3 +134,14 @@ def test_delta_rule_agrees_with_vllm_kernel():
     assert ((got.float() - want.float()).abs() <= 2**-5 * float(want.abs().max())).all()
     assert ((ours_state.float() - vllm_state.float()).abs() <= 2**-5 * float(vllm_state.abs().max())).all()
     assert not torch.equal(ours_state, state)
+
+
+def test_length_groups_bound_the_padding():
+    lengths = [4000, 1, 1, 3, 0, 700, 650, 20, 18, 2]
+    for budget in (1, 64, 4096):
+        groups = length_groups(lengths, budget)
+        assert sorted(i for g in groups for i in g) == [i for i, n in enumerate(lengths) if n > 0]
+        for group in groups:
+            tokens = sum(lengths[i] for i in group)
+            assert len(group) * max(lengths[i] for i in group) <= max(2 * tokens, budget)
+    assert not {1, 2, 3, 7, 8, 9} & set(length_groups(lengths, 1)[0])  # the short ones are not padded to 4000

@@ -1,4 +1,4 @@
-"""A batched prefill causal conv1d for vLLM's CPU Gated DeltaNet on CPUs without AVX-512 BF16.
+"""Batched prefill for vLLM's CPU Gated DeltaNet on CPUs without AVX-512 BF16: the causal conv1d and the delta rule.
 
 vLLM 0.32's CPU Gated DeltaNet (`vllm.model_executor.layers.mamba.ops.cpu.gdn_attention`) runs its C++ conv kernels
 only on AVX-512 BF16 / Arm BF16 CPUs; elsewhere (e.g. this project's AVX2 machine) the prefill conv is
@@ -9,8 +9,12 @@ sequences at once: each output is the float32 sum of its `width` taps (window ga
 cached state in front of it), rounded to the weight dtype once as `F.conv1d` does; the conv state of each sequence
 is written as vLLM's function writes it (the last width - 1 inputs, its state in front of it).
 
-`install()` (called by the plugin in every vLLM process) swaps it in where vLLM would use the slow function; vLLM's
-C++ path, where it runs, is left alone.
+The prefill delta rule there is vLLM's C++ `chunk_gated_delta_rule_cpu` (~60 us a token and layer, bf16
+intermediates; 54% of a prefill, profiled 2026-11-24); `chunk_gated_delta_rule_prefill` runs transformers' float32
+chunked reference on the sequences padded into batches of similar length, rounding outputs and states to bf16 once.
+
+`install()` (called by the plugin in every vLLM process) swaps both in where vLLM would use the slow paths; vLLM's
+C++ conv path, where it runs (AVX-512 BF16 / Arm BF16), is left alone with its delta rule.
 """
 
 from __future__ import annotations
@@ -84,6 +88,22 @@ def causal_conv1d_prefill(
     return out.to(out_dtype)
 
 
+def length_groups(lengths: list[int], pad_budget: int) -> list[list[int]]:
+    """Indices of the non-empty sequences grouped, longest first, so that each group padded to its longest sequence
+    holds at most max(2 x its tokens, pad_budget) token slots: padding stays bounded when one long prompt meets many
+    short ones."""
+    groups: list[list[int]] = []
+    tokens = 0
+    for i in sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max(2 * (tokens + lengths[i]), pad_budget):
+            groups[-1].append(i)
+            tokens += lengths[i]
+        else:
+            groups.append([i])
+            tokens = lengths[i]
+    return groups
+
+
 def chunk_gated_delta_rule_prefill(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -97,6 +117,7 @@ def chunk_gated_delta_rule_prefill(
     use_qk_l2norm_in_kernel: bool,
     initial_state_indices: torch.Tensor,
     eps: float = 1e-5,
+    pad_budget: int = 4096,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over packed sequences; the signature and semantics of vLLM's
     `chunk_gated_delta_rule_cpu` as its CPU Gated DeltaNet prefill calls it (head_first False).
@@ -105,46 +126,58 @@ def chunk_gated_delta_rule_prefill(
     tokens [cu_seqlens[s], cu_seqlens[s + 1]). initial_state (slots, Hv, Dk, Dv): sequence s starts from slot
     initial_state_indices[s] and its final state is written back there (in place; a `PAD_SLOT_ID` slot starts at
     zero and is not written). q and k are L2-normalized per head (x / sqrt(sum x^2 + eps)) when asked; Hv / Hk value
-    heads share each key head, as Qwen3-Next's `repeat_interleave`. The sequences are padded to one batch (padding:
-    g = 0, beta = 0, k = 0, which leaves a state unchanged) and run through transformers' float32 reference
-    `torch_chunk_gated_delta_rule` (chunks of 64). Returns ((1, T, Hv, Dv) in query's dtype, the states written).
+    heads share each key head, as Qwen3-Next's `repeat_interleave`. Sequences of similar length (`length_groups`)
+    are padded into one batch (padding: g = 0, beta = 0, k = 0, which leaves a state unchanged) and run through
+    transformers' float32 reference `torch_chunk_gated_delta_rule` (chunks of 64). Returns ((1, T, Hv, Dv) in
+    query's dtype, the (S, Hv, Dk, Dv) float32 final states).
     """
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
     assert not head_first, "vLLM's CPU prefill passes head_first=False"
-    out_dtype = query.dtype
     q, k, v = query[0].float(), key[0].float(), value[0].float()
     if use_qk_l2norm_in_kernel:
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + eps)
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + eps)
     groups = v.shape[1] // q.shape[1]
     q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
-    starts = cu_seqlens[:-1].long()
-    lengths = cu_seqlens[1:].long() - starts
-    num_seqs, longest = lengths.numel(), int(lengths.max()) if lengths.numel() else 0
-    seq = torch.repeat_interleave(torch.arange(num_seqs), lengths)   # (T,): token -> (sequence, position)
-    pos = torch.arange(q.shape[0]) - starts[seq]
+    gate, strength = g[0].float(), beta[0].float()
+    starts, lengths = cu_seqlens[:-1].tolist(), (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    slots = initial_state_indices.tolist()
+    out = torch.zeros_like(v)
+    final = torch.zeros((len(lengths), *initial_state.shape[1:]), dtype=torch.float32)
+    for i, slot in enumerate(slots):  # an empty sequence ends where it starts
+        if slot != PAD_SLOT_ID:
+            final[i] = initial_state[slot].float()
+    for group in length_groups(lengths, pad_budget):
+        tokens = torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in group])
+        seq = torch.repeat_interleave(torch.arange(len(group)), torch.tensor([lengths[i] for i in group]))
+        pos = tokens - torch.tensor([starts[i] for i in group])[seq]
 
-    def batched(x: torch.Tensor) -> torch.Tensor:
-        out = x.new_zeros((num_seqs, longest, *x.shape[1:]))
-        out[seq, pos] = x
-        return out
+        def batched(x: torch.Tensor, group: list[int] = group) -> torch.Tensor:
+            padded = x.new_zeros((len(group), lengths[group[0]], *x.shape[1:]))
+            padded[seq, pos] = x[tokens]
+            return padded
 
-    slots = initial_state_indices.long()
-    real = slots != PAD_SLOT_ID
-    state = torch.zeros((num_seqs, *initial_state.shape[1:]), dtype=torch.float32)
-    state[real] = initial_state[slots[real]].float()
-    out, final = torch_chunk_gated_delta_rule(
-        batched(q), batched(k), batched(v), batched(g[0].float()), batched(beta[0].float()),
-        initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=False,
-    )
-    initial_state[slots[real]] = final[real].to(initial_state.dtype)
-    return out[seq, pos].to(out_dtype).unsqueeze(0), final
+        state = torch.zeros((len(group), *initial_state.shape[1:]), dtype=torch.float32)
+        for j, i in enumerate(group):
+            if slots[i] != PAD_SLOT_ID:
+                state[j] = initial_state[slots[i]].float()
+        o, last = torch_chunk_gated_delta_rule(
+            batched(q), batched(k), batched(v), batched(gate), batched(strength),
+            initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=False,
+        )
+        out[tokens] = o[seq, pos]
+        for j, i in enumerate(group):
+            final[i] = last[j]
+            if slots[i] != PAD_SLOT_ID:
+                initial_state[slots[i]] = last[j].to(initial_state.dtype)
+    return out.to(query.dtype).unsqueeze(0), final
 
 
 def install() -> bool:
-    """Make vLLM's CPU Gated DeltaNet use `causal_conv1d_prefill` for its prefill conv where it would use its
-    per-sequence torch fallback (no AVX-512 BF16 / Arm BF16); True if swapped in (idempotent)."""
+    """Make vLLM's CPU Gated DeltaNet use `causal_conv1d_prefill` and `chunk_gated_delta_rule_prefill` for its
+    prefill where it would use its per-sequence torch conv (no AVX-512 BF16 / Arm BF16); True if swapped in
+    (idempotent)."""
     if torch.cuda.is_available():
         return False
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
