@@ -45,16 +45,23 @@ def _needs_float32(layer: torch.nn.Module) -> bool:
     return not weight.is_meta and weight.ndim == 2 and weight.numel() > 0 and weight.dtype in HALF_DTYPES
 
 
+def cpu_lacks_bf16_matmul() -> bool:
+    """True on a CPU-only machine whose CPU has neither AVX-512 BF16 nor Arm BF16: where vLLM's CPU backend takes its
+    slow bf16 fallbacks (this module's Linears, `gdn_cpu`'s Gated DeltaNet prefill)."""
+    if torch.cuda.is_available():
+        return False
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
+
+    return not (torch.cpu._is_avx512_bf16_supported() or is_arm_bf16())
+
+
 def install() -> bool:
     """Make vLLM's CPU unquantized GEMM dispatch compute half-precision Linears in float32 where the CPU has no
     bf16 matmul (no AVX-512 BF16, no Arm BF16); True if installed (idempotent)."""
-    if torch.cuda.is_available():
-        return False
+    if not cpu_lacks_bf16_matmul():
+        return False  # a GPU, or oneDNN runs bf16 matmuls natively
     from vllm.model_executor.layers import utils
-    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
 
-    if torch.cpu._is_avx512_bf16_supported() or is_arm_bf16():
-        return False  # oneDNN runs bf16 matmuls natively there
     dispatch = utils.dispatch_cpu_unquantized_gemm
     if getattr(dispatch, "quantkit_float32", False):
         return True

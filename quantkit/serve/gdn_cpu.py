@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from quantkit.serve.cpu_linear import cpu_lacks_bf16_matmul
+
 PAD_SLOT_ID = -1  # vLLM's `vllm.v1.attention.backends.utils.PAD_SLOT_ID`: a padded request, no cache slot
 
 
@@ -142,12 +144,11 @@ def chunk_gated_delta_rule_prefill(
     q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
     gate, strength = g[0].float(), beta[0].float()
     starts, lengths = cu_seqlens[:-1].tolist(), (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    slots = initial_state_indices.tolist()
+    slots = initial_state_indices.long()
+    real = slots != PAD_SLOT_ID
     out = torch.zeros_like(v)
     final = torch.zeros((len(lengths), *initial_state.shape[1:]), dtype=torch.float32)
-    for i, slot in enumerate(slots):  # an empty sequence ends where it starts
-        if slot != PAD_SLOT_ID:
-            final[i] = initial_state[slot].float()
+    final[real] = initial_state[slots[real]].float()  # an empty sequence ends where it starts
     for group in length_groups(lengths, pad_budget):
         tokens = torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in group])
         seq = torch.repeat_interleave(torch.arange(len(group)), torch.tensor([lengths[i] for i in group]))
@@ -158,19 +159,15 @@ def chunk_gated_delta_rule_prefill(
             padded[seq, pos] = x[tokens]
             return padded
 
-        state = torch.zeros((len(group), *initial_state.shape[1:]), dtype=torch.float32)
-        for j, i in enumerate(group):
-            if slots[i] != PAD_SLOT_ID:
-                state[j] = initial_state[slots[i]].float()
+        members = torch.tensor(group)
         o, last = torch_chunk_gated_delta_rule(
             batched(q), batched(k), batched(v), batched(gate), batched(strength),
-            initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=False,
+            initial_state=final[members], output_final_state=True, use_qk_l2norm_in_kernel=False,
         )
         out[tokens] = o[seq, pos]
-        for j, i in enumerate(group):
-            final[i] = last[j]
-            if slots[i] != PAD_SLOT_ID:
-                initial_state[slots[i]] = last[j].to(initial_state.dtype)
+        final[members] = last
+        written = real[members]
+        initial_state[slots[members][written]] = last[written].to(initial_state.dtype)
     return out.to(query.dtype).unsqueeze(0), final
 
 
@@ -178,12 +175,10 @@ def install() -> bool:
     """Make vLLM's CPU Gated DeltaNet use `causal_conv1d_prefill` and `chunk_gated_delta_rule_prefill` for its
     prefill where it would use its per-sequence torch conv (no AVX-512 BF16 / Arm BF16); True if swapped in
     (idempotent)."""
-    if torch.cuda.is_available():
-        return False
+    if not cpu_lacks_bf16_matmul():
+        return False  # vLLM's C++ conv runs there (or a GPU)
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
 
-    if torch.cpu._is_avx512_bf16_supported() or gdn_attention.is_arm_bf16():
-        return False  # vLLM's C++ conv runs there
     gdn_attention.causal_conv1d_torch = causal_conv1d_prefill
     gdn_attention.ops.chunk_gated_delta_rule_cpu = chunk_gated_delta_rule_prefill
     return True
