@@ -1,4 +1,4 @@
-"""What the GEMM kernels share: the tile shape and launch settings with the default tiles by M, which output
+"""What the GEMM kernels share: the tile shape and launch settings with the default tiles per shape class, which output
 tile a program computes (grouped ordering: GROUP_M consecutive programs walk down M over one weight tile, so it
 is read from L2 instead of HBM), the common epilogue, and the checks of the common arguments. Tiles change
 speed, never results.
@@ -7,7 +7,7 @@ speed, never results.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -31,13 +31,28 @@ class GemmTiles:
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+# Shape classes of M (the GEMM's rows; for the grouped GEMMs the mean rows per expert, cdiv(S, E)): name and the
+# largest M in it, in order; the last has no bound.
+SHAPE_CLASSES = (("decode", 16), ("small", 64), ("prefill", None))
+
+# The tiles each shape class launches with; block_k here is a placeholder, `default_tiles` puts the kernel's.
+# Chosen by hand, untuned on a GPU: benchmarks/tune_tiles.py sweeps candidates per class and kernel on one and
+# prints what this table should become.
+DEFAULT_TILES = {
+    "decode": GemmTiles(16, 64, 128, num_warps=4, num_stages=4),  # thin M tiles
+    "small": GemmTiles(64, 128, 128, num_warps=4, num_stages=4),
+    "prefill": GemmTiles(128, 128, 128, num_warps=8, num_stages=3),
+}
+
+
+def shape_class(m: int) -> str:
+    """The SHAPE_CLASSES name of a GEMM with m rows (grouped GEMMs: m = mean rows per expert)."""
+    return next(name for name, bound in SHAPE_CLASSES if bound is None or m <= bound)
+
+
 def default_tiles(m: int, block_k: int) -> GemmTiles:
-    """Default tiles by M (decode: thin M tiles; prefill: 128x128), block_k elements of K a step."""
-    if m <= 16:
-        return GemmTiles(16, 64, block_k, num_warps=4, num_stages=4)
-    if m <= 64:
-        return GemmTiles(64, 128, block_k, num_warps=4, num_stages=4)
-    return GemmTiles(128, 128, block_k, num_warps=8, num_stages=3)
+    """The tiles of m's shape class (DEFAULT_TILES), block_k elements of K a step."""
+    return replace(DEFAULT_TILES[shape_class(m)], block_k=block_k)
 
 
 def require(fn: str, cond: bool, msg: str) -> None:

@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -56,3 +59,51 @@ def test_serving_throughput_benchmark_runs(tiny_checkpoint, tmp_path):
     rows = {r["recipe"]: r for r in json.loads(json_file.read_text())["rows"]}
     assert rows["bf16"]["quant_method"] == "none" and rows["w4a4_nvfp4"]["quant_method"] == "quantkit"
     assert all(r["tokens"] == 2 * 4 and r["tokens_per_second"] > 0 for r in rows.values())
+
+
+def test_quick_tile_sweep_checks_and_ranks_every_candidate(tmp_path):
+    """benchmarks/tune_tiles.py --quick (a dense and a grouped kernel, both formats: ~40 s on 2 cores): every shape
+    class swept with its default and one other candidate, each output within the GEMM tolerance (err/tol <= 1, the
+    bound of tests/test_kernels_gemm.py; tiles change speed, never results), and a ranking row per kernel and class."""
+    result, table = run_benchmark("tune_tiles.py", ["--quick", "--kernels", "fp8_block", "nvfp4_grouped"], tmp_path,
+                                  "tiles_*")
+    assert result["complete"] and {"device", "date", "torch", "triton", "command"} <= set(result)
+    rows = result["rows"]
+    assert {(r["kernel"], r["class"]) for r in rows} == {(k, c) for k in ("fp8_block", "nvfp4_grouped")
+                                                         for c in ("decode", "small", "prefill")}
+    assert all(r["status"] == "ok" and 0 < r["err_over_tol"] <= 1.0 for r in rows)
+    for kernel, klass in {(r["kernel"], r["class"]) for r in rows}:
+        group = [r for r in rows if (r["kernel"], r["class"]) == (kernel, klass)]
+        assert len({json.dumps(r["tiles"], sort_keys=True) for r in group}) == 2
+        for shape in {r["shape"] for r in group}:
+            assert sorted(r["default"] for r in group if r["shape"] == shape) == [False, True]
+    summary = table.split("## Every candidate")[0]
+    assert sum(line.startswith(("| fp8_block |", "| nvfp4_grouped |")) for line in summary.splitlines()) == 6
+
+
+def test_tile_sweep_candidates_are_valid_tiles_for_each_kernel():
+    """The full sweep's candidates (run only on a GPU): the class's default first, no repeats, block_k the FP8 scale
+    block (128) for FP8 kernels and a power of two >= 32 for NVFP4 ones (the kernels' preconditions)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import tune_tiles
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from quantkit.kernels.gemm_tiles import DEFAULT_TILES
+    for kernel in tune_tiles.KERNELS:
+        for klass, default in DEFAULT_TILES.items():
+            tiles = tune_tiles.candidates(kernel, klass, quick=False)
+            assert tiles[0].block_m == default.block_m and tiles[0].block_n == default.block_n
+            assert len(set(tiles)) == len(tiles) > 8
+            if kernel.startswith("fp8"):
+                assert {t.block_k for t in tiles} == {128}
+            else:
+                assert all(t.block_k >= 32 and t.block_k & (t.block_k - 1) == 0 for t in tiles)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the full sweep runs instead (minutes)")
+def test_full_tile_sweep_refuses_without_a_gpu():
+    """Without a GPU only --quick runs: the full sweep exits 2 naming it, instead of hours through the interpreter."""
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tune_tiles.py")], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and "--quick" in run.stderr
