@@ -30,7 +30,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-from bench_gemm import LAYERS, activation_operands, err_over_tol, first_line, metadata, time_ms, weight_operands, write_results
+from bench_gemm import (LAYERS, activation_operands, err_over_tol, first_line, metadata, time_ms, weight_operands,
+                        write_results)
 from bench_grouped_gemm import CONFIGS, activations, expert_weights, reference_error
 
 from quantkit import formats
@@ -55,7 +56,8 @@ QUICK_TOKENS = {"decode": (4,), "small": (60,), "prefill": (240,)}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny shapes, two candidates a class (the only mode without a GPU)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes, two candidates a class (the only mode without a GPU)")
     p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
     p.add_argument("--classes", nargs="+", choices=[name for name, _ in SHAPE_CLASSES],
                    default=[name for name, _ in SHAPE_CLASSES])
@@ -79,7 +81,8 @@ def candidates(kernel: str, klass: str, quick: bool) -> list[GemmTiles]:
     else:
         grid = [GemmTiles(bm, bn, bk, num_warps=w, num_stages=st)
                 for bm, bn, w in ((64, 128, 4), (64, 128, 8), (128, 128, 4), (128, 128, 8), (64, 256, 8), (128, 256, 8))
-                for st in (3, 4) for bk in block_ks if bk == block_k or (bm == 128 and bn == 128 and w == 8 and st == 3)]
+                for st in (3, 4)
+                for bk in block_ks if bk == block_k or (bm == 128 and bn == 128 and w == 8 and st == 3)]
     others = [t for t in grid if t != default]
     return [default, others[0]] if quick else [default, *others]
 
@@ -91,7 +94,8 @@ def dense_shapes(klass: str, quick: bool, device: torch.device, gen: torch.Gener
     for layer, (n, k) in layers.items():
         w = weight_operands(n, k, device, gen)
         w_fp8 = formats.dequantize_fp8_block(w["wq_block"], w["ws_block"])
-        w_nv = formats.dequantize_nvfp4(formats.NVFP4Tensor(w["w_packed"], w["w_block_scale"], w["w_global"].reshape(()), k))
+        w_nv = formats.dequantize_nvfp4(
+            formats.NVFP4Tensor(w["w_packed"], w["w_block_scale"], w["w_global"].reshape(()), k))
         for m in (QUICK_M if quick else DENSE_M)[klass]:
             assert shape_class(m) == klass, (m, klass)
             x = activation_operands(m, k, device, gen)
@@ -207,7 +211,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     if meta["interpreter"]:
         lines.append("- **CPU, Triton interpreter: these times measure the interpreter, not GPU speed.**")
     lines += ["", "## Best tiles per kernel and shape class", "",
-              "| kernel | class | default | best | speed-up (geomean) | worst shape | shapes |", "|---|---|---|---|---:|---:|---:|"]
+              "| kernel | class | default | best | speed-up (geomean) | worst shape | shapes |",
+              "|---|---|---|---|---:|---:|---:|"]
     for kernel, klass in dict.fromkeys((r["kernel"], r["class"]) for r in ranked):
         group = [r for r in ranked if r["kernel"] == kernel and r["class"] == klass]
         best, default = group[0], next(r for r in group if r["default"])
@@ -216,7 +221,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     lines += ["", "## Every candidate", "", "| kernel | class | shape | tiles | time (us) | TFLOP/s | err/tol |",
               "|---|---|---|---|---:|---:|---:|"]
     for r in rows:
-        head = f"| {r['kernel']} | {r['class']} | {r['shape']} | {tiles_text(r['tiles'])}{' (default)' if r['default'] else ''} |"
+        tiles = tiles_text(r["tiles"]) + (" (default)" if r["default"] else "")
+        head = f"| {r['kernel']} | {r['class']} | {r['shape']} | {tiles} |"
         if r["status"] != "ok":
             lines.append(f"{head} {r['status']} | | |")
         else:
@@ -228,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.quick:
-        print("tune_tiles: no CUDA device; without a GPU only --quick runs (tiny shapes, Triton interpreter)", file=sys.stderr)
+        print("tune_tiles: no CUDA device; without a GPU only --quick runs (tiny shapes, Triton interpreter)",
+              file=sys.stderr)
         return 2
     gen = torch.Generator(device=device).manual_seed(args.seed)
     meta = metadata(device, args.quick)
@@ -236,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for kernel in args.kernels:
             for klass in args.classes:
-                print(f"{kernel} {klass}: {len(candidates(kernel, klass, args.quick))} candidates", file=sys.stderr, flush=True)
+                print(f"{kernel} {klass}: {len(candidates(kernel, klass, args.quick))} candidates", file=sys.stderr,
+                      flush=True)
                 rows += sweep(kernel, klass, args.quick, device, gen)
                 write_results(args.out, "tiles", meta, rows, markdown(meta, rows), final=False)
     write_results(args.out, "tiles", meta, rows, markdown(meta, rows))

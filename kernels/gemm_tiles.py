@@ -1,7 +1,7 @@
-"""What the GEMM kernels share: the tile shape and launch settings with the default tiles per shape class, which output
-tile a program computes (grouped ordering: GROUP_M consecutive programs walk down M over one weight tile, so it
-is read from L2 instead of HBM), the common epilogue, and the checks of the common arguments. Tiles change
-speed, never results.
+"""What the GEMM kernels share: the tile shape and launch settings with the default tiles per shape class of M,
+which output tile a program computes (grouped ordering: GROUP_M consecutive programs walk down M over one weight
+tile, so it is read from L2 instead of HBM), the common epilogue, and the checks of the common arguments. Tiles
+change speed, never results.
 """
 
 from __future__ import annotations
