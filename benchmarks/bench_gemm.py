@@ -279,14 +279,22 @@ def write_results(out: Path, prefix: str, meta: dict, rows: list[dict], text: st
         print(f"wrote {out / stem}.json and .md", file=sys.stderr)
 
 
+def bench_device(script: str, quick: bool) -> torch.device | None:
+    """The CUDA device, or the CPU for a --quick run; None, having said why on stderr, for a full run without a GPU
+    (the caller exits 2)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if quick:
+        return torch.device("cpu")
+    print(f"{script}: no CUDA device; without a GPU only --quick runs (tiny shapes through the Triton interpreter)",
+          file=sys.stderr)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.quick:
-        print(
-            "bench_gemm: no CUDA device; without a GPU only --quick runs (tiny shapes through the Triton interpreter)",
-            file=sys.stderr,
-        )
+    device = bench_device("bench_gemm", args.quick)
+    if device is None:
         return 2
     layers = QUICK_LAYERS if args.quick else {name: LAYERS[name] for name in args.models}
     ms = tuple(args.m) if args.m else (QUICK_M if args.quick else TOKENS)

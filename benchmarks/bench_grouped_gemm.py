@@ -33,7 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_gemm import err_over_tol, first_line, metadata, time_ms, write_results  # sets TRITON_INTERPRET first
+# bench_gemm sets TRITON_INTERPRET (no GPU) before triton is imported
+from bench_gemm import bench_device, err_over_tol, first_line, metadata, time_ms, write_results
 
 from quantkit import formats
 from quantkit.kernels.expert_sort import sort_by_expert
@@ -252,10 +253,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.quick:
-        print("bench_grouped_gemm: no CUDA device; without a GPU only --quick runs (tiny shapes, Triton interpreter)",
-              file=sys.stderr)
+    device = bench_device("bench_grouped_gemm", args.quick)
+    if device is None:
         return 2
     configs = QUICK_CONFIGS if args.quick else {name: CONFIGS[name] for name in args.configs}
     token_counts = tuple(args.tokens) if args.tokens else (QUICK_TOKENS if args.quick else TOKENS)

@@ -30,8 +30,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-from bench_gemm import (LAYERS, activation_operands, err_over_tol, first_line, metadata, time_ms, weight_operands,
-                        write_results)
+from bench_gemm import (LAYERS, activation_operands, bench_device, err_over_tol, first_line, metadata, time_ms,
+                        weight_operands, write_results)
 from bench_grouped_gemm import CONFIGS, activations, expert_weights, reference_error
 
 from quantkit import formats
@@ -232,10 +232,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.quick:
-        print("tune_tiles: no CUDA device; without a GPU only --quick runs (tiny shapes, Triton interpreter)",
-              file=sys.stderr)
+    device = bench_device("tune_tiles", args.quick)
+    if device is None:
         return 2
     gen = torch.Generator(device=device).manual_seed(args.seed)
     meta = metadata(device, args.quick)
