@@ -13,12 +13,12 @@
 # and writes under $OUT (default benchmarks/results): env.txt (device, date, versions, commit, commands),
 # kernel_tests.log, bench.log and each benchmark's .json/.md -- 7 files. `tune KERNEL...` runs
 # benchmarks/tune_tiles.py for those kernels instead (every candidate tile of each shape class timed and checked;
-# ~170 compiles for all four, ~6 min of compiling alone on a 2-core CPU, hence two calls): env_tune_KERNELS.txt, tune_KERNELS.log
-# and its .json/.md. Needs python3 with torch and triton (tested against nothing yet: written for torch 2.11 /
-# triton 3.6, no vLLM, no network); quantkit is put on PYTHONPATH from this checkout, not installed. Each step has
-# a time limit (seconds, env overridable), TESTS_S + GEMM_S + GROUPED_S <= 560 and TUNE_S 560, so a call ends
-# inside 10 minutes; a step that runs out leaves what it wrote (the benchmarks rewrite their files after each
-# shape or kernel class, marked incomplete) and the next one still runs.
+# ~170 compiles for all four, ~6 min of compiling alone on a 2-core CPU, hence two calls):
+# env_tune_KERNELS.txt, tune_KERNELS.log and its .json/.md. Needs python3 with torch and triton (tested against
+# nothing yet: written for torch 2.11 / triton 3.6, no vLLM, no network); quantkit is put on PYTHONPATH from this
+# checkout, not installed. Each step has a time limit (seconds, env overridable), TESTS_S + GEMM_S + GROUPED_S <= 560
+# and TUNE_S 560, so a call ends inside 10 minutes; a step that runs out leaves what it wrote (the benchmarks rewrite
+# their files after each shape or kernel class, marked incomplete) and the next one still runs.
 #
 #   OUT=/some/dir bash benchmarks/gpu_all.sh ...
 set -uo pipefail

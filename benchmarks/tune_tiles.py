@@ -87,22 +87,28 @@ def candidates(kernel: str, klass: str, quick: bool) -> list[GemmTiles]:
     return [default, others[0]] if quick else [default, *others]
 
 
-def dense_shapes(klass: str, quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[tuple[dict, dict]]:
+def dense_shapes(kernel: str, klass: str, quick: bool, device: torch.device,
+                 gen: torch.Generator) -> Iterator[tuple[dict, dict]]:
     """(shape description, operands) for the dense GEMMs' shapes of class `klass`; operands as bench_gemm builds
-    them plus the dequantized float32 inputs of the reference."""
+    them plus "ref": the dequantized float32 inputs (x, w) of `kernel`'s reference."""
     layers = QUICK_LAYERS if quick else LAYERS["llama3-8b"]
     for layer, (n, k) in layers.items():
         w = weight_operands(n, k, device, gen)
-        w_fp8 = formats.dequantize_fp8_block(w["wq_block"], w["ws_block"])
-        w_nv = formats.dequantize_nvfp4(
-            formats.NVFP4Tensor(w["w_packed"], w["w_block_scale"], w["w_global"].reshape(()), k))
+        if kernel == "fp8_block":
+            w_deq = formats.dequantize_fp8_block(w["wq_block"], w["ws_block"])
+        else:
+            w_deq = formats.dequantize_nvfp4(
+                formats.NVFP4Tensor(w["w_packed"], w["w_block_scale"], w["w_global"].reshape(()), k))
         for m in (QUICK_M if quick else DENSE_M)[klass]:
             assert shape_class(m) == klass, (m, klass)
             x = activation_operands(m, k, device, gen)
-            x_fp8 = formats.dequantize_fp8_per_token(x["xq"], x["xs"])
-            x_nv = formats.dequantize_nvfp4(formats.NVFP4Tensor(x["a_packed"], x["a_block_scale"], x["a_global"], k))
+            if kernel == "fp8_block":
+                x_deq = formats.dequantize_fp8_per_token(x["xq"], x["xs"])
+            else:
+                x_deq = formats.dequantize_nvfp4(
+                    formats.NVFP4Tensor(x["a_packed"], x["a_block_scale"], x["a_global"], k))
             yield ({"shape": f"{layer} M={m} N={n} K={k}", "flops": 2 * m * n * k},
-                   {"x": x, "w": w, "ref": {"fp8_block": (x_fp8, w_fp8), "nvfp4": (x_nv, w_nv)}})
+                   {"x": x, "w": w, "ref": (x_deq, w_deq)})
 
 
 def grouped_shapes(klass: str, quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[tuple[dict, dict]]:
@@ -140,16 +146,19 @@ def launch(kernel: str, ops: dict, tiles: GemmTiles) -> Callable[[], torch.Tenso
 def error(kernel: str, ops: dict, y: torch.Tensor) -> float:
     """err/tol of y against the dequantized float32 reference (grouped: the first rows of each expert)."""
     if kernel in ("fp8_block", "nvfp4"):
-        return err_over_tol(y, *ops["ref"][kernel])
+        return err_over_tol(y, *ops["ref"])
     return reference_error(f"triton_{kernel}", y, ops["x"], ops["w"], ops["k"])
 
 
 def sweep(kernel: str, klass: str, quick: bool, device: torch.device, gen: torch.Generator) -> list[dict]:
     """One row per (shape, candidate): time, TFLOP/s, err/tol, or the candidate's error."""
-    shapes = grouped_shapes if kernel.endswith("grouped") else dense_shapes
+    if kernel.endswith("grouped"):
+        shapes = grouped_shapes(klass, quick, device, gen)
+    else:
+        shapes = dense_shapes(kernel, klass, quick, device, gen)
     tiles_tried = candidates(kernel, klass, quick)
     rows = []
-    for shape, ops in shapes(klass, quick, device, gen):
+    for shape, ops in shapes:
         for i, tiles in enumerate(tiles_tried):
             row = {"kernel": kernel, "class": klass, **shape, "tiles": asdict(tiles), "default": i == 0}
             fn = launch(kernel, ops, tiles)
