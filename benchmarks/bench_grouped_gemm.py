@@ -206,7 +206,7 @@ def bench_projection(config: str, projection: str, e: int, top_k: int, n: int, k
         for row in shape_rows:
             if row["status"] == "ok":
                 row["speedup"] = {b: results[b] / results[row["impl"]] for b in BASELINES if b in results}
-        block_m = default_tiles(-(-s // e), formats.FP8_WEIGHT_BLOCK).block_m  # the default tiles' BLOCK_M
+        block_m = default_tiles(-(-s // e), formats.FP8_WEIGHT_BLOCK, "fp8_block_grouped").block_m  # the default tiles' BLOCK_M
         ms = time_ms(lambda: expert_tiles(x["sort"].expert_offsets, s, block_m), cuda)
         shape_rows.append({**head, "impl": TILE_MAP, "status": "ok", "time_us": ms * 1e3})
         rows += shape_rows

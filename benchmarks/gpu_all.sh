@@ -2,6 +2,7 @@
 # Everything the Triton kernels need a GPU for, on one CUDA machine (issue 18, part 2), in calls of under 10 minutes:
 #
 #   bash benchmarks/gpu_all.sh                          # call 1: tests and benchmarks
+#   bash benchmarks/gpu_all.sh tests                    # the native kernel tests alone
 #   bash benchmarks/gpu_all.sh tune fp8_block fp8_block_grouped   # call 2: the FP8 GEMMs' tile sweep
 #   bash benchmarks/gpu_all.sh tune nvfp4 nvfp4_grouped           # call 3: the NVFP4 GEMMs' tile sweep
 #
@@ -29,9 +30,9 @@ TESTS_S=${TESTS_S:-190} GEMM_S=${GEMM_S:-170} GROUPED_S=${GROUPED_S:-200} TUNE_S
 MODE=${1:-all}
 [ "$#" -gt 0 ] && shift
 case $MODE in
-  all) [ "$#" = 0 ] || { echo "gpu_all.sh: 'all' takes no arguments" >&2; exit 2; } ;;
+  all|tests) [ "$#" = 0 ] || { echo "gpu_all.sh: '$MODE' takes no arguments" >&2; exit 2; } ;;
   tune) [ "$#" -gt 0 ] || { echo "gpu_all.sh: tune needs kernel names (fp8_block nvfp4 fp8_block_grouped nvfp4_grouped)" >&2; exit 2; } ;;
-  *) echo "gpu_all.sh: unknown mode '$MODE' (all, or tune KERNEL...)" >&2; exit 2 ;;
+  *) echo "gpu_all.sh: unknown mode '$MODE' (all, tests, or tune KERNEL...)" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT"
 if [ "$MODE" = tune ]; then  # each tune call its own env and log files: calls with the same OUT keep theirs
@@ -53,7 +54,8 @@ export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 unset TRITON_INTERPRET
 
 TESTS=("$REPO"/tests/test_kernels_{quantize,gemm,grouped,compile}.py)
-TEST_CMD=("$PY" -m pytest --noconftest -p native_kernel_tests -p no:cacheprovider -q "${TESTS[@]}")
+TEST_CMD=("$PY" -m pytest --noconftest -p native_kernel_tests -p no:cacheprovider -q -n "${TEST_WORKERS:-8}" --tb=short -rfE
+          "${TESTS[@]}")  # pytest-xdist: compiling the kernels is most of the time
 GEMM_CMD=("$PY" benchmarks/bench_gemm.py --m 1 16 128 2048 8192 --out "$OUT")
 GROUPED_CMD=("$PY" benchmarks/bench_grouped_gemm.py --out "$OUT")
 TUNE_CMD=("$PY" benchmarks/tune_tiles.py --out "$OUT" --kernels "$@")
@@ -93,6 +95,11 @@ if [ "$MODE" = tune ]; then
   exit 0
 fi
 step "kernel tests (native)" "$TESTS_S" "$OUT/kernel_tests.log" env -C "$SITE" "${TEST_CMD[@]}"
+if [ "$MODE" = tests ]; then
+  rm -rf "$SITE"
+  grep -h -E "passed|failed|error" "$OUT/kernel_tests.log" | tail -n 2
+  exit 0
+fi
 step "bench_gemm" "$GEMM_S" "$OUT/bench.log" "${GEMM_CMD[@]}"
 step "bench_grouped_gemm" "$GROUPED_S" "$OUT/bench.log" "${GROUPED_CMD[@]}"
 rm -rf "$SITE"

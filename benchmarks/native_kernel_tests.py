@@ -51,6 +51,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not torch.cuda.is_available():
         raise pytest.UsageError("native_kernel_tests: no CUDA device")
     JITFunction.run = launch_on("cuda", JITFunction.run)
+    os.environ["QUANTKIT_NATIVE_KERNELS"] = "1"  # the FP8 tensor cores' accumulation term of the GEMM bound
 
 
 def pytest_report_header(config: pytest.Config) -> str:

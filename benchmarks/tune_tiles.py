@@ -1,6 +1,6 @@
-"""Sweep the tiles of quantkit's four Triton GEMMs per shape class: what `DEFAULT_TILES` should be (issue 18).
+"""Sweep the tiles of quantkit's four Triton GEMMs per shape class: what their default tiles should be (issue 18).
 
-The GEMMs launch with `quantkit.kernels.gemm_tiles.default_tiles(M, block_k)`: one GemmTiles per shape class of M
+The GEMMs launch with `quantkit.kernels.gemm_tiles.default_tiles(M, block_k, kernel)`: one GemmTiles per shape class of M
 (decode M <= 16, small M <= 64, prefill; the grouped GEMMs pass the mean rows per expert, cdiv(S, E)). For each
 kernel and class this times every candidate of `candidates(kernel, class)` (the class's default among them) on
 the class's shapes:
@@ -13,8 +13,8 @@ checks each output against the dequantized float32 reference (err/tol <= 1, the 
 tiles change speed, never results; a miss fails the run), and ranks the candidates by the geometric mean over the
 class's shapes of (default's time / candidate's time). A candidate that does not compile or launch (shared memory,
 registers) is listed with its error and left out of the ranking. Nothing is applied: the summary table says what
-DEFAULT_TILES in kernels/gemm_tiles.py should become (one table for all four kernels today; where the kernels
-disagree, per-kernel tables are the next step), and a person edits it.
+a kernel's tiles should become, and a person edits DEFAULT_TILES (all kernels) or KERNEL_TILES (one kernel's
+override) in kernels/gemm_tiles.py. NVFP4's prefill class times the dequantize-first path (its bf16 GEMM's tiles).
 
 CUDA: triton.testing.do_bench median. Without a GPU only `--quick` runs: tiny shapes and two candidates a class
 through the Triton interpreter, to prove the sweep works, not speed. Results: benchmarks/results/tiles_<device>_<date>.
@@ -26,7 +26,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -36,11 +36,11 @@ from bench_grouped_gemm import CONFIGS, activations, expert_weights, reference_e
 
 from quantkit import formats
 from quantkit.kernels.fp8_gemm import fp8_block_gemm
-from quantkit.kernels.gemm_tiles import DEFAULT_TILES, SHAPE_CLASSES, GemmTiles, shape_class
+from quantkit.kernels.gemm_tiles import GEMM_KERNELS, SHAPE_CLASSES, GemmTiles, default_tiles, shape_class
 from quantkit.kernels.grouped_gemm import fp8_block_grouped_gemm, nvfp4_grouped_gemm
 from quantkit.kernels.nvfp4_gemm import DEFAULT_BLOCK_K, nvfp4_gemm
 
-KERNELS = ("fp8_block", "nvfp4", "fp8_block_grouped", "nvfp4_grouped")
+KERNELS = GEMM_KERNELS
 DENSE_M = {"decode": (1, 16), "small": (32, 64), "prefill": (2048, 8192)}
 # shape class -> {config: token counts}, cdiv(tokens * top_k, E) inside the class (checked in `grouped_shapes`)
 GROUPED_TOKENS = {
@@ -70,7 +70,7 @@ def candidates(kernel: str, klass: str, quick: bool) -> list[GemmTiles]:
     """The tiles tried for `kernel` in shape class `klass`, the class's default first (with the kernel's block_k).
     FP8 kernels step K by the scale block (128); NVFP4 ones also try 64 and 256."""
     block_k = DEFAULT_BLOCK_K if kernel.startswith("nvfp4") else formats.FP8_WEIGHT_BLOCK
-    default = replace(DEFAULT_TILES[klass], block_k=block_k)
+    default = default_tiles(dict(SHAPE_CLASSES)[klass] or 1 << 20, block_k, kernel)  # the class's largest M
     block_ks = (64, 128, 256) if kernel.startswith("nvfp4") else (formats.FP8_WEIGHT_BLOCK,)
     if klass == "decode":
         grid = [GemmTiles(16, bn, bk, num_warps=4, num_stages=st) for bn in (32, 64, 128, 256) for st in (3, 5)

@@ -81,7 +81,7 @@ def fp8_block_gemm(
 ) -> torch.Tensor:
     """y (M, N) = (x_q * x_scale) @ (w_q * w_scale)^T (+ bias), float32 accumulation, `out_dtype` output.
 
-    tiles: default `default_tiles(M, 128)`; its block_k must be the scale block, 128."""
+    tiles: default `default_tiles(M, 128, "fp8_block")`; its block_k must be the scale block, 128."""
     for name, t in (("x_q", x_q), ("w_q", w_q)):
         ok = t.dtype == F8E4M3_DTYPE and t.ndim == 2
         _check(ok, f"{name} must be 2-D float8_e4m3fn, got {t.dtype} {tuple(t.shape)}")
@@ -101,7 +101,7 @@ def fp8_block_gemm(
     )
     scale_rows = FP8_WEIGHT_BLOCK if tuple(w_scale.shape) == blocks else 1
     check_epilogue_args("fp8_block_gemm", n, bias, out_dtype, (x_q, x_scale, w_q, w_scale))
-    tiles = tiles or default_tiles(m, FP8_WEIGHT_BLOCK)
+    tiles = tiles or default_tiles(m, FP8_WEIGHT_BLOCK, "fp8_block")
     _check(tiles.block_k == FP8_WEIGHT_BLOCK, f"tiles.block_k must be the scale block {FP8_WEIGHT_BLOCK}")
     x_q, w_q = x_q.contiguous(), w_q.contiguous()
     x_scale, w_scale = x_scale.contiguous(), w_scale.contiguous()

@@ -36,12 +36,19 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SHAPE_CLASSES = (("decode", 16), ("small", 64), ("prefill", None))
 
 # The tiles each shape class launches with; block_k here is a placeholder, `default_tiles` puts the kernel's.
-# Chosen by hand, untuned on a GPU: benchmarks/tune_tiles.py sweeps candidates per class and kernel on one and
-# prints what this table should become.
+# benchmarks/tune_tiles.py sweeps candidates per class and kernel; where a kernel's sweep found clearly better
+# tiles (geometric-mean speed-up over the class's shapes, no shape much slower), KERNEL_TILES overrides this
+# table for that kernel (benchmarks/README.md, "Tile sweep", has the figures, machine and date).
 DEFAULT_TILES = {
     "decode": GemmTiles(16, 64, 128, num_warps=4, num_stages=4),  # thin M tiles
     "small": GemmTiles(64, 128, 128, num_warps=4, num_stages=4),
     "prefill": GemmTiles(128, 128, 128, num_warps=8, num_stages=3),
+}
+GEMM_KERNELS = ("fp8_block", "nvfp4", "fp8_block_grouped", "nvfp4_grouped")
+KERNEL_TILES = {  # (kernel, class) -> tiles, from the H100 sweep of 2026-11-25
+    ("fp8_block", "decode"): GemmTiles(16, 32, 128, num_warps=4, num_stages=3),  # 1.11x, worst shape 1.00x
+    ("nvfp4", "decode"): GemmTiles(16, 32, 128, num_warps=4, num_stages=3),  # 1.18x, worst 0.93x
+    ("nvfp4", "small"): GemmTiles(32, 64, 128, num_warps=4, num_stages=3),  # 2.27x, worst 0.90x
 }
 
 
@@ -50,9 +57,13 @@ def shape_class(m: int) -> str:
     return next(name for name, bound in SHAPE_CLASSES if bound is None or m <= bound)
 
 
-def default_tiles(m: int, block_k: int) -> GemmTiles:
-    """The tiles of m's shape class (DEFAULT_TILES), block_k elements of K a step."""
-    return replace(DEFAULT_TILES[shape_class(m)], block_k=block_k)
+def default_tiles(m: int, block_k: int, kernel: str) -> GemmTiles:
+    """The tiles `kernel` (one of GEMM_KERNELS) launches with for m rows: KERNEL_TILES, else DEFAULT_TILES of m's
+    shape class; block_k elements of K a step."""
+    if kernel not in GEMM_KERNELS:
+        raise ValueError(f"default_tiles: unknown kernel {kernel!r}; known: {', '.join(GEMM_KERNELS)}")
+    klass = shape_class(m)
+    return replace(KERNEL_TILES.get((kernel, klass), DEFAULT_TILES[klass]), block_k=block_k)
 
 
 def require(fn: str, cond: bool, msg: str) -> None:

@@ -186,7 +186,7 @@ def fp8_block_grouped_gemm(
     """y (S, N): sorted row s = (x_q[r] * x_scale[r]) @ (w_q[e] * w_scale[e])^T, r = row_index[s] or s.
 
     x_q (R, K) float8_e4m3fn, x_scale (R, 1) float32 per-token decode scales; weights as in the module
-    docstring. tiles: default `default_tiles(S / E, 128)`; block_k must be the scale block, 128."""
+    docstring. tiles: default `default_tiles(S / E, 128, "fp8_block_grouped")`; block_k must be the scale block, 128."""
     fn = "fp8_block_grouped_gemm"
     check = partial(require, fn)
     check(x_q.dtype == F8E4M3_DTYPE and x_q.ndim == 2, f"x_q must be 2-D float8_e4m3fn, got {x_q.dtype} {tuple(x_q.shape)}")
@@ -204,7 +204,7 @@ def fp8_block_grouped_gemm(
           f"w_scale must be float32 of shape {blocks} (or {per_row}, one row per output row) for w_q {(e, n, k)}, "
           f"got {w_scale.dtype} {tuple(w_scale.shape)}")
     s = _check_grouping(fn, r, expert_offsets, e, row_index, out_dtype, (x_q, x_scale, w_q, w_scale))
-    tiles = tiles or default_tiles(triton.cdiv(s, e), FP8_WEIGHT_BLOCK)
+    tiles = tiles or default_tiles(triton.cdiv(s, e), FP8_WEIGHT_BLOCK, "fp8_block_grouped")
     check(tiles.block_k == FP8_WEIGHT_BLOCK, f"tiles.block_k must be the scale block {FP8_WEIGHT_BLOCK}")
     x_q, w_q, x_scale, w_scale = x_q.contiguous(), w_q.contiguous(), x_scale.contiguous(), w_scale.contiguous()
     y = torch.empty((s, n), dtype=out_dtype, device=x_q.device)
@@ -233,7 +233,7 @@ def nvfp4_grouped_gemm(
 
     a_packed (R, Kp/2) uint8, a_block_scale (R, Kp/16) float8_e4m3fn, a_global float32 (R, 1) or one number
     (as `quantkit.kernels.quantize_nvfp4` writes them); weights as in the module docstring. tiles: default
-    `default_tiles(S / E, 128)`; block_k a power of two >= 32."""
+    `default_tiles(S / E, 128, "nvfp4_grouped")`; block_k a power of two >= 32."""
     fn = "nvfp4_grouped_gemm"
     check = partial(require, fn)
     check(a_packed.dtype == torch.uint8 and a_packed.ndim == 2,
@@ -264,7 +264,7 @@ def nvfp4_grouped_gemm(
     w_global = w_global.reshape(e, -1).contiguous()
     s = _check_grouping(fn, r, expert_offsets, e, row_index, out_dtype,
                         (a_packed, a_block_scale, a_global, w_packed, w_block_scale, w_global))
-    tiles = tiles or default_tiles(triton.cdiv(s, e), DEFAULT_BLOCK_K)
+    tiles = tiles or default_tiles(triton.cdiv(s, e), DEFAULT_BLOCK_K, "nvfp4_grouped")
     check(tiles.block_k >= 32 and tiles.block_k & (tiles.block_k - 1) == 0,
           f"tiles.block_k must be a power of two >= 32 (each dot spans >= 16 elements), got {tiles.block_k}")
     a_packed, w_packed = a_packed.contiguous(), w_packed.contiguous()

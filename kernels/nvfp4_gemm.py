@@ -18,6 +18,14 @@ Each K step unpacks BLOCK_K / 2 bytes per row into the low-nibble and high-nibbl
 each E2M1 value by its group scale -- exact in bf16: a 2-bit by 4-bit significand product, magnitudes
 2**-10 .. 2688 -- and accumulates two bf16 dots in float32 (float32 tiles under the interpreter, where
 bf16 ``tl.dot`` is wrong). The second-stage scales multiply the accumulator once, in the epilogue.
+
+Two paths, one function: for M up to the "small" shape class (<= 64 rows) the fused kernel above decodes
+each tile inside the K loop. For more rows it would decode every weight tile once per M tile, and the decode
+(integer work on every element) bounds it far below the tensor cores (measured on H100, 2026-11-25: ~59
+TFLOP/s, 0.08x torch bf16; benchmarks/README.md). So `dequantize_first` rows are decoded once, by
+`nvfp4_dequantize`, into bf16 (M, Kp) and (N, Kp) operands -- exact, as above -- and multiplied by a plain
+bf16 GEMM with the same epilogue: the same sums as the fused path, the same float32 accumulation. Cost: two
+bf16 temporaries of (M + N) * Kp * 2 bytes (one layer's weight in bf16, freed on return).
 """
 
 from __future__ import annotations
@@ -36,6 +44,10 @@ from quantkit.kernels.interpreter_quirks import interpreting
 
 _GROUP_BYTES = tl.constexpr(NVFP4_GROUP // 2)  # a packed group of 16 E2M1 codes
 DEFAULT_BLOCK_K = 128  # default K step: 128 elements = 64 bytes
+# The bf16 GEMM of the dequantize-first path (M > 64): wide tiles, as a dense bf16 GEMM on Hopper wants them.
+DEQUANTIZED_TILES = GemmTiles(128, 256, 64, num_warps=8, num_stages=3)
+DEQUANTIZE_FIRST_MIN_M = 65  # from this many rows on (the "prefill" shape class), dequantize first
+_DEQUANT_ROWS, _DEQUANT_BYTES = 16, 128  # nvfp4_dequantize's block: rows x packed bytes a program
 
 _check = partial(require, "nvfp4_gemm")  # _check(cond, msg): ValueError "nvfp4_gemm: msg" unless cond
 
@@ -94,6 +106,62 @@ def _nvfp4_gemm_kernel(
     store_tile(acc, y_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, HAS_BIAS, ROUND_BF16)
 
 
+@triton.jit
+def _dequantize_kernel(packed_ptr, scale_ptr, out_ptr, ROWS, K_BYTES, stride_p, stride_s, stride_o,
+                       BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+    """out[r, 2j] / out[r, 2j + 1] = e2m1(low / high nibble of packed[r, j]) * scale[r, j // 8]; a program
+    decodes BLOCK_R rows x BLOCK_B bytes and stores them as contiguous rows of 2 * BLOCK_B values."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    ok = (rows < ROWS)[:, None] & (offs_b < K_BYTES)[None, :]
+    packed = tl.load(packed_ptr + rows[:, None] * stride_p + offs_b[None, :], mask=ok, other=0)
+    scale = tl.load(scale_ptr + rows[:, None] * stride_s + (offs_b // _GROUP_BYTES)[None, :], mask=ok,
+                    other=0.0).to(tl.float32)
+    values = tl.join(e2m1_value(packed) * scale, e2m1_value(packed >> 4) * scale)  # (R, B, 2): 2j, 2j + 1
+    values = tl.reshape(values, (BLOCK_R, 2 * BLOCK_B))
+    offs_k = 2 * tl.program_id(1) * BLOCK_B + tl.arange(0, 2 * BLOCK_B)
+    tl.store(out_ptr + rows[:, None] * stride_o + offs_k[None, :], values.to(out_ptr.dtype.element_ty),
+             mask=(rows < ROWS)[:, None] & (offs_k < 2 * K_BYTES)[None, :])
+
+
+@triton.jit
+def _dequantized_gemm_kernel(
+    a_ptr, a_global_ptr, w_ptr, w_global_ptr, bias_ptr, y_ptr, M, N, K,
+    stride_am, stride_agm, stride_wgn, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """y = (a @ w^T) * a_global[m] * w_global[n] (+ bias): a (M, K), w (N, K) dequantized NVFP4 operands."""
+    offs_m, offs_n, m_ok, n_ok = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+        w = tl.load(w_ptrs, mask=(offs_k[:, None] < K - k0) & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    a_global = tl.load(a_global_ptr + offs_m * stride_agm, mask=m_ok, other=0.0)
+    w_global = tl.load(w_global_ptr + offs_n * stride_wgn, mask=n_ok, other=0.0)
+    acc = acc * a_global[:, None] * w_global[None, :]
+    store_tile(acc, y_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, HAS_BIAS, ROUND_BF16)
+
+
+def nvfp4_dequantize(packed: torch.Tensor, block_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+                     ) -> torch.Tensor:
+    """(R, Kp/2) uint8 codes (element 2j in the low nibble of byte j) and (R, Kp/16) E4M3 group scales ->
+    (R, Kp) `dtype` values e2m1 * group scale, without the second-stage scale: exact in bfloat16 (and
+    float32). Shapes as `nvfp4_gemm` checks them."""
+    rows, k_bytes = packed.shape
+    out = torch.empty((rows, 2 * k_bytes), dtype=dtype, device=packed.device)
+    grid = (triton.cdiv(rows, _DEQUANT_ROWS), triton.cdiv(k_bytes, _DEQUANT_BYTES))
+    _dequantize_kernel[grid](packed, block_scale, out, rows, k_bytes, packed.stride(0), block_scale.stride(0),
+                             out.stride(0), BLOCK_R=_DEQUANT_ROWS, BLOCK_B=_DEQUANT_BYTES)
+    return out
+
+
 def _one_number(t: torch.Tensor | float, name: str, device: torch.device) -> torch.Tensor:
     t = torch.as_tensor(t, dtype=torch.float32, device=device)
     _check(t.numel() == 1, f"{name} must be one number here, got shape {tuple(t.shape)}")
@@ -111,8 +179,13 @@ def nvfp4_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     *,
     tiles: GemmTiles | None = None,
+    dequantize_first: bool | None = None,
 ) -> torch.Tensor:
-    """y (M, N) = dequant(a) @ dequant(w)^T (+ bias), float32 accumulation, `out_dtype` output."""
+    """y (M, N) = dequant(a) @ dequant(w)^T (+ bias), float32 accumulation, `out_dtype` output.
+
+    dequantize_first: decode both operands to bf16 first, then a bf16 GEMM (module docstring); default: from
+    DEQUANTIZE_FIRST_MIN_M rows on. tiles: that path's GEMM (default DEQUANTIZED_TILES), else the fused
+    kernel's (default `default_tiles(M, 128, "nvfp4")`, block_k a power of two >= 32)."""
     for name, t in (("a_packed", a_packed), ("w_packed", w_packed)):
         _check(t.dtype == torch.uint8 and t.ndim == 2, f"{name} must be 2-D uint8, got {t.dtype} {tuple(t.shape)}")
     m, k_bytes = a_packed.shape
@@ -149,15 +222,30 @@ def nvfp4_gemm(
     else:
         w_global = _one_number(w_global, "w_global", device)
     check_epilogue_args("nvfp4_gemm", n, bias, out_dtype, (a_packed, a_block_scale, a_global, w_packed, w_block_scale, w_global))
-    tiles = tiles or default_tiles(m, DEFAULT_BLOCK_K)
+    if dequantize_first is None:
+        dequantize_first = m >= DEQUANTIZE_FIRST_MIN_M
+    interpret = interpreting()
+    a_packed, w_packed = a_packed.contiguous(), w_packed.contiguous()
+    a_block_scale, w_block_scale = a_block_scale.contiguous(), w_block_scale.contiguous()
+    y = torch.empty((m, n), dtype=out_dtype, device=device)
+    if dequantize_first:
+        tile_dtype = torch.float32 if interpret else torch.bfloat16
+        a = nvfp4_dequantize(a_packed, a_block_scale, tile_dtype)
+        w = nvfp4_dequantize(w_packed, w_block_scale, tile_dtype)
+        tiles = tiles or DEQUANTIZED_TILES
+        _dequantized_gemm_kernel[grid_size(m, n, tiles)](
+            a, a_global, w, w_global, bias if bias is not None else y, y, m, n, a.shape[1],
+            a.stride(0), 1 if a_global.numel() != 1 else 0, 1 if w_global.numel() != 1 else 0, w.stride(0),
+            y.stride(0), HAS_BIAS=bias is not None, ROUND_BF16=interpret and out_dtype == torch.bfloat16,
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+        return y
+    tiles = tiles or default_tiles(m, DEFAULT_BLOCK_K, "nvfp4")
     _check(
         tiles.block_k >= 32 and tiles.block_k & (tiles.block_k - 1) == 0,
         f"tiles.block_k must be a power of two >= 32 (each dot spans >= 16 elements), got {tiles.block_k}",
     )
-    a_packed, w_packed = a_packed.contiguous(), w_packed.contiguous()
-    a_block_scale, w_block_scale = a_block_scale.contiguous(), w_block_scale.contiguous()
-    y = torch.empty((m, n), dtype=out_dtype, device=device)
-    interpret = interpreting()
     _nvfp4_gemm_kernel[grid_size(m, n, tiles)](
         a_packed, a_block_scale, a_global, w_packed, w_block_scale, w_global, bias if bias is not None else y, y,
         m, n, k_bytes, a_packed.stride(0), a_block_scale.stride(0), 1 if a_global.numel() != 1 else 0,

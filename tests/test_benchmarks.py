@@ -89,12 +89,13 @@ def test_tile_sweep_candidates_are_valid_tiles_for_each_kernel():
         import tune_tiles
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
-    from quantkit.kernels.gemm_tiles import DEFAULT_TILES
+    from quantkit.kernels.gemm_tiles import SHAPE_CLASSES, default_tiles
     for kernel in tune_tiles.KERNELS:
-        for klass, default in DEFAULT_TILES.items():
+        for klass, largest_m in SHAPE_CLASSES:
+            default = default_tiles(largest_m or 1 << 20, 128, kernel)
             tiles = tune_tiles.candidates(kernel, klass, quick=False)
             assert tiles[0].block_m == default.block_m and tiles[0].block_n == default.block_n
-            assert len(set(tiles)) == len(tiles) > 8
+            assert len(set(tiles)) == len(tiles) >= 8
             if kernel.startswith("fp8"):
                 assert {t.block_k for t in tiles} == {128}
             else:

@@ -4,7 +4,7 @@ Triton ships ptxas, so a CPU machine can compile for sm90 ahead of time (a subpr
 runs with TRITON_INTERPRET=1, under which kernels are not compiled). Checked in the PTX:
 - quantizers: every float32 division is ``div.rn.f32`` (IEEE, no flush-to-zero) -- Triton's plain ``/``
   would be the approximate ``div.full.f32`` and break bit-exactness with torch on the GPU;
-- GEMMs at prefill tiles: Hopper's ``wgmma`` MMA and ``cp.async`` multi-stage loads, given the 16-aligned
+- GEMMs at prefill tiles (NVFP4's dequantize-first bf16 GEMM too): Hopper's ``wgmma`` MMA and ``cp.async`` multi-stage loads, given the 16-aligned
   sizes and strides Triton specializes real layer shapes to.
 """
 
@@ -51,11 +51,16 @@ for m in (1, 4096):
     out[f"fp8_gemm M={m}"] = summary(ptx(fp8_gemm._fp8_block_gemm_kernel,
         {"x_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
          "bias_ptr": "*bf16", "y_ptr": "*bf16"},
-        {"HAS_BIAS": True, "ROUND_BF16": False, "SCALE_BLOCK": 128}, gemm_tiles.default_tiles(m, 128)))
+        {"HAS_BIAS": True, "ROUND_BF16": False, "SCALE_BLOCK": 128}, gemm_tiles.default_tiles(m, 128, "fp8_block")))
     out[f"nvfp4_gemm M={m}"] = summary(ptx(nvfp4_gemm._nvfp4_gemm_kernel,
         {"a_ptr": "*u8", "a_scale_ptr": "*fp8e4nv", "a_global_ptr": "*fp32", "w_ptr": "*u8", "w_scale_ptr": "*fp8e4nv",
          "w_global_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"},
-        {"HAS_BIAS": True, "TILE": tl.bfloat16, "ROUND_BF16": False}, gemm_tiles.default_tiles(m, nvfp4_gemm.DEFAULT_BLOCK_K)))
+        {"HAS_BIAS": True, "TILE": tl.bfloat16, "ROUND_BF16": False}, gemm_tiles.default_tiles(m, nvfp4_gemm.DEFAULT_BLOCK_K, "nvfp4")))
+out["nvfp4_dequantize"] = summary(ptx(nvfp4_gemm._dequantize_kernel,
+    {"packed_ptr": "*u8", "scale_ptr": "*fp8e4nv", "out_ptr": "*bf16"}, {"BLOCK_R": 32, "BLOCK_B": 64}))
+out["nvfp4_dequantized_gemm M=4096"] = summary(ptx(nvfp4_gemm._dequantized_gemm_kernel,
+    {"a_ptr": "*bf16", "a_global_ptr": "*fp32", "w_ptr": "*bf16", "w_global_ptr": "*fp32", "bias_ptr": "*bf16",
+     "y_ptr": "*bf16"}, {"HAS_BIAS": True, "ROUND_BF16": False}, nvfp4_gemm.DEQUANTIZED_TILES))
 print(json.dumps(out))
 """
 
@@ -78,9 +83,10 @@ def test_every_kernel_compiles_for_hopper(sm90_ptx):
     assert sorted(sm90_ptx) == sorted(
         ["quantize_fp8", "quantize_nvfp4 static=False", "quantize_nvfp4 static=True"]
         + [f"{gemm} M={m}" for gemm in ("fp8_gemm", "nvfp4_gemm") for m in (1, 4096)]  # decode and prefill tiles
+        + ["nvfp4_dequantize", "nvfp4_dequantized_gemm M=4096"]  # NVFP4's dequantize-first path (M > 64)
     )
 
 
 def test_gemms_use_wgmma_and_pipelined_loads_on_hopper(sm90_ptx):
-    for name in ("fp8_gemm M=4096", "nvfp4_gemm M=4096"):
+    for name in ("fp8_gemm M=4096", "nvfp4_gemm M=4096", "nvfp4_dequantized_gemm M=4096"):
         assert sm90_ptx[name]["wgmma"] and sm90_ptx[name]["cp_async"], (name, sm90_ptx[name])

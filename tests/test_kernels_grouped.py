@@ -12,7 +12,8 @@ the bound derived there: both sides form the same exact products (E4M3 x E4M3 pr
 values are exact in float32 / bf16) and differ only by float32 summation order (each within ~K 2**-24 of the
 sum of |products|, so < K 2**-22 apart; allowed twice that) plus one rounding of the output (r). A grouped
 kernel reading a wrong expert's weight, a wrong row of a gather, or a row across an expert's edge is off by
-whole quantization steps or by the weights' difference, orders of magnitude above it.
+whole quantization steps or by the weights' difference, orders of magnitude above it. Run natively on a GPU,
+the FP8 GEMMs get the FP8 tensor cores' term of that bound too (2**-6 * |x_deq| @ |w_deq|^T, derived there).
 
 Expert row counts cover an expert with no rows (first, middle and last), one row, several BLOCK_M tiles with a
 partial last one, and uneven counts; N = 136 and K = 200 are off the 128 grid (partial scale blocks, K padded
@@ -136,7 +137,7 @@ def test_fp8_block_grouped_gemm(gather, per_row_scales, out_dtype):
     x_deq = dequantize_fp8_per_token(x_q, x_scale)
     x_deq = x_deq if row_index is None else x_deq[row_index]
     for i, lo, hi in _segments(offsets):
-        assert_gemm_close(y[lo:hi], x_deq[lo:hi], dequantize_fp8_block(*w[i]))
+        assert_gemm_close(y[lo:hi], x_deq[lo:hi], dequantize_fp8_block(*w[i]), fp8_mma=True)
 
 
 @pytest.mark.parametrize("static,w_global_per_row,gather", [(False, False, True), (True, True, False)])
@@ -180,7 +181,7 @@ def test_grouped_gemms_with_other_tiles():
                            out_dtype=torch.float32, tiles=GemmTiles(32, 64, 32, group_m=2))
     x_fp8, x_nv = dequantize_fp8_per_token(x_q, x_scale), dequantize_nvfp4(a)
     for i, lo, hi in _segments(offsets):
-        assert_gemm_close(y[lo:hi], x_fp8[lo:hi], dequantize_fp8_block(*fp8[i]))
+        assert_gemm_close(y[lo:hi], x_fp8[lo:hi], dequantize_fp8_block(*fp8[i]), fp8_mma=True)
         assert_gemm_close(z[lo:hi], x_nv[lo:hi], dequantize_nvfp4(nv[i]))
 
 
@@ -248,7 +249,7 @@ def test_grouped_quantized_linear_matches_per_expert_fake_quant(scheme, static):
                 continue
             scale = None if scales is None else scales[i]
             x_fq = scheme.fake_quant_activation(rows[lo:hi], scale)
-            assert_gemm_close(y[lo:hi], x_fq, scheme.decode(tensors[i], K))
+            assert_gemm_close(y[lo:hi], x_fq, scheme.decode(tensors[i], K), fp8_mma=scheme is FP8_BLOCK)
 
 
 @pytest.mark.parametrize("scheme", [FP8_BLOCK, NVFP4])
@@ -274,7 +275,8 @@ def test_grouped_quantized_linear_fused_gate_up_and_tp_slice(scheme):
                                  row_amax=row_amax, out_dtype=torch.float32)
     rows, amax = x_slice[sort.token_index], row_amax[sort.token_index]
     for i, lo, hi in _segments(sort.expert_offsets):
-        assert_gemm_close(y[lo:hi], scheme.fake_quant_activation(rows[lo:hi], row_amax=amax[lo:hi]), w_deq[i])
+        assert_gemm_close(y[lo:hi], scheme.fake_quant_activation(rows[lo:hi], row_amax=amax[lo:hi]), w_deq[i],
+                          fp8_mma=scheme is FP8_BLOCK)
 
 
 def test_nvfp4_quantizer_per_row_static_scales_bit_exact():
@@ -368,11 +370,13 @@ for m in (1, 4096):
     for gather in (False, True):
         out[f"fp8 M={m} gather={gather}"] = ptx(grouped_gemm._fp8_block_grouped_kernel,
             {**index, "x_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"},
-            {"GATHER": gather, "ROUND_BF16": False, "SCALE_BLOCK": 128}, gemm_tiles.default_tiles(m, 128))
+            {"GATHER": gather, "ROUND_BF16": False, "SCALE_BLOCK": 128},
+            gemm_tiles.default_tiles(m, 128, "fp8_block_grouped"))
         out[f"nvfp4 M={m} gather={gather}"] = ptx(grouped_gemm._nvfp4_grouped_kernel,
             {**index, "a_ptr": "*u8", "a_scale_ptr": "*fp8e4nv", "a_global_ptr": "*fp32", "w_ptr": "*u8",
              "w_scale_ptr": "*fp8e4nv", "w_global_ptr": "*fp32"},
-            {"GATHER": gather, "TILE": tl.bfloat16, "ROUND_BF16": False}, gemm_tiles.default_tiles(m, 128))
+            {"GATHER": gather, "TILE": tl.bfloat16, "ROUND_BF16": False},
+            gemm_tiles.default_tiles(m, 128, "nvfp4_grouped"))
 print(json.dumps(out))
 """
 
