@@ -19,10 +19,6 @@ from vllm.model_executor.layers import utils
 
 from quantkit.serve import cpu_linear
 
-pytestmark = pytest.mark.skipif(
-    not cpu_linear.cpu_lacks_bf16_matmul(),
-    reason="a GPU, or a CPU with AVX-512 BF16 / Arm BF16: vLLM runs bf16 Linears natively and cpu_linear stays out",
-)
 
 
 def layer_with(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
@@ -32,9 +28,22 @@ def layer_with(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Modu
     return layer
 
 
+def test_installs_exactly_where_the_cpu_lacks_bf16_matmul(monkeypatch):
+    """The one ISA-dependent decision: on this machine's CPU, installed iff it has neither AVX-512 BF16 nor Arm BF16
+    (and no GPU). The tests below force it, so the float32 path is tested on every CPU."""
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", utils.dispatch_cpu_unquantized_gemm)
+    lacks = not (torch.cuda.is_available() or torch.cpu._is_avx512_bf16_supported()
+                 or torch.cpu.get_capabilities().get("bf16", False))
+    assert cpu_linear.cpu_lacks_bf16_matmul() == lacks
+    assert cpu_linear.install() == lacks
+    assert getattr(utils.dispatch_cpu_unquantized_gemm, "quantkit_float32", False) == lacks
+
+
 @pytest.fixture
 def installed(monkeypatch):
+    """vLLM's dispatch wrapped by cpu_linear, installed as on a CPU without a bf16 matmul whatever this CPU has."""
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", utils.dispatch_cpu_unquantized_gemm)
+    monkeypatch.setattr(cpu_linear, "cpu_lacks_bf16_matmul", lambda: True)
     assert cpu_linear.install()
     assert cpu_linear.install()  # idempotent: wraps once
     assert getattr(utils.dispatch_cpu_unquantized_gemm, "quantkit_float32", False)
@@ -66,7 +75,8 @@ def test_float32_linear_matches_bf16_fallback(installed, remove_weight, with_bia
 def test_layers_it_leaves_alone(installed):
     """Float32 weights (oneDNN takes them), 3-D MoE / conv weights and layers whose weight another path already
     dropped keep vLLM's own dispatch."""
-    for weight in (torch.randn(8, 4), torch.randn(8, 1, 4).bfloat16(), torch.empty(0, dtype=torch.bfloat16)):
+    # the conv weight has 64 channels: on AVX-512 BF16 CPUs vLLM's own dispatch prepacks it, and its packer refuses 8
+    for weight in (torch.randn(8, 4), torch.randn(64, 1, 4).bfloat16(), torch.empty(0, dtype=torch.bfloat16)):
         layer = layer_with(weight, None)
         installed(layer, remove_weight=True)
         linear = getattr(layer, "cpu_linear", None)

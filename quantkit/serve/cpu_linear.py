@@ -67,8 +67,9 @@ def install() -> bool:
         return True
 
     def dispatch_float32(layer: torch.nn.Module, remove_weight: bool) -> None:
+        linear = layer.weight.ndim == 2  # before dispatch: on BF16 CPUs it repacks (E, 1, 4) conv weights into 2-D
         dispatch(layer, remove_weight)
-        if not _needs_float32(layer):
+        if not (linear and _needs_float32(layer)):
             return
         layer.cpu_linear = float32_linear(layer.weight, getattr(layer, "bias", None))
         if remove_weight:  # as vLLM's oneDNN path does: the layer computes from its own copy only
