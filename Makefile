@@ -18,7 +18,7 @@ MAIN_STAMP   := $(VENV)/.quantkit-setup-$(DEVICE)
 LLMC_STAMP   := $(LLMC_VENV)/.quantkit-setup
 PY           := $(VENV)/bin/python
 
-.PHONY: help setup setup-llmcompressor setup-toolchains test zoo quantize eval report gate bench clean-venv
+.PHONY: help setup setup-llmcompressor setup-toolchains test test-avx2 zoo quantize eval report gate bench clean-venv
 
 help:
 	@sed -n '2,9p' Makefile
@@ -74,8 +74,21 @@ $(TOOLCHAIN_STAMP): Makefile
 		echo "setup-toolchains: apt-get failed (retried on the next make); tests of the languages it lacks skip, naming them" >&2; \
 	fi
 
+# On an AVX-512 CPU the `cpu_isa` tests run a second time with AVX2 kernels forced (ATen and oneDNN), so one
+# machine checks the numerics of both kinds of CI machine (not the vllm_cpu tests: vLLM's CPU kernels pick their
+# ISA by the hardware and fail under the cap). `make test-avx2` runs any selection that way.
+AVX2_ENV     := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+HAS_AVX512   := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo yes)
+
 test: $(MAIN_STAMP) $(LLMC_STAMP) $(TOOLCHAIN_STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+ifeq ($(HAS_AVX512),yes)
+	@echo "AVX-512 CPU: the cpu_isa tests again, with AVX2 kernels forced ($(AVX2_ENV))"
+	$(AVX2_ENV) $(VENV)/bin/pytest -m "cpu_isa and not vllm_cpu"
+endif
+
+test-avx2: $(MAIN_STAMP)
+	$(AVX2_ENV) $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # The zoo: checkpoints of each variant trained from scratch on an offline corpus (quantkit/models/zoo.py).
 ZOO_VARIANTS ?= table2

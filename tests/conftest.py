@@ -25,6 +25,14 @@ def tiny_checkpoint(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which CPU kernels this run uses: the numerics of the `cpu_isa` tests depend on it (README, "Tests")."""
+    import torch
+
+    forced = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
+    return f"CPU kernels: ATen {torch.backends.cpu.get_cpu_capability()}" + (f" (forced: {forced})" if forced else "")
+
+
 _FILE_SECONDS: dict[str, float] = {}
 
 

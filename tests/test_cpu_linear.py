@@ -19,6 +19,8 @@ from vllm.model_executor.layers import utils
 
 from quantkit.serve import cpu_linear
 
+pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
+
 
 
 def layer_with(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:

@@ -36,6 +36,8 @@ from quantkit.formats import (
 from quantkit.formats.constants import E2M1_POSITIVE_VALUES, F8E4M3_MIN_NORMAL, F8E4M3_MIN_SUBNORMAL
 from quantkit.formats.nvfp4 import e2m1_to_float, round_to_e2m1
 
+pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
+
 FAST = settings(max_examples=60, deadline=None)
 SLACK = 2.0**-20
 

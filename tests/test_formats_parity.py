@@ -66,6 +66,8 @@ from compressed_tensors.quantization.utils import (  # noqa: E402
     generate_gparam,
 )
 
+pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
+
 PARITY = settings(max_examples=30, deadline=None)
 
 _TINY, _HUGE = float(np.float32(1e-20)), float(np.float32(1e20))

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 from quantkit.serve.gdn_cpu import PAD_SLOT_ID, causal_conv1d_prefill, chunk_gated_delta_rule_prefill, length_groups
 
+pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
+
 causal_conv1d = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d")
 
 LENGTHS = [5, 1, 0, 2, 37, 3]                       # a 1-token prompt, an empty entry, one shorter than the state
@@ -115,6 +117,7 @@ def test_delta_rule_is_correctly_rounded(pad_budget):
     assert torch.equal(ours_state[untouched], state[untouched])
 
 
+@pytest.mark.vllm_cpu
 def test_delta_rule_agrees_with_vllm_kernel():
     """Against vLLM's C++ kernel (what the plugin replaces on CPUs without AVX-512 BF16), same call: that kernel keeps
     bf16 intermediates (measured: 2.6x quantkit's distance to the truth, which is one output rounding), each chunk

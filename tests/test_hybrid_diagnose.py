@@ -29,6 +29,8 @@ from quantkit.models.modeling_hybrid import QuantkitHybridForCausalLM
 from quantkit.models.tiny import randomize_parameters
 from quantkit.models.tiny_hybrid import HYBRID_RANDOM_PARAMETER_RULES, TINY_HYBRID_SHAPE
 
+pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
+
 BOS, VOCAB = 1, 97
 EXPERTS, TOP_K = TINY_HYBRID_SHAPE["num_experts"], TINY_HYBRID_SHAPE["num_experts_per_tok"]
 # Two roundings to 6 significant digits (5e-6 relative each), over the smallest the expected value can be.

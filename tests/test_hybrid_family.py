@@ -63,6 +63,8 @@ from quantkit.models.tiny_hybrid import (
 )
 from quantkit.serve.engine import cpu_engine_kwargs
 
+pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
+
 BF16_U = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits)
 ROUNDINGS_ON_PATH = 210  # N: bf16 roundings along the path to a logit (module docstring)
 MAX_OVER_TOKENS_Z = 4.0  # the maximum of ~66 compared logprobs, heavy tails (module docstring)
@@ -288,6 +290,7 @@ def hf_logprobs_and_scale(ckpt, token_ids, perturb=None) -> tuple[list[torch.Ten
 
 
 @pytest.mark.slow
+@pytest.mark.vllm_cpu
 def test_vllm_bf16_matches_transformers(served):
     hf, scale = hf_logprobs_and_scale(served["ckpt"], served["token_ids"])
     tol = TOLERANCE_PER_LOGIT_STD * scale
@@ -300,6 +303,7 @@ def test_vllm_bf16_matches_transformers(served):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("served", [name for name, (_, control, _) in VLLM_CASES.items() if control is not None], indirect=True)
+@pytest.mark.vllm_cpu
 def test_flag_is_active(served):
     """Control: removing the case's flags on the transformers side moves its logprobs beyond the tolerance
     (no_ga has no flag to remove: its agreement is checked by test_vllm_bf16_matches_transformers only)."""

@@ -31,6 +31,8 @@ from quantkit.formats.schemes import (
 )
 from quantkit.kernels.schemes import KERNELS
 
+pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
+
 N, K = 136, 200  # neither a multiple of 128 (partial FP8 blocks) nor K of 16 x 8 (NVFP4 padding: 208)
 SCHEME_NAMES = list(SCHEMES)
 

@@ -46,6 +46,8 @@ from quantkit.models import QuantkitConfig, QuantkitForCausalLM
 from quantkit.models.modeling import QuantkitNorm
 from quantkit.models.tiny import randomize_parameters
 
+pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
+
 SHAPE = dict(
     vocab_size=96, hidden_size=72, intermediate_size=136, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
