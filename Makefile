@@ -97,7 +97,7 @@ ZOO_DIR      ?= zoo
 zoo: $(MAIN_STAMP)
 	$(VENV)/bin/quantkit zoo build $(ZOO_VARIANTS) --size $(ZOO_SIZE) --out $(ZOO_DIR)
 
-# The deployment study (pipelines/study.py): `make quantize eval MODEL=<hub id | local dir | zoo:preset>`;
+# The deployment study (pipelines/study.py): `make quantize eval MODEL=<hub id | local dir | zoo:preset | model:name>`;
 # no MODEL: the embedded default (the zoo's Table 2 trio). Finished stages are cached in the run directory.
 # Each target runs the study's stage table (STAGES) up to the stage named by --until; tests/test_study_stages.py
 # checks that every --until here names a stage of that table.

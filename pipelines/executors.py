@@ -224,7 +224,7 @@ def _failure(study: Study, task: Task, err: Exception) -> StageError:
 def _portable(spec: StudySpec) -> StudySpec:
     """`spec` with the zoo directory and local model sources as absolute paths: tasks run in other working
     directories (on other nodes)."""
-    models = {label: source if source.startswith("zoo:") or not Path(source).exists() else str(Path(source).resolve())
+    models = {label: source if source.startswith(("zoo:", "model:")) or not Path(source).exists() else str(Path(source).resolve())
               for label, source in spec.models.items()}
     return dataclasses.replace(spec, models=models, zoo={**spec.zoo, "dir": str(Path(spec.zoo.get("dir", "zoo")).resolve())})
 

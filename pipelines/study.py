@@ -6,7 +6,7 @@
 Spec (YAML, see pipelines/default.yaml):
 
     name: default
-    models: {ga: "zoo:ga", ...}      # label -> source: zoo:<preset> | local checkpoint dir | hub id
+    models: {ga: "zoo:ga", ...}      # label -> source: zoo:<preset> | model:<trained model> | local dir | hub id
     zoo: {size: tiny, dir: zoo}      # where zoo:<preset> checkpoints are built (cached)
     recipes: [bf16, w8a8_fp8_block, w4a4_nvfp4, w4a4_nvfp4_sq]   # bf16 is every model's baseline
     eval: {suite: mini, backend: vllm, limit: null, allow_code: false, seed: 1234, dtype: bfloat16}
@@ -97,7 +97,7 @@ class StudySpec:
 
 
 def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
-    """Read and validate a spec; `model` (hub id | local dir | zoo:<preset>) replaces its models."""
+    """Read and validate a spec; `model` (hub id | local dir | zoo:<preset> | model:<name>) replaces its models."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"pipeline spec {path} does not exist")
@@ -144,7 +144,7 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise ValueError(f"{path}: kl.top_k must be null (full vocabulary) or a positive integer, not {top_k!r}")
     if model is not None:
-        label = model.removeprefix("zoo:") if model.startswith("zoo:") else Path(model.rstrip("/")).name
+        label = model.split(":", 1)[1] if model.startswith(("zoo:", "model:")) else Path(model.rstrip("/")).name
         spec.models = {label: model}
         spec.name = f"{spec.name}-{label}"
     return spec
@@ -155,19 +155,24 @@ def _atomic_json(path: Path, data: Any) -> None:
 
 
 def resolve_source(source: str, spec: StudySpec) -> Path:
-    """zoo:<preset> -> built (or cached) zoo checkpoint; a local directory -> itself; else a hub id -> download."""
+    """zoo:<preset> -> built (or cached) zoo checkpoint; model:<name> -> the registry-shipped trained model, fetched
+    into the cache on first use; a local directory -> itself; else a hub id -> download."""
     if source.startswith("zoo:"):
         from quantkit.models import zoo
 
         return zoo.build(source[4:], size=spec.zoo.get("size", "tiny"), zoo_dir=spec.zoo.get("dir", "zoo"))
+    if source.startswith("model:"):
+        from quantkit.models import trained
+
+        return trained.fetch(source)
     path = Path(source)
     if path.exists():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not a checkpoint directory (no config.json)")
         return path
     if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise FileNotFoundError(f"{source!r} is neither zoo:<preset> nor a local directory, and the hub is off "
-                                "(HF_HUB_OFFLINE=1): set HF_HUB_OFFLINE=0 with network access, or pass a local directory")
+        raise FileNotFoundError(f"{source!r} is neither zoo:<preset>, model:<name> nor a local directory, and the "
+                                "hub is off (HF_HUB_OFFLINE=1): set HF_HUB_OFFLINE=0 with network access, or pass a local directory")
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(source))

