@@ -101,7 +101,19 @@ def _quantize(args: argparse.Namespace) -> int:
 
     out = quantize_checkpoint(args.model, args.recipe, args.out, overwrite=args.overwrite, streaming=args.streaming)
     print(f"{args.recipe}: {out}")
+    print(checkpoint_size_line(args.model, out))
     return 0
+
+
+def checkpoint_size_line(source: str | Path, quantized: str | Path) -> str:
+    """'size: X MB (R x the source in bf16)': the weight files' bytes against 2 bytes per source parameter."""
+    import math
+
+    from quantkit.checkpoints import tensor_headers, weight_files
+
+    size = sum(f.stat().st_size for f in weight_files(Path(quantized)))
+    bf16 = 2 * sum(math.prod(shape) for _, shape in tensor_headers(Path(source)).values())
+    return f"size: {size / 1e6:.1f} MB ({size / bf16:.2f}x the source in bf16, {bf16 / 1e6:.1f} MB)"
 
 
 def _quality(args: argparse.Namespace) -> int:

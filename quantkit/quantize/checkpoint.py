@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 import quantkit.models  # noqa: F401  (registers model_type "quantkit")
 from quantkit.atomic import atomic_dir
 from quantkit.calibrate import SmoothQuantReport, channel_max, smooth_model
-from quantkit.checkpoints import check_checkpoint_dir
+from quantkit.calibrate.mappings import resolve_mappings
+from quantkit.checkpoints import SAFETENSORS_DTYPES, TensorHeaders, check_checkpoint_dir
 from quantkit.data import calibration_windows
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import UNQUANTIZED, Scheme, scheme_for
@@ -48,6 +49,31 @@ def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         del state[f"{name}.gate_up_proj"], state[f"{name}.down_proj"]
         state.update({f"{m}.weight": w.detach().clone().contiguous() for m, w in expert_matrices(name, module).items()})
     return state
+
+
+def unquantized_to_source_dtype(state: dict[str, torch.Tensor], quantized: list[str], source: TensorHeaders,
+                                config: PretrainedConfig, keep_float32: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors a recipe leaves unquantized as the source checkpoint holds them, in place: each floating tensor
+    back to its source dtype (a key the source lacks, e.g. split experts: the source's most common floating dtype),
+    except `keep_float32` (SmoothQuant's folded norm weights: their factors are not representable in bf16); a tied
+    `lm_head.weight` the source does not store is dropped (tied embeddings stay tied). `quantized`: module names
+    whose `.weight` the scheme replaces."""
+    replaced = {f"{name}.weight" for name in quantized}
+    floating = [SAFETENSORS_DTYPES[d] for d, _ in source.values() if SAFETENSORS_DTYPES.get(d, torch.uint8).is_floating_point]
+    common = max(set(floating), key=floating.count) if floating else torch.float32
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in source.keys() | replaced:
+        state.pop("lm_head.weight", None)
+    for key, tensor in state.items():
+        if key in replaced or key in keep_float32 or not tensor.is_floating_point():
+            continue
+        dtype = SAFETENSORS_DTYPES.get(source[key][0], common) if key in source else common
+        state[key] = tensor.to(dtype)
+    return state
+
+
+def smoothed_norm_keys(plan_smooth_modules: list[str], state: dict[str, torch.Tensor]) -> set[str]:
+    """State keys of the modules SmoothQuant folds its factors into (their weight and bias): kept float32."""
+    return {f"{m}.{p}" for m in plan_smooth_modules for p in ("weight", "bias") if f"{m}.{p}" in state}
 
 
 def quantization_config(recipe: Recipe, quantized: list[str], ignored: list[str]) -> dict:
@@ -159,6 +185,10 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
         input_amax = {name: m.max().reshape(1) for name, m in maxima.items()}
     state = checkpoint_state(model)
     if scheme is not None:
+        smoothed = [] if recipe.smoothquant is None else \
+            [m.smooth for m in resolve_mappings(model, experts=recipe.smoothquant.experts).mappings]
+        _, source = check_checkpoint_dir(model_dir)
+        unquantized_to_source_dtype(state, list(quantized), source, model.config, smoothed_norm_keys(smoothed, state))
         encode_matrices(state, quantized, scheme, input_amax, f"quantize {recipe.name}")
     else:
         state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}

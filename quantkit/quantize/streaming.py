@@ -75,7 +75,7 @@ from quantkit.calibrate.smoothquant import (
     smoothing_factors,
 )
 from quantkit.calibrate.stats import ChannelMaxObserver
-from quantkit.checkpoints import SAFETENSORS_DTYPES, CheckpointError, TensorReader
+from quantkit.checkpoints import SAFETENSORS_DTYPES, CheckpointError, TensorReader, tensor_headers
 from quantkit.data import calibration_windows
 from quantkit.errors import NonFiniteStatisticsError, QuantkitError
 from quantkit.formats.experts import fuse_expert_matrices, fused_experts_modules
@@ -85,6 +85,8 @@ from quantkit.quantize.checkpoint import (
     encode_matrices,
     output_config,
     quantizable_weights,
+    smoothed_norm_keys,
+    unquantized_to_source_dtype,
     write_side_files,
 )
 from quantkit.quantize.recipe import CalibrationSettings, Recipe
@@ -390,9 +392,13 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
         static_tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, max_positions))
     sq_tokens = _as_tokens(None, tokenizer, sq.num_sequences, sq.seq_len, max_positions) if sq is not None else None
 
+    source_headers = tensor_headers(model_dir)
+    smoothed = [] if plan is None else [m.smooth for m in plan.mappings]
+
     def finish_state(state: dict[str, torch.Tensor], matrices: dict[str, torch.Tensor], amax: dict) -> dict:
         if scheme is None:
             return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+        unquantized_to_source_dtype(state, list(matrices), source_headers, config, smoothed_norm_keys(smoothed, state))
         encode_matrices(state, matrices, scheme, amax, desc="", progress=False)
         return state
 
