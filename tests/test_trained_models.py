@@ -123,3 +123,14 @@ def test_served_text_and_kl_against_bf16(fetched, quantized, tmp_path):
     print(kl)
     assert all(math.isfinite(v) and v >= 0 for v in kl.values()), kl
     assert kl["w8a8_fp8_block"] < kl["w4a4_nvfp4"] and kl["w8a8_fp8_block"] < 0.1, kl
+
+
+def test_quality_reads_the_tied_checkpoints(fetched, quantized):
+    """`quantkit quality` (the fake-quant reference) loads checkpoints whose tied head is stored once, and ranks
+    the schemes as the served KL does."""
+    from quantkit.quantize.quality import quality_table
+
+    _, source = fetched
+    _, rows = quality_table(source, [quantized[r] for r in BYTES], num_sequences=2, seq_len=64)
+    kl = {r["recipe"]: r["kl"] for r in rows}
+    assert all(math.isfinite(v) and v >= 0 for v in kl.values()) and kl["w8a8_fp8_block"] < kl["w4a4_nvfp4"], kl

@@ -162,6 +162,9 @@ def load_fake_quant_model(model_dir: str | Path, quantize_activations: bool = Tr
     missing, unexpected = model.load_state_dict(state, strict=False)
     loaded = set(qc["quantized_modules"]) | set(experts)  # set above
     missing = [k for k in missing if k.rsplit(".", 1)[0] not in loaded]
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and head.weight is embeddings.weight:  # tied: the checkpoint stores the embedding once
+        missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
         raise ValueError(f"{model_dir}: checkpoint inconsistent with its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return model
