@@ -24,6 +24,7 @@ import math
 import time
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from quantkit.checkpoints import tensor_headers, weight_files
@@ -134,3 +135,26 @@ def test_quality_reads_the_tied_checkpoints(fetched, quantized):
     _, rows = quality_table(source, [quantized[r] for r in BYTES], num_sequences=2, seq_len=64)
     kl = {r["recipe"]: r["kl"] for r in rows}
     assert all(math.isfinite(v) and v >= 0 for v in kl.values()) and kl["w8a8_fp8_block"] < kl["w4a4_nvfp4"], kl
+
+
+def test_smoothquant_norms_stay_float32_in_the_checkpoint(fetched, tmp_path):
+    """The norms SmoothQuant folds its factors into are written float32 (their w / s is not a bf16 number: a
+    bf16 copy would move every smoothed channel by up to 2^-9), every other unquantized tensor in the source's
+    bf16; the fold itself is verified function-preserving inside `quantize` (raises otherwise)."""
+    from quantkit.quantize.checkpoint import quantize_checkpoint
+
+    _, source = fetched
+    recipe = tmp_path / "sq_small.yaml"
+    recipe.write_text("name: sq_small\nscheme: fp8_block\n"
+                      "smoothquant: {alpha: 0.5, num_sequences: 2, seq_len: 32, experts: true}\n")
+    out = quantize_checkpoint(source, str(recipe), tmp_path / "sq", streaming=False)
+    headers = tensor_headers(out)
+    layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    for i in range(layers):  # Llama: both norms of every layer feed quantized linears
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            assert headers[f"model.layers.{i}.{norm}.weight"][0] == "F32", (i, norm)
+    assert headers["model.norm.weight"][0] == "BF16"  # feeds lm_head (unquantized): not smoothed
+    assert headers["model.embed_tokens.weight"][0] == "BF16"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        smoothed = f.get_tensor("model.layers.0.input_layernorm.weight")
+    assert not torch.equal(smoothed, smoothed.bfloat16().float())  # not bf16 numbers: the float32 is needed
