@@ -47,6 +47,24 @@ def test_injected_residual_sink_dimension_ranks_first():
     assert r["sink_dims"][0]["input_norm_weight_mean"] == pytest.approx(1.0)
 
 
+def test_massive_tokens_are_not_residual_sinks():
+    """A dimension large at every token (a residual sink, as Gemma's) makes no token massive; one token with a
+    value r x beyond both the state's median and its own dimension's median is massive, and only that token
+    (the old test, max |h_t| > r x the state's median alone, counted all 32 tokens here)."""
+    from quantkit.diagnose.observe import DiagnosticsObserver, ResidualState
+
+    observer = DiagnosticsObserver(_model(), {}, massive_ratio=100.0, map_tokens=0)
+    h = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0)).abs() + 0.5  # |h| in [0.5, ~4]
+    h[:, :, 3] = 1e4  # the residual sink: 1e4 at every token, 2500x the state's median
+    state = ResidualState()
+    observer._update_residual(state, h)
+    assert state.massive == 0
+    h[1, 5, 40] = 1e3  # 1e3 > 100 x the median (~1.2) of the state and of dimension 40
+    state = ResidualState()
+    observer._update_residual(state, h)
+    assert state.massive == 1 and state.massive_positions == {5: 1}
+
+
 def test_attention_head_on_token_zero_gives_sink_rate_one():
     """Layer 0: constant queries along the slowest RoPE pair, zero keys, a large learnable sink key there."""
     model = _model(attention_sink=True, attention_bias=True)

@@ -191,9 +191,15 @@ class DiagnosticsObserver:
             state.token_norm_sum = torch.zeros(min(t, TOKEN_NORM_POSITIONS), dtype=torch.float64)
         state.channels.update(h)
         a = h.abs()
-        median = a.reshape(b, -1).median(dim=1).values.clamp_min(torch.finfo(torch.float32).tiny)  # (B,)
+        tiny = torch.finfo(torch.float32).tiny
+        median = a.reshape(b, -1).median(dim=1).values.clamp_min(tiny)  # (B,)
         ratio = a.amax(-1) / median[:, None]  # (B, T)
-        massive = ratio > self.massive_ratio
+        # Massive: some |h_tj| is r x the state's median AND r x its own dimension's median over the sequence's
+        # tokens. The second test keeps residual sinks out (dimensions large at every token, e.g. Gemma's):
+        # with the first alone every token of such a model is "massive".
+        dim_median = a.median(dim=1, keepdim=True).values.clamp_min(tiny)  # (B, 1, d)
+        outstanding = (a > self.massive_ratio * median[:, None, None]) & (a > self.massive_ratio * dim_median)
+        massive = outstanding.any(-1)  # (B, T)
         state.massive += int(massive.sum())
         state.massive_pos0 += int(massive[:, 0].sum())
         state.massive_positions.update(massive.nonzero()[:, 1].tolist())
