@@ -212,7 +212,7 @@ def test_variant_family(flags):
     assert bool(r["gates"]) == bool(flags.get("gated_norm_rank"))
 
 
-@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+@pytest.mark.parametrize("architecture", ["qwen3", "llama", "gemma3"])
 def test_stock_checkpoint_cli_outputs(tmp_path, architecture, capsys):
     from quantkit.models.tiny import build_tiny_stock_checkpoint
 
@@ -221,6 +221,10 @@ def test_stock_checkpoint_cli_outputs(tmp_path, architecture, capsys):
     assert r["model"]["architecture"].lower().startswith(architecture)
     assert r["settings"]["position0_is_bos"] and len(r["attention"]["sink_rate"]) == 2
     assert r["norms"] and not r["gates"]
+    per_layer = 4 if architecture == "gemma3" else 2  # Gemma 3: input, post-attention, pre/post-feedforward
+    weights = [n for n in r["norms"] if n["param"] == "weight"]
+    assert len(weights) == per_layer * 2 + 1  # two layers and the final norm
+    assert all((n.get("convention") == "1 + w") == (architecture == "gemma3") for n in weights)
     svgs = figure_svgs(r)
     assert set(svgs) >= {"outliers", "residual_heatmap", "attention_map", "norm_weights", "quant_snr"}
     assert all(s.startswith("<svg") for s in svgs.values())

@@ -53,10 +53,18 @@ def decoder_layers(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
 
 
 def residual_norm_names(model: nn.Module) -> list[str]:
-    """Qualified names of the residual-stream norms: each layer's input/post-attention norm, the final norm."""
+    """Qualified names of the residual-stream norms: every norm a decoder layer holds directly whose weight has
+    the residual width (Llama's input/post-attention pair, Gemma 2/3's four: also pre/post-feedforward), in
+    module order, then the final norm. Found by structure (a child whose class name ends in "Norm" and whose
+    weight is (hidden,)), so per-head q/k norms are left out."""
     layers, _ = decoder_layers(model)
-    names = [f"model.layers.{i}.{attr}" for i in range(len(layers))
-             for attr in ("input_layernorm", "post_attention_layernorm") if hasattr(layers[i], attr)]
+    width = model.get_input_embeddings().weight.shape[1]
+    names = []
+    for i, layer in enumerate(layers):
+        for attr, child in layer.named_children():
+            weight = getattr(child, "weight", None)
+            if type(child).__name__.endswith("Norm") and isinstance(weight, torch.Tensor) and weight.shape == (width,):
+                names.append(f"model.layers.{i}.{attr}")
     return names + ["model.norm"]
 
 

@@ -40,17 +40,20 @@ def build_tiny_checkpoint(
     return _build(QuantkitConfig, QuantkitForCausalLM, out_dir, vocab_size, seed, dtype, init_std, config_overrides)
 
 
-STOCK_ARCHITECTURES = ("qwen3", "llama")
+STOCK_ARCHITECTURES = ("qwen3", "llama", "gemma3")
 
 
 def build_tiny_stock_checkpoint(
     out_dir: str | Path, architecture: str = "qwen3", vocab_size: int = 512, seed: int = 0,
     dtype: torch.dtype = torch.float32, init_std: float = 0.05,
 ) -> Path:
-    """Like `build_tiny_checkpoint`, for a stock transformers architecture (Qwen3ForCausalLM, LlamaForCausalLM)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """Like `build_tiny_checkpoint`, for a stock transformers architecture (Qwen3ForCausalLM, LlamaForCausalLM,
+    Gemma3ForCausalLM: four (1 + w) norms a layer, sliding-window and global attention)."""
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
-    classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+    classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
+               "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
     if architecture not in classes:
         raise ValueError(f"unknown stock architecture {architecture!r}; expected one of {list(STOCK_ARCHITECTURES)}")
     return _build(*classes[architecture], out_dir, vocab_size, seed, dtype, init_std, {})
