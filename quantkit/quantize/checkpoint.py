@@ -72,8 +72,10 @@ def unquantized_to_source_dtype(state: dict[str, torch.Tensor], quantized: list[
 
 
 def smoothed_norm_keys(plan_smooth_modules: list[str], state: dict[str, torch.Tensor]) -> set[str]:
-    """State keys of the modules SmoothQuant folds its factors into (their weight and bias): kept float32."""
-    return {f"{m}.{p}" for m in plan_smooth_modules for p in ("weight", "bias") if f"{m}.{p}" in state}
+    """State keys of the modules SmoothQuant folds its factors into, every parameter under them (a norm's weight
+    and bias, GatedNorm's gate_down columns): kept float32."""
+    prefixes = tuple(f"{m}." for m in plan_smooth_modules)
+    return {key for key in state if key.startswith(prefixes)} if prefixes else set()
 
 
 def quantization_config(recipe: Recipe, quantized: list[str], ignored: list[str]) -> dict:
