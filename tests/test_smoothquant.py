@@ -222,14 +222,16 @@ def test_unknown_structure_errors_name_the_modules():
     with pytest.raises(SmoothQuantMappingError, match=r"no decoder layers at model\.model\.layers.*'encoder'"):
         resolve_mappings(nn.ModuleDict({"encoder": nn.Linear(2, 2)}))
 
-    class UnregisteredLM(QuantkitForCausalLM):  # same structure, unknown name: norm mappings only
+    class UnregisteredLM(QuantkitForCausalLM):  # same structure, unknown name: norm mappings, traced
         pass
 
     model = UnregisteredLM(QuantkitConfig(**SHAPE))
-    assert {m.kind for m in resolve_mappings(model).mappings} == {"norm"}
-    with pytest.raises(SmoothQuantMappingError, match=r"model\.layers\.0\.mlp is Qwen3MLP"):
+    traced = resolve_mappings(model).mappings
+    assert {m.kind for m in traced} == {"norm"}
+    assert [(m.smooth, m.consumers) for m in traced] == [(m.smooth, m.consumers) for m in resolve_mappings(quantkit_model()).mappings]
+    with pytest.raises(SmoothQuantMappingError, match=r"up_proj -> down_proj smoothing needs a registered architecture"):
         resolve_mappings(model, include_up_down=True)
-    with pytest.raises(SmoothQuantMappingError, match="QuantkitAttention is not a known attention"):
+    with pytest.raises(SmoothQuantMappingError, match="v_proj -> o_proj smoothing needs a registered architecture"):
         resolve_mappings(model, include_v_o=True)
 
     model = quantkit_model()
@@ -316,3 +318,39 @@ def test_token_input_validation():
         smooth_model(model, ["some text"], progress=False)
     report = smooth_model(model, [tokens(4), tokens(4, seed=3)], progress=False)  # iterable of batches
     assert report.num_sequences == 8
+
+
+def test_structural_rule_maps_gemma3_sandwich_norms(tmp_path):
+    """Gemma 3 has no table entry: the traced rule finds input_layernorm -> q/k/v and pre_feedforward_layernorm ->
+    gate/up (its post-attention and post-feedforward norms feed the residual, not a linear), folds the (1 + w)
+    norms, and `quantize` verifies the function is preserved (it raises otherwise). Streaming cannot trace and
+    says so; a norm with no fold is refused naming it and the recipes that still work."""
+    from quantkit.models.tiny import build_tiny_stock_checkpoint
+    from quantkit.quantize.checkpoint import quantize_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    source = build_tiny_stock_checkpoint(tmp_path / "gemma3", "gemma3")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    plan = resolve_mappings(model)
+    assert [(m.smooth.split(".", 3)[-1], tuple(c.rsplit(".", 1)[-1] for c in m.consumers)) for m in plan.mappings] == [
+        ("input_layernorm", ("q_proj", "k_proj", "v_proj")), ("pre_feedforward_layernorm", ("gate_proj", "up_proj")),
+    ] * model.config.num_hidden_layers
+    recipe = tmp_path / "sq_tiny.yaml"
+    recipe.write_text("name: sq_tiny\nscheme: fp8_block\nsmoothquant: {alpha: 0.5, num_sequences: 4, seq_len: 32}\n")
+    out = quantize_checkpoint(source, str(recipe), tmp_path / "q", streaming=False)
+    assert json.loads((out / "smoothquant.json").read_text())["architecture"] == "Gemma3ForCausalLM"
+    with pytest.raises(SmoothQuantMappingError, match="streaming path .* cannot run: quantize with --no-streaming"):
+        quantize_checkpoint(source, str(recipe), tmp_path / "q2", streaming=True)
+
+    class Mystery(nn.Module):
+        def __init__(self, norm):
+            super().__init__()
+            self.weight = norm.weight
+
+        def forward(self, x):
+            return x * self.weight
+
+    model.model.layers[0].input_layernorm = Mystery(model.model.layers[0].input_layernorm)
+    with pytest.raises(SmoothQuantMappingError, match=r"layers\.0\.input_layernorm \(Mystery: no fold registered\)"
+                                                      r".*Recipes without SmoothQuant .* still work"):
+        resolve_mappings(model)

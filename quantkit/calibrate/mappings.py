@@ -16,6 +16,13 @@ Mappings per decoder layer (Llama, Qwen2, Qwen3, Mistral and quantkit's own fami
 
 The final norm feeds lm_head, which stays BF16 (paper 000 App. A.4.2): it is not smoothed.
 
+Architectures with no ARCHITECTURES entry (Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE, ...) take the structural rule,
+`traced_mappings`: one forward pass on 8 tokens with hooks finds which of each layer's norms feeds which linears
+(routers, fused experts), by equal values at the consumers' inputs, so Gemma's sandwich norms map
+pre_feedforward_layernorm -> gate/up and leave the post-attention / post-feedforward norms (they feed the
+residual) alone. Norm mappings only; a norm without a registered fold is refused by name. It needs the
+materialized model (not the streaming path's meta skeleton).
+
 v_proj -> o_proj needs everything between the two to commute with a per-channel scale of v. Softmax
 attention is a convex combination of value rows (it does); the GA gate multiplies per head or per channel
 (it does); the learnable sink v' replaces v at position 0 (it does, if v' is divided by s too). V-scale
@@ -73,7 +80,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+from transformers.models.mixtral.modeling_mixtral import MixtralRMSNorm
+from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 from transformers.models.mistral.modeling_mistral import MistralAttention, MistralMLP, MistralRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Qwen3RMSNorm
@@ -162,7 +175,7 @@ def scale_(param: torch.Tensor, factor: torch.Tensor) -> None:
     param.copy_((param.float() * factor.to(param.device, torch.float32)).to(param.dtype))
 
 
-@folds(LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm)
+@folds(LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm, MixtralRMSNorm, Phi3RMSNorm, Qwen3MoeRMSNorm)
 def _fold_rmsnorm(norm: nn.Module, s: torch.Tensor) -> None:
     scale_(norm.weight, 1.0 / s)
 
@@ -188,7 +201,7 @@ def fold_quantkit_norm(norm: QuantkitNorm, s: torch.Tensor, fold_gate: bool = Tr
         scale_(norm.gate_down.weight, s[None, :])
 
 
-@folds(Qwen3NextRMSNorm, QuantkitHybridNorm)
+@folds(Qwen3NextRMSNorm, QuantkitHybridNorm, GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm)
 def fold_offset_rmsnorm(norm: nn.Module, s: torch.Tensor, fold_gate: bool = True) -> None:
     """y = x_hat * (1 + w): w' = (1 + w) / s - 1 in float32, rounded once (module docstring: precision).
 
@@ -299,11 +312,12 @@ def resolve_mappings(
         family = HYBRID
         logger.info("SmoothQuant: %s has Gated DeltaNet / sparse MoE layers: hybrid MoE mappings", architecture)
     if family is None:
-        family = DecoderFamily(linear_attention=(), glu_mlps=())
-        logger.warning(
-            "SmoothQuant: architecture %s is not registered (%s); trying the Llama-style decoder structure "
-            "with norm mappings only", architecture, sorted(ARCHITECTURES),
-        )
+        for kind, asked in (("v_proj -> o_proj", include_v_o), ("up_proj -> down_proj", include_up_down)):
+            if asked:
+                raise SmoothQuantMappingError(
+                    f"{kind} smoothing needs a registered architecture (whether it is function-preserving depends "
+                    f"on the attention / MLP classes); {architecture} has no ARCHITECTURES entry: norm mappings only")
+        return traced_mappings(model, architecture, layers)
     problems: list[str] = []
     mappings: list[SmoothMapping] = []
     skipped: list[str] = []
@@ -320,6 +334,71 @@ def resolve_mappings(
             + f"{sorted(c.__name__ for c in _FOLDS)}"
         )
     return MappingPlan(architecture, tuple(mappings), tuple(dict.fromkeys(skipped)))
+
+
+def _layer_norms(layer: nn.Module, width: int) -> dict[str, nn.Module]:
+    """A decoder layer's own candidate smoothing layers: its direct children with a (width,) weight (norms of
+    any class; a Linear's weight is 2-D)."""
+    return {n: m for n, m in layer.named_children() if getattr(getattr(m, "weight", None), "shape", None) == (width,)}
+
+
+def _consumer_kind(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_router(module) or is_fused_experts(module)
+
+
+@torch.no_grad()
+def traced_mappings(model: nn.Module, architecture: str, layers: nn.ModuleList) -> MappingPlan:
+    """The structural rule for architectures with no ARCHITECTURES entry: which of a decoder layer's norms feeds
+    which linears, found by running the model once on 8 tokens with hooks (a consumer reads a norm's output
+    when its input holds the same numbers as that output). Each norm with consumers becomes a "norm" mapping
+    (routers and MoE/shared-expert gates fold_only); norms that feed no linear (Gemma's post-attention and
+    post-feedforward norms feed the residual) are left alone. A norm that feeds linears but has no registered
+    fold (`folds`) is refused by name."""
+    embeddings = model.get_input_embeddings().weight
+    if any(p.is_meta for p in model.parameters()):
+        raise SmoothQuantMappingError(
+            f"SmoothQuant has no table entry for {architecture}, and its structural rule traces a forward pass, "
+            "which the streaming path (one layer in memory) cannot run: quantize with --no-streaming")
+    width = embeddings.shape[1]
+    outputs: dict[str, torch.Tensor] = {}
+    inputs: dict[str, torch.Tensor] = {}
+    handles = []
+    for i, layer in enumerate(layers):
+        for name, norm in _layer_norms(layer, width).items():
+            handles.append(norm.register_forward_hook(
+                lambda _m, _a, out, key=f"model.layers.{i}.{name}": outputs.__setitem__(key, out.detach())))
+        for name, module in layer.named_modules():
+            if name and _consumer_kind(module):
+                handles.append(module.register_forward_hook(
+                    lambda _m, args, kwargs, _o, key=f"model.layers.{i}.{name}": inputs.__setitem__(
+                        key, (args[0] if args else kwargs["hidden_states"]).detach()), with_kwargs=True))
+    try:
+        model(torch.arange(1, 9, device=embeddings.device)[None] % embeddings.shape[0])
+    finally:
+        for h in handles:
+            h.remove()
+    mappings, problems = [], []
+    for norm_name, y in outputs.items():
+        y = y.reshape(-1, width)
+        consumers = tuple(n for n, x in inputs.items() if n.startswith(norm_name.rsplit(".", 1)[0] + ".")
+                          and x.shape[-1] == width and x.numel() == y.numel() and torch.equal(x.reshape(-1, width), y))
+        if not consumers:
+            continue
+        norm = model.get_submodule(norm_name)
+        if fold_fn_for(norm) is None:
+            problems.append(f"{norm_name} ({type(norm).__name__}: no fold registered) feeds {', '.join(consumers)}")
+            continue
+        fold_only = tuple(c for c in consumers if is_router(model.get_submodule(c)) or c.endswith((".mlp.gate", "shared_expert_gate")))
+        mappings.append(SmoothMapping(norm_name, consumers, "norm", fold_only=fold_only))
+    if problems:
+        raise SmoothQuantMappingError(
+            f"SmoothQuant cannot fold {architecture}: " + "; ".join(problems[:3]) + (" ..." if len(problems) > 3 else "")
+            + ". Recipes without SmoothQuant (w8a8_fp8_block, w4a4_nvfp4, ...) still work.")
+    if not mappings:
+        raise SmoothQuantMappingError(f"SmoothQuant found no norm of {architecture} that feeds a linear; recipes "
+                                      "without SmoothQuant (w8a8_fp8_block, w4a4_nvfp4, ...) still work")
+    logger.info("SmoothQuant: %s is not registered: %d norm mappings traced", architecture, len(mappings))
+    return MappingPlan(architecture, tuple(mappings), ())
 
 
 def _decoder_layers(model: nn.Module, architecture: str) -> nn.ModuleList:
