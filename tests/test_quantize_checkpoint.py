@@ -202,3 +202,24 @@ def test_modelopt_export(source, tmp_path):
     assert torch.equal(state[f"{name}.weight"].view(torch.uint8), q.view(torch.uint8))
     # both are amax / 448 of the same bf16 row, each one float32 rounding (<= 2**-24 relative) from exact
     assert torch.allclose(state[f"{name}.weight_scale"].float().reshape(-1), scale.reshape(-1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3",
+                                          "gemma2", "gemma3"])
+def test_stock_decoders_quantize_with_every_scheme_and_smoothquant(architecture, tmp_path):
+    """The decoders transformers ships (issue 28), tiny and random: FP8 block and NVFP4 checkpoints whose fake-quant
+    reference loads, and SmoothQuant (table entry or the traced structural rule; `quantize` raises unless the fold
+    preserves the function, relative logit change <= its tolerance)."""
+    from quantkit.models.tiny import build_tiny_stock_checkpoint
+
+    source = build_tiny_stock_checkpoint(tmp_path / architecture, architecture)
+    recipe = tmp_path / "sq_tiny.yaml"
+    recipe.write_text("name: sq_tiny\nscheme: nvfp4\nsmoothquant: {alpha: 0.5, num_sequences: 2, seq_len: 16}\n")
+    for name in ("w8a8_fp8_block", "w4a4_nvfp4", str(recipe)):
+        out = quantize_checkpoint(source, name, tmp_path / Path(name).stem, streaming=False)
+        model = load_fake_quant_model(out)
+        assert any(isinstance(m, FakeQuantLinear) for m in model.modules())
+        with torch.no_grad():
+            assert torch.isfinite(model(torch.tensor([[1, 2, 3, 4]])).logits).all()
+    report = json.loads((out / "smoothquant.json").read_text())
+    assert report["mappings"] and report["relative_logit_change"] <= report["tolerance"]

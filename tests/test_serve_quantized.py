@@ -79,6 +79,14 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
     "ga_gatednorm-nvfp4_static": ("variant", "w4a4_nvfp4_static", 1),
     "qwen3-fp8_block": ("qwen3", "w8a8_fp8_block", 1),
     "qwen3-nvfp4": ("qwen3", "w4a4_nvfp4", 1),
+    # stock decoders a user brings (issue 28): the ones vLLM serves under our method today (not yet: Mixtral,
+    # whose vLLM class names its MoE block_sparse_moe; Phi-3, whose checkpoint stores qkv and gate_up fused; Gemma 2,
+    # whose vLLM CPU attention output differs from transformers' by ~3e-3 of its max |x|)
+    "llama-nvfp4": ("llama", "w4a4_nvfp4", 1),
+    "mistral-fp8_block": ("mistral", "w8a8_fp8_block", 1),
+    "qwen2-nvfp4": ("qwen2", "w4a4_nvfp4", 1),
+    "gemma3-nvfp4": ("gemma3", "w4a4_nvfp4", 1),
+    "qwen3_moe-fp8_block": ("qwen3_moe", "w8a8_fp8_block", 1),
     "ga_gatednorm-fp8_block-tp2": ("variant", "w8a8_fp8_block", 2),
     "ga_gatednorm-nvfp4_static-tp2": ("variant", "w4a4_nvfp4_static", 2),
 }
@@ -87,10 +95,9 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("sources")
-    return {
-        "variant": build_tiny_checkpoint(root / "variant", seed=0, **VARIANT),
-        "qwen3": build_tiny_stock_checkpoint(root / "qwen3", "qwen3", seed=0),
-    }
+    stock = {arch for arch, _, _ in CASES.values()} - {"variant"}
+    return {"variant": build_tiny_checkpoint(root / "variant", seed=0, **VARIANT),
+            **{arch: build_tiny_stock_checkpoint(root / arch, arch, seed=0) for arch in sorted(stock)}}
 
 
 def reference_logprobs(model: torch.nn.Module, token_ids: list[list[int]]) -> list[torch.Tensor]:

@@ -40,23 +40,31 @@ def build_tiny_checkpoint(
     return _build(QuantkitConfig, QuantkitForCausalLM, out_dir, vocab_size, seed, dtype, init_std, config_overrides)
 
 
-STOCK_ARCHITECTURES = ("qwen3", "llama", "gemma3")
+STOCK_ARCHITECTURES = ("qwen3", "llama", "gemma3", "mistral", "qwen2", "qwen3_moe", "mixtral", "phi3", "gemma2")
+# Per architecture: the overrides of TINY_SHAPE its config needs (MoE: 4 experts top-2).
+_STOCK_OVERRIDES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=1),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "gemma2": dict(tie_word_embeddings=True),  # as the released models (vLLM's Gemma classes have no lm_head)
+    "gemma3": dict(tie_word_embeddings=True),
+}
 
 
 def build_tiny_stock_checkpoint(
     out_dir: str | Path, architecture: str = "qwen3", vocab_size: int = 512, seed: int = 0,
     dtype: torch.dtype = torch.float32, init_std: float = 0.05,
 ) -> Path:
-    """Like `build_tiny_checkpoint`, for a stock transformers architecture (Qwen3ForCausalLM, LlamaForCausalLM,
-    Gemma3ForCausalLM: four (1 + w) norms a layer, sliding-window and global attention)."""
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    """Like `build_tiny_checkpoint`, for a stock transformers decoder: `architecture` is a model_type of
+    STOCK_ARCHITECTURES (Qwen3, Llama, Gemma 3 with its four (1 + w) norms a layer, Mistral, Qwen2, Qwen3-MoE and
+    Mixtral with 4 experts top-2, Phi-3 with fused qkv/gate_up, Gemma 2)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
-               "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
-    if architecture not in classes:
+    if architecture not in STOCK_ARCHITECTURES:
         raise ValueError(f"unknown stock architecture {architecture!r}; expected one of {list(STOCK_ARCHITECTURES)}")
-    return _build(*classes[architecture], out_dir, vocab_size, seed, dtype, init_std, {})
+    config_class = type(AutoConfig.for_model("gemma3_text" if architecture == "gemma3" else architecture))
+    model_class = AutoModelForCausalLM._model_mapping[config_class]
+    return _build(config_class, model_class, out_dir, vocab_size, seed, dtype, init_std,
+                  _STOCK_OVERRIDES.get(architecture, {}))
 
 
 def _build(config_class, model_class, out_dir, vocab_size, seed, dtype, init_std, overrides, rules=None) -> Path:
