@@ -12,8 +12,8 @@ What is asserted and why:
 - served: greedy text of the bf16 and FP8 checkpoints names Paris for "The capital of France is" (the
   model as shipped does); every KL is finite and >= 0 (a KL); FP8's is below W4A4's (E4M3 keeps 3 mantissa
   bits against E2M1's 1 on both operands; NVFP4's finer 16-element scales do not buy back two bits: an
-  ordering, not a bound). FP8's KL below 0.1 nats/token is a regression alarm, not a derived bound (measured
-  by hand ~0.026 on another machine, issue 28); a derived bound is still to do.
+  ordering, not a bound; measured here 0.018 vs 0.25 nats/token, 2026-11-25). No absolute KL threshold is
+  asserted: none is derived yet, and one fitted to a run would be the next flaky failure.
 Cost: fetch ~30 s (download + dequantize), two quantizations ~15 s each, three vLLM engines.
 """
 
@@ -123,7 +123,7 @@ def test_served_text_and_kl_against_bf16(fetched, quantized, tmp_path):
     kl = {name: engine_kl(dirs["bf16"], dirs[name])["mean"] for name in quantized}
     print(kl)
     assert all(math.isfinite(v) and v >= 0 for v in kl.values()), kl
-    assert kl["w8a8_fp8_block"] < kl["w4a4_nvfp4"] and kl["w8a8_fp8_block"] < 0.1, kl
+    assert kl["w8a8_fp8_block"] < kl["w4a4_nvfp4"], kl
 
 
 def test_quality_reads_the_tied_checkpoints(fetched, quantized):

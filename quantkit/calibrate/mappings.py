@@ -201,7 +201,12 @@ def fold_quantkit_norm(norm: QuantkitNorm, s: torch.Tensor, fold_gate: bool = Tr
         scale_(norm.gate_down.weight, s[None, :])
 
 
-@folds(Qwen3NextRMSNorm, QuantkitHybridNorm, GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm)
+# Norms computing y = x_hat * (1 + w): their scale is 1 + weight (the hybrid family, Gemma 1-3); diagnostics read
+# them as such too. Subclasses (QuantkitHybridNorm) are instances, but a fold is registered per exact class.
+OFFSET_NORMS = (Qwen3NextRMSNorm, GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm)
+
+
+@folds(*OFFSET_NORMS, QuantkitHybridNorm)
 def fold_offset_rmsnorm(norm: nn.Module, s: torch.Tensor, fold_gate: bool = True) -> None:
     """y = x_hat * (1 + w): w' = (1 + w) / s - 1 in float32, rounded once (module docstring: precision).
 
@@ -336,9 +341,10 @@ def resolve_mappings(
     return MappingPlan(architecture, tuple(mappings), tuple(dict.fromkeys(skipped)))
 
 
-def _layer_norms(layer: nn.Module, width: int) -> dict[str, nn.Module]:
-    """A decoder layer's own candidate smoothing layers: its direct children with a (width,) weight (norms of
-    any class; a Linear's weight is 2-D)."""
+def layer_norms(layer: nn.Module, width: int) -> dict[str, nn.Module]:
+    """A decoder layer's own norms of the residual width, by structure: its direct children with a (width,) weight
+    (norms of any class -- Llama's input/post-attention pair, Gemma 2/3's four; a Linear's weight is 2-D, per-head
+    q/k norms sit inside the attention)."""
     return {n: m for n, m in layer.named_children() if getattr(getattr(m, "weight", None), "shape", None) == (width,)}
 
 
@@ -364,7 +370,7 @@ def traced_mappings(model: nn.Module, architecture: str, layers: nn.ModuleList) 
     inputs: dict[str, torch.Tensor] = {}
     handles = []
     for i, layer in enumerate(layers):
-        for name, norm in _layer_norms(layer, width).items():
+        for name, norm in layer_norms(layer, width).items():
             handles.append(norm.register_forward_hook(
                 lambda _m, _a, out, key=f"model.layers.{i}.{name}": outputs.__setitem__(key, out.detach())))
         for name, module in layer.named_modules():

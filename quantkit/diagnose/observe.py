@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantkit.calibrate.mappings import layer_norms
 from quantkit.diagnose.stats import ChannelStats, Moments
 from quantkit.errors import NonFiniteStatisticsError
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
@@ -53,19 +54,12 @@ def decoder_layers(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
 
 
 def residual_norm_names(model: nn.Module) -> list[str]:
-    """Qualified names of the residual-stream norms: every norm a decoder layer holds directly whose weight has
-    the residual width (Llama's input/post-attention pair, Gemma 2/3's four: also pre/post-feedforward), in
-    module order, then the final norm. Found by structure (a child whose class name ends in "Norm" and whose
-    weight is (hidden,)), so per-head q/k norms are left out."""
+    """Qualified names of the residual-stream norms: each decoder layer's own norms of the residual width
+    (`layer_norms`: Llama's input/post-attention pair, Gemma 2/3's four), in module order, then the final norm."""
     layers, _ = decoder_layers(model)
     width = model.get_input_embeddings().weight.shape[1]
-    names = []
-    for i, layer in enumerate(layers):
-        for attr, child in layer.named_children():
-            weight = getattr(child, "weight", None)
-            if type(child).__name__.endswith("Norm") and isinstance(weight, torch.Tensor) and weight.shape == (width,):
-                names.append(f"model.layers.{i}.{attr}")
-    return names + ["model.norm"]
+    return [f"model.layers.{i}.{name}" for i, layer in enumerate(layers) for name in layer_norms(layer, width)] + \
+        ["model.norm"]
 
 
 @dataclass

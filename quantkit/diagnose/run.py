@@ -25,13 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm import tqdm
-from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
-from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
-from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
 from quantkit.atomic import write_text_atomic
 from quantkit.calibrate import channel_max
+from quantkit.calibrate.mappings import OFFSET_NORMS
 from quantkit.data import heldout_windows
 from quantkit.diagnose.observe import (
     SINK_EPS,
@@ -52,8 +49,6 @@ from quantkit.quantize.routed_experts import summarize_expert_snr
 MAP_TOKENS = 32        # attention maps are shown for the first 32 queries x keys
 TOP_K = 8
 NORM_PARAMS = {"weight": 1.0, "pre_scale": 1.0, "bias": 0.0, "alpha": None}  # parameter -> neutral value
-# y = x_hat * (1 + w): the scale gamma is 1 + weight (the hybrid family, Gemma 1-3)
-OFFSET_NORMS = (Qwen3NextRMSNorm, GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm)
 
 
 def resolve_recipes(names: Sequence[str]) -> list[Recipe]:

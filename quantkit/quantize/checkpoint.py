@@ -20,7 +20,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 import quantkit.models  # noqa: F401  (registers model_type "quantkit")
 from quantkit.atomic import atomic_dir
 from quantkit.calibrate import SmoothQuantReport, channel_max, smooth_model
-from quantkit.calibrate.mappings import resolve_mappings
 from quantkit.checkpoints import SAFETENSORS_DTYPES, TensorHeaders, check_checkpoint_dir
 from quantkit.data import calibration_windows
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
@@ -187,8 +186,7 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
         input_amax = {name: m.max().reshape(1) for name, m in maxima.items()}
     state = checkpoint_state(model)
     if scheme is not None:
-        smoothed = [] if recipe.smoothquant is None else \
-            [m.smooth for m in resolve_mappings(model, experts=recipe.smoothquant.experts).mappings]
+        smoothed = [] if smoothquant_report is None else [m.smooth for m in smoothquant_report.mappings]
         _, source = check_checkpoint_dir(model_dir)
         unquantized_to_source_dtype(state, list(quantized), source, model.config, smoothed_norm_keys(smoothed, state))
         encode_matrices(state, quantized, scheme, input_amax, f"quantize {recipe.name}")
