@@ -46,6 +46,7 @@ from quantkit.calibrate.mappings import (
     resolve_mappings,
     scale_,
 )
+from quantkit.calibrate.layers import HEAD_POSITIONS, final_hidden, find_decoder_stack, head_logits
 from quantkit.calibrate.stats import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, channel_max
 from quantkit.data import calibration_windows
 from quantkit.errors import NonFiniteStatisticsError, QuantkitError
@@ -247,17 +248,38 @@ def _as_tokens(calibration, tokenizer, num_sequences: int | None, seq_len: int |
 
 
 @torch.no_grad()
-def _logits(model: nn.Module, tokens: torch.Tensor, batch_size: int) -> torch.Tensor:
+def _final_hidden(model: nn.Module, layers: nn.ModuleList, tokens: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """The last decoder layer's output per batch of `tokens` (eval mode, on the model's device)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
-        return torch.cat([
-            model(input_ids=tokens[i : i + batch_size].to(device), use_cache=False).logits.float()
-            for i in range(0, len(tokens), batch_size)
-        ])
+        return [final_hidden(model, layers, tokens[i : i + batch_size].to(device)) for i in range(0, len(tokens), batch_size)]
     finally:
         model.train(was_training)
+
+
+@torch.no_grad()
+def logit_change(model: nn.Module, layers: nn.ModuleList, reference: Sequence[torch.Tensor],
+                 smoothed: Sequence[torch.Tensor], architecture: str) -> tuple[float, float]:
+    """(max |logit change|, max |reference logit|) over every batch and position of the verification windows.
+
+    reference / smoothed: per batch, the last decoder layer's output (B, T, hidden) before and after folding (any
+    object with len() and [b], e.g. batches spilled to disk). Logits are taken HEAD_POSITIONS positions at a time
+    (`quantkit.calibrate.layers.head_logits`): the whole-model and streaming paths cut the same pieces, so both
+    give the same numbers; a max does not depend on the order. NonFiniteStatisticsError if a reference logit is
+    NaN/Inf (the check could not tell a bad fold from a bad model)."""
+    change = scale = torch.zeros(())  # torch.maximum propagates NaN (Python's max would drop it)
+    for b in range(len(reference)):
+        ref_hidden, smoothed_hidden = reference[b], smoothed[b]
+        for start in range(0, ref_hidden.shape[1], HEAD_POSITIONS):
+            ref = head_logits(model, layers, ref_hidden, start)
+            if not torch.isfinite(ref).all():
+                raise NonFiniteStatisticsError(f"SmoothQuant: {architecture} produces NaN/Inf logits before smoothing "
+                                               "(check the checkpoint and dtype)")
+            diff = (head_logits(model, layers, smoothed_hidden, start) - ref).abs().max()
+            change, scale = torch.maximum(change, diff.cpu()), torch.maximum(scale, ref.abs().max().cpu())
+    return change.item(), scale.item()
 
 
 def smooth_model(
@@ -318,17 +340,20 @@ def smooth_model(
         scales[m.smooth] = smoothing_factors(x, w, alpha, power_of_two)
         before.append((x, w))
 
-    reference = _logits(model, verify, batch_size)
-    if not torch.isfinite(reference).all():  # the check below could not tell a bad fold from a bad model
-        raise NonFiniteStatisticsError(f"SmoothQuant: {plan.architecture} produces NaN/Inf logits before smoothing "
-                                       "(check the checkpoint and dtype); the model is untouched")
+    layers = find_decoder_stack(model)
+    if layers is None:
+        raise SmoothQuantMappingError(f"{type(model).__name__} has no decoder layers at model.model.layers: SmoothQuant's "
+                                      "function-preservation check runs the model's stack and head separately")
+    reference = _final_hidden(model, layers, verify, batch_size)
     for m in plan.mappings:
         fold_mapping(model, m, scales[m.smooth])
-    change = max(
-        (_logits(model, verify[i : i + batch_size], batch_size) - reference[i : i + batch_size]).abs().max().item()
-        for i in range(0, len(verify), batch_size)
-    )
-    scale = reference.abs().max().item()
+    try:
+        change, scale = logit_change(model, layers, reference, _final_hidden(model, layers, verify, batch_size),
+                                     plan.architecture)
+    except NonFiniteStatisticsError:
+        for m in reversed(plan.mappings):
+            fold_mapping(model, m, 1.0 / scales[m.smooth])
+        raise
     relative = change / max(scale, torch.finfo(torch.float32).tiny)
     if not relative <= tolerance:  # also catches NaN
         for m in reversed(plan.mappings):

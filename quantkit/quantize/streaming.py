@@ -5,7 +5,7 @@
 runs calibration through the whole model: ~8 bytes a parameter (a 24.6B model: ~200 GB). Here:
 
 1. The model is built on the meta device (`skeleton`: structure and names, no data); the parameters outside the
-   decoder layers (embeddings, final norm, lm_head) are loaded and written first.
+   decoder layers (embeddings, final norm, lm_head) are written first, one module at a time.
 2. Without forward passes (recipes with neither SmoothQuant nor static activation scales) each layer's tensors
    are read (`quantkit.checkpoints.TensorReader`, one tensor at a time, plain reads), encoded and written.
 3. With SmoothQuant and/or static scales, the calibration windows are embedded by the skeleton's own forward, with
@@ -31,9 +31,12 @@ dense and hybrid MoE). Output: `model-0000i-of-0000n.safetensors` shards of at m
 tensor is never split) and `model.safetensors.index.json`, written atomically like the whole-model checkpoint;
 config.json, tokenizer and smoothquant.json are the same files.
 
-Peak memory: one decoder layer in float32 (plus its encoded tensors), the non-layer parameters (embeddings,
-lm_head), and the calibration hidden states of the streams (N x T x hidden x 4 bytes each, twice while a layer
-runs; one batch when spilled): independent of depth (benchmarks/bench_quantize_memory.py).
+Peak memory: the largest of (a) one non-layer module in float32 and its written form, (b) the input embeddings in
+float32 while the calibration windows are embedded (then released: `_embed` runs before the first layer), (c) one
+decoder layer in float32 (plus its encoded tensors) and the calibration hidden states of the streams (N x T x hidden
+x 4 bytes each, twice while a layer runs; one batch when spilled), (d) the lm_head in float32 and HEAD_POSITIONS
+positions of logits for the function-preservation check (`quantkit.calibrate.layers`): independent of depth
+(benchmarks/bench_quantize_memory.py; benchmarks/bench_trained.py on the trained models).
 """
 
 from __future__ import annotations
@@ -45,8 +48,6 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import quantkit.models  # noqa: F401  (registers quantkit's model types)
 from quantkit.atomic import atomic_dir
+from quantkit.calibrate.layers import StopForward, find_decoder_stack, layer_forwards
 from quantkit.calibrate.mappings import MappingPlan, resolve_mappings
 from quantkit.calibrate.smoothquant import (
     DEFAULT_TOLERANCE,
@@ -71,6 +73,7 @@ from quantkit.calibrate.smoothquant import (
     _to_smoothing_channels,
     _weight_col_max,
     fold_mapping,
+    logit_change,
     mapping_report,
     smoothing_factors,
 )
@@ -208,25 +211,6 @@ class _Stream:
     hidden: _Batches
 
 
-class _StopForward(Exception):
-    def __init__(self, hidden: torch.Tensor) -> None:
-        super().__init__("stop after the last decoder layer")
-        self.hidden = hidden
-
-
-@contextmanager
-def _layer_forwards(layers: nn.ModuleList, fn: Callable[..., torch.Tensor]) -> Iterator[None]:
-    """Replace each decoder layer's forward by fn(i, hidden_states, **kwargs) (an instance attribute: the model's
-    loop, its mask choice by layer type and the layer's __call__ stay the real ones)."""
-    for i, layer in enumerate(layers):
-        layer.forward = lambda hidden_states, *args, _i=i, **kwargs: fn(_i, hidden_states, *args, **kwargs)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            del layer.forward
-
-
 @torch.no_grad()
 def _embed(skeleton: nn.Module, layers: nn.ModuleList, name: str, tokens: torch.Tensor, spill_dir: Path | None) -> _Stream:
     """Run the skeleton's forward up to the first decoder layer for each batch; record every layer's arguments."""
@@ -238,17 +222,17 @@ def _embed(skeleton: nn.Module, layers: nn.ModuleList, name: str, tokens: torch.
             raise StreamingError(f"the model passes decoder layer {i} positional arguments besides the hidden states")
         stream.layer_kwargs[-1].append(kwargs)
         if i == last:
-            raise _StopForward(hidden_states)
+            raise StopForward(hidden_states)
         return hidden_states
 
-    with _layer_forwards(layers, record):
+    with layer_forwards(layers, record):
         for start in range(0, len(tokens), BATCH_SIZE):
             chunk = tokens[start : start + BATCH_SIZE]
             stream.chunks.append(chunk)
             stream.layer_kwargs.append([])
             try:
                 skeleton(input_ids=chunk, use_cache=False)
-            except _StopForward as stop:
+            except StopForward as stop:
                 stream.hidden.append(stop.hidden)
             else:
                 raise StreamingError("the model's forward did not call its last decoder layer")
@@ -263,15 +247,6 @@ def _advance(stream: _Stream, layer: nn.Module, i: int) -> None:
         out.append(layer(stream.hidden[b], **stream.layer_kwargs[b][i]))
     stream.hidden.discard()
     stream.hidden = out
-
-
-@torch.no_grad()
-def _logits(skeleton: nn.Module, layers: nn.ModuleList, stream: _Stream, b: int) -> torch.Tensor:
-    """float32 logits of batch b: the skeleton's forward with the decoder stack replaced by the stream's final
-    hidden states (the model's own final norm and head)."""
-    last, final = len(layers) - 1, stream.hidden[b]
-    with _layer_forwards(layers, lambda i, h, **kw: final if i == last else h):
-        return skeleton(input_ids=stream.chunks[b], use_cache=False).logits.float()
 
 
 # --------------------------------------------------------------------------------------------- model pieces
@@ -291,8 +266,8 @@ def _skeleton(config) -> nn.Module:
 
 
 def _decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+    layers = find_decoder_stack(model)
+    if layers is None:
         raise StreamingError(f"{type(model).__name__} has no decoder layers at model.model.layers; streaming "
                              "quantization needs them (use the whole-model path: --no-streaming)")
     return "model.layers", layers
@@ -332,6 +307,12 @@ def _materialize(module: nn.Module, state: dict[str, torch.Tensor], where: str) 
         module.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:
         raise CheckpointError(f"{where}: the checkpoint's tensors do not fit the model: {err}") from err
+
+
+def _head_name(model: nn.Module) -> str | None:
+    """The module name of the model's output embeddings (lm_head), None where it has none."""
+    head = model.get_output_embeddings()
+    return next((name for name, module in model.named_modules() if module is head), None) if head is not None else None
 
 
 def _tied_partners(model: nn.Module) -> dict[str, str]:
@@ -410,22 +391,34 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
     try:
         with atomic_dir(out_dir, overwrite=overwrite) as tmp:
             writer = ShardWriter(tmp, max_shard_bytes, metadata)
-            # the parameters outside the decoder layers: loaded (the forward needs the embeddings, norm and head)
+            # the parameters outside the decoder layers, written one module at a time
             tied = _tied_partners(skeleton)
-            head = {}
-            for key in skeleton.state_dict(keep_vars=True):
-                if key.startswith(in_layers):
-                    continue
-                source = key if key in reader else tied.get(key)
-                if source is None or source not in reader:
-                    raise CheckpointError(f"{model_dir}: the checkpoint has no tensor {key}")
-                tensor = reader[source]
-                head[key] = tensor.float() if tensor.is_floating_point() else tensor
-            skeleton.load_state_dict(head, strict=False, assign=True)
-            head_weights = {n: skeleton.get_submodule(n).weight for n in outside}
-            for key, tensor in finish_state(dict(head), head_weights, {}).items():
-                writer.add(key, tensor)
-            del head
+            outside_keys = [k for k in skeleton.state_dict(keep_vars=True) if not k.startswith(in_layers)]
+
+            def read_outside(keys: list[str]) -> dict[str, torch.Tensor]:
+                state = {}
+                for key in keys:
+                    source = key if key in reader else tied.get(key)
+                    if source is None or source not in reader:
+                        raise CheckpointError(f"{model_dir}: the checkpoint has no tensor {key}")
+                    tensor = reader[source]
+                    state[key] = tensor.float() if tensor.is_floating_point() else tensor
+                return state
+
+            owners: dict[str, list[str]] = {}
+            for key in outside_keys:
+                owners.setdefault(key.rpartition(".")[0], []).append(key)
+            for keys in owners.values():
+                state = read_outside(keys)
+                matrices = {n: state[f"{n}.weight"] for n in outside if f"{n}.weight" in state}
+                for key, tensor in finish_state(state, matrices, {}).items():
+                    writer.add(key, tensor)
+                del state, matrices
+            # the forward up to the first layer needs all but the head; the head is loaded again for the check
+            head = _head_name(skeleton)
+            head_keys = [k for k in outside_keys if head is not None and k.startswith(f"{head}.")]
+            if sq is not None or static_tokens is not None:
+                skeleton.load_state_dict(read_outside([k for k in outside_keys if k not in head_keys]), strict=False, assign=True)
 
             streams: dict[str, _Stream] = {}
             spill = {}
@@ -439,6 +432,8 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
                 streams[name] = _embed(skeleton, layers, name, tokens, spill[name])
             if sq is not None:  # the smoothed stream starts from the same embeddings as the reference
                 streams["smoothed"] = _embed(skeleton, layers, "smoothed", sq_tokens[:DEFAULT_VERIFY_SEQUENCES], spill["ref"])
+            if skeleton.get_input_embeddings() is not None:  # embedded: its (vocabulary-sized) table is not needed again
+                skeleton.get_input_embeddings().to("meta")
 
             reports: list[MappingReport] = []
             scales: dict[str, torch.Tensor] = {}
@@ -489,6 +484,7 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
 
             report = None
             if sq is not None:
+                skeleton.load_state_dict(read_outside(head_keys), strict=False, assign=True)
                 report = _verify(skeleton, layers, streams["ref"], streams["smoothed"], plan, sq, sq_tokens, reports, scales)
             writer.finish()
             architecture = type(skeleton).__name__
@@ -502,15 +498,7 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
 def _verify(skeleton: nn.Module, layers: nn.ModuleList, ref: _Stream, smoothed: _Stream, plan: MappingPlan, sq,
             tokens: torch.Tensor, reports: list[MappingReport], scales: dict[str, torch.Tensor]) -> SmoothQuantReport:
     """smooth_model's function-preservation check on the carried verification windows; its report."""
-    changes, scale = [], 0.0  # batch by batch: one batch of logits in memory (max is exact: the same numbers)
-    for b in range(len(ref.chunks)):
-        reference = _logits(skeleton, layers, ref, b)
-        if not torch.isfinite(reference).all():
-            raise NonFiniteStatisticsError(f"SmoothQuant: {plan.architecture} produces NaN/Inf logits before smoothing "
-                                           "(check the checkpoint and dtype); nothing was written")
-        changes.append((_logits(skeleton, layers, smoothed, b) - reference).abs().max().item())
-        scale = max(scale, reference.abs().max().item())
-    change = max(changes)  # as smooth_model: the same numbers in the same order
+    change, scale = logit_change(skeleton, layers, ref.hidden, smoothed.hidden, plan.architecture)
     relative = change / max(scale, torch.finfo(torch.float32).tiny)
     if not relative <= DEFAULT_TOLERANCE:
         raise FunctionPreservationError(

@@ -1,0 +1,141 @@
+"""Time and peak memory of each quantkit command on the trained models (registry-shipped, DESIGN.md "Trained models").
+
+    python benchmarks/bench_trained.py [--models smollm2-135m-instruct qwen2.5-coder-0.5b-instruct]
+                                       [--sq-sequences 32] [--seq-len 512] [--quality-sequences 4] [--out DIR]
+
+Per model, each command runs as its own `quantkit` process (what a user types) and is measured from outside: wall
+time, and peak resident memory of that process (ru_maxrss of os.wait4: imports included, file-backed pages
+included), next to the bf16 checkpoint's size and their ratio (issue 28's bound: peak <= 1.5x the bf16
+checkpoint for the 0.5B). Commands: `models fetch` (skipped when cached: the cache is $QUANTKIT_MODELS_DIR),
+`quantize --streaming` with w8a8_fp8_block, w4a4_nvfp4 and w4a4_nvfp4_sq (SmoothQuant with --sq-sequences
+windows of --seq-len tokens: a recipe file written beside the outputs), `quality` on the three checkpoints, and
+`diagnose` (--quality-sequences windows). A table goes to stdout; JSON + markdown to benchmarks/results/
+(machine, date, command). Work files go to a temporary directory, removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+RECIPES = ["w8a8_fp8_block", "w4a4_nvfp4"]
+SQ_RECIPE = "w4a4_nvfp4_sq"
+
+
+def quantkit_command() -> list[str]:
+    """The `quantkit` console script of this interpreter's environment."""
+    script = Path(sys.executable).with_name("quantkit")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "quantkit.cli"]
+
+
+def measure(args: list[str], log: Path) -> dict:
+    """Run one command; {'seconds', 'peak_rss_mb', 'returncode'} (its output goes to `log`)."""
+    start = time.perf_counter()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return {"seconds": round(time.perf_counter() - start, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+            "returncode": proc.returncode}
+
+
+def checkpoint_mb(model_dir: Path) -> float:
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
+
+
+def sq_recipe_file(work: Path, num_sequences: int, seq_len: int) -> Path:
+    """w4a4_nvfp4_sq with the calibration count lowered (the shipped recipe keeps the paper's 4096 x 512)."""
+    import yaml
+
+    from quantkit.quantize.recipe import RECIPES_DIR
+
+    spec = yaml.safe_load((RECIPES_DIR / f"{SQ_RECIPE}.yaml").read_text())
+    name = f"{SQ_RECIPE}_{num_sequences}x{seq_len}"
+    spec.update(name=name)
+    spec["smoothquant"].update(num_sequences=num_sequences, seq_len=seq_len)
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def bench_model(name: str, work: Path, args: argparse.Namespace) -> list[dict]:
+    from quantkit.models.trained import cached
+
+    qk = quantkit_command()
+    rows = []
+
+    def run(command: str, argv: list[str]) -> dict:
+        log = work / f"{name}.{command.replace(' ', '_')}.log"
+        print(f"[{name}] {command} ...", flush=True)
+        row = {"model": name, "command": command, **measure(qk + argv, log)}
+        if row["returncode"] != 0:
+            raise SystemExit(f"{command} failed (exit {row['returncode']}); its output: {log}\n{log.read_text()[-2000:]}")
+        rows.append(row)
+        return row
+
+    if cached(name) is None:
+        run("models fetch", ["models", "fetch", name])
+    model_dir = cached(name)
+    bf16_mb = checkpoint_mb(model_dir)
+    outs = []
+    for recipe in [*RECIPES, str(sq_recipe_file(work, args.sq_sequences, args.seq_len))]:
+        label = Path(recipe).stem
+        out = work / f"{name}-{label}"
+        row = run(f"quantize {label}", ["quantize", "--streaming", str(model_dir), recipe, str(out)])
+        row["output_mb"] = round(checkpoint_mb(out), 1)
+        outs.append(str(out))
+    run("quality", ["quality", "--num-sequences", str(args.quality_sequences), "--seq-len", "256", str(model_dir), *outs])
+    run("diagnose", ["diagnose", "--num-sequences", str(args.quality_sequences), "--seq-len", str(args.seq_len),
+                     "--out", str(work / f"{name}-diagnostics"), str(model_dir)])
+    for row in rows:
+        row["bf16_checkpoint_mb"] = round(bf16_mb, 1)
+        row["peak_over_bf16"] = round(row["peak_rss_mb"] / bf16_mb, 2)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
+    parser.add_argument("--sq-sequences", type=int, default=32, help="SmoothQuant calibration windows")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration / diagnostics window")
+    parser.add_argument("--quality-sequences", type=int, default=4, help="held-out windows for quality and diagnose")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-trained-"))
+    try:
+        rows = [row for name in args.models for row in bench_model(name, work, args)]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    stamp = datetime.now(timezone.utc)
+    machine = f"{platform.machine()}-{len(os.sched_getaffinity(0))}-cores"
+    lines = ["| model | command | seconds | peak RSS (MB) | bf16 checkpoint (MB) | peak / bf16 | output (MB) |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['command']} | {r['seconds']} | {r['peak_rss_mb']} | {r['bf16_checkpoint_mb']} | "
+              f"{r['peak_over_bf16']}x | {r.get('output_mb', '')} |" for r in rows]
+    table = "\n".join(lines)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python", *sys.argv])
+    base = args.out / f"trained_{machine}_{stamp:%Y-%m-%d_%H%M}"
+    meta = {"machine": machine, "cpu": platform.processor() or platform.machine(), "date": stamp.isoformat(timespec="seconds"),
+            "command": command}
+    base.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    base.with_suffix(".md").write_text(f"# Trained models: time and peak memory per command\n\n{meta['machine']}, "
+                                       f"{meta['date']}, `{command}`\n\n{table}\n")
+    print(f"written {base}.json / .md")
+
+
+if __name__ == "__main__":
+    main()
