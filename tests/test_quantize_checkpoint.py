@@ -139,6 +139,65 @@ def test_quality_table(source, tmp_path):
     assert fp8_sq["min_snr_db"] > 20 and abs(fp8_sq["mean_snr_db"] - fp8["mean_snr_db"]) < 6
 
 
+def test_layerwise_quality_equals_the_whole_models(source, tmp_path):
+    """`quality` runs one layer of each model at a time; its KL and SNRs equal those of the two whole models (the
+    float32 source with the checkpoint's SmoothQuant factors folded in, and `load_fake_quant_model`) up to float32
+    summation order. Bound, derived: the two paths run the same float32 operations on batches of different size
+    (8 windows vs 1), so each GEMM's sum may be reordered: a relative change <= K u (u = 2^-24, K the longest
+    reduction) per GEMM, accumulated over the 4 GEMMs of each of the L layers and the head: a logit moves by at
+    most delta = (4L + 1) K u max|logit|. KL(p || q) moves by at most 2 delta through q's logits (its gradient
+    q - p has L1 norm <= 2) and 2 delta max|log p - log q| through p's: |dKL| <= 2 delta (1 + max|log p - log q|)."""
+    from quantkit.calibrate.mappings import resolve_mappings
+    from quantkit.calibrate.smoothquant import fold_mapping
+    from quantkit.data import heldout_windows
+    from quantkit.quantize.checkpoint import read_smoothquant_factors
+    from quantkit.quantize.quality import quality
+    from quantkit.quantize.recipe import parse_recipe
+    from transformers import AutoTokenizer
+
+    sq = parse_recipe({"name": "nvfp4_sq", "scheme": "nvfp4", "smoothquant": {"alpha": 0.5, "num_sequences": 8, "seq_len": 64}})
+    out = quantize_checkpoint(source, sq, tmp_path / "sq")
+    tokens = heldout_windows(AutoTokenizer.from_pretrained(source), 10, 64)  # a full batch of 8 and a partial one
+    layerwise = quality(source, out, tokens)
+
+    reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    factors = read_smoothquant_factors(out)
+    for m in resolve_mappings(reference).mappings:
+        fold_mapping(reference, m, factors[m.smooth])
+    quantized = load_fake_quant_model(out)
+    with torch.no_grad():
+        a = torch.cat([reference(w).logits for w in tokens.split(1)])
+        b = torch.cat([quantized(w).logits for w in tokens.split(1)])
+    p, q = torch.log_softmax(a.double(), -1), torch.log_softmax(b.double(), -1)
+    whole_kl = (p.exp() * (p - q)).sum(-1).mean().item()
+    config = reference.config
+    k = max(config.intermediate_size, config.hidden_size, config.num_attention_heads * config.head_dim)
+    delta = (4 * config.num_hidden_layers + 1) * k * 2**-24 * a.abs().max().item()
+    bound = 2 * delta * (1 + (p - q).abs().max().item())
+    assert abs(layerwise["kl"] - whole_kl) <= bound, (layerwise["kl"], whole_kl, bound)
+    assert bound < layerwise["kl"] / 2  # the bound is well below the effect measured: a wrong layer would show
+    assert set(layerwise["layer_snr_db"]) == set(json.loads((out / "config.json").read_text())["quantization_config"]["quantized_modules"])
+
+
+def test_unmappable_model_is_refused_before_its_weights_load(source, tmp_path, monkeypatch):
+    """A registered architecture SmoothQuant cannot fold (here: its norm class's fold removed) is refused from
+    config.json alone, on the meta device: the weights are never read, and nothing is written."""
+    import quantkit.quantize.checkpoint as checkpoint_module
+    from quantkit.calibrate import SmoothQuantMappingError
+    from quantkit.calibrate import mappings
+    from quantkit.models.modeling import QuantkitNorm
+
+    monkeypatch.delitem(mappings._FOLDS, QuantkitNorm)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the refusal")
+
+    monkeypatch.setattr(checkpoint_module.AutoModelForCausalLM, "from_pretrained", no_load)
+    with pytest.raises(SmoothQuantMappingError, match=r"QuantkitNorm: no fold registered"):
+        quantize_checkpoint(source, "w8a8_fp8_block_sq", tmp_path / "out", streaming=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_llmcompressor_peer_recipes(source, tmp_path):
     """The peers' presets run through llmcompressor in its own venv; their weights match our formats."""
     from quantkit.formats import quantize_nvfp4

@@ -1,20 +1,39 @@
-"""A causal LM's forward in pieces: its decoder stack, the hidden states after the last layer, and its head.
+"""A causal LM's forward in pieces: the layer-by-layer engine of streaming quantize, quality and diagnose.
 
-The calibration engines (SmoothQuant's whole-model check, the streaming quantizer) compare logits without
-holding vocabulary-sized tensors for whole windows: they keep the last decoder layer's output (B, T, hidden) and
-apply the model's own final norm and head to HEAD_POSITIONS positions at a time (`head_logits`): (B, 64, V) float32,
-~40 MB per window at V = 152k instead of ~0.3 GB. Both paths cut the same pieces, so they compute the same bits.
+- The model as a skeleton on the meta device (`skeleton_model`: names and shapes, no data); a module's tensors
+  read from the checkpoint one at a time (`source_tensors`, `outside_state`) and given to it (`materialize`),
+  then sent back to the meta device: one decoder layer in memory at a time.
+- Token windows carried through the decoder stack layer by layer (`Stream`): `embed_stream` runs the model's
+  own forward up to its first decoder layer and records the keyword arguments the model passes every layer
+  (position embeddings, the mask of its layer type); `advance_stream` runs one layer on every batch.
+- The head in pieces: the last decoder layer's output (`final_hidden`) and the model's own final norm and head
+  on HEAD_POSITIONS positions at a time (`head_logits`): (B, 64, V) float32, ~40 MB per window at V = 152k
+  instead of ~0.3 GB. The whole-model and layer-by-layer paths cut the same pieces, so they compute the same bits.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
+
+from quantkit.checkpoints import CheckpointError, TensorReader
+from quantkit.errors import QuantkitError
+from quantkit.formats.experts import fuse_expert_matrices, fused_experts_modules
 
 HEAD_POSITIONS = 64  # positions per head_logits call
+BATCH_SIZE = 8  # windows per batch: smooth_model's and channel_max's default (the same batches give the same bits)
+
+
+class LayerwiseError(QuantkitError, ValueError):
+    """The model's structure does not allow running it layer by layer (the message says what and why)."""
 
 
 class StopForward(Exception):
@@ -29,6 +48,15 @@ def find_decoder_stack(model: nn.Module) -> nn.ModuleList | None:
     """model.model.layers (every transformers decoder and quantkit's families), or None where the model has none."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     return layers if isinstance(layers, nn.ModuleList) and len(layers) > 0 else None
+
+
+def decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """("model.layers", the decoder layers); LayerwiseError where the model keeps none there."""
+    layers = find_decoder_stack(model)
+    if layers is None:
+        raise LayerwiseError(f"{type(model).__name__} has no decoder layers at model.model.layers; running it layer "
+                             "by layer needs them")
+    return "model.layers", layers
 
 
 @contextmanager
@@ -70,3 +98,168 @@ def head_logits(model: nn.Module, layers: nn.ModuleList, hidden: torch.Tensor, s
     positions = torch.arange(start, min(start + HEAD_POSITIONS, hidden.shape[1]), device=hidden.device)
     with layer_forwards(layers, lambda i, h, *args, **kwargs: hidden if i == last else h):
         return model(inputs_embeds=hidden, use_cache=False, logits_to_keep=positions).logits.float()
+
+
+# --------------------------------------------------------------------------------------------- streams
+
+
+class _Batches:
+    """A stream's per-batch hidden states, in memory or (spill_dir set) one torch.save file a batch."""
+
+    def __init__(self, spill_dir: Path | None) -> None:
+        self.spill_dir, self._items = spill_dir, []
+
+    def append(self, t: torch.Tensor) -> None:
+        if self.spill_dir is None:
+            self._items.append(t)
+            return
+        fd, name = tempfile.mkstemp(suffix=".pt", dir=self.spill_dir)
+        os.close(fd)
+        path = Path(name)
+        torch.save(t, path)
+        self._items.append(path)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        item = self._items[i]
+        return torch.load(item, weights_only=True) if isinstance(item, Path) else item
+
+    def discard(self) -> None:
+        for item in self._items:
+            if isinstance(item, Path):
+                item.unlink()
+        self._items.clear()
+
+
+@dataclass
+class Stream:
+    """Token windows carried layer by layer: per batch of BATCH_SIZE windows, the keyword arguments the model gives
+    each layer, and the hidden states entering the next layer."""
+
+    name: str
+    chunks: list[torch.Tensor]  # (B, T) int64 token batches
+    layer_kwargs: list[list[dict]]  # [batch][layer]
+    hidden: _Batches
+
+
+@torch.no_grad()
+def embed_stream(skeleton: nn.Module, layers: nn.ModuleList, name: str, tokens: torch.Tensor, spill_dir: Path | None,
+                 batch_size: int = BATCH_SIZE) -> Stream:
+    """Run the skeleton's forward up to the first decoder layer for each batch of `batch_size` windows of tokens
+    (N, T); record every layer's keyword arguments. spill_dir: keep the hidden states there (one file a batch)."""
+    stream = Stream(name, [], [], _Batches(spill_dir))
+    last = len(layers) - 1
+
+    def record(i: int, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args:
+            raise LayerwiseError(f"the model passes decoder layer {i} positional arguments besides the hidden states")
+        stream.layer_kwargs[-1].append(kwargs)
+        if i == last:
+            raise StopForward(hidden_states)
+        return hidden_states
+
+    with layer_forwards(layers, record):
+        for start in range(0, len(tokens), batch_size):
+            chunk = tokens[start : start + batch_size]
+            stream.chunks.append(chunk)
+            stream.layer_kwargs.append([])
+            try:
+                skeleton(input_ids=chunk, use_cache=False)
+            except StopForward as stop:
+                stream.hidden.append(stop.hidden)
+            else:
+                raise LayerwiseError("the model's forward did not call its last decoder layer")
+    return stream
+
+
+@torch.no_grad()
+def advance_stream(stream: Stream, layer: nn.Module, i: int) -> None:
+    """Hidden states of `stream` through decoder layer i (the layer's own __call__, the model's arguments)."""
+    out = _Batches(stream.hidden.spill_dir)
+    for b in range(len(stream.hidden)):
+        out.append(layer(stream.hidden[b], **stream.layer_kwargs[b][i]))
+    stream.hidden.discard()
+    stream.hidden = out
+
+
+# --------------------------------------------------------------------------------------------- model pieces
+
+
+def skeleton_model(config, attn_implementation: str | None = None) -> nn.Module:
+    """The model on the meta device (no data) with its non-persistent buffers (rotary frequencies) computed as
+    from_pretrained computes them (`_init_weights` of their modules), in eval mode; float32."""
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    owners = {name.rpartition(".")[0] for name, b in model.named_buffers() if b.is_meta}
+    for name in owners:
+        module = model.get_submodule(name)
+        module.to_empty(device="cpu", recurse=False)
+        model._init_weights(module)
+    return model.eval()
+
+
+def source_tensors(reader: TensorReader, module: nn.Module, prefix: str, model_dir: Path) -> dict[str, torch.Tensor]:
+    """module's state (relative names) from the checkpoint in float32 (as from_pretrained(dtype=float32) loads it),
+    fused routed experts from their per-expert tensors (`fuse_expert_matrices`). CheckpointError names a missing
+    tensor."""
+    fused = fused_experts_modules(module)
+    state = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        key = f"{prefix}{name}"
+        owner, _, leaf = name.rpartition(".")
+        if key in reader:
+            tensor = reader[key]
+        elif owner in fused and leaf in ("gate_up_proj", "down_proj"):
+            continue  # below, both at once
+        else:
+            raise CheckpointError(f"{model_dir}: the checkpoint has no tensor {key}")
+        state[name] = tensor.float() if tensor.is_floating_point() else tensor
+    for name, experts in fused.items():
+        num = experts.gate_up_proj.shape[0]
+        base = f"{prefix}{name}"
+        matrices = {}
+        for key in (f"{base}.{e}.{p}" for e in range(num) for p in ("gate_proj", "up_proj", "down_proj")):
+            if f"{key}.weight" not in reader:
+                raise CheckpointError(f"{model_dir}: the checkpoint has no tensor {key}.weight (routed expert)")
+            matrices[key] = reader[f"{key}.weight"]
+        gate_up, down = fuse_expert_matrices(matrices, base, num)
+        state[f"{name}.gate_up_proj"], state[f"{name}.down_proj"] = gate_up.float(), down.float()
+    return state
+
+
+def materialize(module: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Give `module` (on the meta device) the tensors of `state` (strict: every one, no other); CheckpointError."""
+    try:
+        module.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"{where}: the checkpoint's tensors do not fit the model: {err}") from err
+
+
+def head_name(model: nn.Module) -> str | None:
+    """The module name of the model's output embeddings (lm_head), None where it has none."""
+    head = model.get_output_embeddings()
+    return next((name for name, module in model.named_modules() if module is head), None) if head is not None else None
+
+
+def outside_state(reader: TensorReader, keys: list[str], tied: dict[str, str], model_dir: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors `keys` (outside the decoder layers) in float32 as from_pretrained(dtype=float32) loads
+    them; a key the checkpoint does not store is read from its tied partner (`tied_partners`)."""
+    state = {}
+    for key in keys:
+        source = key if key in reader else tied.get(key)
+        if source is None or source not in reader:
+            raise CheckpointError(f"{model_dir}: the checkpoint has no tensor {key}")
+        tensor = reader[source]
+        state[key] = tensor.float() if tensor.is_floating_point() else tensor
+    return state
+
+
+def tied_partners(model: nn.Module) -> dict[str, str]:
+    """state key -> another key of the same (tied) tensor, e.g. lm_head.weight -> model.embed_tokens.weight."""
+    groups: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(value), []).append(key)
+    return {k: other for keys in groups.values() if len(keys) > 1 for k in keys for other in keys if other != k}

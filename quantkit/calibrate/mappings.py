@@ -92,6 +92,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Q
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Qwen3RMSNorm
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention, Qwen3NextMLP, Qwen3NextRMSNorm
 
+from quantkit.calibrate.layers import find_decoder_stack
 from quantkit.errors import QuantkitError
 from quantkit.formats.experts import is_fused_experts
 from quantkit.models.modeling import QuantkitAttention, QuantkitNorm
@@ -312,10 +313,7 @@ def resolve_mappings(
     """
     architecture = type(model).__name__
     layers = _decoder_layers(model, architecture)
-    family = ARCHITECTURES.get(architecture)
-    if family is None and any(_is_hybrid_layer(layer) for layer in layers):
-        family = HYBRID
-        logger.info("SmoothQuant: %s has Gated DeltaNet / sparse MoE layers: hybrid MoE mappings", architecture)
+    family = _table_family(model, layers)
     if family is None:
         for kind, asked in (("v_proj -> o_proj", include_v_o), ("up_proj -> down_proj", include_up_down)):
             if asked:
@@ -405,6 +403,23 @@ def traced_mappings(model: nn.Module, architecture: str, layers: nn.ModuleList) 
                                       "without SmoothQuant (w8a8_fp8_block, w4a4_nvfp4, ...) still work")
     logger.info("SmoothQuant: %s is not registered: %d norm mappings traced", architecture, len(mappings))
     return MappingPlan(architecture, tuple(mappings), ())
+
+
+def _table_family(model: nn.Module, layers: nn.ModuleList) -> DecoderFamily | None:
+    """The ARCHITECTURES entry of `model`, HYBRID for unregistered models with Gated DeltaNet / sparse MoE layers,
+    None where only the structural rule (a traced forward) can map it."""
+    family = ARCHITECTURES.get(type(model).__name__)
+    if family is None and any(_is_hybrid_layer(layer) for layer in layers):
+        logger.info("SmoothQuant: %s has Gated DeltaNet / sparse MoE layers: hybrid MoE mappings", type(model).__name__)
+        return HYBRID
+    return family
+
+
+def maps_by_table(model: nn.Module) -> bool:
+    """Whether `resolve_mappings` maps `model` from its structure alone (a table entry), so that it can run on the
+    meta device before any weight is loaded; False for models mapped by tracing (or with no decoder layers)."""
+    layers = find_decoder_stack(model)
+    return layers is not None and _table_family(model, layers) is not None
 
 
 def _decoder_layers(model: nn.Module, architecture: str) -> nn.ModuleList:

@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 import quantkit.models  # noqa: F401  (registers model_type "quantkit")
 from quantkit.atomic import atomic_dir
 from quantkit.calibrate import SmoothQuantReport, channel_max, smooth_model
-from quantkit.checkpoints import SAFETENSORS_DTYPES, TensorHeaders, check_checkpoint_dir
+from quantkit.calibrate.mappings import maps_by_table, resolve_mappings
+from quantkit.checkpoints import SAFETENSORS_DTYPES, CheckpointError, TensorHeaders, check_checkpoint_dir
 from quantkit.data import calibration_windows
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import UNQUANTIZED, Scheme, scheme_for
@@ -29,6 +30,8 @@ from quantkit.quantize.modelopt_backend import quantize_with_modelopt
 from quantkit.quantize.recipe import CalibrationSettings, Recipe, load_recipe
 
 logger = logging.getLogger(__name__)
+# SmoothQuant's factors beside the weights (torch.save; not *.safetensors, which vLLM and transformers would load as weights)
+SMOOTHQUANT_FACTORS = "smoothquant_factors.pt"
 
 
 def quantizable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -113,11 +116,23 @@ def output_config(config: PretrainedConfig, architecture: str, recipe: Recipe, q
 
 
 def write_side_files(out_dir: Path, config: dict, tokenizer, smoothquant_report: SmoothQuantReport | None) -> None:
-    """config.json, the tokenizer and smoothquant.json (SQ recipes) of a quantized checkpoint."""
+    """config.json, the tokenizer, and for SQ recipes smoothquant.json and SMOOTHQUANT_FACTORS of a quantized
+    checkpoint."""
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     tokenizer.save_pretrained(out_dir)
     if smoothquant_report is not None:
         (out_dir / "smoothquant.json").write_text(json.dumps(smoothquant_report.to_dict(), indent=2))
+        torch.save({name: s.float().cpu() for name, s in smoothquant_report.scales.items()}, out_dir / SMOOTHQUANT_FACTORS)
+
+
+def read_smoothquant_factors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """SmoothQuant's factors s (smoothing module name -> (channels,) float32; its output was divided by s, its
+    consumers' columns multiplied) as the checkpoint records them; CheckpointError if it records none."""
+    path = Path(model_dir) / SMOOTHQUANT_FACTORS
+    if not path.exists():
+        raise CheckpointError(f"{model_dir}: a SmoothQuant checkpoint without {SMOOTHQUANT_FACTORS} (written by an "
+                              "older quantkit): quantize it again")
+    return torch.load(path, weights_only=True)
 
 
 def float32_bytes(model_dir: str | Path) -> int:
@@ -135,6 +150,18 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def refuse_unmappable_early(model_dir: Path, recipe: Recipe) -> None:
+    """SmoothQuant's mappings resolved on the model built from config.json alone (meta device, no weights read), so
+    that a model SmoothQuant cannot fold is refused in a second, not after loading it: SmoothQuantMappingError.
+    Architectures without a table entry are mapped by tracing a forward pass, which needs the weights: for them
+    this checks nothing and `smooth_model` decides after the load."""
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    if maps_by_table(skeleton):
+        resolve_mappings(skeleton, experts=recipe.smoothquant.experts)
 
 
 def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: str | Path, *, overwrite: bool = False,
@@ -165,6 +192,8 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
 
         return quantize_streaming(model_dir, recipe, out_dir, overwrite=overwrite)
 
+    if recipe.smoothquant is not None:
+        refuse_unmappable_early(model_dir, recipe)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     smoothquant_report = None

@@ -141,25 +141,13 @@ def load_fake_quant_model(model_dir: str | Path, quantize_activations: bool = Tr
     quantize_activations=False gives the weight-only ablation (decoded weights, float32 activations)."""
     model_dir = Path(model_dir)
     qc = read_quantization_config(model_dir)
-    scheme = get_scheme(qc["scheme"])
     config = AutoConfig.from_pretrained(model_dir)
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     state = read_state(model_dir)  # one model.safetensors or shards with an index
-    quantized = set(qc["quantized_modules"])  # expert matrices are taken out by _load_experts
-    experts = fused_experts_modules(model)
-    for name, module in experts.items():
-        _load_experts(model, name, module, scheme, state, quantized, quantize_activations, model_dir)
-    for name in sorted(quantized):
-        linear = model.get_submodule(name)
-        tensors = {s: state.pop(f"{name}.{s}") for s in checkpoint_suffixes() if f"{name}.{s}" in state}
-        weight = scheme.decode(tensors, linear.in_features)
-        if tuple(weight.shape) != tuple(linear.weight.shape):
-            raise ValueError(f"{model_dir}: {name} decodes to {tuple(weight.shape)}, the model expects {tuple(linear.weight.shape)}")
-        bias = state.pop(f"{name}.bias", None)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, FakeQuantLinear(scheme, weight, bias, tensors.get("input_global_scale"), quantize_activations))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    experts = list(fused_experts_modules(model))
+    rest = install_fake_quant(model, "", state, qc, quantize_activations, model_dir)
+    missing, unexpected = model.load_state_dict(rest, strict=False)
     loaded = set(qc["quantized_modules"]) | set(experts)  # set above
     missing = [k for k in missing if k.rsplit(".", 1)[0] not in loaded]
     head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
@@ -170,11 +158,40 @@ def load_fake_quant_model(model_dir: str | Path, quantize_activations: bool = Tr
     return model
 
 
-def _load_experts(model: torch.nn.Module, name: str, module: torch.nn.Module, scheme: Scheme, state: dict[str, torch.Tensor],
-                  quantized: set[str], quantize_activations: bool, model_dir: Path) -> None:
-    """Fill the fused experts module `name` from its per-expert checkpoint tensors (popped from `state` and, for
-    quantized matrices, discarded from `quantized`); replace it by a FakeQuantExperts if any matrix is quantized."""
-    shapes = {m: tuple(w.shape) for m, w in expert_matrices(name, module).items()}
+def install_fake_quant(module: torch.nn.Module, prefix: str, state: dict[str, torch.Tensor], qc: dict,
+                       quantize_activations: bool, model_dir: Path, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Replace, in `module` (the model, or one of its submodules named prefix without its trailing dot), the
+    quantized linears and the fused routed experts by FakeQuantLinear / FakeQuantExperts built from `state`
+    (checkpoint tensors under their full names, e.g. a decoder layer's with prefix "model.layers.3."; popped).
+    Returns the remaining tensors of `state` under `prefix`, renamed relative to `module`, for load_state_dict.
+    qc: the checkpoint's quantization_config (`read_quantization_config`); only: full module names to consider
+    (default: every quantized module and experts module under prefix)."""
+    scheme = get_scheme(qc["scheme"])
+    quantized = {n for n in qc["quantized_modules"] if n.startswith(prefix) and (only is None or n in only)}
+    for name, experts in fused_experts_modules(module).items():  # their matrices are taken out of `quantized`
+        if only is not None and prefix + name not in only:
+            continue
+        _load_experts(module, prefix, name, experts, scheme, state, quantized, quantize_activations, model_dir)
+    for full in sorted(quantized):
+        name = full[len(prefix):]
+        linear = module.get_submodule(name)
+        tensors = {s: state.pop(f"{full}.{s}") for s in checkpoint_suffixes() if f"{full}.{s}" in state}
+        weight = scheme.decode(tensors, linear.in_features)
+        if tuple(weight.shape) != tuple(linear.weight.shape):
+            raise ValueError(f"{model_dir}: {full} decodes to {tuple(weight.shape)}, the model expects {tuple(linear.weight.shape)}")
+        bias = state.pop(f"{full}.bias", None)
+        fake = FakeQuantLinear(scheme, weight, bias, tensors.get("input_global_scale"), quantize_activations)
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent), child, fake)
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _load_experts(model: torch.nn.Module, prefix: str, name: str, module: torch.nn.Module, scheme: Scheme,
+                  state: dict[str, torch.Tensor], quantized: set[str], quantize_activations: bool, model_dir: Path) -> None:
+    """Fill the fused experts module `name` of `model` (checkpoint names: prefix + name) from its per-expert
+    checkpoint tensors (popped from `state` and, for quantized matrices, discarded from `quantized`); replace it
+    by a FakeQuantExperts if any matrix is quantized."""
+    shapes = {prefix + m: tuple(w.shape) for m, w in expert_matrices(name, module).items()}
     num_experts = module.gate_up_proj.shape[0]
     matrices, scales, flags = {}, {}, {}
     for matrix, shape in shapes.items():
@@ -190,19 +207,18 @@ def _load_experts(model: torch.nn.Module, name: str, module: torch.nn.Module, sc
             raise ValueError(f"{model_dir}: expert matrix {matrix} has no tensors in the checkpoint")
         if tuple(matrices[matrix].shape) != shape:
             raise ValueError(f"{model_dir}: {matrix} decodes to {tuple(matrices[matrix].shape)}, the model expects {shape}")
-    gate_up, down = fuse_expert_matrices(matrices, name, num_experts)
-    if not any(flags.values()):
-        with torch.no_grad():
-            module.gate_up_proj.copy_(gate_up)
-            module.down_proj.copy_(down)
+    full = prefix + name
+    gate_up, down = fuse_expert_matrices(matrices, full, num_experts)
+    if not any(flags.values()):  # parameters replaced, not copied into: `module` may be on the meta device
+        module.gate_up_proj, module.down_proj = torch.nn.Parameter(gate_up), torch.nn.Parameter(down)
         return
     for e in range(num_experts):
-        if flags[f"{name}.{e}.gate_proj"] != flags[f"{name}.{e}.up_proj"]:
-            raise ValueError(f"{model_dir}: {name}.{e}: gate_proj and up_proj must be quantized together (one fused GEMM)")
-    quant = torch.tensor([[flags[f"{name}.{e}.gate_proj"], flags[f"{name}.{e}.down_proj"]] for e in range(num_experts)])
+        if flags[f"{full}.{e}.gate_proj"] != flags[f"{full}.{e}.up_proj"]:
+            raise ValueError(f"{model_dir}: {full}.{e}: gate_proj and up_proj must be quantized together (one fused GEMM)")
+    quant = torch.tensor([[flags[f"{full}.{e}.gate_proj"], flags[f"{full}.{e}.down_proj"]] for e in range(num_experts)])
     static = None
     if any(v is not None for v in scales.values()):
-        static = torch.tensor([[_scale(scales, f"{name}.{e}.{p}") for p in ("gate_proj", "down_proj")] for e in range(num_experts)])
+        static = torch.tensor([[_scale(scales, f"{full}.{e}.{p}") for p in ("gate_proj", "down_proj")] for e in range(num_experts)])
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child,
             FakeQuantExperts(scheme, gate_up, down, module.act_fn, quant, static, quantize_activations))

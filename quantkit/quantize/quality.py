@@ -19,62 +19,112 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from tqdm import tqdm
+from transformers import AutoConfig, AutoTokenizer
 
 import quantkit.models  # noqa: F401
-from quantkit.calibrate import smooth_model
-from quantkit.checkpoints import check_checkpoint_dir
+from quantkit.calibrate.layers import (
+    HEAD_POSITIONS,
+    advance_stream,
+    decoder_stack,
+    embed_stream,
+    head_logits,
+    head_name,
+    materialize,
+    outside_state,
+    skeleton_model,
+    source_tensors,
+    tied_partners,
+)
+from quantkit.calibrate.mappings import resolve_mappings
+from quantkit.calibrate.smoothquant import fold_mapping
+from quantkit.checkpoints import CheckpointError, TensorReader, check_checkpoint_dir
 from quantkit.data import heldout_windows
-from quantkit.formats.experts import EXPERT_PROJECTIONS, expert_matrices, fused_experts_modules
+from quantkit.formats.experts import EXPERT_PROJECTIONS, expert_matrices
+from quantkit.formats.schemes import checkpoint_suffixes
 from quantkit.metrics import energy, kl_divergence, snr_db
-from quantkit.quantize.fake_quant import FakeQuantExperts, load_fake_quant_model, read_quantization_config
+from quantkit.quantize.checkpoint import read_smoothquant_factors
+from quantkit.quantize.fake_quant import FakeQuantExperts, install_fake_quant, read_quantization_config
 from quantkit.quantize.routed_experts import projection_outputs, routed_expert_passes, summarize_expert_snr
-
-
-KL_POSITIONS = 64  # positions whose float64 log-softmaxes `kl_divergence` holds at once
 
 
 @torch.no_grad()
 def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.Tensor) -> dict:
     """{'recipe', 'kl', 'layer_snr_db': {name: dB}, 'min_snr_db', 'mean_snr_db', 'expert_snr_db'} on token
-    windows (N, T); layer_snr_db holds Linears and expert matrices, min / mean are over all of them."""
-    reference = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    windows (N, T); layer_snr_db holds Linears and expert matrices, min / mean are over all of them.
+
+    One decoder layer of each model in memory at a time (the streaming engine of `quantkit.quantize.streaming`):
+    the windows are embedded once per model, then layer by layer the reference layer (float32 from the source,
+    with the checkpoint's SmoothQuant factors folded in) and the fake-quant layer (`install_fake_quant`) carry
+    their own hidden states, the SNR hooks reading the reference's; at the end each model's own head gives the
+    logits HEAD_POSITIONS positions at a time (`quantkit.calibrate.layers.head_logits`). Peak memory: the larger
+    of the input embeddings and the lm_head in float32 (an unquantized lm_head equal in both checkpoints is held
+    once), one layer of each model, and the hidden states of the windows (N x T x hidden x 4 bytes, per model)."""
+    reference_dir, quantized_dir = Path(reference_dir), Path(quantized_dir)
     qc = read_quantization_config(quantized_dir)
+    reference = skeleton_model(AutoConfig.from_pretrained(reference_dir))
+    q_config = AutoConfig.from_pretrained(quantized_dir)
+    del q_config.quantization_config
+    quantized = skeleton_model(q_config)
+    stack, ref_layers = decoder_stack(reference)
+    _, q_layers = decoder_stack(quantized)
+    source, packed = TensorReader(reference_dir), TensorReader(quantized_dir)
+    mappings, factors = [], {}
     if qc["smoothquant"]:
-        tokenizer = AutoTokenizer.from_pretrained(reference_dir)
-        smooth_model(reference, tokenizer=tokenizer, progress=False, **qc["smoothquant"])
-    quantized = load_fake_quant_model(quantized_dir)
-    modules = dict(reference.named_modules())  # expert matrices of fused experts are no modules (below)
-    names = [n for n in qc["quantized_modules"] if n in modules]
-    signal = dict.fromkeys(names, 0.0)
-    noise = dict.fromkeys(names, 0.0)
-    hooks = []
+        factors = read_smoothquant_factors(quantized_dir)
+        flags = {k: v for k, v in qc["smoothquant"].items() if k in ("include_v_o", "include_up_down", "experts")}
+        mappings = resolve_mappings(reference, **flags).mappings
+
+    # the windows, embedded once per model (the checkpoint keeps the embeddings as the source stores them)
+    tied = tied_partners(reference)
+    outside = [k for k in reference.state_dict(keep_vars=True) if not k.startswith(f"{stack}.")]
+    head = head_name(reference)
+    head_keys = [k for k in outside if head is not None and k.startswith(f"{head}.")]
+    reference.load_state_dict(outside_state(source, [k for k in outside if k not in head_keys], tied, reference_dir),
+                              strict=False, assign=True)
+    streams = [embed_stream(reference, ref_layers, name, tokens, None) for name in ("reference", "quantized")]
+    reference.get_input_embeddings().to("meta")
+
+    signal: dict[str, float] = {}
+    noise: dict[str, float] = {}
     quantized_set = set(qc["quantized_modules"])
-    for name, ref_experts in fused_experts_modules(reference).items():
-        q_experts = quantized.get_submodule(name)
-        if isinstance(q_experts, FakeQuantExperts):  # else none of its matrices is quantized
-            hooks.append(ref_experts.register_forward_hook(
-                _experts_snr_hook(name, q_experts, quantized_set, signal, noise), with_kwargs=True))
-    for name in names:
-        ref_layer, q_layer = reference.get_submodule(name), quantized.get_submodule(name)
+    for i in tqdm(range(len(ref_layers)), desc=f"quality {qc['recipe']}", unit="layer"):
+        prefix = f"{stack}.{i}."
+        ref_layer = ref_layers[i]
+        materialize(ref_layer, source_tensors(source, ref_layer, prefix, reference_dir), f"{reference_dir} layer {i}")
+        for m in mappings:
+            if m.smooth.startswith(prefix):
+                fold_mapping(reference, m, factors[m.smooth])
+        _load_fake_quant(quantized, q_layers[i], prefix, packed, qc, quantized_dir)
+        with _snr_hooks(reference, quantized, [n for n in quantized_set if n.startswith(prefix)], quantized_set, signal, noise):
+            advance_stream(streams[0], ref_layer, i)
+        advance_stream(streams[1], q_layers[i], i)
+        ref_layer.to("meta")
+        q_layers[i].to("meta")
 
-        def hook(_, args, out, name=name, q_layer=q_layer):
-            signal[name] += energy(out)
-            noise[name] += energy(q_layer(args[0]) - out)
-
-        hooks.append(ref_layer.register_forward_hook(hook))
+    # the heads: final norms and lm_heads, then the KL HEAD_POSITIONS positions at a time
+    reference.load_state_dict(outside_state(source, head_keys, tied, reference_dir), strict=False, assign=True)
+    q_outside = [k for k in outside if k not in head_keys and not k.startswith(_input_embeddings_prefix(reference))]
+    _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=q_outside)
+    if head is not None and _same_unquantized(source, packed, f"{head}.weight", tied, qc):
+        quantized.get_submodule(head).weight = reference.get_submodule(head).weight  # one copy of the same tensor
+    elif head is not None:
+        _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=head_keys, tied=tied)
+    outside_quantized = [n for n in quantized_set if not n.startswith(f"{stack}.") and n in dict(reference.named_modules())]
     kl_sum, count = 0.0, 0
-    for window in tokens.split(1):  # one window's vocabulary-sized logits at a time, KL over position chunks
-        ref_logits, test_logits = reference(window).logits, quantized(window).logits
-        for a, b in zip(ref_logits.split(KL_POSITIONS, dim=1), test_logits.split(KL_POSITIONS, dim=1)):
-            kl = kl_divergence(a, b)  # float64 copies of (1, KL_POSITIONS, V): ~0.1 GB at V = 152k
-            kl_sum += kl.sum().item()
-            count += kl.numel()
-    for h in hooks:
-        h.remove()
+    with _snr_hooks(reference, quantized, outside_quantized, quantized_set, signal, noise):
+        for b in range(len(streams[0].hidden)):
+            for ref_hidden, q_hidden in zip(streams[0].hidden[b].split(1), streams[1].hidden[b].split(1)):
+                for start in range(0, ref_hidden.shape[1], HEAD_POSITIONS):  # (1, 64, V): float64 copies ~0.1 GB at V = 152k
+                    kl = kl_divergence(head_logits(reference, ref_layers, ref_hidden, start),
+                                       head_logits(quantized, q_layers, q_hidden, start))
+                    kl_sum += kl.sum().item()
+                    count += kl.numel()
     snr = {n: snr_db(signal[n], noise[n]) for n in signal}  # expert matrices: those some token reached
     return {
         "recipe": qc["recipe"],
@@ -84,6 +134,81 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
         "mean_snr_db": sum(snr.values()) / len(snr),
         "expert_snr_db": summarize_expert_snr(snr),
     }
+
+
+def _input_embeddings_prefix(model: torch.nn.Module) -> str:
+    embeddings = model.get_input_embeddings()
+    return next(f"{n}." for n, m in model.named_modules() if m is embeddings)
+
+
+def _load_fake_quant(model: torch.nn.Module, module: torch.nn.Module, prefix: str, packed: TensorReader, qc: dict,
+                     model_dir: Path, keys: list[str] | None = None, tied: dict[str, str] | None = None) -> None:
+    """Fill `module` (on the meta device; named prefix in `model`) from the quantized checkpoint: its quantized
+    linears and experts as fake-quant modules, the rest float32. keys: only these of the module's state (default:
+    every checkpoint tensor under prefix); tied: read a key the checkpoint does not store from its partner."""
+    if keys is None:
+        names = [k for k in packed.names if k.startswith(prefix)]
+        state = {k: packed[k] for k in names}
+    else:
+        state = {}
+        for key in keys:
+            quantized_module = key.rpartition(".")[0] in qc["quantized_modules"]
+            stored = [f"{key.rpartition('.')[0]}.{s}" for s in checkpoint_suffixes()] if quantized_module else [key]
+            for k in stored:
+                source = k if k in packed else (tied or {}).get(k)
+                if source is not None and source in packed:
+                    state[k] = packed[source]
+    only = None if keys is None else {k.rpartition(".")[0] for k in keys}
+    rest = install_fake_quant(module, prefix, state, qc, True, model_dir, only)
+    rest = {k: v.float() if v.is_floating_point() else v for k, v in rest.items()}
+    try:
+        module.load_state_dict(rest, strict=False, assign=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"{model_dir}: the checkpoint's tensors under {prefix or 'the model'} do not fit: {err}") from err
+    meta = [n for n, t in module.named_parameters() if t.is_meta and (keys is None or n in keys)]
+    if meta:
+        raise CheckpointError(f"{model_dir}: the checkpoint has no tensors for {[prefix + n for n in meta][:5]}")
+
+
+def _same_unquantized(source: TensorReader, packed: TensorReader, key: str, tied: dict[str, str], qc: dict) -> bool:
+    """Whether the quantized checkpoint holds `key` unquantized with the source's exact bytes (dtype included)."""
+    if key.rpartition(".")[0] in qc["quantized_modules"]:
+        return False
+    a, b = (key if key in r else tied.get(key) for r in (source, packed))
+    if a is None or b is None or a not in source or b not in packed:
+        return False
+    x, y = source[a], packed[b]
+    return x.dtype == y.dtype and torch.equal(x, y)
+
+
+@contextmanager
+def _snr_hooks(reference: torch.nn.Module, quantized: torch.nn.Module, names: list[str], quantized_set: set[str],
+               signal: dict[str, float], noise: dict[str, float]) -> Iterator[None]:
+    """Forward hooks on the reference's quantized linears `names` and on the fused experts under them: add sum y^2
+    and sum (y - y_q)^2 per module, y_q from the same module of `quantized` on the same input."""
+    modules = dict(reference.named_modules())
+    hooks = []
+    for name in names:
+        if name not in modules:  # an expert matrix of fused experts: hooked on its experts module below
+            continue
+        q_layer = quantized.get_submodule(name)
+
+        def hook(_, args, out, name=name, q_layer=q_layer):
+            signal[name] = signal.get(name, 0.0) + energy(out)
+            noise[name] = noise.get(name, 0.0) + energy(q_layer(args[0]) - out)
+
+        hooks.append(modules[name].register_forward_hook(hook))
+    prefixes = {n.rpartition(".")[0].rpartition(".")[0] for n in names if n not in modules}  # <experts>.<e>.<proj>
+    for name in prefixes:
+        q_experts = quantized.get_submodule(name)
+        if isinstance(q_experts, FakeQuantExperts):
+            hooks.append(modules[name].register_forward_hook(
+                _experts_snr_hook(name, q_experts, quantized_set, signal, noise), with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def _experts_snr_hook(name: str, q_experts: FakeQuantExperts, quantized: set[str], signal: dict[str, float],

@@ -48,17 +48,28 @@ import os
 import shutil
 import struct
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 import quantkit.models  # noqa: F401  (registers quantkit's model types)
 from quantkit.atomic import atomic_dir
-from quantkit.calibrate.layers import StopForward, find_decoder_stack, layer_forwards
+from quantkit.calibrate.layers import (
+    LayerwiseError,
+    Stream,
+    advance_stream,
+    decoder_stack,
+    embed_stream,
+    head_name,
+    materialize,
+    outside_state,
+    skeleton_model,
+    source_tensors,
+    tied_partners,
+)
 from quantkit.calibrate.mappings import MappingPlan, resolve_mappings
 from quantkit.calibrate.smoothquant import (
     DEFAULT_TOLERANCE,
@@ -80,8 +91,7 @@ from quantkit.calibrate.smoothquant import (
 from quantkit.calibrate.stats import ChannelMaxObserver
 from quantkit.checkpoints import SAFETENSORS_DTYPES, CheckpointError, TensorReader, tensor_headers
 from quantkit.data import calibration_windows
-from quantkit.errors import NonFiniteStatisticsError, QuantkitError
-from quantkit.formats.experts import fuse_expert_matrices, fused_experts_modules
+from quantkit.errors import NonFiniteStatisticsError
 from quantkit.formats.schemes import scheme_for
 from quantkit.quantize.checkpoint import (
     checkpoint_state,
@@ -96,13 +106,12 @@ from quantkit.quantize.recipe import CalibrationSettings, Recipe
 
 logger = logging.getLogger(__name__)
 
-BATCH_SIZE = 8  # smooth_model's and channel_max's default: the same batches give the same bits
 DEFAULT_SPILL_BYTES = 256 * 2**20  # a stream's hidden states above this go to disk, one file a batch
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
-class StreamingError(QuantkitError, ValueError):
+class StreamingError(LayerwiseError):
     """The model's structure does not allow layer-by-layer quantization (the message says what and why)."""
 
 
@@ -167,162 +176,6 @@ class ShardWriter:
         return index
 
 
-# --------------------------------------------------------------------------------------------- calibration streams
-
-
-class _Batches:
-    """A stream's per-batch hidden states, in memory or (spill_dir set) one torch.save file a batch."""
-
-    def __init__(self, spill_dir: Path | None) -> None:
-        self.spill_dir, self._items = spill_dir, []
-
-    def append(self, t: torch.Tensor) -> None:
-        if self.spill_dir is None:
-            self._items.append(t)
-            return
-        fd, name = tempfile.mkstemp(suffix=".pt", dir=self.spill_dir)
-        os.close(fd)
-        path = Path(name)
-        torch.save(t, path)
-        self._items.append(path)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        item = self._items[i]
-        return torch.load(item, weights_only=True) if isinstance(item, Path) else item
-
-    def discard(self) -> None:
-        for item in self._items:
-            if isinstance(item, Path):
-                item.unlink()
-        self._items.clear()
-
-
-@dataclass
-class _Stream:
-    """Token windows carried layer by layer: per batch of BATCH_SIZE windows, the keyword arguments the model gives
-    each layer, and the hidden states entering the next layer."""
-
-    name: str
-    chunks: list[torch.Tensor]  # (B, T) int64 token batches
-    layer_kwargs: list[list[dict]]  # [batch][layer]
-    hidden: _Batches
-
-
-@torch.no_grad()
-def _embed(skeleton: nn.Module, layers: nn.ModuleList, name: str, tokens: torch.Tensor, spill_dir: Path | None) -> _Stream:
-    """Run the skeleton's forward up to the first decoder layer for each batch; record every layer's arguments."""
-    stream = _Stream(name, [], [], _Batches(spill_dir))
-    last = len(layers) - 1
-
-    def record(i: int, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if args:
-            raise StreamingError(f"the model passes decoder layer {i} positional arguments besides the hidden states")
-        stream.layer_kwargs[-1].append(kwargs)
-        if i == last:
-            raise StopForward(hidden_states)
-        return hidden_states
-
-    with layer_forwards(layers, record):
-        for start in range(0, len(tokens), BATCH_SIZE):
-            chunk = tokens[start : start + BATCH_SIZE]
-            stream.chunks.append(chunk)
-            stream.layer_kwargs.append([])
-            try:
-                skeleton(input_ids=chunk, use_cache=False)
-            except StopForward as stop:
-                stream.hidden.append(stop.hidden)
-            else:
-                raise StreamingError("the model's forward did not call its last decoder layer")
-    return stream
-
-
-@torch.no_grad()
-def _advance(stream: _Stream, layer: nn.Module, i: int) -> None:
-    """Hidden states of `stream` through decoder layer i (the layer's own __call__, the model's arguments)."""
-    out = _Batches(stream.hidden.spill_dir)
-    for b in range(len(stream.hidden)):
-        out.append(layer(stream.hidden[b], **stream.layer_kwargs[b][i]))
-    stream.hidden.discard()
-    stream.hidden = out
-
-
-# --------------------------------------------------------------------------------------------- model pieces
-
-
-def _skeleton(config) -> nn.Module:
-    """The model on the meta device (no data) with its non-persistent buffers (rotary frequencies) computed as
-    from_pretrained computes them (`_init_weights` of their modules), in eval mode."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    owners = {name.rpartition(".")[0] for name, b in model.named_buffers() if b.is_meta}
-    for name in owners:
-        module = model.get_submodule(name)
-        module.to_empty(device="cpu", recurse=False)
-        model._init_weights(module)
-    return model.eval()
-
-
-def _decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    layers = find_decoder_stack(model)
-    if layers is None:
-        raise StreamingError(f"{type(model).__name__} has no decoder layers at model.model.layers; streaming "
-                             "quantization needs them (use the whole-model path: --no-streaming)")
-    return "model.layers", layers
-
-
-def _source_tensors(reader: TensorReader, module: nn.Module, prefix: str, model_dir: Path) -> dict[str, torch.Tensor]:
-    """module's state (relative names) from the checkpoint in float32 (as from_pretrained(dtype=float32) loads it),
-    fused routed experts from their per-expert tensors (`fuse_expert_matrices`). CheckpointError names a missing
-    tensor."""
-    fused = fused_experts_modules(module)
-    state = {}
-    for name, value in module.state_dict(keep_vars=True).items():
-        key = f"{prefix}{name}"
-        owner, _, leaf = name.rpartition(".")
-        if key in reader:
-            tensor = reader[key]
-        elif owner in fused and leaf in ("gate_up_proj", "down_proj"):
-            continue  # below, both at once
-        else:
-            raise CheckpointError(f"{model_dir}: the checkpoint has no tensor {key}")
-        state[name] = tensor.float() if tensor.is_floating_point() else tensor
-    for name, experts in fused.items():
-        num = experts.gate_up_proj.shape[0]
-        base = f"{prefix}{name}"
-        matrices = {}
-        for key in (f"{base}.{e}.{p}" for e in range(num) for p in ("gate_proj", "up_proj", "down_proj")):
-            if f"{key}.weight" not in reader:
-                raise CheckpointError(f"{model_dir}: the checkpoint has no tensor {key}.weight (routed expert)")
-            matrices[key] = reader[f"{key}.weight"]
-        gate_up, down = fuse_expert_matrices(matrices, base, num)
-        state[f"{name}.gate_up_proj"], state[f"{name}.down_proj"] = gate_up.float(), down.float()
-    return state
-
-
-def _materialize(module: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
-    try:
-        module.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as err:
-        raise CheckpointError(f"{where}: the checkpoint's tensors do not fit the model: {err}") from err
-
-
-def _head_name(model: nn.Module) -> str | None:
-    """The module name of the model's output embeddings (lm_head), None where it has none."""
-    head = model.get_output_embeddings()
-    return next((name for name, module in model.named_modules() if module is head), None) if head is not None else None
-
-
-def _tied_partners(model: nn.Module) -> dict[str, str]:
-    """state key -> another key of the same (tied) tensor, e.g. lm_head.weight -> model.embed_tokens.weight."""
-    groups: dict[int, list[str]] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(value), []).append(key)
-    return {k: other for keys in groups.values() if len(keys) > 1 for k in keys for other in keys if other != k}
-
-
 # --------------------------------------------------------------------------------------------- the path
 
 
@@ -354,8 +207,11 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
     config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     reader = TensorReader(model_dir)
-    skeleton = _skeleton(config)
-    stack_name, layers = _decoder_stack(skeleton)
+    skeleton = skeleton_model(config)
+    try:
+        stack_name, layers = decoder_stack(skeleton)
+    except LayerwiseError as err:
+        raise StreamingError(f"{err}; use the whole-model path (--no-streaming)") from err
     scheme = scheme_for(recipe.scheme)
     weights = quantizable_weights(skeleton)  # meta tensors: names only
     quantized = [n for n in weights if not recipe.ignores(n)] if scheme is not None else []
@@ -392,18 +248,11 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
         with atomic_dir(out_dir, overwrite=overwrite) as tmp:
             writer = ShardWriter(tmp, max_shard_bytes, metadata)
             # the parameters outside the decoder layers, written one module at a time
-            tied = _tied_partners(skeleton)
+            tied = tied_partners(skeleton)
             outside_keys = [k for k in skeleton.state_dict(keep_vars=True) if not k.startswith(in_layers)]
 
             def read_outside(keys: list[str]) -> dict[str, torch.Tensor]:
-                state = {}
-                for key in keys:
-                    source = key if key in reader else tied.get(key)
-                    if source is None or source not in reader:
-                        raise CheckpointError(f"{model_dir}: the checkpoint has no tensor {key}")
-                    tensor = reader[source]
-                    state[key] = tensor.float() if tensor.is_floating_point() else tensor
-                return state
+                return outside_state(reader, keys, tied, model_dir)
 
             owners: dict[str, list[str]] = {}
             for key in outside_keys:
@@ -415,12 +264,12 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
                     writer.add(key, tensor)
                 del state, matrices
             # the forward up to the first layer needs all but the head; the head is loaded again for the check
-            head = _head_name(skeleton)
+            head = head_name(skeleton)
             head_keys = [k for k in outside_keys if head is not None and k.startswith(f"{head}.")]
             if sq is not None or static_tokens is not None:
                 skeleton.load_state_dict(read_outside([k for k in outside_keys if k not in head_keys]), strict=False, assign=True)
 
-            streams: dict[str, _Stream] = {}
+            streams: dict[str, Stream] = {}
             spill = {}
             hidden = config.hidden_size
             for name, tokens in (("sq", sq_tokens), ("ref", None if sq_tokens is None else sq_tokens[:DEFAULT_VERIFY_SEQUENCES]),
@@ -429,9 +278,9 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
                     continue
                 big = tokens.numel() * hidden * 4 > spill_bytes
                 spill[name] = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=spill_root)) if big else None
-                streams[name] = _embed(skeleton, layers, name, tokens, spill[name])
+                streams[name] = embed_stream(skeleton, layers, name, tokens, spill[name])
             if sq is not None:  # the smoothed stream starts from the same embeddings as the reference
-                streams["smoothed"] = _embed(skeleton, layers, "smoothed", sq_tokens[:DEFAULT_VERIFY_SEQUENCES], spill["ref"])
+                streams["smoothed"] = embed_stream(skeleton, layers, "smoothed", sq_tokens[:DEFAULT_VERIFY_SEQUENCES], spill["ref"])
             if skeleton.get_input_embeddings() is not None:  # embedded: its (vocabulary-sized) table is not needed again
                 skeleton.get_input_embeddings().to("meta")
 
@@ -440,14 +289,14 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
             for i in tqdm(range(len(layers)), desc=f"quantize {recipe.name} (streaming)", unit="layer"):
                 prefix = f"{stack_name}.{i}."
                 layer = layers[i]
-                _materialize(layer, _source_tensors(reader, layer, prefix, model_dir), f"{model_dir} layer {i}")
+                materialize(layer, source_tensors(reader, layer, prefix, model_dir), f"{model_dir} layer {i}")
                 layer.eval()
                 before = []
                 if sq is not None:
                     mappings = tuple(m for m in plan.mappings if m.smooth.startswith(prefix))
                     consumers = [c for m in mappings for c in m.consumers]
                     with ChannelMaxObserver(skeleton, consumers) as observer:
-                        _advance(streams["sq"], layer, i)
+                        advance_stream(streams["sq"], layer, i)
                     missing = [n for n in observer.names if n not in observer.maxima]
                     if missing:
                         raise RuntimeError(f"SmoothQuant calibration: these linears were never called in the forward pass: {missing}")
@@ -460,15 +309,15 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
                         w = _to_smoothing_channels(m, _weight_col_max(skeleton, m).to(x.device), channels)
                         scales[m.smooth] = smoothing_factors(x, w, sq.alpha)
                         before.append((m, x, w))
-                    _advance(streams["ref"], layer, i)
+                    advance_stream(streams["ref"], layer, i)
                     for m in mappings:
                         fold_mapping(skeleton, m, scales[m.smooth])
-                    _advance(streams["smoothed"], layer, i)
+                    advance_stream(streams["smoothed"], layer, i)
                 amax = {}
                 if static_tokens is not None:
                     names = [n for n in quantized if n.startswith(prefix)]
                     with ChannelMaxObserver(skeleton, names) as observer:
-                        _advance(streams["static"], layer, i)
+                        advance_stream(streams["static"], layer, i)
                     missing = [n for n in names if n not in observer.maxima]
                     if missing:
                         raise RuntimeError(f"static activation calibration: these linears were never called: {missing}")
@@ -495,7 +344,7 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
     return out_dir
 
 
-def _verify(skeleton: nn.Module, layers: nn.ModuleList, ref: _Stream, smoothed: _Stream, plan: MappingPlan, sq,
+def _verify(skeleton: nn.Module, layers: nn.ModuleList, ref: Stream, smoothed: Stream, plan: MappingPlan, sq,
             tokens: torch.Tensor, reports: list[MappingReport], scales: dict[str, torch.Tensor]) -> SmoothQuantReport:
     """smooth_model's function-preservation check on the carried verification windows; its report."""
     change, scale = logit_change(skeleton, layers, ref.hidden, smoothed.hidden, plan.architecture)
