@@ -241,6 +241,55 @@ def test_stock_checkpoint_cli_outputs(tmp_path, architecture, capsys):
     assert "| model |" in capsys.readouterr().out
 
 
+def _assert_close(a, b, path="result"):
+    """Equal structures; numbers equal to 1e-5 relative (see the caller's bound)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (path, sorted(set(a) ^ set(b)))
+        for k in a:
+            _assert_close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert a == pytest.approx(b, rel=1e-5, abs=0), (path, a, b)
+    else:
+        assert a == b, (path, a, b)
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid", "gemma3"])
+def test_layer_by_layer_diagnose_equals_the_whole_model(tmp_path, kind):
+    """`diagnose MODEL_DIR` runs one decoder layer at a time (the head in pieces of HEAD_POSITIONS positions);
+    `diagnose_model` runs the whole model. Same float32 operations on the same batches, so the same statistics,
+    except the lm_head's input moments, merged from 64-position pieces instead of whole batches (float64 sums in
+    another order: ~1e-15 relative). The result keeps 6 significant digits, which can turn such a difference
+    into one unit of the 6th digit: numbers agree to 1e-5 relative, everything else exactly. Three batches
+    (8 + 8 + 2 windows of 80 tokens: two head pieces, one partial) with every default recipe, static included."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.data import heldout_windows
+    from quantkit.diagnose.defaults import DEFAULT_RECIPES
+
+    if kind == "dense":
+        from quantkit.models.tiny import build_tiny_checkpoint
+
+        model_dir = build_tiny_checkpoint(tmp_path / "m", attn_output_gate="headwise", gated_norm_rank=16, attention_sink=True)
+    elif kind == "hybrid":
+        from quantkit.models.tiny_hybrid import build_tiny_hybrid_checkpoint
+
+        model_dir = build_tiny_hybrid_checkpoint(tmp_path / "m")
+    else:
+        from quantkit.models.tiny import build_tiny_stock_checkpoint
+
+        model_dir = build_tiny_stock_checkpoint(tmp_path / "m", "gemma3")
+    layerwise = diagnose(model_dir, num_sequences=18, seq_len=80, recipes=DEFAULT_RECIPES, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    tokens = heldout_windows(AutoTokenizer.from_pretrained(model_dir), 18, 80)
+    whole = diagnose_model(model, tokens, recipes=DEFAULT_RECIPES, tokenizer=AutoTokenizer.from_pretrained(model_dir))
+    whole["model"]["path"] = str(model_dir)
+    _assert_close(layerwise, whole)
+
+
 def test_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="unknown recipe"):
         diagnose_model(_model(), _tokens(n=1), recipes=["w3a3"])

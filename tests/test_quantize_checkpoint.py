@@ -282,3 +282,9 @@ def test_stock_decoders_quantize_with_every_scheme_and_smoothquant(architecture,
             assert torch.isfinite(model(torch.tensor([[1, 2, 3, 4]])).logits).all()
     report = json.loads((out / "smoothquant.json").read_text())
     assert report["mappings"] and report["relative_logit_change"] <= report["tolerance"]
+    # one layer at a time: the same tensors (tied heads tied, Gemma's included)
+    from quantkit.checkpoints import read_state
+
+    streamed = read_state(quantize_checkpoint(source, "w4a4_nvfp4", tmp_path / "streamed", streaming=True))
+    whole = read_state(tmp_path / "w4a4_nvfp4")
+    assert streamed.keys() == whole.keys() and all(torch.equal(streamed[k], whole[k]) for k in whole)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -175,10 +176,13 @@ def embed_stream(skeleton: nn.Module, layers: nn.ModuleList, name: str, tokens: 
 
 
 @torch.no_grad()
-def advance_stream(stream: Stream, layer: nn.Module, i: int) -> None:
-    """Hidden states of `stream` through decoder layer i (the layer's own __call__, the model's arguments)."""
+def advance_stream(stream: Stream, layer: nn.Module, i: int, before_batch: Callable[[int], None] | None = None) -> None:
+    """Hidden states of `stream` through decoder layer i (the layer's own __call__, the model's arguments);
+    before_batch(b) runs before batch b's pass."""
     out = _Batches(stream.hidden.spill_dir)
     for b in range(len(stream.hidden)):
+        if before_batch is not None:
+            before_batch(b)
         out.append(layer(stream.hidden[b], **stream.layer_kwargs[b][i]))
     stream.hidden.discard()
     stream.hidden = out
@@ -189,7 +193,8 @@ def advance_stream(stream: Stream, layer: nn.Module, i: int) -> None:
 
 def skeleton_model(config, attn_implementation: str | None = None) -> nn.Module:
     """The model on the meta device (no data) with its non-persistent buffers (rotary frequencies) computed as
-    from_pretrained computes them (`_init_weights` of their modules), in eval mode; float32."""
+    from_pretrained computes them (`_init_weights` of their modules) and its tied weights tied, in eval mode;
+    float32."""
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
@@ -198,6 +203,7 @@ def skeleton_model(config, attn_implementation: str | None = None) -> nn.Module:
         module = model.get_submodule(name)
         module.to_empty(device="cpu", recurse=False)
         model._init_weights(module)
+    model.tie_weights()  # as from_pretrained does (from_config leaves e.g. Gemma 3's lm_head untied)
     return model.eval()
 
 
@@ -263,3 +269,20 @@ def tied_partners(model: nn.Module) -> dict[str, str]:
     for key, value in model.state_dict(keep_vars=True).items():
         groups.setdefault(id(value), []).append(key)
     return {k: other for keys in groups.values() if len(keys) > 1 for k in keys for other in keys if other != k}
+
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+MMAP_THRESHOLD_BYTES = 2**20
+
+
+def pin_mmap_threshold() -> None:
+    """glibc: serve every allocation >= 1 MiB by mmap and give it back to the OS when freed (process-wide).
+
+    glibc raises its mmap threshold to the size of each freed mmapped block (up to 32 MiB); the layer-sized
+    tensors allocated afterwards then come from the heap, whose freed pieces are not returned, and resident memory
+    drifted by 0.05-0.35 GB between identical runs (benchmarks/bench_quantize_memory.py), and a layer-by-layer
+    quality run kept ~35 MB per layer of freed layers resident. No effect elsewhere than glibc."""
+    try:
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):
+        pass

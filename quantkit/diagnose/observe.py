@@ -17,12 +17,15 @@ removed in `__exit__` (also when a forward pass raises), so an undiagnosed model
 
 Memory per model: O(layers x hidden) for the residual, O(in_features) per linear, O(layers x heads +
 N^2) for attention, O(experts x (hidden + intermediate)) per MoE layer, plus one decoded copy of each
-quantized weight (expert matrices included) per scheme (float32).
+quantized weight (expert matrices included) per scheme (float32), released layer by layer (`release_weights`)
+when the model runs one layer at a time (`quantkit.diagnose.run.diagnose`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -112,7 +115,9 @@ class DiagnosticsObserver:
     """Hooks collecting residual, linear-input, attention and gate statistics; use as a context manager.
 
     `recipes`: {recipe name: (recipe, static NVFP4 input decode scale per linear, or None for per-token)}.
-    Call `begin_batch(input_ids)` before each forward pass (massive tokens are attributed to token ids).
+    Call `begin_batch(input_ids, key)` before each forward pass, or before each batch's pass through one layer
+    when the model runs layer by layer, and `end_batch(key)` once the batch has gone through every layer
+    (massive tokens are attributed to token ids); `paused()` stops the statistics for a pass of another purpose.
     """
 
     def __init__(self, model: nn.Module, recipes: dict[str, tuple[Recipe, dict[str, torch.Tensor] | None]],
@@ -135,26 +140,28 @@ class DiagnosticsObserver:
         self.massive_token_ids: Counter = Counter()
         self._quantized: dict[tuple[str, str], torch.Tensor] = {}  # (linear, scheme) -> decoded weight
         self._handles: list = []
-        self._ids: torch.Tensor | None = None
-        self._massive_any: torch.Tensor | None = None
+        self._ids: dict[int, torch.Tensor] = {}  # batch key -> (B, T) input ids
+        self._massive_any: dict[int, torch.Tensor] = {}  # batch key -> (B, T) massive in some state so far
+        self._batch: int | None = None
+        self._paused = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> DiagnosticsObserver:
         try:
             for i, layer in enumerate(self.layers):
-                self._handles.append(layer.register_forward_pre_hook(self._residual_hook(i), with_kwargs=True))
+                self._handles.append(layer.register_forward_pre_hook(self._gated(self._residual_hook(i)), with_kwargs=True))
                 if i in self.attention:
-                    self._handles.append(layer.self_attn.register_forward_hook(self._attention_hook(i)))
-            self._handles.append(self.final_norm.register_forward_pre_hook(self._residual_hook(len(self.layers)), with_kwargs=True))
+                    self._handles.append(layer.self_attn.register_forward_hook(self._gated(self._attention_hook(i))))
+            self._handles.append(self.final_norm.register_forward_pre_hook(self._gated(self._residual_hook(len(self.layers))), with_kwargs=True))
             for name, module in self.model.named_modules():
                 if isinstance(module, nn.Linear):
-                    self._handles.append(module.register_forward_hook(self._linear_hook(name)))
+                    self._handles.append(module.register_forward_hook(self._gated(self._linear_hook(name))))
             for name, module in self.experts_modules.items():
-                self._handles.append(module.register_forward_hook(self._experts_hook(name), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._gated(self._experts_hook(name)), with_kwargs=True))
             for norm in residual_norm_names(self.model):
                 gate_up = getattr(self.model.get_submodule(norm), "gate_up", None)
                 if gate_up is not None:
-                    self._handles.append(gate_up.register_forward_hook(self._gate_hook(norm)))
+                    self._handles.append(gate_up.register_forward_hook(self._gated(self._gate_hook(norm))))
         except BaseException:
             self.__exit__()
             raise
@@ -166,15 +173,37 @@ class DiagnosticsObserver:
         self._handles.clear()
         self._quantized.clear()
 
-    def begin_batch(self, input_ids: torch.Tensor) -> None:
-        self._ids = input_ids
-        self._massive_any = torch.zeros(input_ids.shape, dtype=torch.bool)
+    def begin_batch(self, input_ids: torch.Tensor, key: int = 0) -> None:
+        """The batch `key` (input ids (B, T)) runs next."""
+        self._batch = key
+        if key not in self._ids:
+            self._ids[key] = input_ids
+            self._massive_any[key] = torch.zeros(input_ids.shape, dtype=torch.bool)
 
-    def end_batch(self) -> None:
-        """Count the token ids of positions that were massive in at least one residual state."""
-        if self._ids is not None and self._massive_any is not None:
-            self.massive_token_ids.update(self._ids[self._massive_any.to(self._ids.device)].tolist())
-        self._ids = self._massive_any = None
+    def end_batch(self, key: int = 0) -> None:
+        """Count the token ids of batch `key`'s positions that were massive in at least one residual state."""
+        ids, massive = self._ids.pop(key), self._massive_any.pop(key)
+        self.massive_token_ids.update(ids[massive.to(ids.device)].tolist())
+        self._batch = None
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No statistics inside (e.g. a calibration pass over the same layer)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+    def release_weights(self) -> None:
+        """Forget the decoded quantized weights (layer by layer: those of the layer just done)."""
+        self._quantized.clear()
+
+    def _gated(self, hook):
+        def gated(*args, **kwargs):
+            return None if self._paused else hook(*args, **kwargs)
+
+        return gated
 
     # -- hooks -------------------------------------------------------------------------------------
     def _residual_hook(self, i: int):
@@ -210,8 +239,8 @@ class DiagnosticsObserver:
         state.tokens += b * t
         state.sequences += b
         state.token_norm_sum += h[:, : len(state.token_norm_sum)].double().norm(dim=-1).sum(0)
-        if self._massive_any is not None:
-            self._massive_any |= massive.cpu()
+        if self._batch is not None:
+            self._massive_any[self._batch] |= massive.cpu()
 
     def _attention_hook(self, i: int):
         def hook(_module, _args, output):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,22 @@ from torch import nn
 from tqdm import tqdm
 
 from quantkit.atomic import write_text_atomic
-from quantkit.calibrate import channel_max
+from quantkit.calibrate.layers import (
+    HEAD_POSITIONS,
+    Stream,
+    advance_stream,
+    decoder_stack,
+    embed_stream,
+    head_name,
+    materialize,
+    outside_state,
+    pin_mmap_threshold,
+    skeleton_model,
+    source_tensors,
+    tied_partners,
+)
+from quantkit.calibrate.stats import ChannelMaxObserver, run_batches
+from quantkit.checkpoints import TensorReader
 from quantkit.calibrate.mappings import OFFSET_NORMS
 from quantkit.data import heldout_windows
 from quantkit.diagnose.observe import (
@@ -72,7 +87,7 @@ def diagnose(
     progress: bool = True,
 ) -> dict:
     """Diagnostics of the checkpoint in `model_dir` on `num_sequences` held-out windows of `seq_len` tokens."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     import quantkit.models  # noqa: F401  (registers model_type "quantkit")
 
@@ -84,13 +99,71 @@ def diagnose(
                          "emulate the quantization)")
     recipe_list = resolve_recipes(recipes)  # fail before loading anything
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    seq_len = min(seq_len, model.config.max_position_embeddings)
+    config = AutoConfig.from_pretrained(model_dir)
+    seq_len = min(seq_len, config.max_position_embeddings)
     tokens = heldout_windows(tokenizer, num_sequences, seq_len)
-    result = diagnose_model(model, tokens, [r.name for r in recipe_list], batch_size=batch_size,
-                            massive_ratio=massive_ratio, progress=progress, tokenizer=tokenizer)
+    result = _diagnose_layerwise(model_dir, config, tokens, recipe_list, batch_size, massive_ratio, progress, tokenizer)
     result["model"]["path"] = str(model_dir)
     return result
+
+
+@torch.no_grad()
+def _diagnose_layerwise(model_dir: Path, config, tokens: torch.Tensor, recipe_list: list[Recipe], batch_size: int,
+                        massive_ratio: float, progress: bool, tokenizer: Any) -> dict:
+    """`diagnose_model`'s statistics with one decoder layer in memory at a time (`quantkit.calibrate.layers`):
+    the windows are embedded, then each layer is read from the checkpoint (float32), its static scales calibrated
+    on the batches entering it, the batches run through it under the observer's hooks, and it goes back to the
+    meta device with its decoded quantized weights. The final norm's input is H_D; the head runs on (no
+    logits beyond HEAD_POSITIONS positions). Every statistic sees the same batches in the same order as in
+    `diagnose_model` (the head's input statistics in pieces of HEAD_POSITIONS positions)."""
+    pin_mmap_threshold()
+    model = skeleton_model(config, attn_implementation="eager")
+    stack, layers = decoder_stack(model)
+    reader = TensorReader(model_dir)
+    head = head_name(model)
+    before_head = [k for k in model.state_dict(keep_vars=True)
+                   if not k.startswith(f"{stack}.") and not (head is not None and k.startswith(f"{head}."))]
+    tied = tied_partners(model)  # before the embeddings go back to the meta device (untying them)
+    model.load_state_dict(outside_state(reader, before_head, tied, model_dir), strict=False, assign=True)
+    stream = embed_stream(model, layers, "diagnose", tokens, None, batch_size)
+    model.get_input_embeddings().to("meta")
+    plan = {r.name: (r, {} if r.activation_scale == "static" else None) for r in recipe_list}
+    norms, input_norms = [], []
+    norm_names = residual_norm_names(model)
+    with DiagnosticsObserver(model, plan, massive_ratio, MAP_TOKENS) as obs:
+        for i in tqdm(range(len(layers)), desc="diagnose", unit="layer", disable=not progress):
+            prefix = f"{stack}.{i}."
+            layer = layers[i]
+            materialize(layer, source_tensors(reader, layer, prefix, model_dir), f"{model_dir} layer {i}")
+            layer.eval()
+            for recipe, scales in plan.values():
+                if scales is not None:
+                    with obs.paused():
+                        scales.update(_static_scales(model, recipe, prefix, lambda: _run_layer(stream, layer, i)))
+            norms += _norm_entries(model, [n for n in norm_names if n.startswith(prefix)], TOP_K)
+            input_norms.append(_input_norm_params(layer))
+            advance_stream(stream, layer, i, before_batch=lambda b: obs.begin_batch(stream.chunks[b], b))
+            obs.release_weights()
+            layer.to("meta")
+        _, final_norm = decoder_layers(model)
+        lm_head = model.get_output_embeddings()
+        if head is not None:  # its input statistics, as in the whole model; HEAD_POSITIONS logits at a time
+            model.load_state_dict(outside_state(reader, [k for k in model.state_dict(keep_vars=True) if k.startswith(f"{head}.")],
+                                                tied, model_dir), strict=False, assign=True)
+        for b in range(len(stream.hidden)):  # H_D: the final norm's input
+            obs.begin_batch(stream.chunks[b], b)
+            normed = final_norm(stream.hidden[b])
+            for start in range(0, normed.shape[1], HEAD_POSITIONS) if head is not None else ():
+                lm_head(normed[:, start : start + HEAD_POSITIONS])
+            obs.end_batch(b)
+    norms += _norm_entries(model, norm_names[-1:], TOP_K)
+    return _result(obs, model, plan, tokens, norms, input_norms, massive_ratio, MAP_TOKENS, TOP_K, tokenizer)
+
+
+def _run_layer(stream: Stream, layer: nn.Module, i: int) -> None:
+    """Every batch of `stream` through decoder layer i, outputs discarded (a calibration pass)."""
+    for b in range(len(stream.hidden)):
+        layer(stream.hidden[b], **stream.layer_kwargs[b][i])
 
 
 @torch.no_grad()
@@ -113,8 +186,8 @@ def diagnose_model(
     try:
         if attn_impl != "eager":
             model.set_attn_implementation("eager")
-        plan = {r.name: (r, _static_scales(model, tokens, r, batch_size) if r.activation_scale == "static" else None)
-                for r in recipe_list}
+        plan = {r.name: (r, _static_scales(model, r, "", lambda: run_batches(model, tokens, batch_size, False, ""))
+                         if r.activation_scale == "static" else None) for r in recipe_list}
         device = next(model.parameters()).device
         with DiagnosticsObserver(model, plan, massive_ratio, map_tokens) as obs:
             for start in tqdm(range(0, len(tokens), batch_size), desc="diagnose", unit="batch", disable=not progress):
@@ -126,19 +199,28 @@ def diagnose_model(
         if model.config._attn_implementation != attn_impl:
             model.set_attn_implementation(attn_impl)
         model.train(was_training)
+    norms = _norm_entries(model, residual_norm_names(model), top_k)
+    return _result(obs, model, plan, tokens, norms, [_input_norm_params(layer) for layer in layers], massive_ratio,
+                   map_tokens, top_k, tokenizer)
+
+
+def _result(obs: DiagnosticsObserver, model: nn.Module, plan: dict, tokens: torch.Tensor, norms: list[dict],
+            input_norms: list[dict[str, torch.Tensor | None]], massive_ratio: float, map_tokens: int, top_k: int,
+            tokenizer: Any) -> dict:
+    """The result dict from the observer's statistics and the norms' parameters (whole model or layer by layer)."""
     config = model.config
     bos = getattr(config, "bos_token_id", None)
     result = {
         "model": {"architecture": type(model).__name__,
                   "variant": getattr(config, "variant_name", config.model_type),
-                  "num_layers": len(layers), "hidden_size": config.hidden_size,
+                  "num_layers": len(input_norms), "hidden_size": config.hidden_size,
                   "num_attention_heads": config.num_attention_heads},
         "settings": {"num_sequences": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]), "recipes": list(plan),
                      "massive_ratio": massive_ratio, "sink_eps": SINK_EPS, "sink_window": min(SINK_WINDOW, int(tokens.shape[1])),
                      "attention_map_tokens": min(map_tokens, int(tokens.shape[1])), "top_k": top_k,
                      "position0_is_bos": bos is not None and bool((tokens[:, 0] == bos).all())},
         "residual": _residual(obs),
-        "norms": _norms(model, top_k),
+        "norms": norms,
         "gates": _gates(obs, top_k),
         "attention": _attention(obs),
         "linears": _linears(obs, top_k),
@@ -147,19 +229,25 @@ def diagnose_model(
                          for name in plan},
     }
     result["expert_snr_db"] = {name: summarize_expert_snr(snr) for name, snr in result["quant_snr_db"].items()}
-    result["sink_dims"] = _sink_dims(obs, model, top_k)
+    result["sink_dims"] = _sink_dims(obs, input_norms, top_k)
     result["massive"] = _massive(obs, massive_ratio, tokenizer, top_k)
     result["summary"] = _summary(result)
     return _clean(result)
 
 
-def _static_scales(model: nn.Module, tokens: torch.Tensor, recipe: Recipe, batch_size: int) -> dict[str, torch.Tensor]:
-    """Static NVFP4 input decode scale per quantized linear and expert matrix: amax over `tokens` / 2688, as
-    `quantize` calibrates (expert matrices in calibrate-all-experts mode, `quantkit.calibrate.stats`)."""
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not recipe.ignores(n)]
-    names += [m for n, e in fused_experts_modules(model).items() for m in expert_matrices(n, e) if not recipe.ignores(m)]
-    maxima = channel_max(model, tokens, names, batch_size=batch_size, progress=False)
-    return {n: nvfp4_global_scale(m.max()) for n, m in maxima.items()}
+def _static_scales(model: nn.Module, recipe: Recipe, prefix: str, run: Callable[[], None]) -> dict[str, torch.Tensor]:
+    """Static NVFP4 input decode scale of each quantized linear and expert matrix under `prefix` ("" for all):
+    amax over the windows `run()` sends through them / 2688, as `quantize` calibrates (expert matrices in
+    calibrate-all-experts mode, `quantkit.calibrate.stats`)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(prefix) and not recipe.ignores(n)]
+    names += [m for n, e in fused_experts_modules(model).items() if n.startswith(prefix)
+              for m in expert_matrices(n, e) if not recipe.ignores(m)]
+    with ChannelMaxObserver(model, names) as observer:
+        run()
+    missing = [n for n in observer.names if n not in observer.maxima]
+    if missing:
+        raise RuntimeError(f"static activation calibration: these linears were never called in the forward pass: {missing}")
+    return {n: nvfp4_global_scale(m.max()) for n, m in observer.maxima.items()}
 
 
 def _residual(obs: DiagnosticsObserver) -> dict:
@@ -176,17 +264,16 @@ def _residual(obs: DiagnosticsObserver) -> dict:
     }
 
 
-def _sink_dims(obs: DiagnosticsObserver, model: nn.Module, top_k: int) -> list[dict]:
-    """Dimensions ranked by H_avg^j = mean over states and tokens of |H_ij| (paper 000 sec. 2), largest first."""
+def _sink_dims(obs: DiagnosticsObserver, input_norms: list[dict[str, torch.Tensor | None]], top_k: int) -> list[dict]:
+    """Dimensions ranked by H_avg^j = mean over states and tokens of |H_ij| (paper 000 sec. 2), largest first.
+    input_norms: per layer, its input norm's parameters (`_input_norm_params`)."""
     mean_abs = torch.stack([s.channels.mean_abs for s in obs.residual])  # (D+1, d)
     max_abs = torch.stack([s.channels.max_abs for s in obs.residual]).amax(0)
     h_avg = mean_abs.mean(0)
     median = h_avg.median().clamp_min(1e-30)
-    layers, _ = decoder_layers(model)
-    norms = [getattr(layer, "input_layernorm", None) for layer in layers]
     weights = {}  # input norm parameter (L, d) where every layer has one of the residual width
     for attr in ("weight", "pre_scale"):
-        values = [_norm_param(n, attr) for n in norms]
+        values = [n[attr] for n in input_norms]
         if all(isinstance(v, torch.Tensor) and v.numel() == h_avg.numel() for v in values):
             weights[attr] = torch.stack(values)
     out = []
@@ -262,10 +349,16 @@ def _experts(obs: DiagnosticsObserver, top_k: int) -> dict:
     return out
 
 
-def _norms(model: nn.Module, top_k: int) -> list[dict]:
-    """Residual norms' parameters; top dims by |value - neutral| (1 for scales, 0 for the DyT bias)."""
+def _input_norm_params(layer: nn.Module) -> dict[str, torch.Tensor | None]:
+    """The decoder layer's input norm's weight and pre_scale as the function uses them (`_norm_param`)."""
+    norm = getattr(layer, "input_layernorm", None)
+    return {attr: _norm_param(norm, attr) for attr in ("weight", "pre_scale")}
+
+
+def _norm_entries(model: nn.Module, names: list[str], top_k: int) -> list[dict]:
+    """The parameters of the residual norms `names`; top dims by |value - neutral| (1 for scales, 0 for the DyT bias)."""
     out = []
-    for name in residual_norm_names(model):
+    for name in names:
         norm = model.get_submodule(name)
         for param, neutral in NORM_PARAMS.items():
             v = _norm_param(norm, param)

@@ -37,6 +37,7 @@ from quantkit.calibrate.layers import (
     head_name,
     materialize,
     outside_state,
+    pin_mmap_threshold,
     skeleton_model,
     source_tensors,
     tied_partners,
@@ -65,6 +66,7 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     logits HEAD_POSITIONS positions at a time (`quantkit.calibrate.layers.head_logits`). Peak memory: the larger
     of the input embeddings and the lm_head in float32 (an unquantized lm_head equal in both checkpoints is held
     once), one layer of each model, and the hidden states of the windows (N x T x hidden x 4 bytes, per model)."""
+    pin_mmap_threshold()
     reference_dir, quantized_dir = Path(reference_dir), Path(quantized_dir)
     qc = read_quantization_config(quantized_dir)
     reference = skeleton_model(AutoConfig.from_pretrained(reference_dir))

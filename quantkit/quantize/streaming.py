@@ -41,7 +41,6 @@ positions of logits for the function-preservation check (`quantkit.calibrate.lay
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -66,6 +65,7 @@ from quantkit.calibrate.layers import (
     head_name,
     materialize,
     outside_state,
+    pin_mmap_threshold,
     skeleton_model,
     source_tensors,
     tied_partners,
@@ -179,22 +179,6 @@ class ShardWriter:
 # --------------------------------------------------------------------------------------------- the path
 
 
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-MMAP_THRESHOLD_BYTES = 2**20
-
-
-def _pin_mmap_threshold() -> None:
-    """glibc: serve every allocation >= 1 MiB by mmap and give it back to the OS when freed (process-wide).
-
-    glibc raises its mmap threshold to the size of each freed mmapped block (up to 32 MiB); the layer-sized
-    tensors allocated afterwards then come from the heap, whose freed pieces are not returned, and resident memory
-    drifted by 0.05-0.35 GB between identical runs (benchmarks/bench_quantize_memory.py). No effect elsewhere."""
-    try:
-        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-    except (OSError, AttributeError):
-        pass
-
-
 def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, overwrite: bool = False,
                        spill_bytes: int = DEFAULT_SPILL_BYTES, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Quantize `model_dir` with `recipe` one decoder layer at a time (module docstring); write `out_dir` atomically.
@@ -202,7 +186,7 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
     spill_bytes: a calibration stream whose hidden states (N x T x hidden x 4 bytes) exceed this is kept on disk;
     max_shard_bytes: the output shard size. Raises what the whole-model path raises (CheckpointError,
     SmoothQuantMappingError, NonFiniteStatisticsError, FunctionPreservationError), and StreamingError."""
-    _pin_mmap_threshold()
+    pin_mmap_threshold()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
