@@ -1,7 +1,8 @@
 """Time and peak memory of each quantkit command on the trained models (registry-shipped, DESIGN.md "Trained models").
 
     python benchmarks/bench_trained.py [--models smollm2-135m-instruct qwen2.5-coder-0.5b-instruct]
-                                       [--sq-sequences 32] [--seq-len 512] [--quality-sequences 4] [--out DIR]
+                                       [--sq-sequences 32] [--seq-len 512] [--quality-sequences N]
+                                       [--diagnose-sequences N] [--out DIR]
 
 Per model, each command runs as its own `quantkit` process (what a user types) and is measured from outside: wall
 time, and peak resident memory of that process (ru_maxrss of os.wait4: imports included, file-backed pages
@@ -9,7 +10,7 @@ included), next to the bf16 checkpoint's size and their ratio (issue 28's bound:
 checkpoint for the 0.5B). Commands: `models fetch` (skipped when cached: the cache is $QUANTKIT_MODELS_DIR),
 `quantize --streaming` with w8a8_fp8_block, w4a4_nvfp4 and w4a4_nvfp4_sq (SmoothQuant with --sq-sequences
 windows of --seq-len tokens: a recipe file written beside the outputs), `quality` on the three checkpoints, and
-`diagnose` (--quality-sequences windows). A table goes to stdout; JSON + markdown to benchmarks/results/
+`diagnose` (both with their command-line defaults unless --quality-sequences / --diagnose-sequences are given). A table goes to stdout; JSON + markdown to benchmarks/results/
 (machine, date, command). Work files go to a temporary directory, removed at the end.
 """
 
@@ -95,9 +96,10 @@ def bench_model(name: str, work: Path, args: argparse.Namespace) -> list[dict]:
         row = run(f"quantize {label}", ["quantize", "--streaming", str(model_dir), recipe, str(out)])
         row["output_mb"] = round(checkpoint_mb(out), 1)
         outs.append(str(out))
-    run("quality", ["quality", "--num-sequences", str(args.quality_sequences), "--seq-len", "256", str(model_dir), *outs])
-    run("diagnose", ["diagnose", "--num-sequences", str(args.quality_sequences), "--seq-len", str(args.seq_len),
-                     "--out", str(work / f"{name}-diagnostics"), str(model_dir)])
+    quality = [] if args.quality_sequences is None else ["--num-sequences", str(args.quality_sequences)]
+    run("quality", ["quality", *quality, str(model_dir), *outs])
+    diagnose = [] if args.diagnose_sequences is None else ["--num-sequences", str(args.diagnose_sequences)]
+    run("diagnose", ["diagnose", *diagnose, "--out", str(work / f"{name}-diagnostics"), str(model_dir)])
     for row in rows:
         row["bf16_checkpoint_mb"] = round(bf16_mb, 1)
         row["peak_over_bf16"] = round(row["peak_rss_mb"] / bf16_mb, 2)
@@ -108,8 +110,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
     parser.add_argument("--sq-sequences", type=int, default=32, help="SmoothQuant calibration windows")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration / diagnostics window")
-    parser.add_argument("--quality-sequences", type=int, default=4, help="held-out windows for quality and diagnose")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per SmoothQuant calibration window")
+    parser.add_argument("--quality-sequences", type=int, help="held-out windows for quality (default: its own)")
+    parser.add_argument("--diagnose-sequences", type=int, help="held-out windows for diagnose (default: its own)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 

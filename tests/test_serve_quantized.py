@@ -79,10 +79,12 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
     "ga_gatednorm-nvfp4_static": ("variant", "w4a4_nvfp4_static", 1),
     "qwen3-fp8_block": ("qwen3", "w8a8_fp8_block", 1),
     "qwen3-nvfp4": ("qwen3", "w4a4_nvfp4", 1),
-    # stock decoders a user brings (issue 28): the ones vLLM serves under our method today (not yet: Mixtral,
-    # whose vLLM class names its MoE block_sparse_moe; Phi-3, whose checkpoint stores qkv and gate_up fused; Gemma 2,
-    # whose vLLM CPU attention output differs from transformers' by ~3e-3 of its max |x|)
+    # stock decoders a user brings (issue 28): the ones vLLM serves under our method today (not yet: Gemma 2,
+    # whose vLLM CPU attention output differs from transformers' by ~3e-3 of its max |x|). Phi-3 stores qkv_proj and
+    # gate_up_proj fused: quantized whole; Mixtral's MoE block is `mlp` in transformers 5 (quantkit.serve.stock_names)
     "llama-nvfp4": ("llama", "w4a4_nvfp4", 1),
+    "phi3-fp8_block": ("phi3", "w8a8_fp8_block", 1),
+    "mixtral-nvfp4": ("mixtral", "w4a4_nvfp4", 1),
     "mistral-fp8_block": ("mistral", "w8a8_fp8_block", 1),
     "qwen2-nvfp4": ("qwen2", "w4a4_nvfp4", 1),
     "gemma3-nvfp4": ("gemma3", "w4a4_nvfp4", 1),
@@ -129,7 +131,17 @@ def served_activations(capture_dir: Path) -> dict[str, tuple[torch.Tensor, torch
         for i, key in enumerate(("x", "xq")):
             joined = torch.cat([p[key] for p in parts], -1)
             rows[prefix][i].append(joined.reshape(-1, joined.shape[-1]))
-    return {prefix: (torch.cat(xs), torch.cat(xqs)) for prefix, (xs, xqs) in rows.items()}
+    return {checkpoint_name(prefix): (torch.cat(xs), torch.cat(xqs)) for prefix, (xs, xqs) in rows.items()}
+
+
+def checkpoint_name(vllm_prefix: str) -> str:
+    """A vLLM layer prefix under the checkpoint's (transformers') module names (`quantkit.serve.stock_names`)."""
+    from quantkit.serve.stock_names import RENAMES
+
+    for renames in RENAMES.values():
+        for old, new in renames.items():
+            vllm_prefix = vllm_prefix.replace(new, old)
+    return vllm_prefix
 
 
 def activation_codes(scheme: str, x: torch.Tensor, input_global_scale: torch.Tensor | None) -> torch.Tensor:

@@ -137,10 +137,12 @@ def test_quality_reads_the_tied_checkpoints(fetched, quantized):
     assert all(math.isfinite(v) and v >= 0 for v in kl.values()) and kl["w8a8_fp8_block"] < kl["w4a4_nvfp4"], kl
 
 
-def test_smoothquant_norms_stay_float32_in_the_checkpoint(fetched, tmp_path):
+def test_smoothquant_norms_stay_float32_in_the_checkpoint_and_in_vllm(fetched, tmp_path):
     """The norms SmoothQuant folds its factors into are written float32 (their w / s is not a bf16 number: a
     bf16 copy would move every smoothed channel by up to 2^-9), every other unquantized tensor in the source's
-    bf16; the fold itself is verified function-preserving inside `quantize` (raises otherwise)."""
+    bf16; the fold itself is verified function-preserving inside `quantize` (raises otherwise). Served in bf16
+    by vLLM, the smoothed norms' weights are the checkpoint's float32 tensors bit for bit
+    (`quantkit.serve.float32_norms`), the unsmoothed final norm stays in the served dtype."""
     from quantkit.quantize.checkpoint import quantize_checkpoint
 
     _, source = fetched
@@ -156,5 +158,18 @@ def test_smoothquant_norms_stay_float32_in_the_checkpoint(fetched, tmp_path):
     assert headers["model.norm.weight"][0] == "BF16"  # feeds lm_head (unquantized): not smoothed
     assert headers["model.embed_tokens.weight"][0] == "BF16"
     with safe_open(str(out / "model.safetensors"), "pt") as f:
-        smoothed = f.get_tensor("model.layers.0.input_layernorm.weight")
-    assert not torch.equal(smoothed, smoothed.bfloat16().float())  # not bf16 numbers: the float32 is needed
+        smoothed = {i: f.get_tensor(f"model.layers.{i}.post_attention_layernorm.weight") for i in range(layers)}
+    assert not torch.equal(smoothed[0], smoothed[0].bfloat16().float())  # not bf16 numbers: the float32 is needed
+
+    from quantkit.evals.harness import open_lm
+
+    def norms(model) -> dict:
+        return {"layers": {i: layer.post_attention_layernorm.weight.detach().cpu().clone()
+                           for i, layer in enumerate(model.model.layers)},
+                "final": model.model.norm.weight.detach().cpu().clone()}
+
+    with open_lm(out, "vllm", dtype="bfloat16", max_model_len=128) as lm:
+        served = lm.model.apply_model(norms)[0]
+    assert all(served["layers"][i].dtype == torch.float32 and torch.equal(served["layers"][i], smoothed[i])
+               for i in range(layers))
+    assert served["final"].dtype == torch.bfloat16

@@ -331,10 +331,11 @@ def resolve_mappings(
         else:
             mappings += _layer_mappings(layer, prefix, family, include_v_o, include_up_down, problems, skipped)
     if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         raise SmoothQuantMappingError(
-            f"SmoothQuant cannot map {architecture}: " + "; ".join(problems)
-            + f". Registered architectures: {sorted(ARCHITECTURES)}; foldable smoothing layers: "
-            + f"{sorted(c.__name__ for c in _FOLDS)}"
+            f"SmoothQuant cannot map {architecture}: " + "; ".join(problems[:3]) + more
+            + f". Foldable smoothing layers: {sorted(c.__name__ for c in _FOLDS)}. Recipes without SmoothQuant "
+            "(w8a8_fp8_block, w4a4_nvfp4, ...) still work."
         )
     return MappingPlan(architecture, tuple(mappings), tuple(dict.fromkeys(skipped)))
 

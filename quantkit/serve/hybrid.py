@@ -54,6 +54,7 @@ from vllm.model_executor.models.utils import (
 
 from quantkit.models.configuration_hybrid import DELTANET_CONV_ACT
 from quantkit.models.modeling import rms_normalize, value_scale
+from quantkit.serve.float32_norms import mark_float32_loadable
 from quantkit.quantize.fake_quant import routed_experts_forward
 from quantkit.serve.models import HeadwiseRMSNorm, QuantkitMLP, _kv_head_sharded_parameter, gated_norm_gates
 
@@ -75,6 +76,7 @@ class QuantkitHybridNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(hidden))
         self.pre_scale = nn.Parameter(torch.ones(hidden)) if config.pre_affine else None
         self.gate_down, self.gate_up = gated_norm_gates(hidden, config.gated_norm_rank, prefix)
+        mark_float32_loadable(self.weight)  # SmoothQuant's folds, unrounded
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -52,6 +52,7 @@ from vllm.sequence import IntermediateTensors
 from vllm.transformers_utils.config import set_default_rope_theta
 
 from quantkit.models.modeling import rms_normalize, value_scale
+from quantkit.serve.float32_norms import mark_float32_loadable
 
 # --------------------------------------------------------------------------------------- norms
 
@@ -88,13 +89,14 @@ class QuantkitNorm(nn.Module):
             self.bias = nn.Parameter(torch.zeros(hidden))
             self.alpha = nn.Parameter(torch.full((1,), float(config.dyt_alpha_init)))
         self.gate_down, self.gate_up = gated_norm_gates(hidden, config.gated_norm_rank, prefix)
+        mark_float32_loadable(self.weight, getattr(self, "bias", None))  # SmoothQuant's folds, unrounded
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm_type == "dyt":
             y = self.weight.float() * torch.tanh(self.alpha.float() * x.float()) + self.bias.float()
             return y.to(x.dtype)
         h = x.float() * self.pre_scale.float() if self.pre_scale is not None else x
-        return self.weight * rms_normalize(h, self.eps).to(x.dtype)
+        return (self.weight * rms_normalize(h, self.eps).to(x.dtype)).to(x.dtype)  # float32 weight: one rounding
 
     def _gate(self, y: torch.Tensor) -> torch.Tensor:
         down, _ = self.gate_down(y)

@@ -22,17 +22,21 @@ TRACE_ENV = "QUANTKIT_PLUGIN_TRACE"
 
 def register() -> None:
     """Register quantkit's config type with transformers, its architectures, its quantization method
-    (`quant_method: "quantkit"`), CPU emulation kernels for the peers' formats, and, on CPUs without bf16 matmuls,
+    (`quant_method: "quantkit"`), CPU emulation kernels for the peers' formats, float32 loading of SmoothQuant's folded
+    norm weights (`quantkit.serve.float32_norms`), the module names of transformers 5 for vLLM's stock classes
+    (`quantkit.serve.stock_names`), and, on CPUs without bf16 matmuls,
     the batched Gated DeltaNet prefill conv (`quantkit.serve.gdn_cpu`) and float32 compute for unquantized bf16
     Linears (`quantkit.serve.cpu_linear`) with vLLM (idempotent)."""
     from vllm import ModelRegistry
 
     import quantkit.models  # noqa: F401  (registers model_types "quantkit", "quantkit_hybrid" with AutoConfig)
     import quantkit.serve.quant_method  # noqa: F401  (@register_quantization_config("quantkit"))
-    from quantkit.serve import cpu_linear, gdn_cpu
+    from quantkit.serve import cpu_linear, float32_norms, gdn_cpu, stock_names
     from quantkit.serve.peer_kernels import register_cpu_emulation_kernels
 
     register_cpu_emulation_kernels()
+    float32_norms.install()
+    stock_names.install()
     gdn_cpu.install()
     cpu_linear.install()
 

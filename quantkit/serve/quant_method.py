@@ -83,6 +83,11 @@ class QuantkitQuantConfig(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> "QuantkitQuantConfig":
         return cls(config)
 
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        """vLLM hands the model class's renames (checkpoint names -> its module names, e.g. Mixtral's
+        mlp.experts -> block_sparse_moe.experts, `quantkit.serve.stock_names`): the quantized module names follow."""
+        self.quantized_modules = set(hf_to_vllm_mapper.apply_list(sorted(self.quantized_modules)))
+
     def _checkpoint_names(self, prefix: str) -> list[str]:
         """vLLM layer prefix -> the checkpoint's module names (a fused layer has one per shard)."""
         parent, _, leaf = prefix.rpartition(".")
@@ -142,13 +147,18 @@ class QuantkitLinearMethod(LinearMethodBase):
     ) -> None:
         n, k = sum(output_partition_sizes), input_size_per_partition
         sharded_k = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
-        layer.quantkit_shards = list(output_partition_sizes)
+        # a fused layer the checkpoint stores as one matrix (Phi-3's qkv_proj, gate_up_proj): one shard, whole
+        layer.quantkit_whole = len(output_partition_sizes) > 1 and self.prefix in self.config.quantized_modules
+        if layer.quantkit_whole and layer.tp_size > 1:
+            raise ValueError(f"{self.prefix}: the checkpoint quantized this fused projection as one matrix; tensor "
+                             "parallelism splits it by its parts, whose scales the whole matrix shares: serve with tp 1")
+        layer.quantkit_shards = [n] if layer.quantkit_whole else list(output_partition_sizes)
         layer.quantkit_in_features = k
         scheme = self.config.scheme
         if sharded_k and k % scheme.k_multiple:
             raise ValueError(f"{self.prefix}: {scheme.name} under tensor parallelism needs in_features/tp ({k}) to be a "
                              f"multiple of {scheme.k_multiple}")
-        for spec in scheme.layer_tensors(n, k, len(output_partition_sizes), self.config.activation_scale):
+        for spec in scheme.layer_tensors(n, k, len(layer.quantkit_shards), self.config.activation_scale):
             self._add(layer, spec)
 
     def _add(self, layer: torch.nn.Module, spec: LayerTensor) -> None:
@@ -266,6 +276,10 @@ def _row_amax(layer: torch.nn.Module, x: torch.Tensor, input_global_scale: torch
 
 def _shard_of(layer: torch.nn.Module, shard_id: str | int | None, prefix: str) -> tuple[int, int]:
     """(index of the fused shard in this layer, which TP slice of that shard's rows this rank holds)."""
+    if getattr(layer, "quantkit_whole", False):
+        if shard_id is not None:
+            raise ValueError(f"{prefix}: the checkpoint stores this fused projection as one matrix (got shard {shard_id!r})")
+        return 0, 0  # tp 1 (create_weights refuses more)
     if isinstance(layer, QKVParallelLinear):
         if shard_id not in ("q", "k", "v"):
             raise ValueError(f"{prefix}: a quantkit checkpoint stores q_proj, k_proj, v_proj separately (got shard {shard_id!r})")

@@ -1,0 +1,72 @@
+"""SmoothQuant's folded norm weights served in float32, as the checkpoint stores them.
+
+SmoothQuant divides a norm's weight by its factors s (`quantkit.calibrate.smoothquant`); w / s is not a bf16
+number, so quantized checkpoints keep those norms float32 (docs/checkpoint-format.md) and every other unquantized
+tensor in the source's dtype. vLLM creates a norm's weight in the served dtype and its default loader copies the
+checkpoint into it: served in bf16, each smoothed channel would move by up to 2^-9 relative (KL shifts of the order
+of SmoothQuant's own effect on small models).
+
+`install()` (called by the plugin in every vLLM process) gives the weight of vLLM's `RMSNorm` and `GemmaRMSNorm`
+(and quantkit's own residual norms, `quantkit.serve.models` / `.hybrid`), when the model is served under
+quantkit's quant method, the loader `keep_float32`: a float32 checkpoint tensor becomes the parameter's data as it
+is. vLLM's native rms_norm computes `normalized.to(weight.dtype) * weight` in float32 then rounds once to the
+served dtype (`vllm.ir.ops.layernorm`; its C kernels accept only matching dtypes, so mixed dtypes take that
+path); GemmaRMSNorm already forms 1 + w in float32. Not covered: GatedNorm's gate_down columns, which SmoothQuant
+also scales (a Linear: it runs in the served dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def keep_float32(param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """weight_loader: a float32 checkpoint tensor of the parameter's shape replaces its data unrounded; anything
+    else is copied as vLLM's `default_weight_loader` does."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    if loaded_weight.dtype == torch.float32 and param.dtype != torch.float32 and loaded_weight.shape == param.shape:
+        param.data = loaded_weight.to(param.device)
+    else:
+        default_weight_loader(param, loaded_weight)
+
+
+def serving_quantkit_checkpoint() -> bool:
+    """True while vLLM builds a model under quantkit's quant method (`quant_method: quantkit`)."""
+    from vllm.config import get_current_vllm_config
+
+    from quantkit.serve.quant_method import QuantkitQuantConfig
+
+    try:
+        return isinstance(get_current_vllm_config().quant_config, QuantkitQuantConfig)
+    except AssertionError:  # no vLLM config: a module built outside an engine
+        return False
+
+
+def mark_float32_loadable(*params: torch.nn.Parameter | None) -> None:
+    """Give `params` the `keep_float32` loader when the model is served under quantkit's quant method."""
+    if not serving_quantkit_checkpoint():
+        return
+    for param in params:
+        if isinstance(param, torch.nn.Parameter):
+            param.weight_loader = keep_float32
+
+
+def install() -> bool:
+    """Wrap the constructors of vLLM's RMSNorm and GemmaRMSNorm to mark their weight (idempotent); True if done now."""
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+
+    installed = False
+    for cls in (RMSNorm, GemmaRMSNorm):
+        init = cls.__init__
+        if getattr(init, "quantkit_float32", False):
+            continue
+
+        def wrapped(self, *args, _init=init, **kwargs) -> None:
+            _init(self, *args, **kwargs)
+            mark_float32_loadable(getattr(self, "weight", None))
+
+        wrapped.quantkit_float32 = True
+        cls.__init__ = wrapped
+        installed = True
+    return installed
