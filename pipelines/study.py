@@ -437,6 +437,7 @@ def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
 def study_results(study: Study) -> dict[str, Any]:
     """The report's input (docs/report-format.md, schema_version 1) from the run directory."""
     from quantkit.calibrate.provenance import checkpoint_calibration
+    from quantkit.checkpoints import checkpoint_size
 
     rows, suite = [], None
     for label in study.spec.models:
@@ -449,7 +450,8 @@ def study_results(study: Study) -> dict[str, Any]:
             scores = {b: 100 * v["score"] for b, v in ev["benchmarks"].items() if not math.isnan(v["score"])}
             row = dict(variant=label, model=study.spec.models[label], section=section, recipe=recipe,
                        precision=_precision(recipe), scores=scores,
-                       calibration=checkpoint_calibration(study.recipe(recipe), study.checkpoint_dir(label, recipe)))
+                       calibration=checkpoint_calibration(study.recipe(recipe), study.checkpoint_dir(label, recipe)),
+                       size=checkpoint_size(study.checkpoint_dir(label, recipe), study.checkpoint_dir(label, BASELINE)))
             if recipe != BASELINE:
                 deg = json.loads(study.artifact("degradation", label, recipe).read_text())
                 bench = deg["benchmarks"]

@@ -15,6 +15,7 @@ pages of every shard it has touched).
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -155,3 +156,10 @@ def describe_architecture(config: dict) -> str:
         shared = " + shared" if config.get("shared_expert_intermediate_size") else ""
         mlp = f"MoE {experts} experts top-{config.get('num_experts_per_tok')}{shared}"
     return f"{arch}: {mixers}, {mlp}"
+
+
+def checkpoint_size(quantized_dir: str | Path, source_dir: str | Path) -> dict[str, float]:
+    """{'bytes': the weight files' size, 'bf16_ratio': that over 2 bytes per parameter of the source}."""
+    size = sum(f.stat().st_size for f in weight_files(Path(quantized_dir)))
+    bf16 = 2 * sum(math.prod(shape) for _, shape in tensor_headers(Path(source_dir)).values())
+    return {"bytes": size, "bf16_ratio": size / bf16}

@@ -97,9 +97,16 @@ def _quantize(args: argparse.Namespace) -> int:
     from quantkit.checkpoints import check_checkpoint_dir
 
     check_checkpoint_dir(args.model)  # before the slow imports
+    from quantkit.calibrate.provenance import calibration_sets, with_calibration
     from quantkit.quantize.checkpoint import quantize_checkpoint
+    from quantkit.quantize.recipe import load_recipe
 
-    out = quantize_checkpoint(args.model, args.recipe, args.out, overwrite=args.overwrite, streaming=args.streaming)
+    recipe = load_recipe(args.recipe)
+    if args.calibration:
+        recipe = with_calibration(recipe, *args.calibration)
+    for s in calibration_sets(recipe):  # the cost, before it starts
+        print(f"calibration ({s['use']}): {s['num_sequences']} x {s['seq_len']} tokens of {s['source']}", flush=True)
+    out = quantize_checkpoint(args.model, recipe, args.out, overwrite=args.overwrite, streaming=args.streaming)
     print(f"{args.recipe}: {out}")
     print(checkpoint_size_line(args.model, out))
     return 0
@@ -107,13 +114,11 @@ def _quantize(args: argparse.Namespace) -> int:
 
 def checkpoint_size_line(source: str | Path, quantized: str | Path) -> str:
     """'size: X MB (R x the source in bf16)': the weight files' bytes against 2 bytes per source parameter."""
-    import math
+    from quantkit.checkpoints import checkpoint_size
 
-    from quantkit.checkpoints import tensor_headers, weight_files
-
-    size = sum(f.stat().st_size for f in weight_files(Path(quantized)))
-    bf16 = 2 * sum(math.prod(shape) for _, shape in tensor_headers(Path(source)).values())
-    return f"size: {size / 1e6:.1f} MB ({size / bf16:.2f}x the source in bf16, {bf16 / 1e6:.1f} MB)"
+    size = checkpoint_size(quantized, source)
+    bf16 = size["bytes"] / size["bf16_ratio"]
+    return f"size: {size['bytes'] / 1e6:.1f} MB ({size['bf16_ratio']:.2f}x the source in bf16, {bf16 / 1e6:.1f} MB)"
 
 
 def _quality(args: argparse.Namespace) -> int:
@@ -233,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     quantize.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=None,
                           help="one decoder layer in memory at a time, sharded output, the same tensors (default: "
                                "streaming when the whole model in float32 would not fit in the available memory)")
+    quantize.add_argument("--calibration", type=int, nargs=2, metavar=("SEQUENCES", "TOKENS"),
+                          help="resize every calibration set the recipe draws (SmoothQuant, static scales) to SEQUENCES "
+                               "windows of TOKENS tokens (the recipes keep paper 000's 4096 x 512 for SmoothQuant)")
     quantize.set_defaults(func=_quantize)
     quality = sub.add_parser("quality", help="per-layer SNR and KL of quantized checkpoints vs their source")
     quality.add_argument("model", help="source checkpoint directory")

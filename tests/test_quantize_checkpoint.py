@@ -97,6 +97,13 @@ def test_cli(source, tmp_path):
     out = subprocess.run([quantkit, "quantize", str(source), "w8a8_fp8_block", str(tmp_path / "q")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "q" / "model.safetensors").exists()
+    # --calibration resizes SmoothQuant's set (the recipe's 4096 x 512 would take hours) and says so first
+    out = subprocess.run([quantkit, "quantize", str(source), "w8a8_fp8_block_sq", str(tmp_path / "sq"), "--calibration",
+                          "3", "16"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "calibration (smoothquant): 3 x 16 tokens" in out.stdout
+    report = json.loads((tmp_path / "sq" / "smoothquant.json").read_text())
+    assert (report["num_sequences"], report["seq_len"]) == (3, 16)
 
 
 def test_smoothquant_and_static_recipes(source, tmp_path):

@@ -34,7 +34,8 @@ def mini_results() -> dict:
                  "ci95": {"MMLU": [35.0, 45.0]}, "outliers": outliers},
                 {"variant": "ga", "model": "zoo:ga", "recipe": "w4a4_nvfp4", "precision": "W4A4", "scores": w4a4,
                  "ci95": {"MMLU": [31.0, 41.0]}, "noise_floor": {"GSM8k": 1.5, "MGSM": 2.5},
-                 "flips": {"MMLU": 0.1, "GSM8k": 0.3}, "kl": 0.0104, "outliers": outliers}]}
+                 "flips": {"MMLU": 0.1, "GSM8k": 0.3}, "kl": 0.0104, "outliers": outliers,
+                 "size": {"bytes": 116_000_000, "bf16_ratio": 0.43}}]}
 
 
 def test_paper_fixture_reproduces_every_printed_avg():
@@ -95,8 +96,8 @@ def test_mini_results_degradation_noise_and_optional_columns():
     # Table 2 ends at ΔAvg; flips, KL and the outlier figures are the diagnostics table's
     assert "| Type | Add | Knowledge | STEM | Code | Multilingual |  | Other | Avg | ΔAvg |" in md
     assert "| W4A4 | ga | 36.00 | 9.00 | 12.00 | 29.00 | 5.00 | 48.00 | 23.17 | -1.83 |" in md
-    assert "| Type | Add | Flips | KL | max_abs_residual | max_abs_linear_input |" in md
-    assert "| W4A4 | ga | 20.0% | 0.0104 | 9.87 | 15.03 |" in md
+    assert "| Type | Add | Size | Flips | KL | max_abs_residual | max_abs_linear_input |" in md
+    assert "| W4A4 | ga | 116 MB (0.43x) | 20.0% | 0.0104 | 9.87 | 15.03 |" in md
     # |delta| <= noise is inside the noise floor: 4 <= 7.07 and 1 <= 1.5 are n.s., 3 > 2.5 is not
     assert "| W4A4 | ga | -4.00 ±7.07 n.s. | -1.00 ±1.50 n.s. | +0.00 | -1.00 | -3.00 ±2.50 | -2.00 | -1.83 |" in md
 
@@ -150,6 +151,7 @@ def test_bf16_only_results_render_without_plots(tmp_path):
     (lambda d: d["rows"][1].update(noise=1.0), "unknown field(s) 'noise'"),
     (lambda d: d["rows"][1]["noise_floor"].update(Math=1.0), "'noise_floor' has benchmarks without a score: math"),
     (lambda d: d["rows"][1].update(kl=-0.1), "'kl'"),
+    (lambda d: d["rows"][1].update(size={"bytes": 1}), "'size': expected {\"bytes\": ..., \"bf16_ratio\": ...}"),
     (lambda d: d["rows"][1]["ci95"].update(MMLU=[41.0, 31.0]), "low 41.0 > high 31.0"),
     (lambda d: d["rows"].append(copy.deepcopy(d["rows"][1])), "rows[2]: duplicate row for variant 'ga', recipe 'w4a4_nvfp4'"),
     (lambda d: d["rows"][1].pop("variant"), "rows[1]: 'variant' must be a non-empty string"),

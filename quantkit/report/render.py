@@ -47,6 +47,11 @@ def _pct(x: float | None) -> str:
     return DASH if x is None else f"{100 * x:.1f}%"
 
 
+def _size(size: dict[str, float]) -> str:
+    """'116 MB (0.43x)': the checkpoint's weight files and their ratio to the model in bf16."""
+    return f"{size['bytes'] / 1e6:.0f} MB ({size['bf16_ratio']:.2f}x)"
+
+
 def _kl(x: float | None) -> str:
     return DASH if x is None else f"{x:.4f}"
 
@@ -84,8 +89,11 @@ def _extra_columns(table: Table) -> list[tuple[str, Callable[[TableRow], str]]]:
 
 
 def _diagnostic_columns(table: Table) -> list[tuple[str, Callable[[TableRow], str]]]:
-    """(header, cell) of the diagnostics table: flips, KL, calibration set, outlier figures (those some row has)."""
+    """(header, cell) of the diagnostics table: size, flips, KL, calibration set, outlier figures (those some row
+    has)."""
     cols: list[tuple[str, Callable[[TableRow], str]]] = []
+    if table.has_size:
+        cols.append(("Size", lambda r: DASH if r.row.size is None else _size(r.row.size)))
     if table.has_flips:
         cols.append(("Flips", lambda r: _pct(r.flips_mean) if r.degradation else ""))
     if table.has_kl:
@@ -256,6 +264,7 @@ def _row_record(table: Table, r: TableRow) -> dict[str, Any]:
         "delta_avg_significant": significant(d.delta_avg, d.noise_avg) if d else None,
         "flips": r.row.flips or None, "flips_mean": r.flips_mean, "kl": r.row.kl, "outliers": r.row.outliers or None,
         "calibration": None if r.row.calibration is None else list(r.row.calibration),
+        "size": r.row.size,
     }
 
 
@@ -287,6 +296,9 @@ def to_csv(table: Table) -> str:
     if table.has_calibration:
         columns.append(("calibration", lambda r: r.row.calibration is not None and describe_calibration(r.row.calibration)
                         or None))
+    if table.has_size:
+        columns += [("size_bytes", lambda r: r.row.size and r.row.size["bytes"]),
+                    ("size_bf16_ratio", lambda r: r.row.size and r.row.size["bf16_ratio"])]
     columns += [(f"delta_{k}", lambda r, k=k: r.degradation and r.degradation.delta.get(k)) for k in keys]
     if table.has_noise:
         columns += [(f"noise_{k}", lambda r, k=k: r.degradation and r.degradation.noise.get(k)) for k in keys]

@@ -24,7 +24,7 @@ BASELINE_RECIPE = "bf16"
 
 _TOP_KEYS = {"schema_version", "study", "suite", "suite_version", "created", "rows", "meta"}
 _ROW_KEYS = {"id", "section", "variant", "label", "model", "recipe", "precision", "scores", "ci95", "noise_floor",
-             "flips", "kl", "outliers", "calibration", "meta"}
+             "flips", "kl", "outliers", "calibration", "size", "meta"}
 _CALIBRATION_KEYS = {"use", "source", "num_sequences", "seq_len"}
 
 
@@ -50,6 +50,7 @@ class Row:
     kl: float | None = None
     outliers: dict[str, float] = field(default_factory=dict)
     calibration: tuple[dict[str, Any], ...] | None = None  # None: not recorded; (): the recipe calibrates nothing
+    size: dict[str, float] | None = None  # {"bytes", "bf16_ratio"}: the checkpoint's weight files; None: not recorded
 
     @property
     def is_baseline(self) -> bool:
@@ -148,7 +149,17 @@ def _row(data: Any, where: str) -> Row:
         kl=None if kl is None else _number(kl, f"{where}: 'kl'", 0.0, math.inf),
         outliers={k: _number(v, f"{where}: outliers[{k!r}]", -math.inf, math.inf) for k, v in outliers.items()},
         calibration=_calibration(data.get("calibration"), f"{where}: 'calibration'"),
+        size=_size(data.get("size"), f"{where}: 'size'"),
     )
+
+
+def _size(value: Any, where: str) -> dict[str, float] | None:
+    """A row's checkpoint size: {"bytes": > 0, "bf16_ratio": > 0} (None: not recorded)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"bytes", "bf16_ratio"}:
+        raise ResultsError(f"{where}: expected {{\"bytes\": ..., \"bf16_ratio\": ...}}, got {value!r}")
+    return {k: _number(value[k], f"{where}[{k!r}]", 0.0, math.inf) for k in ("bytes", "bf16_ratio")}
 
 
 def _calibration(value: Any, where: str) -> tuple[dict[str, Any], ...] | None:

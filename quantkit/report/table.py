@@ -118,6 +118,10 @@ class Table:
         return any(r.degradation and r.degradation.noise_avg is not None for r in self.rows)
 
     @property
+    def has_size(self) -> bool:
+        return any(r.row.size is not None for r in self.rows)
+
+    @property
     def has_calibration(self) -> bool:
         return any(r.row.calibration is not None for r in self.rows)
 
