@@ -93,9 +93,12 @@ def read_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
 class TensorReader:
     """One tensor at a time from a checkpoint's safetensors files, read with plain file reads (module docstring).
 
-    `reader[name]` returns a new tensor of the stored dtype and shape; `names` lists every tensor (file order)."""
+    `reader[name]` returns a new tensor of the stored dtype and shape; `names` lists every tensor (file order).
+    `aliases` ({name asked for: name stored}) lets a caller read a checkpoint stored under other names."""
 
     def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.aliases: dict[str, str] = {}
         self._where: dict[str, tuple[Path, str, tuple[int, ...], int, int]] = {}
         for file in weight_files(model_dir):
             with open(file, "rb") as f:
@@ -111,10 +114,10 @@ class TensorReader:
         return list(self._where)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return self.aliases.get(name, name) in self._where
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        file, dtype, shape, offset, nbytes = self._where[name]
+        file, dtype, shape, offset, nbytes = self._where[self.aliases.get(name, name)]
         if dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}, which quantkit does not read")
         data = torch.empty(nbytes, dtype=torch.uint8)

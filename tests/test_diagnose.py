@@ -257,14 +257,15 @@ def _assert_close(a, b, path="result"):
         assert a == b, (path, a, b)
 
 
-@pytest.mark.parametrize("kind", ["dense", "hybrid", "gemma3"])
+@pytest.mark.parametrize("kind", ["dense", "hybrid", "gemma3", "mixtral"])
 def test_layer_by_layer_diagnose_equals_the_whole_model(tmp_path, kind):
     """`diagnose MODEL_DIR` runs one decoder layer at a time (the head in pieces of HEAD_POSITIONS positions);
     `diagnose_model` runs the whole model. Same float32 operations on the same batches, so the same statistics,
     except the lm_head's input moments, merged from 64-position pieces instead of whole batches (float64 sums in
     another order: ~1e-15 relative). The result keeps 6 significant digits, which can turn such a difference
     into one unit of the 6th digit: numbers agree to 1e-5 relative, everything else exactly. Three batches
-    (8 + 8 + 2 windows of 80 tokens: two head pieces, one partial) with every default recipe, static included."""
+    (8 + 8 + 2 windows of 80 tokens: two head pieces, one partial) with every default recipe, static included;
+    Gemma 3 (tied head, four norms a layer) and Mixtral (routed experts, its checkpoint in the hub's names)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantkit.data import heldout_windows
@@ -281,7 +282,7 @@ def test_layer_by_layer_diagnose_equals_the_whole_model(tmp_path, kind):
     else:
         from quantkit.models.tiny import build_tiny_stock_checkpoint
 
-        model_dir = build_tiny_stock_checkpoint(tmp_path / "m", "gemma3")
+        model_dir = build_tiny_stock_checkpoint(tmp_path / "m", kind)  # Mixtral: stored in the hub's layout
     layerwise = diagnose(model_dir, num_sequences=18, seq_len=80, recipes=DEFAULT_RECIPES, progress=False)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     tokens = heldout_windows(AutoTokenizer.from_pretrained(model_dir), 18, 80)

@@ -203,6 +203,16 @@ def test_unmappable_model_is_refused_before_its_weights_load(source, tmp_path, m
     with pytest.raises(SmoothQuantMappingError, match=r"QuantkitNorm: no fold registered"):
         quantize_checkpoint(source, "w8a8_fp8_block_sq", tmp_path / "out", streaming=False)
     assert not (tmp_path / "out").exists()
+    # an architecture without a table entry (Gemma 3): its traced rule runs on the skeleton, random weights
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from quantkit.models.tiny import build_tiny_stock_checkpoint
+
+    gemma = build_tiny_stock_checkpoint(tmp_path / "gemma3", "gemma3")
+    monkeypatch.delitem(mappings._FOLDS, Gemma3RMSNorm)
+    with pytest.raises(SmoothQuantMappingError, match=r"Gemma3RMSNorm: no fold registered.*still work"):
+        quantize_checkpoint(gemma, "w8a8_fp8_block_sq", tmp_path / "out", streaming=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_llmcompressor_peer_recipes(source, tmp_path):
@@ -289,9 +299,10 @@ def test_stock_decoders_quantize_with_every_scheme_and_smoothquant(architecture,
             assert torch.isfinite(model(torch.tensor([[1, 2, 3, 4]])).logits).all()
     report = json.loads((out / "smoothquant.json").read_text())
     assert report["mappings"] and report["relative_logit_change"] <= report["tolerance"]
-    # one layer at a time: the same tensors (tied heads tied, Gemma's included)
+    # one layer at a time (SmoothQuant's traced rule on the meta skeleton included): the same tensors and report
     from quantkit.checkpoints import read_state
 
-    streamed = read_state(quantize_checkpoint(source, "w4a4_nvfp4", tmp_path / "streamed", streaming=True))
-    whole = read_state(tmp_path / "w4a4_nvfp4")
+    streamed_dir = quantize_checkpoint(source, str(recipe), tmp_path / "streamed", streaming=True)
+    streamed, whole = read_state(streamed_dir), read_state(out)
     assert streamed.keys() == whole.keys() and all(torch.equal(streamed[k], whole[k]) for k in whole)
+    assert (streamed_dir / "smoothquant.json").read_text() == (out / "smoothquant.json").read_text()

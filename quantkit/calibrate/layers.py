@@ -74,6 +74,29 @@ def layer_forwards(layers: nn.ModuleList, fn: Callable[..., torch.Tensor]) -> It
 
 
 @torch.no_grad()
+def layer_arguments(model: nn.Module, layers: nn.ModuleList, inputs_embeds: torch.Tensor) -> list[dict]:
+    """The keyword arguments the model's forward gives each decoder layer for inputs_embeds (B, T, hidden)
+    (position embeddings, the mask of its layer type); no layer runs, so the layers may be on the meta device."""
+    recorded: list[dict] = []
+    last = len(layers) - 1
+
+    def record(i: int, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args:
+            raise LayerwiseError(f"the model passes decoder layer {i} positional arguments besides the hidden states")
+        recorded.append(kwargs)
+        if i == last:
+            raise StopForward(hidden_states)
+        return hidden_states
+
+    with layer_forwards(layers, record):
+        try:
+            model(inputs_embeds=inputs_embeds, use_cache=False)
+        except StopForward:
+            return recorded
+    raise LayerwiseError(f"{type(model).__name__}'s forward did not call its last decoder layer")
+
+
+@torch.no_grad()
 def final_hidden(model: nn.Module, layers: nn.ModuleList, input_ids: torch.Tensor) -> torch.Tensor:
     """The last decoder layer's output (B, T, hidden) for input_ids (B, T); the final norm and head do not run."""
 
@@ -234,6 +257,48 @@ def source_tensors(reader: TensorReader, module: nn.Module, prefix: str, model_d
         gate_up, down = fuse_expert_matrices(matrices, base, num)
         state[f"{name}.gate_up_proj"], state[f"{name}.down_proj"] = gate_up.float(), down.float()
     return state
+
+
+def open_source(model_dir: str | Path, model_type: str) -> TensorReader:
+    """A reader of a source checkpoint under the names of the transformers model (`stored_names`)."""
+    reader = TensorReader(model_dir)
+    reader.aliases.update(stored_names(model_type, reader.names))
+    return reader
+
+
+def stored_names(model_type: str, names: list[str]) -> dict[str, str]:
+    """{name in the transformers model's layout: name stored} for the tensors `names` of a checkpoint saved in the
+    layout transformers converts at load (its checkpoint conversion mapping for model_type; e.g. Mixtral's hub
+    checkpoints and transformers 5's own save_pretrained: `block_sparse_moe.experts.<e>.w1.weight`): renamings
+    applied, and each per-expert matrix named after its part of the fused tensor it is merged into
+    (`mlp.experts.<e>.gate_proj.weight`, as `fuse_expert_matrices` reads them). Empty where nothing is renamed."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    conversions = get_checkpoint_conversion_mapping(model_type) or []
+    renames = [(src, dst) for c in conversions if isinstance(c, WeightRenaming)
+               for src, dst in zip(c.source_patterns, c.target_patterns)]
+    parts = {}  # stored per-expert leaf (w1) -> the fused part it is (gate_proj)
+    for c in conversions:
+        if not isinstance(c, WeightConverter) or len(c.target_patterns) != 1:
+            continue
+        target = c.target_patterns[0].rsplit(".", 1)[-1]
+        leaves = [pattern.split(".*.", 1)[-1].removesuffix(".weight") for pattern in c.source_patterns]
+        if target == "gate_up_proj" and len(leaves) == 2:
+            parts.update({leaves[0]: "gate_proj", leaves[1]: "up_proj"})
+        elif target == "down_proj" and len(leaves) == 1:
+            parts[leaves[0]] = "down_proj"
+    aliases = {}
+    for stored in names:
+        name = stored
+        for src, dst in renames:
+            name = name.replace(src, dst)
+        owner, _, leaf = name.removesuffix(".weight").rpartition(".")
+        if ".experts." in name and leaf in parts and name.endswith(".weight"):
+            name = f"{owner}.{parts[leaf]}.weight"
+        if name != stored:
+            aliases[name] = stored
+    return aliases
 
 
 def materialize(module: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:

@@ -17,11 +17,11 @@ Mappings per decoder layer (Llama, Qwen2, Qwen3, Mistral and quantkit's own fami
 The final norm feeds lm_head, which stays BF16 (paper 000 App. A.4.2): it is not smoothed.
 
 Architectures with no ARCHITECTURES entry (Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE, ...) take the structural rule,
-`traced_mappings`: one forward pass on 8 tokens with hooks finds which of each layer's norms feeds which linears
-(routers, fused experts), by equal values at the consumers' inputs, so Gemma's sandwich norms map
-pre_feedforward_layernorm -> gate/up and leave the post-attention / post-feedforward norms (they feed the
-residual) alone. Norm mappings only; a norm without a registered fold is refused by name. It needs the
-materialized model (not the streaming path's meta skeleton).
+`traced_mappings`: each decoder layer runs once on 8 random positions with hooks, which find which of its norms
+feeds which linears (routers, fused experts) by equal values at the consumers' inputs, so Gemma's sandwich norms
+map pre_feedforward_layernorm -> gate/up and leave the post-attention / post-feedforward norms (they feed the
+residual) alone. Norm mappings only; a norm without a registered fold is refused by name. A layer on the meta
+device (the streaming skeleton, the check before loading) gets random weights for its pass: no weight is read.
 
 v_proj -> o_proj needs everything between the two to commute with a per-channel scale of v. Softmax
 attention is a convex combination of value rows (it does); the GA gate multiplies per head or per channel
@@ -92,7 +92,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Q
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Qwen3RMSNorm
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention, Qwen3NextMLP, Qwen3NextRMSNorm
 
-from quantkit.calibrate.layers import find_decoder_stack
+from quantkit.calibrate.layers import layer_arguments
 from quantkit.errors import QuantkitError
 from quantkit.formats.experts import is_fused_experts
 from quantkit.models.modeling import QuantkitAttention, QuantkitNorm
@@ -354,21 +354,26 @@ def _consumer_kind(module: nn.Module) -> bool:
 @torch.no_grad()
 def traced_mappings(model: nn.Module, architecture: str, layers: nn.ModuleList) -> MappingPlan:
     """The structural rule for architectures with no ARCHITECTURES entry: which of a decoder layer's norms feeds
-    which linears, found by running the model once on 8 tokens with hooks (a consumer reads a norm's output
-    when its input holds the same numbers as that output). Each norm with consumers becomes a "norm" mapping
-    (routers and MoE/shared-expert gates fold_only); norms that feed no linear (Gemma's post-attention and
-    post-feedforward norms feed the residual) are left alone. A norm that feeds linears but has no registered
-    fold (`folds`) is refused by name."""
-    embeddings = model.get_input_embeddings().weight
-    if any(p.is_meta for p in model.parameters()):
-        raise SmoothQuantMappingError(
-            f"SmoothQuant has no table entry for {architecture}, and its structural rule traces a forward pass, "
-            "which the streaming path (one layer in memory) cannot run: quantize with --no-streaming")
-    width = embeddings.shape[1]
+    which linears, found by running each decoder layer once on 8 random positions with hooks (a consumer reads a
+    norm's output when its input holds the same numbers as that output), with the arguments the model's own
+    forward gives it (`layer_arguments`). A layer on the meta device (the skeleton of streaming quantization, or of
+    the check before loading) is given random weights for its pass and put back: the structure decides, not the
+    values, so the weights need not be loaded. Each norm with consumers becomes a "norm" mapping (routers and
+    MoE/shared-expert gates fold_only); norms that feed no linear (Gemma's post-attention and post-feedforward
+    norms feed the residual) are left alone. A norm that feeds linears but has no registered fold (`folds`) is
+    refused by name."""
+    width = model.get_input_embeddings().weight.shape[1]
+    real = next((p for p in model.parameters() if not p.is_meta), None)
+    device, dtype = (real.device, real.dtype) if real is not None else (torch.device("cpu"), torch.float32)
+    hidden = torch.randn(1, 8, width, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    arguments = layer_arguments(model, layers, hidden)
     outputs: dict[str, torch.Tensor] = {}
     inputs: dict[str, torch.Tensor] = {}
-    handles = []
     for i, layer in enumerate(layers):
+        on_meta = any(p.is_meta for p in layer.parameters())
+        if on_meta:
+            _random_weights(model, layer)
+        handles = []
         for name, norm in layer_norms(layer, width).items():
             handles.append(norm.register_forward_hook(
                 lambda _m, _a, out, key=f"model.layers.{i}.{name}": outputs.__setitem__(key, out.detach())))
@@ -377,11 +382,13 @@ def traced_mappings(model: nn.Module, architecture: str, layers: nn.ModuleList) 
                 handles.append(module.register_forward_hook(
                     lambda _m, args, kwargs, _o, key=f"model.layers.{i}.{name}": inputs.__setitem__(
                         key, (args[0] if args else kwargs["hidden_states"]).detach()), with_kwargs=True))
-    try:
-        model(torch.arange(1, 9, device=embeddings.device)[None] % embeddings.shape[0])
-    finally:
-        for h in handles:
-            h.remove()
+        try:
+            layer(hidden, **arguments[i])
+        finally:
+            for h in handles:
+                h.remove()
+            if on_meta:
+                layer.to("meta")
     mappings, problems = [], []
     for norm_name, y in outputs.items():
         y = y.reshape(-1, width)
@@ -406,6 +413,13 @@ def traced_mappings(model: nn.Module, architecture: str, layers: nn.ModuleList) 
     return MappingPlan(architecture, tuple(mappings), ())
 
 
+def _random_weights(model: nn.Module, layer: nn.Module) -> None:
+    """Give a decoder layer on the meta device float32 CPU tensors, initialized as the model initializes them."""
+    layer.to_empty(device="cpu")
+    for module in layer.modules():
+        model._init_weights(module)
+
+
 def _table_family(model: nn.Module, layers: nn.ModuleList) -> DecoderFamily | None:
     """The ARCHITECTURES entry of `model`, HYBRID for unregistered models with Gated DeltaNet / sparse MoE layers,
     None where only the structural rule (a traced forward) can map it."""
@@ -414,13 +428,6 @@ def _table_family(model: nn.Module, layers: nn.ModuleList) -> DecoderFamily | No
         logger.info("SmoothQuant: %s has Gated DeltaNet / sparse MoE layers: hybrid MoE mappings", type(model).__name__)
         return HYBRID
     return family
-
-
-def maps_by_table(model: nn.Module) -> bool:
-    """Whether `resolve_mappings` maps `model` from its structure alone (a table entry), so that it can run on the
-    meta device before any weight is loaded; False for models mapped by tracing (or with no decoder layers)."""
-    layers = find_decoder_stack(model)
-    return layers is not None and _table_family(model, layers) is not None
 
 
 def _decoder_layers(model: nn.Module, architecture: str) -> nn.ModuleList:

@@ -35,6 +35,7 @@ from quantkit.calibrate.layers import (
     embed_stream,
     head_name,
     materialize,
+    open_source,
     outside_state,
     pin_mmap_threshold,
     skeleton_model,
@@ -42,7 +43,6 @@ from quantkit.calibrate.layers import (
     tied_partners,
 )
 from quantkit.calibrate.stats import ChannelMaxObserver, run_batches
-from quantkit.checkpoints import TensorReader
 from quantkit.calibrate.mappings import OFFSET_NORMS
 from quantkit.data import heldout_windows
 from quantkit.diagnose.observe import (
@@ -119,7 +119,7 @@ def _diagnose_layerwise(model_dir: Path, config, tokens: torch.Tensor, recipe_li
     pin_mmap_threshold()
     model = skeleton_model(config, attn_implementation="eager")
     stack, layers = decoder_stack(model)
-    reader = TensorReader(model_dir)
+    reader = open_source(model_dir, config.model_type)
     head = head_name(model)
     before_head = [k for k in model.state_dict(keep_vars=True)
                    if not k.startswith(f"{stack}.") and not (head is not None and k.startswith(f"{head}."))]

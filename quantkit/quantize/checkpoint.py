@@ -20,7 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 import quantkit.models  # noqa: F401  (registers model_type "quantkit")
 from quantkit.atomic import atomic_dir
 from quantkit.calibrate import SmoothQuantReport, channel_max, smooth_model
-from quantkit.calibrate.mappings import maps_by_table, resolve_mappings
+from quantkit.calibrate.layers import skeleton_model
+from quantkit.calibrate.mappings import resolve_mappings
 from quantkit.checkpoints import SAFETENSORS_DTYPES, CheckpointError, TensorHeaders, check_checkpoint_dir
 from quantkit.data import calibration_windows
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
@@ -153,15 +154,10 @@ def available_memory_bytes() -> int:
 
 
 def refuse_unmappable_early(model_dir: Path, recipe: Recipe) -> None:
-    """SmoothQuant's mappings resolved on the model built from config.json alone (meta device, no weights read), so
-    that a model SmoothQuant cannot fold is refused in a second, not after loading it: SmoothQuantMappingError.
-    Architectures without a table entry are mapped by tracing a forward pass, which needs the weights: for them
-    this checks nothing and `smooth_model` decides after the load."""
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    if maps_by_table(skeleton):
-        resolve_mappings(skeleton, experts=recipe.smoothquant.experts)
+    """SmoothQuant's mappings resolved on the model built from config.json alone (meta device; the traced rule
+    gives one layer at a time random weights), so that a model SmoothQuant cannot fold is refused in seconds, not
+    after loading it: SmoothQuantMappingError."""
+    resolve_mappings(skeleton_model(AutoConfig.from_pretrained(model_dir)), experts=recipe.smoothquant.experts)
 
 
 def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: str | Path, *, overwrite: bool = False,

@@ -9,10 +9,12 @@
   fake-quantized as the quantized checkpoint's experts do (`FakeQuantExperts`). An expert no token reaches has
   no SNR. Summarized per experts module and projection as min / median over experts (`expert_snr_db`, the
   second table).
-  For SmoothQuant checkpoints the reference is the source with the same SmoothQuant folded in (recomputed
-  from the recorded settings; function-preserving, so KL is unaffected), so that x and W match W_q.
+  For SmoothQuant checkpoints the reference is the source with the checkpoint's own SmoothQuant factors folded
+  in (`smoothquant_factors.pt`; function-preserving, so KL is unaffected), so that x and W match W_q.
 - Whole-model KL(ref || quantized) of the next-token distributions, mean over held-out tokens (nats;
   `quantkit.metrics.kl_divergence`, float64).
+
+Both models run one decoder layer at a time (`quantkit.calibrate.layers`), so memory does not grow with depth.
 
     quantkit quality MODEL_DIR QUANTIZED_DIR [QUANTIZED_DIR ...]   -> markdown table (+ --json)
 """
@@ -30,12 +32,14 @@ from transformers import AutoConfig, AutoTokenizer
 import quantkit.models  # noqa: F401
 from quantkit.calibrate.layers import (
     HEAD_POSITIONS,
+    Stream,
     advance_stream,
     decoder_stack,
     embed_stream,
     head_logits,
     head_name,
     materialize,
+    open_source,
     outside_state,
     pin_mmap_threshold,
     skeleton_model,
@@ -59,13 +63,13 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     """{'recipe', 'kl', 'layer_snr_db': {name: dB}, 'min_snr_db', 'mean_snr_db', 'expert_snr_db'} on token
     windows (N, T); layer_snr_db holds Linears and expert matrices, min / mean are over all of them.
 
-    One decoder layer of each model in memory at a time (the streaming engine of `quantkit.quantize.streaming`):
-    the windows are embedded once per model, then layer by layer the reference layer (float32 from the source,
-    with the checkpoint's SmoothQuant factors folded in) and the fake-quant layer (`install_fake_quant`) carry
-    their own hidden states, the SNR hooks reading the reference's; at the end each model's own head gives the
-    logits HEAD_POSITIONS positions at a time (`quantkit.calibrate.layers.head_logits`). Peak memory: the larger
-    of the input embeddings and the lm_head in float32 (an unquantized lm_head equal in both checkpoints is held
-    once), one layer of each model, and the hidden states of the windows (N x T x hidden x 4 bytes, per model)."""
+    The windows are embedded once per model (the checkpoint keeps the embeddings as the source stores them), then
+    layer by layer the reference layer (float32 from the source, with the checkpoint's SmoothQuant factors folded
+    in) and the fake-quant layer (`install_fake_quant`) carry their own hidden states, the SNR hooks reading the
+    reference's (`_layers`); at the end each model's own head gives the logits HEAD_POSITIONS positions at a time
+    (`_head_kl`). Peak memory: the larger of the input embeddings and the lm_head in float32 (an unquantized
+    lm_head equal in both checkpoints is held once), one layer of each model, and the hidden states of the
+    windows (N x T x hidden x 4 bytes, per model)."""
     pin_mmap_threshold()
     reference_dir, quantized_dir = Path(reference_dir), Path(quantized_dir)
     qc = read_quantization_config(quantized_dir)
@@ -73,17 +77,9 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     q_config = AutoConfig.from_pretrained(quantized_dir)
     del q_config.quantization_config
     quantized = skeleton_model(q_config)
+    source, packed = open_source(reference_dir, reference.config.model_type), TensorReader(quantized_dir)
     stack, ref_layers = decoder_stack(reference)
-    _, q_layers = decoder_stack(quantized)
-    source, packed = TensorReader(reference_dir), TensorReader(quantized_dir)
-    mappings, factors = [], {}
-    if qc["smoothquant"]:
-        factors = read_smoothquant_factors(quantized_dir)
-        flags = {k: v for k, v in qc["smoothquant"].items() if k in ("include_v_o", "include_up_down", "experts")}
-        mappings = resolve_mappings(reference, **flags).mappings
-
-    # the windows, embedded once per model (the checkpoint keeps the embeddings as the source stores them)
-    tied = tied_partners(reference)
+    tied = tied_partners(reference)  # before the embeddings go back to the meta device (untying them)
     outside = [k for k in reference.state_dict(keep_vars=True) if not k.startswith(f"{stack}.")]
     head = head_name(reference)
     head_keys = [k for k in outside if head is not None and k.startswith(f"{head}.")]
@@ -94,22 +90,7 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
 
     signal: dict[str, float] = {}
     noise: dict[str, float] = {}
-    quantized_set = set(qc["quantized_modules"])
-    for i in tqdm(range(len(ref_layers)), desc=f"quality {qc['recipe']}", unit="layer"):
-        prefix = f"{stack}.{i}."
-        ref_layer = ref_layers[i]
-        materialize(ref_layer, source_tensors(source, ref_layer, prefix, reference_dir), f"{reference_dir} layer {i}")
-        for m in mappings:
-            if m.smooth.startswith(prefix):
-                fold_mapping(reference, m, factors[m.smooth])
-        _load_fake_quant(quantized, q_layers[i], prefix, packed, qc, quantized_dir)
-        with _snr_hooks(reference, quantized, [n for n in quantized_set if n.startswith(prefix)], quantized_set, signal, noise):
-            advance_stream(streams[0], ref_layer, i)
-        advance_stream(streams[1], q_layers[i], i)
-        ref_layer.to("meta")
-        q_layers[i].to("meta")
-
-    # the heads: final norms and lm_heads, then the KL HEAD_POSITIONS positions at a time
+    _layers(reference, quantized, source, packed, qc, streams, signal, noise)
     reference.load_state_dict(outside_state(source, head_keys, tied, reference_dir), strict=False, assign=True)
     q_outside = [k for k in outside if k not in head_keys and not k.startswith(_input_embeddings_prefix(reference))]
     _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=q_outside)
@@ -117,25 +98,63 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
         quantized.get_submodule(head).weight = reference.get_submodule(head).weight  # one copy of the same tensor
     elif head is not None:
         _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=head_keys, tied=tied)
-    outside_quantized = [n for n in quantized_set if not n.startswith(f"{stack}.") and n in dict(reference.named_modules())]
-    kl_sum, count = 0.0, 0
-    with _snr_hooks(reference, quantized, outside_quantized, quantized_set, signal, noise):
-        for b in range(len(streams[0].hidden)):
-            for ref_hidden, q_hidden in zip(streams[0].hidden[b].split(1), streams[1].hidden[b].split(1)):
-                for start in range(0, ref_hidden.shape[1], HEAD_POSITIONS):  # (1, 64, V): float64 copies ~0.1 GB at V = 152k
-                    kl = kl_divergence(head_logits(reference, ref_layers, ref_hidden, start),
-                                       head_logits(quantized, q_layers, q_hidden, start))
-                    kl_sum += kl.sum().item()
-                    count += kl.numel()
+    modules = dict(reference.named_modules())
+    outside_quantized = [n for n in qc["quantized_modules"] if not n.startswith(f"{stack}.") and n in modules]
+    with _snr_hooks(reference, quantized, outside_quantized, set(qc["quantized_modules"]), signal, noise):
+        kl = _head_kl(reference, quantized, streams)
     snr = {n: snr_db(signal[n], noise[n]) for n in signal}  # expert matrices: those some token reached
     return {
         "recipe": qc["recipe"],
-        "kl": kl_sum / count,
+        "kl": kl,
         "layer_snr_db": snr,
         "min_snr_db": min(snr.values()),
         "mean_snr_db": sum(snr.values()) / len(snr),
         "expert_snr_db": summarize_expert_snr(snr),
     }
+
+
+def _layers(reference: torch.nn.Module, quantized: torch.nn.Module, source: TensorReader, packed: TensorReader,
+            qc: dict, streams: list[Stream], signal: dict[str, float], noise: dict[str, float]) -> None:
+    """The two streams through the decoder layers, one layer of each model in memory at a time, with the SNR
+    hooks on the reference's quantized modules (signal / noise accumulate per module name)."""
+    stack, ref_layers = decoder_stack(reference)
+    _, q_layers = decoder_stack(quantized)
+    mappings, factors = [], {}
+    if qc["smoothquant"]:
+        factors = read_smoothquant_factors(packed.model_dir)
+        flags = {k: v for k, v in qc["smoothquant"].items() if k in ("include_v_o", "include_up_down", "experts")}
+        mappings = resolve_mappings(reference, **flags).mappings
+    quantized_set = set(qc["quantized_modules"])
+    for i in tqdm(range(len(ref_layers)), desc=f"quality {qc['recipe']}", unit="layer"):
+        prefix = f"{stack}.{i}."
+        ref_layer = ref_layers[i]
+        materialize(ref_layer, source_tensors(source, ref_layer, prefix, source.model_dir), f"{source.model_dir} layer {i}")
+        for m in mappings:
+            if m.smooth.startswith(prefix):
+                fold_mapping(reference, m, factors[m.smooth])
+        _load_fake_quant(quantized, q_layers[i], prefix, packed, qc, packed.model_dir)
+        with _snr_hooks(reference, quantized, [n for n in quantized_set if n.startswith(prefix)], quantized_set, signal, noise):
+            advance_stream(streams[0], ref_layer, i)
+        advance_stream(streams[1], q_layers[i], i)
+        ref_layer.to("meta")
+        q_layers[i].to("meta")
+
+
+def _head_kl(reference: torch.nn.Module, quantized: torch.nn.Module, streams: list[Stream]) -> float:
+    """Mean KL(reference || quantized) of the next-token distributions over every position of the streams' windows:
+    each model's final norm and head on HEAD_POSITIONS positions of one window at a time (float64 copies of
+    (1, 64, V): ~0.1 GB at V = 152k)."""
+    _, ref_layers = decoder_stack(reference)
+    _, q_layers = decoder_stack(quantized)
+    kl_sum, count = 0.0, 0
+    for b in range(len(streams[0].hidden)):
+        for ref_hidden, q_hidden in zip(streams[0].hidden[b].split(1), streams[1].hidden[b].split(1)):
+            for start in range(0, ref_hidden.shape[1], HEAD_POSITIONS):
+                kl = kl_divergence(head_logits(reference, ref_layers, ref_hidden, start),
+                                   head_logits(quantized, q_layers, q_hidden, start))
+                kl_sum += kl.sum().item()
+                count += kl.numel()
+    return kl_sum / count
 
 
 def _input_embeddings_prefix(model: torch.nn.Module) -> str:

@@ -64,6 +64,7 @@ from quantkit.calibrate.layers import (
     embed_stream,
     head_name,
     materialize,
+    open_source,
     outside_state,
     pin_mmap_threshold,
     skeleton_model,
@@ -190,7 +191,7 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    reader = TensorReader(model_dir)
+    reader = open_source(model_dir, config.model_type)  # under the model's names (e.g. Mixtral's hub layout)
     skeleton = skeleton_model(config)
     try:
         stack_name, layers = decoder_stack(skeleton)
