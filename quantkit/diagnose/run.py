@@ -113,9 +113,9 @@ def _diagnose_layerwise(model_dir: Path, config, tokens: torch.Tensor, recipe_li
     """`diagnose_model`'s statistics with one decoder layer in memory at a time (`quantkit.calibrate.layers`):
     the windows are embedded, then each layer is read from the checkpoint (float32), its static scales calibrated
     on the batches entering it, the batches run through it under the observer's hooks, and it goes back to the
-    meta device with its decoded quantized weights. The final norm's input is H_D; the head runs on (no
-    logits beyond HEAD_POSITIONS positions). Every statistic sees the same batches in the same order as in
-    `diagnose_model` (the head's input statistics in pieces of HEAD_POSITIONS positions)."""
+    meta device with its decoded quantized weights. The final norm's input is H_D; the lm_head runs on
+    HEAD_POSITIONS positions at a time (its input statistics; no vocabulary-sized logits for whole windows).
+    Every statistic sees the same batches in the same order as in `diagnose_model` (the head's in pieces)."""
     pin_mmap_threshold()
     model = skeleton_model(config, attn_implementation="eager")
     stack, layers = decoder_stack(model)
