@@ -10,7 +10,8 @@ included), next to the bf16 checkpoint's size and their ratio (issue 28's bound:
 checkpoint for the 0.5B). Commands: `models fetch` (skipped when cached: the cache is $QUANTKIT_MODELS_DIR),
 `quantize --streaming` with w8a8_fp8_block, w4a4_nvfp4 and w4a4_nvfp4_sq (SmoothQuant with --sq-sequences
 windows of --seq-len tokens: a recipe file written beside the outputs), `quality` on the three checkpoints, and
-`diagnose` (both with their command-line defaults unless --quality-sequences / --diagnose-sequences are given). A table goes to stdout; JSON + markdown to benchmarks/results/
+`diagnose` (at their command-line defaults unless --quality-sequences / --diagnose-sequences are given); each
+row says its settings. A table goes to stdout; JSON + markdown to benchmarks/results/
 (machine, date, command). Work files go to a temporary directory, removed at the end.
 """
 
@@ -32,6 +33,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
 RECIPES = ["w8a8_fp8_block", "w4a4_nvfp4"]
 SQ_RECIPE = "w4a4_nvfp4_sq"
+QUALITY_SEQUENCES = 16  # `quantkit quality`'s default (x 256 tokens)
 
 
 def quantkit_command() -> list[str]:
@@ -76,10 +78,10 @@ def bench_model(name: str, work: Path, args: argparse.Namespace) -> list[dict]:
     qk = quantkit_command()
     rows = []
 
-    def run(command: str, argv: list[str]) -> dict:
+    def run(command: str, argv: list[str], settings: str = "") -> dict:
         log = work / f"{name}.{command.replace(' ', '_')}.log"
-        print(f"[{name}] {command} ...", flush=True)
-        row = {"model": name, "command": command, **measure(qk + argv, log)}
+        print(f"[{name}] {command} {settings}...", flush=True)
+        row = {"model": name, "command": command, "settings": settings, **measure(qk + argv, log)}
         if row["returncode"] != 0:
             raise SystemExit(f"{command} failed (exit {row['returncode']}); its output: {log}\n{log.read_text()[-2000:]}")
         rows.append(row)
@@ -93,13 +95,17 @@ def bench_model(name: str, work: Path, args: argparse.Namespace) -> list[dict]:
     for recipe in [*RECIPES, str(sq_recipe_file(work, args.sq_sequences, args.seq_len))]:
         label = Path(recipe).stem
         out = work / f"{name}-{label}"
-        row = run(f"quantize {label}", ["quantize", "--streaming", str(model_dir), recipe, str(out)])
+        settings = f"--streaming, SmoothQuant {args.sq_sequences} x {args.seq_len}" if recipe.endswith(".yaml") else "--streaming"
+        row = run(f"quantize {label}", ["quantize", "--streaming", str(model_dir), recipe, str(out)], settings)
         row["output_mb"] = round(checkpoint_mb(out), 1)
         outs.append(str(out))
-    quality = [] if args.quality_sequences is None else ["--num-sequences", str(args.quality_sequences)]
-    run("quality", ["quality", *quality, str(model_dir), *outs])
-    diagnose = [] if args.diagnose_sequences is None else ["--num-sequences", str(args.diagnose_sequences)]
-    run("diagnose", ["diagnose", *diagnose, "--out", str(work / f"{name}-diagnostics"), str(model_dir)])
+    from quantkit.diagnose.defaults import DEFAULT_NUM_SEQUENCES, DEFAULT_RECIPES, DEFAULT_SEQ_LEN
+
+    n = args.quality_sequences or QUALITY_SEQUENCES
+    run("quality", ["quality", "--num-sequences", str(n), str(model_dir), *outs], f"{len(outs)} checkpoints, {n} x 256")
+    n = args.diagnose_sequences or DEFAULT_NUM_SEQUENCES
+    run("diagnose", ["diagnose", "--num-sequences", str(n), "--out", str(work / f"{name}-diagnostics"), str(model_dir)],
+        f"{n} x {DEFAULT_SEQ_LEN}, {len(DEFAULT_RECIPES)} recipes")
     for row in rows:
         row["bf16_checkpoint_mb"] = round(bf16_mb, 1)
         row["peak_over_bf16"] = round(row["peak_rss_mb"] / bf16_mb, 2)
@@ -123,10 +129,10 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     stamp = datetime.now(timezone.utc)
     machine = f"{platform.machine()}-{len(os.sched_getaffinity(0))}-cores"
-    lines = ["| model | command | seconds | peak RSS (MB) | bf16 checkpoint (MB) | peak / bf16 | output (MB) |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['command']} | {r['seconds']} | {r['peak_rss_mb']} | {r['bf16_checkpoint_mb']} | "
-              f"{r['peak_over_bf16']}x | {r.get('output_mb', '')} |" for r in rows]
+    lines = ["| model | command | settings | seconds | peak RSS (MB) | bf16 checkpoint (MB) | peak / bf16 | output (MB) |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['command']} | {r['settings']} | {r['seconds']} | {r['peak_rss_mb']} | "
+              f"{r['bf16_checkpoint_mb']} | {r['peak_over_bf16']}x | {r.get('output_mb', '')} |" for r in rows]
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -263,8 +263,8 @@ def test_layer_by_layer_diagnose_equals_the_whole_model(tmp_path, kind):
     `diagnose_model` runs the whole model. Same float32 operations on the same batches, so the same statistics,
     except the lm_head's input moments, merged from 64-position pieces instead of whole batches (float64 sums in
     another order: ~1e-15 relative). The result keeps 6 significant digits, which can turn such a difference
-    into one unit of the 6th digit: numbers agree to 1e-5 relative, everything else exactly. Three batches
-    (8 + 8 + 2 windows of 80 tokens: two head pieces, one partial) with every default recipe, static included;
+    into one unit of the 6th digit: numbers agree to 1e-5 relative, everything else exactly. Two batches
+    (8 + 2 windows of 72 tokens: two head pieces, one partial) with every default recipe, static included;
     Gemma 3 (tied head, four norms a layer) and Mixtral (routed experts, its checkpoint in the hub's names)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -283,9 +283,9 @@ def test_layer_by_layer_diagnose_equals_the_whole_model(tmp_path, kind):
         from quantkit.models.tiny import build_tiny_stock_checkpoint
 
         model_dir = build_tiny_stock_checkpoint(tmp_path / "m", kind)  # Mixtral: stored in the hub's layout
-    layerwise = diagnose(model_dir, num_sequences=18, seq_len=80, recipes=DEFAULT_RECIPES, progress=False)
+    layerwise = diagnose(model_dir, num_sequences=10, seq_len=72, recipes=DEFAULT_RECIPES, progress=False)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    tokens = heldout_windows(AutoTokenizer.from_pretrained(model_dir), 18, 80)
+    tokens = heldout_windows(AutoTokenizer.from_pretrained(model_dir), 10, 72)
     whole = diagnose_model(model, tokens, recipes=DEFAULT_RECIPES, tokenizer=AutoTokenizer.from_pretrained(model_dir))
     whole["model"]["path"] = str(model_dir)
     _assert_close(layerwise, whole)
