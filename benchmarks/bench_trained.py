@@ -43,17 +43,17 @@ def quantkit_command() -> list[str]:
 
 
 def measure(args: list[str], log: Path) -> dict:
-    """Run one command; {'seconds', 'peak_rss_mb', 'returncode'} (its output goes to `log`)."""
+    """Run one command; {'seconds', 'peak_rss_mib', 'returncode'} (its output goes to `log`)."""
     start = time.perf_counter()
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return {"seconds": round(time.perf_counter() - start, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+    return {"seconds": round(time.perf_counter() - start, 1), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
             "returncode": proc.returncode}
 
 
-def checkpoint_mb(model_dir: Path) -> float:
+def checkpoint_mib(model_dir: Path) -> float:
     return sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
 
 
@@ -90,14 +90,14 @@ def bench_model(name: str, work: Path, args: argparse.Namespace) -> list[dict]:
     if cached(name) is None:
         run("models fetch", ["models", "fetch", name])
     model_dir = cached(name)
-    bf16_mb = checkpoint_mb(model_dir)
+    bf16_mib = checkpoint_mib(model_dir)
     outs = []
     for recipe in [*RECIPES, str(sq_recipe_file(work, args.sq_sequences, args.seq_len))]:
         label = Path(recipe).stem
         out = work / f"{name}-{label}"
         settings = f"--streaming, SmoothQuant {args.sq_sequences} x {args.seq_len}" if recipe.endswith(".yaml") else "--streaming"
         row = run(f"quantize {label}", ["quantize", "--streaming", str(model_dir), recipe, str(out)], settings)
-        row["output_mb"] = round(checkpoint_mb(out), 1)
+        row["output_mib"] = round(checkpoint_mib(out), 1)
         outs.append(str(out))
     from quantkit.diagnose.defaults import DEFAULT_NUM_SEQUENCES, DEFAULT_RECIPES, DEFAULT_SEQ_LEN
 
@@ -107,8 +107,8 @@ def bench_model(name: str, work: Path, args: argparse.Namespace) -> list[dict]:
     run("diagnose", ["diagnose", "--num-sequences", str(n), "--out", str(work / f"{name}-diagnostics"), str(model_dir)],
         f"{n} x {DEFAULT_SEQ_LEN}, {len(DEFAULT_RECIPES)} recipes")
     for row in rows:
-        row["bf16_checkpoint_mb"] = round(bf16_mb, 1)
-        row["peak_over_bf16"] = round(row["peak_rss_mb"] / bf16_mb, 2)
+        row["bf16_checkpoint_mib"] = round(bf16_mib, 1)
+        row["peak_over_bf16"] = round(row["peak_rss_mib"] / bf16_mib, 2)
     return rows
 
 
@@ -129,10 +129,10 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     stamp = datetime.now(timezone.utc)
     machine = f"{platform.machine()}-{len(os.sched_getaffinity(0))}-cores"
-    lines = ["| model | command | settings | seconds | peak RSS (MB) | bf16 checkpoint (MB) | peak / bf16 | output (MB) |",
+    lines = ["| model | command | settings | seconds | peak RSS (MiB) | bf16 checkpoint (MiB) | peak / bf16 | output (MiB) |",
              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['command']} | {r['settings']} | {r['seconds']} | {r['peak_rss_mb']} | "
-              f"{r['bf16_checkpoint_mb']} | {r['peak_over_bf16']}x | {r.get('output_mb', '')} |" for r in rows]
+    lines += [f"| {r['model']} | {r['command']} | {r['settings']} | {r['seconds']} | {r['peak_rss_mib']} | "
+              f"{r['bf16_checkpoint_mib']} | {r['peak_over_bf16']}x | {r.get('output_mib', '')} |" for r in rows]
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
