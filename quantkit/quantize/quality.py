@@ -91,10 +91,12 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     signal: dict[str, float] = {}
     noise: dict[str, float] = {}
     _layers(reference, quantized, source, packed, qc, streams, signal, noise)
+    # compared in the stored dtype before the reference's float32 head is loaded: the peak holds one head copy
+    shared_head = head is not None and _same_unquantized(source, packed, f"{head}.weight", tied, qc)
     reference.load_state_dict(outside_state(source, head_keys, tied, reference_dir), strict=False, assign=True)
     q_outside = [k for k in outside if k not in head_keys and not k.startswith(_input_embeddings_prefix(reference))]
     _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=q_outside)
-    if head is not None and _same_unquantized(source, packed, f"{head}.weight", tied, qc):
+    if shared_head:
         quantized.get_submodule(head).weight = reference.get_submodule(head).weight  # one copy of the same tensor
     elif head is not None:
         _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=head_keys, tied=tied)
