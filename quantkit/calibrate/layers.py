@@ -9,6 +9,10 @@
 - The head in pieces: the last decoder layer's output (`final_hidden`) and the model's own final norm and head
   on HEAD_POSITIONS positions at a time (`head_logits`): (B, 64, V) float32, ~40 MB per window at V = 152k
   instead of ~0.3 GB. The whole-model and layer-by-layer paths cut the same pieces, so they compute the same bits.
+- A source checkpoint is read under the transformers model's names even where it is stored in the layout
+  transformers converts at load (`open_source`, `stored_names`: e.g. Mixtral's hub names); the arguments of
+  each layer can be had without running any (`layer_arguments`: SmoothQuant's traced rule on a skeleton).
+- `pin_mmap_threshold`: freed layer-sized tensors go back to the OS (glibc), so memory stays flat over depth.
 """
 
 from __future__ import annotations
