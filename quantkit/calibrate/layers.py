@@ -332,6 +332,21 @@ def outside_state(reader: TensorReader, keys: list[str], tied: dict[str, str], m
     return state
 
 
+def outside_keys(model: nn.Module) -> tuple[list[str], list[str]]:
+    """(the model's state keys outside the decoder layers except its output head's, the output head's keys): what
+    the forward up to the first layer needs, and what only the head needs (state-dict order)."""
+    stack, _ = decoder_stack(model)
+    head = head_name(model)
+    outside = [k for k in model.state_dict(keep_vars=True) if not k.startswith(f"{stack}.")]
+    head_keys = [k for k in outside if head is not None and k.startswith(f"{head}.")]
+    return [k for k in outside if k not in head_keys], head_keys
+
+
+def load_outside(model: nn.Module, reader: TensorReader, keys: list[str], tied: dict[str, str]) -> None:
+    """Give `model` (on the meta device) the checkpoint tensors `keys` outside its decoder layers (`outside_state`)."""
+    model.load_state_dict(outside_state(reader, keys, tied, reader.model_dir), strict=False, assign=True)
+
+
 def tied_partners(model: nn.Module) -> dict[str, str]:
     """state key -> another key of the same (tied) tensor, e.g. lm_head.weight -> model.embed_tokens.weight."""
     groups: dict[int, list[str]] = {}

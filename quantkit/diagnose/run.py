@@ -33,10 +33,10 @@ from quantkit.calibrate.layers import (
     advance_stream,
     decoder_stack,
     embed_stream,
-    head_name,
+    load_outside,
     materialize,
     open_source,
-    outside_state,
+    outside_keys,
     pin_mmap_threshold,
     skeleton_model,
     source_tensors,
@@ -120,11 +120,9 @@ def _diagnose_layerwise(model_dir: Path, config, tokens: torch.Tensor, recipe_li
     model = skeleton_model(config, attn_implementation="eager")
     stack, layers = decoder_stack(model)
     reader = open_source(model_dir, config.model_type)
-    head = head_name(model)
-    before_head = [k for k in model.state_dict(keep_vars=True)
-                   if not k.startswith(f"{stack}.") and not (head is not None and k.startswith(f"{head}."))]
+    before_head, head_keys = outside_keys(model)
     tied = tied_partners(model)  # before the embeddings go back to the meta device (untying them)
-    model.load_state_dict(outside_state(reader, before_head, tied, model_dir), strict=False, assign=True)
+    load_outside(model, reader, before_head, tied)
     stream = embed_stream(model, layers, "diagnose", tokens, None, batch_size)
     model.get_input_embeddings().to("meta")
     plan = {r.name: (r, {} if r.activation_scale == "static" else None) for r in recipe_list}
@@ -147,13 +145,11 @@ def _diagnose_layerwise(model_dir: Path, config, tokens: torch.Tensor, recipe_li
             layer.to("meta")
         _, final_norm = decoder_layers(model)
         lm_head = model.get_output_embeddings()
-        if head is not None:  # its input statistics, as in the whole model; HEAD_POSITIONS logits at a time
-            model.load_state_dict(outside_state(reader, [k for k in model.state_dict(keep_vars=True) if k.startswith(f"{head}.")],
-                                                tied, model_dir), strict=False, assign=True)
+        load_outside(model, reader, head_keys, tied)  # its input statistics, as in the whole model
         for b in range(len(stream.hidden)):  # H_D: the final norm's input
             obs.begin_batch(stream.chunks[b], b)
             normed = final_norm(stream.hidden[b])
-            for start in range(0, normed.shape[1], HEAD_POSITIONS) if head is not None else ():
+            for start in range(0, normed.shape[1], HEAD_POSITIONS) if head_keys else ():
                 lm_head(normed[:, start : start + HEAD_POSITIONS])
             obs.end_batch(b)
     norms += _norm_entries(model, norm_names[-1:], TOP_K)

@@ -38,9 +38,10 @@ from quantkit.calibrate.layers import (
     embed_stream,
     head_logits,
     head_name,
+    load_outside,
     materialize,
     open_source,
-    outside_state,
+    outside_keys,
     pin_mmap_threshold,
     skeleton_model,
     source_tensors,
@@ -80,11 +81,9 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     source, packed = open_source(reference_dir, reference.config.model_type), TensorReader(quantized_dir)
     stack, ref_layers = decoder_stack(reference)
     tied = tied_partners(reference)  # before the embeddings go back to the meta device (untying them)
-    outside = [k for k in reference.state_dict(keep_vars=True) if not k.startswith(f"{stack}.")]
+    before_head, head_keys = outside_keys(reference)
     head = head_name(reference)
-    head_keys = [k for k in outside if head is not None and k.startswith(f"{head}.")]
-    reference.load_state_dict(outside_state(source, [k for k in outside if k not in head_keys], tied, reference_dir),
-                              strict=False, assign=True)
+    load_outside(reference, source, before_head, tied)
     streams = [embed_stream(reference, ref_layers, name, tokens, None) for name in ("reference", "quantized")]
     reference.get_input_embeddings().to("meta")
 
@@ -93,8 +92,8 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     _layers(reference, quantized, source, packed, qc, streams, signal, noise)
     # compared in the stored dtype before the reference's float32 head is loaded: the peak holds one head copy
     shared_head = head is not None and _same_unquantized(source, packed, f"{head}.weight", tied, qc)
-    reference.load_state_dict(outside_state(source, head_keys, tied, reference_dir), strict=False, assign=True)
-    q_outside = [k for k in outside if k not in head_keys and not k.startswith(_input_embeddings_prefix(reference))]
+    load_outside(reference, source, head_keys, tied)
+    q_outside = [k for k in before_head if not k.startswith(_input_embeddings_prefix(reference))]
     _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=q_outside)
     if shared_head:
         quantized.get_submodule(head).weight = reference.get_submodule(head).weight  # one copy of the same tensor

@@ -62,9 +62,10 @@ from quantkit.calibrate.layers import (
     advance_stream,
     decoder_stack,
     embed_stream,
-    head_name,
+    load_outside,
     materialize,
     open_source,
+    outside_keys,
     outside_state,
     pin_mmap_threshold,
     skeleton_model,
@@ -234,25 +235,20 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
             writer = ShardWriter(tmp, max_shard_bytes, metadata)
             # the parameters outside the decoder layers, written one module at a time
             tied = tied_partners(skeleton)
-            outside_keys = [k for k in skeleton.state_dict(keep_vars=True) if not k.startswith(in_layers)]
-
-            def read_outside(keys: list[str]) -> dict[str, torch.Tensor]:
-                return outside_state(reader, keys, tied, model_dir)
-
             owners: dict[str, list[str]] = {}
-            for key in outside_keys:
-                owners.setdefault(key.rpartition(".")[0], []).append(key)
+            for key in skeleton.state_dict(keep_vars=True):
+                if not key.startswith(in_layers):
+                    owners.setdefault(key.rpartition(".")[0], []).append(key)
             for keys in owners.values():
-                state = read_outside(keys)
+                state = outside_state(reader, keys, tied, model_dir)
                 matrices = {n: state[f"{n}.weight"] for n in outside if f"{n}.weight" in state}
                 for key, tensor in finish_state(state, matrices, {}).items():
                     writer.add(key, tensor)
                 del state, matrices
             # the forward up to the first layer needs all but the head; the head is loaded again for the check
-            head = head_name(skeleton)
-            head_keys = [k for k in outside_keys if head is not None and k.startswith(f"{head}.")]
+            before_head, head_keys = outside_keys(skeleton)
             if sq is not None or static_tokens is not None:
-                skeleton.load_state_dict(read_outside([k for k in outside_keys if k not in head_keys]), strict=False, assign=True)
+                load_outside(skeleton, reader, before_head, tied)
 
             streams: dict[str, Stream] = {}
             spill = {}
@@ -318,7 +314,7 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
 
             report = None
             if sq is not None:
-                skeleton.load_state_dict(read_outside(head_keys), strict=False, assign=True)
+                load_outside(skeleton, reader, head_keys, tied)
                 report = _verify(skeleton, layers, streams["ref"], streams["smoothed"], plan, sq, sq_tokens, reports, scales)
             writer.finish()
             architecture = type(skeleton).__name__
