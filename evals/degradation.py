@@ -83,11 +83,9 @@ def _load_float32(model_dir: Path) -> torch.nn.Module:
         from quantkit.quantize.fake_quant import load_fake_quant_model
 
         return load_fake_quant_model(model_dir)
-    from transformers import AutoModelForCausalLM
+    from quantkit.models.attention import load_reference_model  # registers the quantkit architectures
 
-    import quantkit.models  # noqa: F401 - registers the quantkit architecture
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return load_reference_model(model_dir, torch.float32)
 
 
 def heldout_kl(reference_dir: str | Path, test_dir: str | Path, num_sequences: int = 16, seq_len: int = 256,

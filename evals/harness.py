@@ -49,7 +49,14 @@ def open_lm(model_dir: str | Path, backend: str = "vllm", seed: int = 1234, max_
         if max_logprobs is not None:
             model_args["max_logprobs"] = max_logprobs
     elif backend == "hf":
+        from transformers import AutoConfig
+
+        from quantkit.models.attention import reference_attention  # registers the quantkit architectures
+
         model_args = dict(pretrained=str(model_dir), dtype=dtype, device="cpu", max_length=max_model_len, batch_size=1)
+        attention = reference_attention(AutoConfig.from_pretrained(model_dir))
+        if attention is not None:  # passed on to from_pretrained
+            model_args["attn_implementation"] = attention
     else:
         raise ValueError(f"unknown lm-eval backend {backend!r}; expected one of {BACKENDS}")
     lm = get_model(backend)(**model_args)

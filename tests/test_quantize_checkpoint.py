@@ -199,7 +199,7 @@ def test_unmappable_model_is_refused_before_its_weights_load(source, tmp_path, m
     def no_load(*args, **kwargs):
         raise AssertionError("the weights were loaded before the refusal")
 
-    monkeypatch.setattr(checkpoint_module.AutoModelForCausalLM, "from_pretrained", no_load)
+    monkeypatch.setattr(checkpoint_module, "load_reference_model", no_load)
     with pytest.raises(SmoothQuantMappingError, match=r"QuantkitNorm: no fold registered"):
         quantize_checkpoint(source, "w8a8_fp8_block_sq", tmp_path / "out", streaming=False)
     assert not (tmp_path / "out").exists()

@@ -79,15 +79,16 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
     "ga_gatednorm-nvfp4_static": ("variant", "w4a4_nvfp4_static", 1),
     "qwen3-fp8_block": ("qwen3", "w8a8_fp8_block", 1),
     "qwen3-nvfp4": ("qwen3", "w4a4_nvfp4", 1),
-    # stock decoders a user brings (issue 28): the ones vLLM serves under our method today (not yet: Gemma 2,
-    # whose vLLM CPU attention output differs from transformers' by ~3e-3 of its max |x|). Phi-3 stores qkv_proj and
-    # gate_up_proj fused: quantized whole; Mixtral's MoE block is `mlp` in transformers 5 (quantkit.serve.stock_names)
+    # stock decoders a user brings (issue 28). Phi-3 stores qkv_proj and gate_up_proj fused: quantized whole;
+    # Mixtral's MoE block is `mlp` in transformers 5 (quantkit.serve.stock_names); Gemma 2 soft-caps attention
+    # logits, which the reference applies only with eager attention (quantkit.models.attention)
     "llama-nvfp4": ("llama", "w4a4_nvfp4", 1),
     "phi3-fp8_block": ("phi3", "w8a8_fp8_block", 1),
     "mixtral-nvfp4": ("mixtral", "w4a4_nvfp4", 1),
     "mistral-fp8_block": ("mistral", "w8a8_fp8_block", 1),
     "qwen2-nvfp4": ("qwen2", "w4a4_nvfp4", 1),
     "gemma3-nvfp4": ("gemma3", "w4a4_nvfp4", 1),
+    "gemma2-fp8_block": ("gemma2", "w8a8_fp8_block", 1),
     "qwen3_moe-fp8_block": ("qwen3_moe", "w8a8_fp8_block", 1),
     "ga_gatednorm-fp8_block-tp2": ("variant", "w8a8_fp8_block", 2),
     "ga_gatednorm-nvfp4_static-tp2": ("variant", "w4a4_nvfp4_static", 2),
@@ -243,6 +244,42 @@ def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch)
     assert parity.max() <= EXACT, f"{case}: with activation codes held equal, vLLM differs from the reference by {parity.max():.2e} nats"
     assert exact["weight_only"] < CONTROL_MAX_EXACT_FRACTION, f"{case}: the weight-only model matches too: activations not quantized?"
     assert exact["unquantized"] < CONTROL_MAX_EXACT_FRACTION
+
+
+def test_smoothquant_folds_served_unrounded(sources, tmp_path):
+    """GatedNorm + SmoothQuant served in bf16: every norm SmoothQuant folded its factors into, and GatedNorm's
+    gate_down whose columns it multiplied by them, are the checkpoint's float32 tensors bit for bit inside the
+    engine (`quantkit.serve.float32_norms`); a bf16 copy would move each value by up to 2^-9 relative. The checkpoint
+    tensors are asserted not to be bf16 numbers, so the comparison could fail. Without SmoothQuant the same float32
+    source's norms are served bf16, as the unquantized BF16 row serves them."""
+    from safetensors.torch import load_file
+
+    from quantkit.evals.harness import open_lm
+
+    recipe = tmp_path / "sq_small.yaml"
+    recipe.write_text("name: sq_small\nscheme: fp8_block\n"
+                      "smoothquant: {alpha: 0.5, num_sequences: 2, seq_len: 32, experts: true}\n")
+    out = quantize_checkpoint(sources["variant"], str(recipe), tmp_path / "sq")
+    state = load_file(out / "model.safetensors")
+    names = [k for k in state if k.endswith(("layernorm.weight", "gate_down.weight")) and ".layers." in k]
+    assert any("gate_down" in k for k in names)
+    for key in names:
+        assert state[key].dtype == torch.float32 and not torch.equal(state[key], state[key].bfloat16().float()), key
+
+    def tensors(model) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in model.named_parameters() if k in names}
+
+    with open_lm(out, "vllm", dtype="bfloat16", max_model_len=128) as lm:
+        served = lm.model.apply_model(tensors)[0]
+    assert served.keys() == set(names)
+    for key in names:
+        assert served[key].dtype == torch.float32 and torch.equal(served[key], state[key]), key
+
+    plain = quantize_checkpoint(sources["variant"], "w8a8_fp8_block", tmp_path / "plain")
+    assert load_file(plain / "model.safetensors")[names[0]].dtype == torch.float32  # the source's dtype
+    with open_lm(plain, "vllm", dtype="bfloat16", max_model_len=128) as lm:
+        served = lm.model.apply_model(tensors)[0]
+    assert served.keys() == set(names) and all(t.dtype == torch.bfloat16 for t in served.values())
 
 
 def test_checkpoint_errors(sources, tmp_path):

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 from quantkit.checkpoints import CheckpointError, TensorReader
 from quantkit.errors import QuantkitError
 from quantkit.formats.experts import fuse_expert_matrices, fused_experts_modules
+from quantkit.models.attention import reference_attention
 
 HEAD_POSITIONS = 64  # positions per head_logits call
 BATCH_SIZE = 8  # windows per batch: smooth_model's and channel_max's default (the same batches give the same bits)
@@ -221,10 +222,10 @@ def advance_stream(stream: Stream, layer: nn.Module, i: int, before_batch: Calla
 def skeleton_model(config, attn_implementation: str | None = None) -> nn.Module:
     """The model on the meta device (no data) with its non-persistent buffers (rotary frequencies) computed as
     from_pretrained computes them (`_init_weights` of their modules) and its tied weights tied, in eval mode;
-    float32."""
-    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    float32; attention `attn_implementation`, else `reference_attention(config)`."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=attn_implementation or reference_attention(config))
     owners = {name.rpartition(".")[0] for name, b in model.named_buffers() if b.is_meta}
     for name in owners:
         module = model.get_submodule(name)

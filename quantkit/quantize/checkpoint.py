@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 import quantkit.models  # noqa: F401  (registers model_type "quantkit")
+from quantkit.models.attention import load_reference_model
 from quantkit.atomic import atomic_dir
 from quantkit.calibrate import SmoothQuantReport, channel_max, smooth_model
 from quantkit.calibrate.layers import skeleton_model
@@ -190,7 +191,7 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
 
     if recipe.smoothquant is not None:
         refuse_unmappable_early(model_dir, recipe)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_reference_model(model_dir, torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     smoothquant_report = None
     if recipe.smoothquant is not None:  # folds into the float32 weights; verified function-preserving

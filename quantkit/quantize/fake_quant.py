@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import quantkit.models  # noqa: F401
+from quantkit.models.attention import reference_attention
 from quantkit.checkpoints import read_state
 from quantkit.formats.experts import expert_matrices, fuse_expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import Scheme, checkpoint_suffixes, get_scheme, scheme_from_config
@@ -143,7 +144,8 @@ def load_fake_quant_model(model_dir: str | Path, quantize_activations: bool = Tr
     qc = read_quantization_config(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                             attn_implementation=reference_attention(config)).eval()
     state = read_state(model_dir)  # one model.safetensors or shards with an index
     experts = list(fused_experts_modules(model))
     rest = install_fake_quant(model, "", state, qc, quantize_activations, model_dir)

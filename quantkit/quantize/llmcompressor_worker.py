@@ -10,14 +10,14 @@ import sys
 import torch
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import QuantizationModifier
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-import quantkit.models  # noqa: F401  (registers model_type "quantkit")
+from quantkit.models.attention import load_reference_model  # registers model_type "quantkit"
 
 
 def main(job_path: str) -> None:
     job = json.loads(open(job_path).read())
-    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
+    model = load_reference_model(job["model"], torch.float32)
     recipe = QuantizationModifier(targets="Linear", scheme=job["scheme"], ignore=job["ignore"])
     if "calibration" in job:
         from datasets import Dataset

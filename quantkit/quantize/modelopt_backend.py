@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from quantkit.atomic import atomic_dir
 from quantkit.errors import BackendError
+from quantkit.models.attention import load_reference_model
 from quantkit.quantize.recipe import CalibrationSettings, Recipe
 
 CONFIGS = {"NVFP4": "NVFP4_DEFAULT_CFG", "FP8_PER_CHANNEL_PER_TOKEN": "FP8_PER_CHANNEL_PER_TOKEN_CFG"}
@@ -68,7 +69,7 @@ def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Pa
         raise BackendError(f"recipe {recipe.name} needs nvidia-modelopt ({err}): pip install -e '.[backends]'") from err
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = load_reference_model(model_dir, torch.bfloat16)
     cal = recipe.calibration or CalibrationSettings()
     tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, model.config.max_position_embeddings))
 
