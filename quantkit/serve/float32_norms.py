@@ -8,11 +8,12 @@ of SmoothQuant's own effect on small models).
 
 `install()` (called by the plugin in every vLLM process) gives the weight of vLLM's `RMSNorm` and `GemmaRMSNorm`
 (and quantkit's own residual norms, `quantkit.serve.models` / `.hybrid`), when the model is served under
-quantkit's quant method, the loader `keep_float32`: a float32 checkpoint tensor becomes the parameter's data as it
-is. vLLM's native rms_norm computes `normalized.to(weight.dtype) * weight` in float32 then rounds once to the
+quantkit's quant method from a SmoothQuant checkpoint, the loader `keep_float32`: a float32 checkpoint tensor
+becomes the parameter's data as it is. Such a checkpoint of a float32 source also keeps its unsmoothed norms (the
+final one) float32, and they are served so (the loader cannot tell them apart); a bf16 source stores them bf16. vLLM's native rms_norm computes `normalized.to(weight.dtype) * weight` in float32 then rounds once to the
 served dtype (`vllm.ir.ops.layernorm`; its C kernels accept only matching dtypes, so mixed dtypes take that
-path); GemmaRMSNorm already forms 1 + w in float32. Not covered: GatedNorm's gate_down columns, which SmoothQuant
-also scales (a Linear: it runs in the served dtype).
+path); GemmaRMSNorm already forms 1 + w in float32. GatedNorm's gate_down, whose columns SmoothQuant multiplies
+by s, gets the same loader and runs in its weight's dtype (`quantkit.serve.models.gated_norm_gate`).
 """
 
 from __future__ import annotations
@@ -31,21 +32,25 @@ def keep_float32(param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None
         default_weight_loader(param, loaded_weight)
 
 
-def serving_quantkit_checkpoint() -> bool:
-    """True while vLLM builds a model under quantkit's quant method (`quant_method: quantkit`)."""
+def serving_smoothed_checkpoint() -> bool:
+    """True while vLLM builds a model under quantkit's quant method (`quant_method: quantkit`) from a checkpoint
+    SmoothQuant folded its factors into (`quantization_config.smoothquant` set). Without SmoothQuant nothing needs
+    float32: a float32 source's norms are then served as the unquantized BF16 row serves them, rounded."""
     from vllm.config import get_current_vllm_config
 
     from quantkit.serve.quant_method import QuantkitQuantConfig
 
     try:
-        return isinstance(get_current_vllm_config().quant_config, QuantkitQuantConfig)
+        quant_config = get_current_vllm_config().quant_config
     except AssertionError:  # no vLLM config: a module built outside an engine
         return False
+    return isinstance(quant_config, QuantkitQuantConfig) and quant_config.smoothquant is not None
 
 
 def mark_float32_loadable(*params: torch.nn.Parameter | None) -> None:
-    """Give `params` the `keep_float32` loader when the model is served under quantkit's quant method."""
-    if not serving_quantkit_checkpoint():
+    """Give `params` the `keep_float32` loader when the model is served from a SmoothQuant checkpoint under
+    quantkit's quant method."""
+    if not serving_smoothed_checkpoint():
         return
     for param in params:
         if isinstance(param, torch.nn.Parameter):

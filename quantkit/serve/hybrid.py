@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
@@ -56,7 +55,8 @@ from quantkit.models.configuration_hybrid import DELTANET_CONV_ACT
 from quantkit.models.modeling import rms_normalize, value_scale
 from quantkit.serve.float32_norms import mark_float32_loadable
 from quantkit.quantize.fake_quant import routed_experts_forward
-from quantkit.serve.models import HeadwiseRMSNorm, QuantkitMLP, _kv_head_sharded_parameter, gated_norm_gates
+from quantkit.serve.models import (HeadwiseRMSNorm, QuantkitMLP, _kv_head_sharded_parameter, gated_norm_gate,
+                                   gated_norm_gates)
 
 # ----------------------------------------------------------------------------------------- norms
 
@@ -64,7 +64,7 @@ from quantkit.serve.models import HeadwiseRMSNorm, QuantkitMLP, _kv_head_sharded
 class QuantkitHybridNorm(nn.Module):
     """Qwen3-Next residual norm y = (1 + w) * RMSNorm(x) with PreAffine (x <- pre_scale * x before the norm) and
     GatedNorm (y <- sigmoid(gate_up(swish(gate_down(y)))) * y); normalization and (1 + w) in float32, cast back
-    (as GemmaRMSNorm), gate in the model dtype.
+    (as GemmaRMSNorm), gate as `gated_norm_gate`.
 
     vLLM's convention: `forward(x)` -> y; `forward(x, residual)` -> (y, x + residual).
     """
@@ -87,9 +87,7 @@ class QuantkitHybridNorm(nn.Module):
         h = x.float() * self.pre_scale.float() if self.pre_scale is not None else x
         y = (rms_normalize(h, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         if self.gate_down is not None:
-            down, _ = self.gate_down(y)
-            up, _ = self.gate_up(F.silu(down))
-            y = torch.sigmoid(up) * y
+            y = gated_norm_gate(self.gate_down, self.gate_up, y)
         return y if residual is None else (y, residual)
 
 

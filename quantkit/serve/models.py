@@ -60,11 +60,23 @@ from quantkit.serve.float32_norms import mark_float32_loadable
 
 def gated_norm_gates(hidden: int, rank: int, prefix: str) -> tuple[nn.Module | None, nn.Module | None]:
     """GatedNorm's gate_down (hidden -> rank) and gate_up (rank -> hidden), or (None, None) for rank 0: d x r gates,
-    tiny, kept in the model dtype (never quantized, shared/DESIGN.md)."""
+    tiny, never quantized (shared/DESIGN.md). gate_down is a plain `nn.Linear` (vLLM's CPU linears repack and drop
+    their weight) whose weight loads float32 where the checkpoint stores it so (SmoothQuant multiplied its columns
+    by its factors: `quantkit.serve.float32_norms`)."""
     if not rank:
         return None, None
-    return (ReplicatedLinear(hidden, rank, bias=False, quant_config=None, prefix=f"{prefix}.gate_down"),
-            ReplicatedLinear(rank, hidden, bias=False, quant_config=None, prefix=f"{prefix}.gate_up"))
+    gate_down = nn.Linear(hidden, rank, bias=False)
+    mark_float32_loadable(gate_down.weight)
+    return gate_down, ReplicatedLinear(rank, hidden, bias=False, quant_config=None, prefix=f"{prefix}.gate_up")
+
+
+def gated_norm_gate(gate_down: nn.Module, gate_up: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """GatedNorm's y <- sigmoid(gate_up(silu(gate_down(y)))) * y; gate_down in its weight's dtype (float32 where
+    SmoothQuant scaled its columns; its rank-r output rounded once to y's dtype), the rest in y's dtype."""
+    weight = gate_down.weight
+    down = F.linear(y.to(weight.dtype), weight).to(y.dtype)
+    up, _ = gate_up(F.silu(down))
+    return torch.sigmoid(up) * y
 
 class QuantkitNorm(nn.Module):
     """A residual-stream norm with the norm-side flags (input_layernorm, post_attention_layernorm, norm).
@@ -98,11 +110,6 @@ class QuantkitNorm(nn.Module):
         h = x.float() * self.pre_scale.float() if self.pre_scale is not None else x
         return (self.weight * rms_normalize(h, self.eps).to(x.dtype)).to(x.dtype)  # float32 weight: one rounding
 
-    def _gate(self, y: torch.Tensor) -> torch.Tensor:
-        down, _ = self.gate_down(y)
-        up, _ = self.gate_up(F.silu(down))
-        return torch.sigmoid(up) * y
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +118,7 @@ class QuantkitNorm(nn.Module):
             residual = x
         y = self._normalize(x)
         if self.gate_down is not None:
-            y = self._gate(y)
+            y = gated_norm_gate(self.gate_down, self.gate_up, y)
         return y if residual is None else (y, residual)
 
 

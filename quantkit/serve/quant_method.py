@@ -62,6 +62,7 @@ class QuantkitQuantConfig(QuantizationConfig):
         self.activation_scale = config["activation_scale"]
         self.quantized_modules = set(config["quantized_modules"])
         self.recipe = config.get("recipe", "?")
+        self.smoothquant = config.get("smoothquant")  # the recipe's SmoothQuant settings, None without it
 
     @classmethod
     def get_name(cls) -> str:
