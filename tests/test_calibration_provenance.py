@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from quantkit.calibrate.provenance import calibration_sets, checkpoint_calibration, with_calibration
+from quantkit.calibrate.provenance import apply_calibration, calibration_sets, checkpoint_calibration, with_calibration
 from quantkit.calibrate.stats import PAPER_NUM_SEQUENCES
-from quantkit.data import CALIBRATION_SOURCE
+from quantkit.data import describe_calibration_source
 from quantkit.pipelines.study import Study, load_spec
 from quantkit.quantize.recipe import available_recipes, load_recipe
 from quantkit.report.render import describe_calibration as describe
@@ -25,8 +25,9 @@ def test_smoothquant_recipes_default_to_the_paper_count():
     sq = [name for name in available_recipes() if load_recipe(name).smoothquant is not None]
     assert sorted(sq) == ["w4a4_nvfp4_sq", "w4a4_nvfp4_sq_noexperts", "w8a8_fp8_block_sq"]
     for name in sq:
-        assert calibration_sets(load_recipe(name)) == [
-            dict(use="smoothquant", source=CALIBRATION_SOURCE, num_sequences=PAPER_NUM_SEQUENCES, seq_len=512)]
+        assert calibration_sets(load_recipe(name)) == [  # a model of no known type: prose and code
+            dict(use="smoothquant", source=describe_calibration_source("speeches+code"),
+                 num_sequences=PAPER_NUM_SEQUENCES, seq_len=512)]
     assert PAPER_NUM_SEQUENCES == 4096  # paper 000 App. A.4.2
     # recipes with dynamic activations and no SmoothQuant draw nothing; static scales draw their own set
     assert calibration_sets(load_recipe("bf16")) == calibration_sets(load_recipe("w4a4_nvfp4")) == []
@@ -43,11 +44,20 @@ def test_a_study_resizes_every_calibration_set():
     assert describe(calibration_sets(with_calibration(load_recipe("nvfp4_modelopt"), 8, 64))) == "8x64 scales"
     with pytest.raises(ValueError, match="num_sequences >= 1"):
         with_calibration(load_recipe("w4a4_nvfp4_sq"), 0, 512)
+    # the source and the early stop, alone or with the counts
+    recipe = apply_calibration(load_recipe("w4a4_nvfp4_sq"), {"data": "code", "early_stop": None})
+    assert recipe.calibration_data == "code" and recipe.smoothquant.early_stop is None
+    assert recipe.smoothquant.num_sequences == load_recipe("w4a4_nvfp4_sq").smoothquant.num_sequences
+    assert calibration_sets(recipe)[0]["source"] == describe_calibration_source("code")
+    assert apply_calibration(load_recipe("w4a4_nvfp4"), {"early_stop": 0.05}) == load_recipe("w4a4_nvfp4")
 
 
 @pytest.mark.parametrize("calibration, message", [
-    ({"num_sequences": 256}, "exactly num_sequences and seq_len"),
+    ({"num_sequences": 256}, "num_sequences and seq_len together"),
     ({"num_sequences": 256, "seq_len": 1}, "seq_len >= 2"),
+    ({"data": ""}, "calibration source string"),
+    ({"early_stop": "soon"}, "tolerance >= 0 or null"),
+    ({"speed": 1}, r"unknown calibration key\(s\) \['speed'\]"),
 ])
 def test_a_bad_study_calibration_fails_on_load(calibration, message, tmp_path):
     spec = yaml.safe_load((PIPELINES / "default.yaml").read_text()) | {"calibration": calibration}
@@ -63,4 +73,4 @@ def test_the_row_records_the_set_the_checkpoint_was_made_with(tiny_checkpoint, t
     out = quantize_checkpoint(tiny_checkpoint, recipe, tmp_path / "sq", streaming=False)
     # read from the checkpoint's smoothquant.json, not the recipe: the paper-count recipe still reads 4 x 32
     assert checkpoint_calibration(load_recipe("w4a4_nvfp4_sq"), out) == [
-        dict(use="smoothquant", source=CALIBRATION_SOURCE, num_sequences=4, seq_len=32)]
+        dict(use="smoothquant", source=describe_calibration_source("speeches"), num_sequences=4, seq_len=32)]

@@ -1,5 +1,6 @@
 """The data module: pinned offline corpora, token streams, and BOS windows for calibration and measurement."""
 
+import json
 import logging
 import subprocess
 import sys
@@ -38,12 +39,13 @@ def test_token_stream_concatenates_texts_each_with_its_bos(tiny_checkpoint):
 
 def test_windows_are_slices_with_bos_at_position_0():
     stream = torch.arange(100, 200)
-    batch = data.windows(stream, [0, 7, 90], 10, bos_id=-1)
+    batch = data.windows(stream, [0, 7, 90], 10, -1)
     assert batch.shape == (3, 10) and batch.dtype == torch.long
     assert batch[:, 0].tolist() == [-1, -1, -1]
     assert batch[1, 1:].tolist() == list(range(108, 117)) and batch[2, -1] == 199
     assert stream[0] == 100, "the stream itself is not modified"
-    assert data.windows(stream, torch.tensor([3]), 4, bos_id=None).tolist() == [[103, 104, 105, 106]]
+    assert data.windows(stream, torch.tensor([3]), 4, None).tolist() == [[103, 104, 105, 106]]
+    assert data.windows(stream, [0], 4, [7, 8]).tolist() == [[7, 8, 102, 103]]  # a two-token prompt prefix
 
 
 def test_spread_windows_cover_the_stream_evenly(caplog):
@@ -63,16 +65,56 @@ def test_spread_windows_cover_the_stream_evenly(caplog):
 
 
 def test_calibration_and_heldout_windows(tiny_checkpoint):
+    """Measurement reads the held-out speeches; calibration never does (the zoo's default: the training
+    speeches); every window starts as the tokenizer starts a served prompt."""
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    assert data.served_prefix(tok) == [tok.bos_token_id]  # quantkit's tokenizers prepend BOS
     heldout = data.heldout_windows(tok, 4, 64)
     stream = data.token_stream(data.heldout_texts(), tok)
-    assert torch.equal(heldout, data.spread_windows(stream, 4, 64, tok.bos_token_id, "held-out"))
-    assert torch.equal(data.calibration_windows(tok, 4, 64), heldout), "default calibration text: the held-out speeches"
+    assert torch.equal(heldout, data.spread_windows(stream, 4, 64, [tok.bos_token_id], "held-out"))
+    assert data.default_calibration_source("quantkit") == "speeches"
+    calibration = data.calibration_windows(tok, 4, 64, "speeches")
+    train = data.token_stream(data.corpus_split()[0], tok)
+    assert torch.equal(calibration, data.spread_windows(train, 4, 64, [tok.bos_token_id], "calibration"))
+    held = {tuple(row[1:].tolist()) for row in data.spread_windows(stream, 512, 64, None, "held-out")}
+    assert not held & {tuple(row[1:].tolist()) for row in calibration}
     texts = data.stdlib_docstrings()[:50]
     own = data.calibration_windows(tok, 4, 64, texts)
-    assert torch.equal(own, data.spread_windows(data.token_stream(texts, tok), 4, 64, tok.bos_token_id, "calibration"))
+    assert torch.equal(own, data.spread_windows(data.token_stream(texts, tok), 4, 64, [tok.bos_token_id], "calibration"))
     with pytest.raises(ValueError, match="calibration texts must be a non-empty sequence of strings"):
         data.calibration_windows(tok, 4, 64, [])
+
+
+def test_calibration_sources_mix_files_and_chat_samples(tmp_path):
+    """Parts joined by '+' share the windows evenly and alternate; .txt and .jsonl files ("text" or chat
+    "messages" through the template) are sources too; bad sources are named errors."""
+    from quantkit.models.tokenizer import train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer(data.stdlib_docstrings()[:200], 300)
+    tok.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    assert data.default_calibration_source("llama") == "speeches+code"
+    mixed = data.calibration_windows(tok, 5, 32, "speeches+code")
+    speeches = data.calibration_windows(tok, 3, 32, "speeches")
+    code = data.calibration_windows(tok, 2, 32, "code")
+    assert torch.equal(mixed, torch.stack([speeches[0], code[0], speeches[1], code[1], speeches[2]]))
+    (tmp_path / "notes.txt").write_text("Release notes. " * 400)
+    lines = [{"text": "def add(a, b):\n    return a + b\n" * 20},
+             {"messages": [{"role": "user", "content": "Sum 2 and 3."}, {"role": "assistant", "content": "5"}]}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) * 30)
+    both = data.calibration_windows(tok, 4, 16, f"{tmp_path / 'notes.txt'}+{tmp_path / 'chat.jsonl'}")
+    assert both.shape == (4, 16)
+    texts = data.calibration_parts(str(tmp_path / "chat.jsonl"), tok)[0][1]
+    assert "<|user|>Sum 2 and 3." in texts[1]
+    with pytest.raises(ValueError, match="unknown calibration source part 'novels'"):
+        data.calibration_windows(tok, 4, 16, "speeches+novels")
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"prompt": 3}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl line 2: expected an object"):
+        data.calibration_windows(tok, 4, 16, str(tmp_path / "bad.jsonl"))
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="line 2: chat messages, but the tokenizer has no chat template"):
+        data.calibration_parts(str(tmp_path / "chat.jsonl"), tok)
+    with pytest.raises(FileNotFoundError, match="missing.txt not found"):
+        data.calibration_windows(tok, 4, 16, str(tmp_path / "missing.txt"))
 
 
 def test_data_is_upstream_of_models_and_calibration():

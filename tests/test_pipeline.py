@@ -101,6 +101,20 @@ def test_cached_rerun_and_resume_after_crash(study):
     assert redone_eval["out_dir"] == str((run_dir / "evals" / "tiny-w4a4_nvfp4").resolve())
 
 
+def test_a_partial_run_reports_the_rows_so_far(study, tmp_path):
+    """A run stopped before its W4A4 row was measured: results.json holds the bf16 row and names the pending one,
+    and the report says so."""
+    studied, run_dir = study
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns(".lock"))
+    shutil.rmtree(copy / "evals" / "tiny-w4a4_nvfp4")
+    partial = Study(studied.spec, copy)
+    partial._report()
+    results = json.loads((copy / "results.json").read_text())
+    assert [r["recipe"] for r in results["rows"]] == ["bf16"] and results["meta"]["pending"] == ["tiny w4a4_nvfp4"]
+    assert "Pending: 1 row (tiny w4a4_nvfp4): the study is still running or was stopped." in (copy / "report" / "report.md").read_text()
+
+
 def test_failures_name_stage_model_and_recipe(tmp_path, tiny_checkpoint):
     from quantkit.diagnose.run import diagnose, write_diagnostics
 

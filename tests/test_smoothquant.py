@@ -287,20 +287,20 @@ def test_smoothing_factors_formula_and_clamps():
         smoothing_factors(x, w, alpha=1.5)
 
 
-def test_calibration_windows_from_the_heldout_corpus(caplog):
+def test_calibration_windows_from_the_training_speeches(caplog):
     from quantkit.models.tokenizer import train_bpe_tokenizer
 
     texts = heldout_texts()
     tokenizer = train_bpe_tokenizer(texts, 300)
-    batch = calibration_windows(tokenizer, num_sequences=8, seq_len=64)
+    batch = calibration_windows(tokenizer, 8, 64, "speeches")
     assert batch.shape == (8, 64) and batch.dtype == torch.long
     assert (batch[:, 0] == tokenizer.bos_token_id).all()
     assert len({tuple(row.tolist()) for row in batch}) == 8
     with caplog.at_level(logging.WARNING, logger="quantkit.data"):
-        calibration_windows(tokenizer, num_sequences=4096, seq_len=128, texts=texts[:1])
+        calibration_windows(tokenizer, 4096, 128, texts[:1])
     assert "windows overlap" in caplog.text
 
-    # end to end from text (the default corpus), on the variant that needs BOS at position 0
+    # end to end from text (a quantkit model's default: the training speeches), on the variant that needs BOS first
     torch.manual_seed(0)
     model = randomize(QuantkitForCausalLM(QuantkitConfig(**{**SHAPE, "vocab_size": len(tokenizer)}, attention_sink=True)))
     report = smooth_model(model, None, tokenizer, num_sequences=8, seq_len=64, progress=False)

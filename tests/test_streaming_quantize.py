@@ -113,6 +113,27 @@ def test_hybrid_moe_streaming_is_bit_identical(hybrid, tmp_path, recipe_name):
     assert check_servable(streamed)
 
 
+def test_early_stop_ends_the_windows_in_both_paths(dense, tmp_path):
+    """SmoothQuant's early stop (`stats.EarlyStop`: >= 32 windows, 2 batches under the tolerance) ends the windows
+    at the same batch on the whole-model and streaming paths (bit-identical checkpoints and smoothquant.json);
+    an unreachable tolerance (0: every batch moves some maximum on random weights) and null use every window."""
+    from quantkit.calibrate.provenance import apply_calibration
+
+    base = load_recipe("w4a4_nvfp4_sq")
+    settled = apply_calibration(base, {"num_sequences": 64, "seq_len": 32, "early_stop": 1e9})  # settles at once
+    whole = quantize_checkpoint(dense, settled, tmp_path / "whole", streaming=False)
+    streamed = quantize_streaming(dense, settled, tmp_path / "stream")
+    assert_same_checkpoint(whole, streamed)
+    report = json.loads((whole / "smoothquant.json").read_text())
+    layers = len(report["windows_per_layer"])
+    assert (report["windows_drawn"], report["num_sequences"], report["windows_per_layer"]) == (64, 32, [32] * layers)
+    for stop in (0.0, None):
+        out = quantize_streaming(dense, apply_calibration(base, {"num_sequences": 64, "seq_len": 32, "early_stop": stop}),
+                                 tmp_path / f"all-{stop}")
+        report = json.loads((out / "smoothquant.json").read_text())
+        assert report["num_sequences"] == 64 and report["windows_per_layer"] == [64] * layers and report["early_stop"] == stop
+
+
 def test_function_preservation_failure_writes_nothing(dense, tmp_path, monkeypatch):
     """A fold that is not function-preserving (GatedNorm without its gate fold) fails the carried logit check."""
     monkeypatch.setitem(mappings_module._FOLDS, QuantkitNorm, functools.partial(mappings_module.fold_quantkit_norm, fold_gate=False))

@@ -40,6 +40,24 @@ def test_targets_follow_each_scope(tmp_path):
     assert study.targets(STAGE_BY_NAME["report"]) == [(None, None)]
 
 
+def test_rows_arrive_early(tmp_path):
+    """The local order measures each row as soon as its checkpoint exists and re-renders the report after it:
+    the bf16 row (and the model's diagnostics) first, then each quantized chain; `--until` keeps that order."""
+    study = _study(tmp_path)
+    work = [(stage.name, label, recipe) for stage, label, recipe in study.work(STAGES)]
+    assert work[:9] == [("checkpoint", "a", None), ("quantize", "a", "bf16"), ("eval", "a", "bf16"),
+                        ("diagnose", "a", None), ("report", None, None), ("quantize", "a", "w4a4_nvfp4"),
+                        ("eval", "a", "w4a4_nvfp4"), ("degradation", "a", "w4a4_nvfp4"), ("report", None, None)]
+    assert len(work) == 18 and sorted(set(work)) == sorted({(s.name, *t) for s in STAGES for t in study.targets(s)})
+    until_quantize = [(stage.name, label, recipe) for stage, label, recipe in study.work(STAGES[:3])]
+    assert until_quantize[:4] == [("checkpoint", "a", None), ("quantize", "a", "bf16"), ("diagnose", "a", None),
+                                  ("quantize", "a", "w4a4_nvfp4")]
+    assert study.left(study.work(STAGES)[-2:]) == "left: 1 degradation, 1 report (~0 min + stages not yet timed)"
+    study.timings = {("degradation", "a", "w4a4_nvfp4"): {"seconds": 90.0, "cached": False},
+                     ("report", "", ""): {"seconds": 30.0, "cached": False}}
+    assert study.left(study.work(STAGES)[-2:]) == "left: 1 degradation, 1 report (~2 min)"
+
+
 def test_artifacts_are_the_run_directory_layout(tmp_path):
     study = _study(tmp_path)
     run = study.dir

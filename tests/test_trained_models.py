@@ -61,6 +61,15 @@ def test_fetch_imports_and_reuses_the_cache(fetched, capsys):
     headers = tensor_headers(path)
     assert "lm_head.weight" not in headers and {d for d, _ in headers.values()} == {"BF16"}
     assert "im_start" in (path / "chat_template.jinja").read_text()
+    from transformers import AutoTokenizer
+
+    from quantkit.data import heldout_windows, served_prefix, token_stream
+
+    tok = AutoTokenizer.from_pretrained(path)  # prepends nothing to a prompt: neither do the measurement windows
+    assert served_prefix(tok) == [] and tok.bos_token_id is not None
+    windows = heldout_windows(tok, 2, 16)
+    stream = token_stream(["x"], tok)
+    assert stream.tolist() == tok("x", add_special_tokens=False)["input_ids"] and (windows[:, 0] != tok.bos_token_id).all()
     start = time.monotonic()
     assert trained.fetch(NAME, root) == path  # cached: no download, no import
     assert time.monotonic() - start < 5 and "fetching" not in capsys.readouterr().out

@@ -204,14 +204,19 @@ def embed_stream(skeleton: nn.Module, layers: nn.ModuleList, name: str, tokens: 
 
 
 @torch.no_grad()
-def advance_stream(stream: Stream, layer: nn.Module, i: int, before_batch: Callable[[int], None] | None = None) -> None:
+def advance_stream(stream: Stream, layer: nn.Module, i: int, before_batch: Callable[[int], None] | None = None,
+                   stop_after: Callable[[int], bool] | None = None) -> None:
     """Hidden states of `stream` through decoder layer i (the layer's own __call__, the model's arguments);
-    before_batch(b) runs before batch b's pass."""
+    before_batch(b) runs before batch b's pass. stop_after(b) True after batch b's pass ends the stream there:
+    the later batches are dropped for this and every later layer."""
     out = _Batches(stream.hidden.spill_dir)
     for b in range(len(stream.hidden)):
         if before_batch is not None:
             before_batch(b)
         out.append(layer(stream.hidden[b], **stream.layer_kwargs[b][i]))
+        if stop_after is not None and stop_after(b):
+            del stream.chunks[b + 1:], stream.layer_kwargs[b + 1:]
+            break
     stream.hidden.discard()
     stream.hidden = out
 

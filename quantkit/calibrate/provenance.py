@@ -1,7 +1,7 @@
 """Which calibration set a recipe draws: resized by a study, recorded per results row (docs/calibration.md).
 
-A recipe calibrates on windows of `quantkit.data.calibration_windows` (source: `quantkit.data.CALIBRATION_SOURCE`)
-for up to two uses:
+A recipe calibrates on windows of `quantkit.data.calibration_windows` (source: the recipe's `calibration_data`,
+else the model's default, `quantkit.data.default_calibration_source`) for up to two uses:
 - "smoothquant": the per-channel maxima behind the smoothing factors (the recipe's `smoothquant` block;
   paper 000 App. A.4.2 uses 4096 sequences, so the SmoothQuant recipes default to 4096 x 512);
 - "activation scales": static calibrated activation scales (quantkit's `activation_scale: static`,
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from quantkit.data import CALIBRATION_SOURCE
+from quantkit.data import describe_calibration_source
 from quantkit.quantize.recipe import CalibrationSettings, Recipe
 
 
@@ -43,10 +43,47 @@ def with_calibration(recipe: Recipe, num_sequences: int, seq_len: int) -> Recipe
     return dataclasses.replace(recipe, **changes) if changes else recipe
 
 
-def calibration_sets(recipe: Recipe, max_positions: int | None = None) -> list[dict[str, Any]]:
-    """The calibration sets quantizing with `recipe` draws, one dict per use: {"use", "source",
-    "num_sequences", "seq_len"} (seq_len as drawn: quantkit's and modelopt's static scales cut it to the
-    model's `max_positions`); [] for a recipe that calibrates nothing."""
+def with_calibration_data(recipe: Recipe, source: str) -> Recipe:
+    """`recipe` reading its calibration windows from `source` (a `quantkit.data` calibration source)."""
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(f"calibration data must be a calibration source string, got {source!r}")
+    return dataclasses.replace(recipe, calibration_data=source)
+
+
+def with_early_stop(recipe: Recipe, tolerance: float | None) -> Recipe:
+    """`recipe` with SmoothQuant's early stop at `tolerance` (None: every window); unchanged without SmoothQuant."""
+    if recipe.smoothquant is None:
+        return recipe
+    return dataclasses.replace(recipe, smoothquant=dataclasses.replace(recipe.smoothquant, early_stop=tolerance))
+
+
+CALIBRATION_KEYS = ("num_sequences", "seq_len", "data", "early_stop")
+
+
+def apply_calibration(recipe: Recipe, settings: dict[str, Any]) -> Recipe:
+    """`recipe` with a study's `calibration` settings (CALIBRATION_KEYS): num_sequences and seq_len together
+    (`with_calibration`), data (`with_calibration_data`), early_stop (`with_early_stop`; null: every window).
+    ValueError names an unknown key or a bad value."""
+    if unknown := sorted(set(settings) - set(CALIBRATION_KEYS)):
+        raise ValueError(f"unknown calibration key(s) {unknown}; known: {list(CALIBRATION_KEYS)}")
+    if ("num_sequences" in settings) != ("seq_len" in settings):
+        raise ValueError("calibration needs num_sequences and seq_len together")
+    if "num_sequences" in settings:
+        recipe = with_calibration(recipe, settings["num_sequences"], settings["seq_len"])
+    if "data" in settings:
+        recipe = with_calibration_data(recipe, settings["data"])
+    if "early_stop" in settings:
+        stop = settings["early_stop"]
+        if stop is not None and (isinstance(stop, bool) or not isinstance(stop, (int, float)) or stop < 0):
+            raise ValueError(f"calibration early_stop must be a tolerance >= 0 or null, got {stop!r}")
+        recipe = with_early_stop(recipe, stop)
+    return recipe
+
+
+def calibration_sets(recipe: Recipe, max_positions: int | None = None, model_type: str | None = None) -> list[dict[str, Any]]:
+    """The calibration sets quantizing with `recipe` draws for a model of `model_type`, one dict per use:
+    {"use", "source", "num_sequences", "seq_len"} (seq_len as drawn: quantkit's and modelopt's static scales cut
+    it to the model's `max_positions`); [] for a recipe that calibrates nothing."""
     sets = []
     if recipe.smoothquant is not None:
         sets.append(("smoothquant", recipe.smoothquant.num_sequences, recipe.smoothquant.seq_len))
@@ -55,7 +92,8 @@ def calibration_sets(recipe: Recipe, max_positions: int | None = None) -> list[d
         clipped = max_positions and recipe.backend != "llmcompressor"  # llmcompressor's job takes T as given
         seq_len = min(cal.seq_len, max_positions) if clipped else cal.seq_len
         sets.append(("activation scales", cal.num_sequences, seq_len))
-    return [dict(use=use, source=CALIBRATION_SOURCE, num_sequences=n, seq_len=t) for use, n, t in sets]
+    source = describe_calibration_source(recipe.calibration_source(model_type))
+    return [dict(use=use, source=source, num_sequences=n, seq_len=t) for use, n, t in sets]
 
 
 def checkpoint_calibration(recipe: Recipe, checkpoint_dir: str | Path) -> list[dict[str, Any]]:
@@ -64,7 +102,7 @@ def checkpoint_calibration(recipe: Recipe, checkpoint_dir: str | Path) -> list[d
     factors were actually computed on) where that file exists."""
     checkpoint_dir = Path(checkpoint_dir)
     config = json.loads((checkpoint_dir / "config.json").read_text())
-    sets = calibration_sets(recipe, config.get("max_position_embeddings"))
+    sets = calibration_sets(recipe, config.get("max_position_embeddings"), config.get("model_type"))
     report = checkpoint_dir / "smoothquant.json"
     if report.exists():
         sq = json.loads(report.read_text())

@@ -2,7 +2,8 @@
 
     s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)
 
-X_j: channel j at the consumers' input over the calibration set (`stats.channel_max`); W_j: column j of
+X_j: channel j at the consumers' input over the calibration set (`layer_factors`, one decoder layer at a
+time, on the streaming engine of `quantkit.calibrate.layers`); W_j: column j of
 all consumers stacked (max over every consuming linear). The smoothing layer's output channel j is
 divided by s_j and the consumers' column j multiplied by s_j (`mappings.fold_output`): the model computes
 the same function, which is checked, not assumed — logits on held-out text before and after must agree
@@ -36,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from quantkit.calibrate.mappings import (
     MappingPlan,
@@ -46,9 +48,19 @@ from quantkit.calibrate.mappings import (
     resolve_mappings,
     scale_,
 )
-from quantkit.calibrate.layers import HEAD_POSITIONS, final_hidden, find_decoder_stack, head_logits
-from quantkit.calibrate.stats import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, channel_max
-from quantkit.data import calibration_windows
+from quantkit.calibrate.layers import (
+    BATCH_SIZE,
+    HEAD_POSITIONS,
+    LayerwiseError,
+    Stream,
+    advance_stream,
+    decoder_stack,
+    embed_stream,
+    final_hidden,
+    head_logits,
+)
+from quantkit.calibrate.stats import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, ChannelMaxObserver, EarlyStop, Settling
+from quantkit.data import calibration_windows, default_calibration_source
 from quantkit.errors import NonFiniteStatisticsError, QuantkitError
 
 logger = logging.getLogger(__name__)
@@ -99,6 +111,10 @@ class SmoothQuantReport:
     logit_scale: float
     relative_logit_change: float
     tolerance: float
+    windows_drawn: int = 0  # calibration windows drawn; num_sequences: the windows every layer saw
+    early_stop: float | None = None  # EarlyStop.tolerance, None: every window drawn was used
+    windows_per_layer: list[int] = field(default_factory=list)
+    last_change: list[float] = field(default_factory=list)  # per layer: the last batch's relative L2 change
     scales: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # smoothing layer -> s (float32)
 
     def to_dict(self) -> dict:
@@ -119,8 +135,11 @@ class SmoothQuantReport:
             for m in self.mappings
         ]
         rows.append("")
+        used = (f"{self.num_sequences} x {self.seq_len} tokens" if self.num_sequences == self.windows_drawn else
+                f"{self.num_sequences} of {self.windows_drawn} windows x {self.seq_len} tokens (early stop at "
+                f"{self.early_stop:g}: the first layer's maxima settled)")
         rows.append(
-            f"{self.architecture}, alpha={self.alpha}, {self.num_sequences} x {self.seq_len} tokens; "
+            f"{self.architecture}, alpha={self.alpha}, {used}; "
             f"max |logit change| {self.max_logit_change:.3g} (logit scale {self.logit_scale:.3g}, relative "
             f"{self.relative_logit_change:.3g} <= tolerance {self.tolerance:.3g})"
         )
@@ -215,11 +234,15 @@ def _check_shared_input(plan: MappingPlan, maxima: dict[str, torch.Tensor]) -> N
                 )
 
 
-def _as_tokens(calibration, tokenizer, num_sequences: int | None, seq_len: int | None, max_positions: int | None) -> torch.Tensor:
-    """(N, T) int64 tokens from texts (None = held-out speeches), a token tensor, or an iterable of token batches."""
-    if isinstance(calibration, str):
-        calibration = [calibration]
-    if calibration is None or (isinstance(calibration, Sequence) and calibration and isinstance(calibration[0], str)):
+def calibration_tokens(calibration, tokenizer, num_sequences: int | None, seq_len: int | None,
+                       max_positions: int | None, model_type: str | None = None) -> torch.Tensor:
+    """(N, T) int64 calibration tokens from a source (a string: `quantkit.data` calibration source; None: the
+    model's default, `default_calibration_source(model_type)`), a list of texts, a token tensor, or an iterable
+    of token batches. Text is cut into num_sequences (default 4096) windows of seq_len (default
+    min(512, max_positions)); token input is used as given (num_sequences keeps the first N)."""
+    if calibration is None:
+        calibration = default_calibration_source(model_type)
+    if isinstance(calibration, str) or (isinstance(calibration, Sequence) and calibration and isinstance(calibration[0], str)):
         if tokenizer is None:
             raise ValueError("calibration from text needs a tokenizer")
         seq_len = seq_len or (min(DEFAULT_SEQ_LEN, max_positions) if max_positions else DEFAULT_SEQ_LEN)
@@ -235,7 +258,8 @@ def _as_tokens(calibration, tokenizer, num_sequences: int | None, seq_len: int |
             raise ValueError(f"token batches must be non-empty and of one length, got shapes {[tuple(b.shape) for b in batches]}")
         tokens = torch.cat(batches)
     else:
-        raise TypeError(f"calibration must be None, a list of texts, a token tensor or token batches; got {type(calibration).__name__}")
+        raise TypeError("calibration must be None, a source string, a list of texts, a token tensor or token batches; "
+                        f"got {type(calibration).__name__}")
     if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32) or len(tokens) == 0:
         raise ValueError(f"calibration tokens must be a non-empty (N, T) integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
     if seq_len is not None and tokens.shape[1] != seq_len:
@@ -245,6 +269,65 @@ def _as_tokens(calibration, tokenizer, num_sequences: int | None, seq_len: int |
             raise ValueError(f"num_sequences={num_sequences} asked, but only {len(tokens)} token sequences were given")
         tokens = tokens[:num_sequences]
     return tokens.long()
+
+
+def layer_mappings(plan: MappingPlan, stack_name: str, num_layers: int) -> list[tuple[SmoothMapping, ...]]:
+    """The plan's mappings per decoder layer (`<stack_name>.<i>.` prefixes); SmoothQuantMappingError for a
+    mapping outside every layer (the engine calibrates one layer at a time)."""
+    per_layer: list[list[SmoothMapping]] = [[] for _ in range(num_layers)]
+    for m in plan.mappings:
+        head, _, rest = m.smooth.partition(f"{stack_name}.")
+        index = rest.split(".", 1)[0]
+        if head or not index.isdigit() or int(index) >= num_layers:
+            raise SmoothQuantMappingError(f"SmoothQuant mapping {m.name}: {m.smooth} is outside the decoder layers "
+                                          f"{stack_name}.*, which the layer-by-layer calibration cannot reach")
+        per_layer[int(index)].append(m)
+    return [tuple(ms) for ms in per_layer]
+
+
+@dataclass
+class LayerFactors:
+    """One decoder layer's SmoothQuant calibration: per mapping (mapping, s, max|X| and max|W| per smoothing
+    channel before the fold), the windows its statistics saw and the last batch's largest relative L2 change of
+    a maxima vector (`stats.Settling`)."""
+
+    factors: list[tuple[SmoothMapping, torch.Tensor, torch.Tensor, torch.Tensor]]
+    windows: int
+    last_change: float
+    reports: list[MappingReport] = field(default_factory=list)  # filled by `fold_layer`
+
+
+def fold_layer(model: nn.Module, calibrated: LayerFactors) -> None:
+    """Fold one layer's factors into `model` and record each mapping's report (it reads the folded weights)."""
+    for m, s, _, _ in calibrated.factors:
+        fold_mapping(model, m, s)
+    calibrated.reports = [mapping_report(model, m, s, x, w) for m, s, x, w in calibrated.factors]
+
+
+@torch.no_grad()
+def layer_factors(model: nn.Module, layer: nn.Module, i: int, stream: Stream, mappings: Sequence[SmoothMapping],
+                  alpha: float, power_of_two: bool = False, early_stop: EarlyStop | None = None) -> LayerFactors:
+    """Carry `stream` through decoder layer i (unsmoothed) while observing the per-channel maxima at the inputs of
+    `mappings`' consumers, and compute each mapping's factors (`smoothing_factors`). With `early_stop` the
+    stream ends at the batch where the maxima settled (for every later layer too). Nothing is folded here.
+    Raises NonFiniteStatisticsError, SmoothQuantMappingError (consumers of one mapping read different inputs)."""
+    consumers = [c for m in mappings for c in m.consumers]
+    with ChannelMaxObserver(model, consumers) as observer:
+        settling = Settling(observer, early_stop)
+        advance_stream(stream, layer, i, stop_after=lambda b: settling.after_batch(b, len(stream.chunks[b])))
+    missing = [n for n in observer.names if n not in observer.maxima]
+    if missing:
+        raise RuntimeError(f"SmoothQuant calibration: these linears were never called in the forward pass: {missing}")
+    sub_plan = MappingPlan("", tuple(mappings), ())
+    _check_finite(sub_plan, observer.maxima)
+    _check_shared_input(sub_plan, observer.maxima)
+    factors = []
+    for m in mappings:
+        channels = _smoothing_channels(model, m)
+        x = _to_smoothing_channels(m, observer.maxima[m.consumers[0]], channels)
+        w = _to_smoothing_channels(m, _weight_col_max(model, m).to(x.device), channels)
+        factors.append((m, smoothing_factors(x, w, alpha, power_of_two), x, w))
+    return LayerFactors(factors, settling.windows, settling.change[-1] if settling.change else 0.0)
 
 
 @torch.no_grad()
@@ -282,6 +365,22 @@ def logit_change(model: nn.Module, layers: nn.ModuleList, reference: Sequence[to
     return change.item(), scale.item()
 
 
+def smoothquant_report(plan: MappingPlan, alpha: float, tokens: torch.Tensor, calibrated: Sequence[LayerFactors],
+                       change: float, scale: float, tolerance: float, early_stop: EarlyStop | None) -> SmoothQuantReport:
+    """The report of a finished smoothing: each folded layer's mapping reports (`fold_layer`), the
+    function-preservation figures, and the windows each layer's statistics saw."""
+    mappings = [r for layer in calibrated for r in layer.reports]
+    return SmoothQuantReport(
+        architecture=plan.architecture, alpha=alpha, num_sequences=min(c.windows for c in calibrated),
+        seq_len=tokens.shape[1], mappings=mappings, skipped=list(plan.skipped), max_logit_change=change,
+        logit_scale=scale, relative_logit_change=change / max(scale, torch.finfo(torch.float32).tiny),
+        tolerance=tolerance, windows_drawn=int(tokens.shape[0]),
+        early_stop=None if early_stop is None else early_stop.tolerance,
+        windows_per_layer=[c.windows for c in calibrated], last_change=[c.last_change for c in calibrated],
+        scales={m.smooth: s.cpu() for layer in calibrated for m, s, _, _ in layer.factors},
+    )
+
+
 def smooth_model(
     model: nn.Module,
     calibration: Sequence[str] | torch.Tensor | Iterable[torch.Tensor] | None = None,
@@ -294,16 +393,17 @@ def smooth_model(
     experts: bool = True,
     power_of_two: bool = False,
     tolerance: float | None = None,
-    batch_size: int = 8,
+    batch_size: int = BATCH_SIZE,
     verify_tokens: torch.Tensor | None = None,
     progress: bool = True,
+    early_stop: EarlyStop | None = None,
 ) -> SmoothQuantReport:
     """Smooth `model` in place and verify that it still computes the same function.
 
-    calibration: None (the zoo's held-out speeches, tokenized with `tokenizer`), a list of texts, an (N, T)
-    token tensor, or an iterable of token batches. Texts are cut into `num_sequences` windows of `seq_len`
-    (defaults: 4096 as in paper 000, and min(512, max_position_embeddings)); token input is used as given
-    (num_sequences keeps the first N). include_v_o / include_up_down add the optional mappings (see
+    calibration: a calibration source (`quantkit.data`; None: the model's default), a list of texts, an (N, T)
+    token tensor, or an iterable of token batches (`calibration_tokens`). Statistics are gathered one decoder
+    layer at a time (the streaming engine, here with every layer resident), each layer folded once its
+    statistics are in; early_stop ends the windows once a layer's per-channel maxima settle (`stats.EarlyStop`). include_v_o / include_up_down add the optional mappings (see
     `quantkit.calibrate.mappings`; v->o is refused where it is not function-preserving). experts: smooth MoE
     layers' post_attention_layernorm into router, experts, shared expert and its gate (False: leave those
     norms unsmoothed, as peers do; no effect on dense models). power_of_two:
@@ -317,59 +417,51 @@ def smooth_model(
     plan = resolve_mappings(model, include_v_o=include_v_o, include_up_down=include_up_down, experts=experts)
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"SmoothQuant alpha must be in [0, 1], got {alpha}")
-    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    tokens = _as_tokens(calibration, tokenizer, num_sequences, seq_len, max_positions)
+    config = getattr(model, "config", None)
+    max_positions = getattr(config, "max_position_embeddings", None)
+    tokens = calibration_tokens(calibration, tokenizer, num_sequences, seq_len, max_positions,
+                                getattr(config, "model_type", None))
     dtype = next(model.parameters()).dtype
     if tolerance is None:
         exact = power_of_two or dtype in (torch.float32, torch.float64)
         tolerance = DEFAULT_TOLERANCE if exact else LOW_PRECISION_TOLERANCE
     verify = tokens[:DEFAULT_VERIFY_SEQUENCES] if verify_tokens is None else verify_tokens
-
-    consumers = [c for m in plan.mappings for c in m.consumers]
-    maxima = channel_max(model, tokens, consumers, batch_size=batch_size, progress=progress)
-    _check_finite(plan, maxima)
-    _check_shared_input(plan, maxima)
-
-    scales: dict[str, torch.Tensor] = {}
-    reports: list[MappingReport] = []
-    before: list[tuple[float, float]] = []
-    for m in plan.mappings:
-        channels = _smoothing_channels(model, m)
-        x = _to_smoothing_channels(m, maxima[m.consumers[0]], channels)
-        w = _to_smoothing_channels(m, _weight_col_max(model, m).to(x.device), channels)
-        scales[m.smooth] = smoothing_factors(x, w, alpha, power_of_two)
-        before.append((x, w))
-
-    layers = find_decoder_stack(model)
-    if layers is None:
-        raise SmoothQuantMappingError(f"{type(model).__name__} has no decoder layers at model.model.layers: SmoothQuant's "
-                                      "function-preservation check runs the model's stack and head separately")
-    reference = _final_hidden(model, layers, verify, batch_size)
-    for m in plan.mappings:
-        fold_mapping(model, m, scales[m.smooth])
     try:
+        stack_name, layers = decoder_stack(model)
+    except LayerwiseError as err:
+        raise SmoothQuantMappingError(f"{err}: SmoothQuant calibrates one decoder layer at a time") from err
+    per_layer = layer_mappings(plan, stack_name, len(layers))
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    calibrated: list[LayerFactors] = []
+    folded: list[LayerFactors] = []
+    try:
+        reference = _final_hidden(model, layers, verify, batch_size)
+        stream = embed_stream(model, layers, "smoothquant", tokens.to(device), None, batch_size)
+        for i in tqdm(range(len(layers)), desc="SmoothQuant calibration", unit="layer", disable=not progress):
+            calibrated.append(layer_factors(model, layers[i], i, stream, per_layer[i], alpha, power_of_two, early_stop))
+        del stream
+        folded = calibrated  # every factor from the unsmoothed model; nothing folded before all are in
+        for layer in folded:
+            fold_layer(model, layer)
         change, scale = logit_change(model, layers, reference, _final_hidden(model, layers, verify, batch_size),
                                      plan.architecture)
-    except NonFiniteStatisticsError:
-        for m in reversed(plan.mappings):
-            fold_mapping(model, m, 1.0 / scales[m.smooth])
+        relative = change / max(scale, torch.finfo(torch.float32).tiny)
+        if not relative <= tolerance:  # also catches NaN
+            raise FunctionPreservationError(
+                f"SmoothQuant changed the logits of {plan.architecture}: max |logit change| {change:.4g} "
+                f"= {relative:.3g} of the logit scale {scale:.4g}, above the tolerance {tolerance:.3g}; "
+                "the folds have been undone (up to rounding). A mapping is not function-preserving for this model."
+            )
+    except Exception:  # the model is left as it came, up to rounding
+        for m, s, _, _ in reversed([f for layer in folded for f in layer.factors]):
+            fold_mapping(model, m, 1.0 / s)
         raise
-    relative = change / max(scale, torch.finfo(torch.float32).tiny)
-    if not relative <= tolerance:  # also catches NaN
-        for m in reversed(plan.mappings):
-            fold_mapping(model, m, 1.0 / scales[m.smooth])
-        raise FunctionPreservationError(
-            f"SmoothQuant changed the logits of {plan.architecture}: max |logit change| {change:.4g} "
-            f"= {relative:.3g} of the logit scale {scale:.4g}, above the tolerance {tolerance:.3g}; "
-            "the folds have been undone (up to rounding). A mapping is not function-preserving for this model."
-        )
+    finally:
+        model.train(was_training)
 
-    for m, (x, w) in zip(plan.mappings, before):
-        reports.append(mapping_report(model, m, scales[m.smooth], x, w))
-    report = SmoothQuantReport(
-        architecture=plan.architecture, alpha=alpha, num_sequences=tokens.shape[0], seq_len=tokens.shape[1],
-        mappings=reports, skipped=list(plan.skipped), max_logit_change=change, logit_scale=scale,
-        relative_logit_change=relative, tolerance=tolerance, scales={k: v.cpu() for k, v in scales.items()},
-    )
+    report = smoothquant_report(plan, alpha, tokens, calibrated, change, scale, tolerance, early_stop)
     logger.info("SmoothQuant done:\n%s", report.summary())
     return report

@@ -197,8 +197,8 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
     if recipe.smoothquant is not None:  # folds into the float32 weights; verified function-preserving
         sq = recipe.smoothquant
         smoothquant_report = smooth_model(
-            model, tokenizer=tokenizer, alpha=sq.alpha, num_sequences=sq.num_sequences, seq_len=sq.seq_len,
-            experts=sq.experts,
+            model, recipe.calibration_source(model.config.model_type), tokenizer, alpha=sq.alpha,
+            num_sequences=sq.num_sequences, seq_len=sq.seq_len, experts=sq.experts, early_stop=sq.early_stop_rule(),
         )
     scheme = scheme_for(recipe.scheme)  # None: bf16, nothing quantized
     weights = quantizable_weights(model)
@@ -206,7 +206,8 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
     input_amax = {}
     if recipe.activation_scale == "static":  # compressed-tensors convention: one calibrated scale per tensor
         cal = recipe.calibration or CalibrationSettings()
-        tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, model.config.max_position_embeddings))
+        tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, model.config.max_position_embeddings),
+                                     recipe.calibration_source(model.config.model_type))
         # expert matrices: every token through every expert (calibrate-all-experts mode, quantkit.calibrate.stats)
         maxima = channel_max(model, tokens, list(quantized), desc="static activation calibration")
         input_amax = {name: m.max().reshape(1) for name, m in maxima.items()}

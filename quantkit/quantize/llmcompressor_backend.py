@@ -55,7 +55,9 @@ def quantize_with_llmcompressor(model_dir: Path, recipe: Recipe, out_dir: Path) 
         job = {"model": str(model_dir), "out": str(out), "scheme": recipe.scheme, "ignore": list(recipe.ignore)}
         if recipe.scheme == "NVFP4":  # static activation global scale: calibrated
             cal = recipe.calibration or CalibrationSettings()
-            tokens = calibration_windows(AutoTokenizer.from_pretrained(model_dir), cal.num_sequences, cal.seq_len)
+            model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+            tokens = calibration_windows(AutoTokenizer.from_pretrained(model_dir), cal.num_sequences, cal.seq_len,
+                                         recipe.calibration_source(model_type))
             torch.save(tokens, Path(work) / "calibration.pt")
             job["calibration"] = str(Path(work) / "calibration.pt")
         (Path(work) / "job.json").write_text(json.dumps(job))

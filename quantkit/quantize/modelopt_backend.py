@@ -71,7 +71,8 @@ def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Pa
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_reference_model(model_dir, torch.bfloat16)
     cal = recipe.calibration or CalibrationSettings()
-    tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, model.config.max_position_embeddings))
+    tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, model.config.max_position_embeddings),
+                                 recipe.calibration_source(model.config.model_type))
 
     def forward_loop(m: torch.nn.Module) -> None:
         with torch.no_grad():

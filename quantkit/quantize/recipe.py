@@ -8,9 +8,12 @@ A recipe names a scheme and what happens before it:
                                  # NVFP4 | FP8_PER_CHANNEL_PER_TOKEN (backend modelopt, NVIDIA's export)
     backend: quantkit            # default; llmcompressor | modelopt run the peers' own code
     activation_scale: per_token  # nvfp4 only: per_token (paper 000) | static (compressed-tensors convention)
-    smoothquant: {alpha: 0.5, num_sequences: 256, seq_len: 512, experts: true}   # optional; experts: smooth
-                                 # MoE layers' norms into router/experts/shared expert (false: as peers, skip)
+    smoothquant: {alpha: 0.5, num_sequences: 256, seq_len: 512, experts: true, early_stop: 0.02}
+                                 # optional; experts: smooth MoE layers' norms into router/experts/shared
+                                 # expert (false: as peers, skip); early_stop: stop the windows once the
+                                 # per-channel maxima settle (quantkit.calibrate.stats.EarlyStop; null: all)
     calibration: {num_sequences: 64, seq_len: 512}                # static activation scales only
+    calibration_data: speeches+code  # optional: what calibration reads (quantkit.data; default: fits the model)
     ignore: ["re:.*\\.g_proj$"]  # added to DEFAULT_IGNORE; names or "re:<regex>" on module names
 
 Linear layers (and expert matrices `<experts>.<e>.<proj>`) whose names match the ignore list stay in the
@@ -39,7 +42,9 @@ from typing import Any
 
 import yaml
 
+from quantkit.calibrate.stats import EarlyStop
 from quantkit.configs import RECIPES_DIR
+from quantkit.data import default_calibration_source
 from quantkit.formats.schemes import SCHEMES, UNQUANTIZED
 
 # lm_head stays BF16 (paper 000 App. A.4.2); GatedNorm's rank-r gates are tiny (shared/DESIGN.md)
@@ -50,7 +55,9 @@ BACKEND_SCHEMES = {  # the scheme names each backend takes
     "llmcompressor": ("FP8_BLOCK", "NVFP4"),
     "modelopt": ("NVFP4", "FP8_PER_CHANNEL_PER_TOKEN"),
 }
-_KEYS = {"name", "description", "scheme", "backend", "activation_scale", "smoothquant", "calibration", "ignore"}
+_KEYS = {"name", "description", "scheme", "backend", "activation_scale", "smoothquant", "calibration",
+         "calibration_data", "ignore"}
+DEFAULT_EARLY_STOP = 0.02  # SmoothQuant: settled when the maxima moved < 2% (relative L2) in 2 batches
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,11 @@ class SmoothQuantSettings:
     num_sequences: int = 256
     seq_len: int = 512
     experts: bool = True  # MoE models: smooth the MoE layers' norms into router, experts, shared expert
+    early_stop: float | None = DEFAULT_EARLY_STOP  # EarlyStop.tolerance; None: use every window
+
+    def early_stop_rule(self) -> EarlyStop | None:
+        """The statistics' early stop (`quantkit.calibrate.stats.EarlyStop`), None when off."""
+        return None if self.early_stop is None else EarlyStop(self.early_stop)
 
 
 @dataclass(frozen=True)
@@ -76,7 +88,12 @@ class Recipe:
     activation_scale: str | None = None
     smoothquant: SmoothQuantSettings | None = None
     calibration: CalibrationSettings | None = None
+    calibration_data: str | None = None  # a `quantkit.data` calibration source; None: the model's default
     ignore: tuple[str, ...] = field(default=DEFAULT_IGNORE)
+
+    def calibration_source(self, model_type: str | None) -> str:
+        """What this recipe's calibration reads for a model of `model_type` (`quantkit.data`)."""
+        return self.calibration_data or default_calibration_source(model_type)
 
     def ignores(self, module_name: str) -> bool:
         """Whether the Linear `module_name` stays unquantized."""
@@ -144,7 +161,13 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         raise ValueError(f"{source}: smoothquant.experts must be true or false, got {smoothquant.experts!r}")
     if smoothquant is not None and scheme == UNQUANTIZED:
         raise ValueError(f"{source}: smoothquant with scheme bf16 changes nothing worth measuring")
+    if smoothquant is not None and smoothquant.early_stop is not None and not (
+            isinstance(smoothquant.early_stop, (int, float)) and smoothquant.early_stop >= 0):
+        raise ValueError(f"{source}: smoothquant.early_stop must be a tolerance >= 0 or null, got {smoothquant.early_stop!r}")
     calibration = _settings(CalibrationSettings, data.get("calibration"), f"{source}: calibration")
+    calibration_data = data.get("calibration_data")
+    if calibration_data is not None and (not isinstance(calibration_data, str) or not calibration_data.strip()):
+        raise ValueError(f"{source}: calibration_data must be a calibration source string (quantkit.data)")
     ignore = data.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise ValueError(f"{source}: ignore must be a list of module names or 're:<regex>' strings")
@@ -157,6 +180,7 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     return Recipe(
         name=data["name"], scheme=scheme, backend=backend, description=data.get("description", ""),
         activation_scale=activation_scale, smoothquant=smoothquant, calibration=calibration,
+        calibration_data=calibration_data,
         ignore=DEFAULT_IGNORE + tuple(p for p in ignore if p not in DEFAULT_IGNORE),
     )
 

@@ -77,23 +77,18 @@ from quantkit.calibrate.smoothquant import (
     DEFAULT_TOLERANCE,
     DEFAULT_VERIFY_SEQUENCES,
     FunctionPreservationError,
-    MappingReport,
+    LayerFactors,
     SmoothQuantReport,
-    _as_tokens,
-    _check_finite,
-    _check_shared_input,
-    _smoothing_channels,
-    _to_smoothing_channels,
-    _weight_col_max,
-    fold_mapping,
+    calibration_tokens,
+    fold_layer,
+    layer_factors,
+    layer_mappings,
     logit_change,
-    mapping_report,
-    smoothing_factors,
+    smoothquant_report,
 )
 from quantkit.calibrate.stats import ChannelMaxObserver
 from quantkit.checkpoints import SAFETENSORS_DTYPES, CheckpointError, TensorReader, tensor_headers
 from quantkit.data import calibration_windows
-from quantkit.errors import NonFiniteStatisticsError
 from quantkit.formats.schemes import scheme_for
 from quantkit.quantize.checkpoint import (
     checkpoint_state,
@@ -208,12 +203,16 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
                              "not calibrated by the streaming path; use the whole-model path (--no-streaming)")
     sq = recipe.smoothquant
     plan = resolve_mappings(skeleton, experts=sq.experts) if sq is not None else None
+    per_layer = layer_mappings(plan, stack_name, len(layers)) if plan is not None else None
     max_positions = config.max_position_embeddings
+    source = recipe.calibration_source(config.model_type)
     static_tokens = None
     if recipe.activation_scale == "static":
         cal = recipe.calibration or CalibrationSettings()
-        static_tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, max_positions))
-    sq_tokens = _as_tokens(None, tokenizer, sq.num_sequences, sq.seq_len, max_positions) if sq is not None else None
+        static_tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, max_positions), source)
+    sq_tokens = None
+    if sq is not None:
+        sq_tokens = calibration_tokens(source, tokenizer, sq.num_sequences, sq.seq_len, max_positions)
 
     source_headers = tensor_headers(model_dir)
     smoothed = [] if plan is None else [m.smooth for m in plan.mappings]
@@ -265,34 +264,17 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
             if skeleton.get_input_embeddings() is not None:  # embedded: its (vocabulary-sized) table is not needed again
                 skeleton.get_input_embeddings().to("meta")
 
-            reports: list[MappingReport] = []
-            scales: dict[str, torch.Tensor] = {}
+            calibrated: list[LayerFactors] = []
             for i in tqdm(range(len(layers)), desc=f"quantize {recipe.name} (streaming)", unit="layer"):
                 prefix = f"{stack_name}.{i}."
                 layer = layers[i]
                 materialize(layer, source_tensors(reader, layer, prefix, model_dir), f"{model_dir} layer {i}")
                 layer.eval()
-                before = []
-                if sq is not None:
-                    mappings = tuple(m for m in plan.mappings if m.smooth.startswith(prefix))
-                    consumers = [c for m in mappings for c in m.consumers]
-                    with ChannelMaxObserver(skeleton, consumers) as observer:
-                        advance_stream(streams["sq"], layer, i)
-                    missing = [n for n in observer.names if n not in observer.maxima]
-                    if missing:
-                        raise RuntimeError(f"SmoothQuant calibration: these linears were never called in the forward pass: {missing}")
-                    sub_plan = MappingPlan(plan.architecture, mappings, ())
-                    _check_finite(sub_plan, observer.maxima)
-                    _check_shared_input(sub_plan, observer.maxima)
-                    for m in mappings:
-                        channels = _smoothing_channels(skeleton, m)
-                        x = _to_smoothing_channels(m, observer.maxima[m.consumers[0]], channels)
-                        w = _to_smoothing_channels(m, _weight_col_max(skeleton, m).to(x.device), channels)
-                        scales[m.smooth] = smoothing_factors(x, w, sq.alpha)
-                        before.append((m, x, w))
+                if sq is not None:  # the statistics' stream passes layer i unsmoothed, the reference too
+                    calibrated.append(layer_factors(skeleton, layer, i, streams["sq"], per_layer[i], sq.alpha,
+                                                    early_stop=sq.early_stop_rule()))
                     advance_stream(streams["ref"], layer, i)
-                    for m in mappings:
-                        fold_mapping(skeleton, m, scales[m.smooth])
+                    fold_layer(skeleton, calibrated[-1])
                     advance_stream(streams["smoothed"], layer, i)
                 amax = {}
                 if static_tokens is not None:
@@ -303,8 +285,6 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
                     if missing:
                         raise RuntimeError(f"static activation calibration: these linears were never called: {missing}")
                     amax = {n: m.max().reshape(1) for n, m in observer.maxima.items()}
-                for m, x, w in before:
-                    reports.append(mapping_report(skeleton, m, scales[m.smooth], x, w))
                 state = {prefix + k: v for k, v in checkpoint_state(layer).items()}
                 matrices = {prefix + k: v for k, v in quantizable_weights(layer).items() if prefix + k in quantized_set}
                 for key, tensor in finish_state(state, matrices, amax).items():
@@ -315,7 +295,7 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
             report = None
             if sq is not None:
                 load_outside(skeleton, reader, head_keys, tied)
-                report = _verify(skeleton, layers, streams["ref"], streams["smoothed"], plan, sq, sq_tokens, reports, scales)
+                report = _verify(skeleton, layers, streams["ref"], streams["smoothed"], plan, sq, sq_tokens, calibrated)
             writer.finish()
             architecture = type(skeleton).__name__
             config_out = output_config(config, architecture, recipe, quantized, [n for n in weights if n not in quantized_set])
@@ -326,7 +306,7 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
 
 
 def _verify(skeleton: nn.Module, layers: nn.ModuleList, ref: Stream, smoothed: Stream, plan: MappingPlan, sq,
-            tokens: torch.Tensor, reports: list[MappingReport], scales: dict[str, torch.Tensor]) -> SmoothQuantReport:
+            tokens: torch.Tensor, calibrated: list[LayerFactors]) -> SmoothQuantReport:
     """smooth_model's function-preservation check on the carried verification windows; its report."""
     change, scale = logit_change(skeleton, layers, ref.hidden, smoothed.hidden, plan.architecture)
     relative = change / max(scale, torch.finfo(torch.float32).tiny)
@@ -336,10 +316,6 @@ def _verify(skeleton: nn.Module, layers: nn.ModuleList, ref: Stream, smoothed: S
             f"= {relative:.3g} of the logit scale {scale:.4g}, above the tolerance {DEFAULT_TOLERANCE:.3g}; "
             "nothing was written. A mapping is not function-preserving for this model."
         )
-    report = SmoothQuantReport(
-        architecture=plan.architecture, alpha=sq.alpha, num_sequences=tokens.shape[0], seq_len=tokens.shape[1],
-        mappings=reports, skipped=list(plan.skipped), max_logit_change=change, logit_scale=scale,
-        relative_logit_change=relative, tolerance=DEFAULT_TOLERANCE, scales=dict(scales),
-    )
+    report = smoothquant_report(plan, sq.alpha, tokens, calibrated, change, scale, DEFAULT_TOLERANCE, sq.early_stop_rule())
     logger.info("SmoothQuant done (streaming):\n%s", report.summary())
     return report

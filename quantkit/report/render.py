@@ -183,6 +183,18 @@ def timing_line(timings: Any) -> str | None:
     return "Time: " + ", ".join(f"{k} {_seconds(v)}" for k, v in stages.items()) + f" (total {_seconds(sum(stages.values()))})"
 
 
+def pending_line(results: Results | dict | str | Path) -> str | None:
+    """"Pending: 2 rows (ga w4a4_nvfp4, ga w4a4_nvfp4_sq): the study is still running or was stopped" from a
+    results file's `meta.pending` (rows not measured yet), or None when every row is in."""
+    if isinstance(results, Results):
+        return None
+    doc = results if isinstance(results, dict) else json.loads(Path(results).read_text(encoding="utf-8"))
+    pending = doc["meta"].get("pending") if isinstance(doc.get("meta"), dict) else None
+    if not pending:
+        return None
+    return f"Pending: {len(pending)} row{'s' if len(pending) > 1 else ''} ({', '.join(pending)}): the study is still running or was stopped."
+
+
 def _seconds(x: float) -> str:
     return f"{x:.0f} s" if x >= 10 else f"{x:.1f} s"
 
@@ -410,9 +422,11 @@ def to_html(table: Table, figures: dict[str, str] | None = None, time_line: str 
 
 def render_report(results: Results | dict | str | Path, out_dir: str | Path, figures: dict[str, str] | None = None) -> dict[str, Path]:
     """Validate `results` (a Results, a parsed dict, or a JSON path) and write report.{md,csv,json,html} to out_dir;
-    `figures` ({caption: inline <svg>}) are appended to the HTML page; the study's `meta.timings` give a "Time:" line."""
+    `figures` ({caption: inline <svg>}) are appended to the HTML page; the study's `meta.timings` give a "Time:" line,
+    its `meta.pending` (rows not measured yet) a "Pending:" one."""
     res = results if isinstance(results, Results) else load_results(results)
-    table, time_line = build_table(res), timing_line(_timings(results))
+    table = build_table(res)
+    time_line = " ".join(line for line in (pending_line(results), timing_line(_timings(results))) if line) or None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
