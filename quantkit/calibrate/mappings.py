@@ -14,7 +14,7 @@ Mappings per decoder layer (Llama, Qwen2, Qwen3, Mistral and quantkit's own fami
 | v_proj                   | o_proj                                     | include_v_o, only where attention is linear in v |
 | up_proj                  | down_proj                                  | include_up_down (up enters act(gate)*up linearly) |
 
-The final norm feeds lm_head, which stays BF16 (paper 000 App. A.4.2): it is not smoothed.
+The final norm feeds lm_head, which stays BF16 (quantkit's default ignore list): it is not smoothed.
 
 Architectures with no ARCHITECTURES entry (Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE, ...) take the structural rule,
 `traced_mappings`: each decoder layer runs once on 8 random positions with hooks, which find which of its norms

@@ -56,7 +56,8 @@ DENSE_PRESETS: dict[str, dict[str, Any]] = {
     "attention_sink": dict(attention_sink=True),
 }
 # The same trio in the hybrid family. GA is Qwen3-Next's own elementwise output gate (fused into q_proj), the
-# gate of the architecture the paper's Table 2 models follow and the one paper 000 Sec. 3.4 finds best.
+# gate of the architecture the paper's Table 2 models follow (paper 000 Sec. 3.4 finds elementwise best for
+# GatedNorm's gate, not for GA's).
 HYBRID_PRESETS: dict[str, dict[str, Any]] = {
     "hybrid_ga": dict(attn_output_gate="elementwise"),
     "hybrid_ga_preaffine": dict(attn_output_gate="elementwise", pre_affine=True),

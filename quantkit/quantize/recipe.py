@@ -18,7 +18,8 @@ A recipe names a scheme and what happens before it:
 
 Linear layers (and expert matrices `<experts>.<e>.<proj>`) whose names match the ignore list stay in the
 checkpoint's original precision. The default list (DEFAULT_IGNORE) keeps, per tensor:
-- lm_head: BF16 in paper 000 App. A.4.2 (the logits' error is not the transformer's).
+- lm_head: BF16, quantkit's choice (paper 000 App. A.4.2 does not say; the peers' presets keep it too, e.g.
+  llm-compressor's `ignore=["lm_head"]`): the logits' error is not the transformer's.
 - GatedNorm gates `gate_down` / `gate_up`: rank-r, negligible FLOPs, and a gate error scales the whole
   residual branch (shared/DESIGN.md).
 - MoE router `mlp.gate` and `shared_expert_gate`: a router error flips top-k ids, i.e. sends tokens to other
@@ -42,12 +43,12 @@ from typing import Any
 
 import yaml
 
-from quantkit.calibrate.stats import EarlyStop
+from quantkit.calibrate.stats import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, EarlyStop
 from quantkit.configs import RECIPES_DIR
 from quantkit.data import default_calibration_source
 from quantkit.formats.schemes import SCHEMES, UNQUANTIZED
 
-# lm_head stays BF16 (paper 000 App. A.4.2); GatedNorm's rank-r gates are tiny (shared/DESIGN.md)
+# lm_head stays BF16 (quantkit's choice, as the peers' presets); GatedNorm's rank-r gates are tiny (shared/DESIGN.md)
 DEFAULT_IGNORE = ("lm_head", r"re:.*\.gate_down$", r"re:.*\.gate_up$",
                   r"re:.*\.mlp\.gate$", r"re:.*\.shared_expert_gate$", r"re:.*\.in_proj_ba$")
 BACKEND_SCHEMES = {  # the scheme names each backend takes
@@ -63,8 +64,8 @@ DEFAULT_EARLY_STOP = 0.02  # SmoothQuant: settled when the maxima moved < 2% (re
 @dataclass(frozen=True)
 class SmoothQuantSettings:
     alpha: float = 0.5
-    num_sequences: int = 256
-    seq_len: int = 512
+    num_sequences: int = DEFAULT_NUM_SEQUENCES  # paper 000's 4096 (quantkit.calibrate.stats)
+    seq_len: int = DEFAULT_SEQ_LEN
     experts: bool = True  # MoE models: smooth the MoE layers' norms into router, experts, shared expert
     early_stop: float | None = DEFAULT_EARLY_STOP  # EarlyStop.tolerance; None: use every window
 
