@@ -124,7 +124,7 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     if spec.calibration is not None:
         if not isinstance(spec.calibration, dict):
             raise ValueError(f"{path}: calibration must be a mapping (num_sequences and seq_len, data, early_stop)")
-        from quantkit.calibrate.provenance import apply_calibration
+        from quantkit.quantize.provenance import apply_calibration
 
         try:  # bad settings fail here, before any work
             apply_calibration(load_recipe("w4a4_nvfp4_sq"), spec.calibration)
@@ -322,7 +322,7 @@ class Study:
 
     def recipe(self, name: str) -> Recipe:
         """The recipe `name` as this study applies it: the spec's `calibration` settings applied."""
-        from quantkit.calibrate.provenance import apply_calibration
+        from quantkit.quantize.provenance import apply_calibration
         from quantkit.quantize.recipe import load_recipe
 
         recipe = load_recipe(name)
@@ -474,7 +474,7 @@ def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
 def study_results(study: Study) -> dict[str, Any]:
     """The report's input (docs/report-format.md, schema_version 1) from the run directory: a row for every
     (model, recipe) measured so far, the rest named in meta.pending; ValueError when no row is measured."""
-    from quantkit.calibrate.provenance import checkpoint_calibration
+    from quantkit.quantize.provenance import checkpoint_calibration
     from quantkit.checkpoints import checkpoint_size
 
     rows, suite, pending = [], None, []

@@ -97,7 +97,7 @@ def _quantize(args: argparse.Namespace) -> int:
     from quantkit.checkpoints import check_checkpoint_dir
 
     config, _ = check_checkpoint_dir(args.model)  # before the slow imports
-    from quantkit.calibrate.provenance import calibration_sets, with_calibration, with_calibration_data, with_early_stop
+    from quantkit.quantize.provenance import calibration_sets, with_calibration, with_calibration_data, with_early_stop
     from quantkit.quantize.checkpoint import quantize_checkpoint
     from quantkit.quantize.recipe import load_recipe
 

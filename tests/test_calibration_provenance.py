@@ -1,4 +1,4 @@
-"""Calibration sets (quantkit.calibrate.provenance, docs/calibration.md): the recipes default to paper 000's
+"""Calibration sets (quantkit.quantize.provenance, docs/calibration.md): the recipes default to paper 000's
 count for SmoothQuant (4096 sequences x 512 tokens), a study's `calibration` key resizes every set (the
 offline default study and CI run 256 x 512), and each results row records the set its checkpoint was made
 with (read back from the quantized checkpoint). Cost: one tiny-checkpoint quantization with 4 x 32 tokens
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from quantkit.calibrate.provenance import apply_calibration, calibration_sets, checkpoint_calibration, with_calibration
+from quantkit.quantize.provenance import apply_calibration, calibration_sets, checkpoint_calibration, with_calibration
 from quantkit.calibrate.stats import PAPER_NUM_SEQUENCES
 from quantkit.data import describe_calibration_source
 from quantkit.pipelines.study import Study, load_spec
@@ -50,6 +50,19 @@ def test_a_study_resizes_every_calibration_set():
     assert recipe.smoothquant.num_sequences == load_recipe("w4a4_nvfp4_sq").smoothquant.num_sequences
     assert calibration_sets(recipe)[0]["source"] == describe_calibration_source("code")
     assert apply_calibration(load_recipe("w4a4_nvfp4"), {"early_stop": 0.05}) == load_recipe("w4a4_nvfp4")
+
+
+def test_the_trained_model_study_loads():
+    """pipelines/real.yaml: both trained models, SmoothQuant on prose + code with the early stop, the code suite
+    executed (its suite resolves: every task is a shipped one)."""
+    from quantkit.evals.suite import load_suite
+
+    spec = load_spec(PIPELINES / "real.yaml")
+    assert set(spec.models.values()) == {"model:qwen2.5-coder-0.5b-instruct", "model:smollm2-135m-instruct"}
+    recipe = Study(spec).recipe("w4a4_nvfp4_sq")
+    assert (recipe.calibration_data, recipe.smoothquant.early_stop, recipe.smoothquant.num_sequences) == ("speeches+code", 0.02, 256)
+    suite = load_suite(spec.eval["suite"])
+    assert spec.eval["allow_code"] and suite.tasks(allow_code=True) == ["qk_humaneval", "qk_mbpp", "qk_cruxeval"]
 
 
 @pytest.mark.parametrize("calibration, message", [

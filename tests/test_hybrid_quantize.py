@@ -49,7 +49,7 @@ from quantkit.formats.schemes import get_scheme
 from quantkit.models.tiny import randomize_parameters
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import FakeQuantExperts, load_fake_quant_model
-from quantkit.calibrate.provenance import with_calibration
+from quantkit.quantize.provenance import with_calibration
 from quantkit.quantize.recipe import load_recipe
 from quantkit.serve.checkpoint_check import check_servable
 

@@ -56,7 +56,7 @@ from quantkit.models.tiny_hybrid import build_tiny_hybrid_checkpoint, build_tiny
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import FakeQuantExperts, load_fake_quant_model
 from quantkit.serve.offline import generate, omp_bind_per_rank
-from quantkit.serve.quant_method import CAPTURE_ENV
+from quantkit.serve.method_parts import CAPTURE_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -105,3 +105,60 @@ def test_imports_point_one_way():
             if _within(module, consumers) and _within(name, ("quantkit.serve",)) and not _within(name, SERVE_ENTRIES):
                 wrong.append(f"{module} imports {name} (serving internals)")
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (each an import circle), by Tarjan's algorithm."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles_between_modules_or_packages():
+    """No module imports one that (directly or not) imports it back, at any depth (function-level imports too), and
+    no package (quantkit.calibrate, .quantize, .serve, ..., each top-level module its own) does: the arrows of the
+    layering point one way."""
+    modules = _modules()
+
+    def owner(name: str) -> str | None:  # the module a dotted import name resolves to
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    module_graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        deps = {owner(n) for n in _imported(path)} - {None, module, "quantkit"}
+        module_graph[module] = {d for d in deps if not module.startswith(d + ".")}  # a package's own __init__
+    package_graph: dict[str, set[str]] = {}
+    for module, deps in module_graph.items():
+        package_graph.setdefault(package(module), set()).update(package(d) for d in deps if package(d) != package(module))
+    assert not _cycles(module_graph), f"import circles between modules: {_cycles(module_graph)}"
+    assert not _cycles(package_graph), f"import circles between packages: {_cycles(package_graph)}"

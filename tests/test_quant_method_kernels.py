@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from quantkit.formats.schemes import SCHEMES
 from quantkit.kernels.expert_sort import sort_by_expert
 from quantkit.serve.moe_method import QuantkitExperts, QuantkitGLUExpertsMethod
-from quantkit.serve.quant_method import CAPTURE_ENV, KERNEL_ENV, QuantkitLinearMethod, QuantkitQuantConfig
+from quantkit.serve.method_parts import CAPTURE_ENV, KERNEL_ENV
+from quantkit.serve.quant_method import QuantkitLinearMethod, QuantkitQuantConfig
 
 N, K = 136, 200  # neither a multiple of 128 nor (K) of the NVFP4 K tile
 

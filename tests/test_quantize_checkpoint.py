@@ -157,7 +157,7 @@ def test_layerwise_quality_equals_the_whole_models(source, tmp_path):
     from quantkit.calibrate.mappings import resolve_mappings
     from quantkit.calibrate.smoothquant import fold_mapping
     from quantkit.data import heldout_windows
-    from quantkit.quantize.checkpoint import read_smoothquant_factors
+    from quantkit.quantize.output import read_smoothquant_factors
     from quantkit.quantize.quality import quality
     from quantkit.quantize.recipe import parse_recipe
     from transformers import AutoTokenizer

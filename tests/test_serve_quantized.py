@@ -55,7 +55,7 @@ from quantkit.models.tiny import build_tiny_checkpoint, build_tiny_stock_checkpo
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import FakeQuantExperts, FakeQuantLinear, load_fake_quant_model
 from quantkit.serve.offline import generate, omp_bind_per_rank
-from quantkit.serve.quant_method import CAPTURE_ENV
+from quantkit.serve.method_parts import CAPTURE_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -34,7 +34,7 @@ from quantkit.checkpoints import CheckpointError, TensorReader, read_state, tens
 from quantkit.models.modeling import QuantkitNorm
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import load_fake_quant_model
-from quantkit.calibrate.provenance import with_calibration
+from quantkit.quantize.provenance import with_calibration
 from quantkit.quantize.recipe import load_recipe
 from quantkit.quantize.streaming import quantize_streaming
 from quantkit.serve.checkpoint_check import check_servable
@@ -117,7 +117,7 @@ def test_early_stop_ends_the_windows_in_both_paths(dense, tmp_path):
     """SmoothQuant's early stop (`stats.EarlyStop`: >= 32 windows, 2 batches under the tolerance) ends the windows
     at the same batch on the whole-model and streaming paths (bit-identical checkpoints and smoothquant.json);
     an unreachable tolerance (0: every batch moves some maximum on random weights) and null use every window."""
-    from quantkit.calibrate.provenance import apply_calibration
+    from quantkit.quantize.provenance import apply_calibration
 
     base = load_recipe("w4a4_nvfp4_sq")
     settled = apply_calibration(base, {"num_sequences": 64, "seq_len": 32, "early_stop": 1e9})  # settles at once

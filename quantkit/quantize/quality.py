@@ -54,7 +54,7 @@ from quantkit.data import heldout_windows
 from quantkit.formats.experts import EXPERT_PROJECTIONS, expert_matrices
 from quantkit.formats.schemes import checkpoint_suffixes
 from quantkit.metrics import energy, kl_divergence, snr_db
-from quantkit.quantize.checkpoint import read_smoothquant_factors
+from quantkit.quantize.output import read_smoothquant_factors
 from quantkit.quantize.fake_quant import FakeQuantExperts, install_fake_quant, read_quantization_config
 from quantkit.quantize.routed_experts import projection_outputs, routed_expert_passes, summarize_expert_snr
 

@@ -87,10 +87,10 @@ from quantkit.calibrate.smoothquant import (
     smoothquant_report,
 )
 from quantkit.calibrate.stats import ChannelMaxObserver
-from quantkit.checkpoints import SAFETENSORS_DTYPES, CheckpointError, TensorReader, tensor_headers
+from quantkit.checkpoints import SAFETENSORS_DTYPES, tensor_headers
 from quantkit.data import calibration_windows
 from quantkit.formats.schemes import scheme_for
-from quantkit.quantize.checkpoint import (
+from quantkit.quantize.output import (
     checkpoint_state,
     encode_matrices,
     output_config,

@@ -2,7 +2,7 @@
 
 Conventions: scores are points 0-100 as the paper prints them; `noise_floor` and CI bounds are points too;
 `flips` are fractions 0-1 of items whose correctness changed vs BF16; `kl` is nats/token vs BF16;
-`calibration` lists the calibration sets the row's checkpoint was made with (quantkit.calibrate.provenance). The row
+`calibration` lists the calibration sets the row's checkpoint was made with (quantkit.quantize.provenance). The row
 with recipe "bf16" is the baseline of its variant; every other row of that variant is compared with it.
 Benchmark keys are canonicalized on load (quantkit.report.benchmarks.resolve).
 """

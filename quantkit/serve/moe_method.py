@@ -49,7 +49,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBa
 from quantkit.formats.schemes import LayerTensor
 from quantkit.kernels.expert_sort import ExpertSort, combine_expert_rows, sort_by_expert
 from quantkit.quantize.fake_quant import Segments, routed_experts_forward
-from quantkit.serve.quant_method import CAPTURE_ENV, copy_checkpoint_part, select_kernel
+from quantkit.serve.method_parts import CAPTURE_ENV, copy_checkpoint_part, select_kernel
 
 logger = init_logger(f"vllm.{__name__}")
 

@@ -46,8 +46,9 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from quantkit.formats.experts import EXPERT_MATRIX
-from quantkit.formats.fp8 import expand_block_scales
 from quantkit.formats.schemes import LayerTensor, scheme_from_config
+from quantkit.serve.method_parts import CAPTURE_ENV, copy_checkpoint_part, select_kernel
+from quantkit.serve.moe_method import QuantkitMoEMethod
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM configures that logger tree
 
@@ -115,7 +116,6 @@ class QuantkitQuantConfig(QuantizationConfig):
     def _experts_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """QuantkitMoEMethod when the checkpoint quantized this layer's experts, None (vLLM's unquantized method)
         when it kept them all in the source precision; the checker refuses partly quantized experts."""
-        from quantkit.serve.moe_method import QuantkitMoEMethod  # it imports this module
 
         return QuantkitMoEMethod(self, layer.moe_config, prefix) if self.quantizes_experts(prefix) else None
 
@@ -214,55 +214,6 @@ class QuantkitLinearMethod(LinearMethodBase):
         path = os.path.join(self.capture_dir, f"{self.prefix}.{rank}.{self.calls:05d}.pt")
         torch.save({"prefix": self.prefix, "tp_rank": rank, "x": x.float().clone(), "xq": xq.clone()}, path)
         self.calls += 1
-
-
-def copy_checkpoint_part(target: torch.Tensor, loaded: torch.Tensor, spec: LayerTensor, shard_rows: list[int], index: int,
-                         rank_shard: int, k_rank: int | None, where: str, scheme_name: str) -> None:
-    """Copy this rank's part of checkpoint tensor `loaded` (one checkpoint module's `spec.suffix` tensor) into the
-    served tensor `target` (`spec.shape`: the fused shards' rows stacked, `shard_rows` rows each).
-
-    index: which fused shard `loaded` is; rank_shard: which slice of that shard's rows this rank holds; k_rank: this
-    rank's slice of the input columns (row-parallel under TP), None for all columns."""
-    rows = shard_rows[index]
-    offset = sum(shard_rows[:index])
-    if spec.per_shard is not None:
-        if loaded.numel() != 1:
-            raise ValueError(f"{where}: expected one {spec.suffix} per checkpoint module, got shape {tuple(loaded.shape)}")
-        if spec.per_shard == "rows":
-            target[offset : offset + rows] = loaded.reshape(())
-        else:
-            target[index] = loaded.reshape(())
-        return
-    if spec.rows_per_entry > 1:  # block rows -> one row per output row
-        loaded = expand_block_scales(loaded, (spec.rows_per_entry, 1))
-    part = loaded[rank_shard * rows : (rank_shard + 1) * rows]
-    if k_rank is not None:
-        columns = target.shape[1]
-        part = part[:, k_rank * columns : (k_rank + 1) * columns]
-    target = target[offset : offset + rows]
-    if part.shape != target.shape or part.dtype != target.dtype:
-        raise ValueError(
-            f"{where}: the checkpoint tensor {tuple(loaded.shape)} {loaded.dtype} does not match the layer "
-            f"({target.dtype}, {tuple(target.shape)} for this shard and rank; quantization_config scheme {scheme_name!r}): "
-            f"the checkpoint is inconsistent with its quantization_config"
-        )
-    target.copy_(part)
-
-
-KERNEL_ENV = "QUANTKIT_KERNEL"  # auto (default) | triton | torch
-CAPTURE_ENV = "QUANTKIT_CAPTURE_DIR"
-
-
-def select_kernel(layer: torch.nn.Module) -> str:
-    """"triton" on CUDA, "torch-emulation" elsewhere; QUANTKIT_KERNEL=triton|torch forces one (triton off
-    CUDA needs TRITON_INTERPRET=1: a correctness check, not a fast path)."""
-    choice = os.environ.get(KERNEL_ENV, "auto")
-    if choice not in ("auto", "triton", "torch"):
-        raise ValueError(f"{KERNEL_ENV}={choice!r}: expected auto, triton or torch")
-    on_cuda = next(layer.parameters()).is_cuda
-    if choice == "triton" or (choice == "auto" and on_cuda):
-        return "triton"
-    return "torch-emulation"
 
 
 def _row_amax(layer: torch.nn.Module, x: torch.Tensor, input_global_scale: torch.Tensor | None) -> torch.Tensor | None:
