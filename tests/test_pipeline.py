@@ -123,12 +123,14 @@ def test_failures_name_stage_model_and_recipe(tmp_path, tiny_checkpoint):
     (broken / "tokenizer.json").unlink()
     (broken / "tokenizer_config.json").unlink()
     study = Study(load_spec(_spec(tmp_path, broken)))
-    with pytest.raises(StageError, match=r"stage 'diagnose' failed for model 'tiny' \(.*tokenizer"):
-        study.run(until="quantize")
-    # with the diagnose stage finished, the next stage to need the tokenizer is named, with its recipe
-    write_diagnostics(diagnose(tiny_checkpoint, num_sequences=2, seq_len=32, recipes=[], progress=False), study.dir / "diagnostics" / "tiny")
+    # the bf16 row comes first (rows arrive early), so its quantize stage is the first to need the tokenizer
     with pytest.raises(StageError, match=r"stage 'quantize' failed for model 'tiny' recipe 'bf16' \(.*tokenizer"):
         study.run(until="quantize")
+    with pytest.raises(StageError, match=r"stage 'diagnose' failed for model 'tiny' \(.*tokenizer"):
+        study.run(until="diagnose")
+    # with the diagnose stage finished, `--until diagnose` has nothing left to fail
+    write_diagnostics(diagnose(tiny_checkpoint, num_sequences=2, seq_len=32, recipes=[], progress=False), study.dir / "diagnostics" / "tiny")
+    study.run(until="diagnose")
     bad = tmp_path / "bad.yaml"
     bad.write_text(SPEC.format(model=tiny_checkpoint, runs=tmp_path).replace("w4a4_nvfp4", "w3a3"))
     with pytest.raises(ValueError, match="unknown recipe 'w3a3'"):
