@@ -183,6 +183,9 @@ def test_layerwise_quality_equals_the_whole_models(source, tmp_path):
     bound = 2 * delta * (1 + (p - q).abs().max().item())
     assert abs(layerwise["kl"] - whole_kl) <= bound, (layerwise["kl"], whole_kl, bound)
     assert bound < layerwise["kl"] / 2  # the bound is well below the effect measured: a wrong layer would show
+    whole_per_window = (p.exp() * (p - q)).sum(-1).mean(-1)  # each window's mean, the same bound per window
+    assert len(layerwise["kl_per_window"]) == len(tokens)
+    assert all(abs(x - y) <= bound for x, y in zip(layerwise["kl_per_window"], whole_per_window.tolist()))
     assert set(layerwise["layer_snr_db"]) == set(json.loads((out / "config.json").read_text())["quantization_config"]["quantized_modules"])
 
 

@@ -61,8 +61,10 @@ from quantkit.quantize.routed_experts import projection_outputs, routed_expert_p
 
 @torch.no_grad()
 def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.Tensor) -> dict:
-    """{'recipe', 'kl', 'layer_snr_db': {name: dB}, 'min_snr_db', 'mean_snr_db', 'expert_snr_db'} on token
-    windows (N, T); layer_snr_db holds Linears and expert matrices, min / mean are over all of them.
+    """{'recipe', 'kl', 'kl_per_window', 'layer_snr_db': {name: dB}, 'min_snr_db', 'mean_snr_db', 'expert_snr_db'}
+    on token windows (N, T); kl is the mean over every position (nats/token), kl_per_window each window's mean (N
+    values: paired comparisons of two checkpoints on the same windows); layer_snr_db holds Linears and expert
+    matrices, min / mean are over all of them.
 
     The windows are embedded once per model (the checkpoint keeps the embeddings as the source stores them), then
     layer by layer the reference layer (float32 from the source, with the checkpoint's SmoothQuant factors folded
@@ -102,11 +104,12 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     modules = dict(reference.named_modules())
     outside_quantized = [n for n in qc["quantized_modules"] if not n.startswith(f"{stack}.") and n in modules]
     with _snr_hooks(reference, quantized, outside_quantized, set(qc["quantized_modules"]), signal, noise):
-        kl = _head_kl(reference, quantized, streams)
+        per_window = _head_kl(reference, quantized, streams)
     snr = {n: snr_db(signal[n], noise[n]) for n in signal}  # expert matrices: those some token reached
     return {
         "recipe": qc["recipe"],
-        "kl": kl,
+        "kl": sum(per_window) / len(per_window),  # every window has T positions: the mean over all of them
+        "kl_per_window": per_window,
         "layer_snr_db": snr,
         "min_snr_db": min(snr.values()),
         "mean_snr_db": sum(snr.values()) / len(snr),
@@ -141,21 +144,22 @@ def _layers(reference: torch.nn.Module, quantized: torch.nn.Module, source: Tens
         q_layers[i].to("meta")
 
 
-def _head_kl(reference: torch.nn.Module, quantized: torch.nn.Module, streams: list[Stream]) -> float:
-    """Mean KL(reference || quantized) of the next-token distributions over every position of the streams' windows:
-    each model's final norm and head on HEAD_POSITIONS positions of one window at a time (float64 copies of
-    (1, 64, V): ~0.1 GB at V = 152k)."""
+def _head_kl(reference: torch.nn.Module, quantized: torch.nn.Module, streams: list[Stream]) -> list[float]:
+    """Per window, the mean KL(reference || quantized) of the next-token distributions over its positions: each
+    model's final norm and head on HEAD_POSITIONS positions of one window at a time (float64 copies of (1, 64, V):
+    ~0.1 GB at V = 152k)."""
     _, ref_layers = decoder_stack(reference)
     _, q_layers = decoder_stack(quantized)
-    kl_sum, count = 0.0, 0
+    per_window = []
     for b in range(len(streams[0].hidden)):
         for ref_hidden, q_hidden in zip(streams[0].hidden[b].split(1), streams[1].hidden[b].split(1)):
+            kl_sum = 0.0
             for start in range(0, ref_hidden.shape[1], HEAD_POSITIONS):
                 kl = kl_divergence(head_logits(reference, ref_layers, ref_hidden, start),
                                    head_logits(quantized, q_layers, q_hidden, start))
                 kl_sum += kl.sum().item()
-                count += kl.numel()
-    return kl_sum / count
+            per_window.append(kl_sum / ref_hidden.shape[1])
+    return per_window
 
 
 def _input_embeddings_prefix(model: torch.nn.Module) -> str:
