@@ -73,7 +73,7 @@ def corpus_split() -> tuple[list[str], list[str]]:
 
 
 def heldout_texts() -> list[str]:
-    """The zoo corpus' held-out speeches (default text of calibration and of every measurement)."""
+    """The zoo corpus' held-out speeches: the text of every measurement (never of calibration)."""
     return corpus_split()[1]
 
 

@@ -2,8 +2,11 @@
 
 - `mappings`: which smoothing layer feeds which linears, per architecture and variant flag, and how a
   factor folds into each kind of layer (RMSNorm, PreAffine, DyT, GatedNorm, v_proj, up_proj).
-- `stats`: per-channel max |x| at the consumers' input over calibration windows (`quantkit.data`).
-- `smoothquant`: the factors, the folds, the function-preservation check and the report.
+- `stats`: per-channel max |x| at the consumers' input over calibration windows (`quantkit.data`), and when
+  those maxima count as settled (`EarlyStop`).
+- `layers`: the layer-by-layer engine (a skeleton on the meta device, token windows carried layer to layer).
+- `smoothquant`: the factors (`layer_factors`, one decoder layer at a time on that engine), the folds, the
+  function-preservation check and the report.
 """
 
 from quantkit.calibrate.mappings import MappingPlan, SmoothMapping, SmoothQuantMappingError, resolve_mappings
