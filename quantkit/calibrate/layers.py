@@ -165,20 +165,25 @@ class _Batches:
 @dataclass
 class Stream:
     """Token windows carried layer by layer: per batch of BATCH_SIZE windows, the keyword arguments the model gives
-    each layer, and the hidden states entering the next layer."""
+    each layer, and the hidden states entering the next layer. A lazy stream (`embed_stream(lazy=True)`) holds no
+    hidden states yet: decoder layer 0's pass embeds each batch just before it (`embed`), so batches an early stop
+    drops are never embedded."""
 
     name: str
     chunks: list[torch.Tensor]  # (B, T) int64 token batches
     layer_kwargs: list[list[dict]]  # [batch][layer]
     hidden: _Batches
+    embed: Callable[[int], torch.Tensor] | None = None  # lazy: batch b's input to layer 0 (records its kwargs)
 
 
 @torch.no_grad()
 def embed_stream(skeleton: nn.Module, layers: nn.ModuleList, name: str, tokens: torch.Tensor, spill_dir: Path | None,
-                 batch_size: int = BATCH_SIZE) -> Stream:
+                 batch_size: int = BATCH_SIZE, lazy: bool = False) -> Stream:
     """Run the skeleton's forward up to the first decoder layer for each batch of `batch_size` windows of tokens
-    (N, T); record every layer's keyword arguments. spill_dir: keep the hidden states there (one file a batch)."""
-    stream = Stream(name, [], [], _Batches(spill_dir))
+    (N, T); record every layer's keyword arguments. spill_dir: keep the hidden states there (one file a batch).
+    lazy: embed each batch during layer 0's pass instead (the skeleton's embeddings must stay loaded until then)."""
+    stream = Stream(name, [tokens[s : s + batch_size] for s in range(0, len(tokens), batch_size)], [],
+                    _Batches(spill_dir))
     last = len(layers) - 1
 
     def record(i: int, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -189,34 +194,38 @@ def embed_stream(skeleton: nn.Module, layers: nn.ModuleList, name: str, tokens: 
             raise StopForward(hidden_states)
         return hidden_states
 
-    with layer_forwards(layers, record):
-        for start in range(0, len(tokens), batch_size):
-            chunk = tokens[start : start + batch_size]
-            stream.chunks.append(chunk)
-            stream.layer_kwargs.append([])
+    def embed(b: int) -> torch.Tensor:
+        stream.layer_kwargs.append([])
+        with layer_forwards(layers, record):
             try:
-                skeleton(input_ids=chunk, use_cache=False)
+                skeleton(input_ids=stream.chunks[b], use_cache=False)
             except StopForward as stop:
-                stream.hidden.append(stop.hidden)
-            else:
-                raise LayerwiseError("the model's forward did not call its last decoder layer")
+                return stop.hidden
+        raise LayerwiseError("the model's forward did not call its last decoder layer")
+
+    if lazy:
+        stream.embed = embed
+    else:
+        for b in range(len(stream.chunks)):
+            stream.hidden.append(embed(b))
     return stream
 
 
-@torch.no_grad()
 def advance_stream(stream: Stream, layer: nn.Module, i: int, before_batch: Callable[[int], None] | None = None,
                    stop_after: Callable[[int], bool] | None = None) -> None:
     """Hidden states of `stream` through decoder layer i (the layer's own __call__, the model's arguments);
     before_batch(b) runs before batch b's pass. stop_after(b) True after batch b's pass ends the stream there:
     the later batches are dropped for this and every later layer."""
     out = _Batches(stream.hidden.spill_dir)
-    for b in range(len(stream.hidden)):
+    for b in range(len(stream.chunks)):
+        x = stream.embed(b) if stream.embed is not None else stream.hidden[b]
         if before_batch is not None:
             before_batch(b)
-        out.append(layer(stream.hidden[b], **stream.layer_kwargs[b][i]))
+        out.append(layer(x, **stream.layer_kwargs[b][i]))
         if stop_after is not None and stop_after(b):
             del stream.chunks[b + 1:], stream.layer_kwargs[b + 1:]
             break
+    stream.embed = None
     stream.hidden.discard()
     stream.hidden = out
 

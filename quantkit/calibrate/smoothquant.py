@@ -439,7 +439,7 @@ def smooth_model(
     folded: list[LayerFactors] = []
     try:
         reference = _final_hidden(model, layers, verify, batch_size)
-        stream = embed_stream(model, layers, "smoothquant", tokens.to(device), None, batch_size)
+        stream = embed_stream(model, layers, "smoothquant", tokens.to(device), None, batch_size, lazy=True)
         for i in tqdm(range(len(layers)), desc="SmoothQuant calibration", unit="layer", disable=not progress):
             calibrated.append(layer_factors(model, layers[i], i, stream, per_layer[i], alpha, power_of_two, early_stop))
         del stream

@@ -258,11 +258,10 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
                     continue
                 big = tokens.numel() * hidden * 4 > spill_bytes
                 spill[name] = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=spill_root)) if big else None
-                streams[name] = embed_stream(skeleton, layers, name, tokens, spill[name])
+                # the statistics' windows are embedded during layer 0's pass: those an early stop drops never are
+                streams[name] = embed_stream(skeleton, layers, name, tokens, spill[name], lazy=name == "sq")
             if sq is not None:  # the smoothed stream starts from the same embeddings as the reference
                 streams["smoothed"] = embed_stream(skeleton, layers, "smoothed", sq_tokens[:DEFAULT_VERIFY_SEQUENCES], spill["ref"])
-            if skeleton.get_input_embeddings() is not None:  # embedded: its (vocabulary-sized) table is not needed again
-                skeleton.get_input_embeddings().to("meta")
 
             calibrated: list[LayerFactors] = []
             for i in tqdm(range(len(layers)), desc=f"quantize {recipe.name} (streaming)", unit="layer"):
@@ -276,6 +275,8 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
                     advance_stream(streams["ref"], layer, i)
                     fold_layer(skeleton, calibrated[-1])
                     advance_stream(streams["smoothed"], layer, i)
+                if i == 0 and skeleton.get_input_embeddings() is not None:  # every stream is embedded now: its
+                    skeleton.get_input_embeddings().to("meta")  # (vocabulary-sized) table is not needed again
                 amax = {}
                 if static_tokens is not None:
                     names = [n for n in quantized if n.startswith(prefix)]
