@@ -25,6 +25,7 @@ import copy
 import functools
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -360,3 +361,26 @@ def test_structural_rule_maps_gemma3_sandwich_norms(tmp_path):
     with pytest.raises(SmoothQuantMappingError, match=r"layers\.0\.input_layernorm \(Mystery: no fold registered\)"
                                                       r".*Recipes without SmoothQuant .* still work"):
         resolve_mappings(model)
+
+
+def test_settling_needs_evidence_and_patience():
+    """`stats.Settling`: the relative L2 change of each maxima vector per batch; settled only after min_windows,
+    with `patience` batches in a row under the tolerance; an observer that saw nothing never settles."""
+    from types import SimpleNamespace
+
+    from quantkit.calibrate.stats import EarlyStop, Settling
+
+    observer = SimpleNamespace(maxima={})
+    settling = Settling(observer, EarlyStop(tolerance=0.1, patience=2, min_windows=16))
+    assert not any(settling.after_batch(b, 8) for b in range(6))  # nothing observed: no evidence
+    observer.maxima = {"a": torch.tensor([1.0, 2.0])}
+    settling = Settling(observer, EarlyStop(tolerance=0.1, patience=2, min_windows=16))
+    steps = []
+    for b, growth in enumerate([None, 0.5, 0.01, 0.01, 0.3, 0.0, 0.0]):
+        if growth is not None:
+            observer.maxima = {"a": observer.maxima["a"] * (1 + growth)}
+        steps.append(settling.after_batch(b, 8))
+    # change = growth / (1 + growth) relative to the new norm; the first batch has nothing to compare with
+    assert settling.change[0] == math.inf and settling.change[1] == pytest.approx(0.5 / 1.5)
+    assert steps == [False, False, False, True, False, False, True]
+    assert settling.windows == 56

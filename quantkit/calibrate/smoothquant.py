@@ -402,8 +402,9 @@ def smooth_model(
 
     calibration: a calibration source (`quantkit.data`; None: the model's default), a list of texts, an (N, T)
     token tensor, or an iterable of token batches (`calibration_tokens`). Statistics are gathered one decoder
-    layer at a time (the streaming engine, here with every layer resident), each layer folded once its
-    statistics are in; early_stop ends the windows once a layer's per-channel maxima settle (`stats.EarlyStop`). include_v_o / include_up_down add the optional mappings (see
+    layer at a time (the streaming engine, here with every layer resident); the folds follow once every layer's
+    are in; early_stop ends the windows once a layer's per-channel maxima settle (`stats.EarlyStop`).
+    include_v_o / include_up_down add the optional mappings (see
     `quantkit.calibrate.mappings`; v->o is refused where it is not function-preserving). experts: smooth MoE
     layers' post_attention_layernorm into router, experts, shared expert and its gate (False: leave those
     norms unsmoothed, as peers do; no effect on dense models). power_of_two:

@@ -130,8 +130,8 @@ class Settling:
         self.change.append(change)
         self.windows += windows
         stop = self.early_stop
-        if stop is None or self.windows < stop.min_windows or len(self.change) < stop.patience:
-            return False
+        if stop is None or not self.observer.maxima or self.windows < stop.min_windows or len(self.change) < stop.patience:
+            return False  # nothing observed (a layer without consumers) is no evidence of settling
         return all(c <= stop.tolerance for c in self.change[-stop.patience:])
 
 
