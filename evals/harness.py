@@ -75,8 +75,10 @@ def evaluate_tasks(
     seed: int = 1234,
     gen_kwargs: dict[str, Any] | None = None,
     allow_unsafe_code: bool = False,
+    chat_template: bool = False,
 ) -> dict[str, Any]:
-    """lm_eval.simple_evaluate on an open LM with per-sample logs and every seed set to `seed`."""
+    """lm_eval.simple_evaluate on an open LM with per-sample logs and every seed set to `seed`; `chat_template`
+    renders each prompt through the tokenizer's chat template (a task's `gen_prefix` opens the answer)."""
     import lm_eval
 
     return lm_eval.simple_evaluate(
@@ -92,6 +94,7 @@ def evaluate_tasks(
         log_samples=True,
         bootstrap_iters=1000,
         confirm_run_unsafe_code=allow_unsafe_code,
+        apply_chat_template=chat_template,
     )
 
 

@@ -72,6 +72,7 @@ class Suite:
     gen_kwargs: dict[str, Any] = field(default_factory=dict)
     avg: list[str] | None = None
     protocol: dict[str, dict[str, Any]] = field(default_factory=dict)
+    chat_template: bool = False  # render every prompt through the model's chat template (instruct-form tasks)
 
     def tasks(self, allow_code: bool) -> list[str]:
         return [t for b, ts in self.benchmarks.items() if allow_code or b not in self.code for t in ts]
@@ -100,11 +101,13 @@ def load_suite(name_or_path: str | Path) -> Suite:
     if isinstance(raw, dict) and raw.keys() == {"alias"}:
         return load_suite(raw["alias"])
     required = {"name", "version", "description", "task_configs", "benchmarks"}
-    allowed = required | {"code", "limit", "gen_kwargs", "avg", "protocol"}
+    allowed = required | {"code", "limit", "gen_kwargs", "avg", "protocol", "chat_template"}
     if not isinstance(raw, dict) or required - raw.keys() or raw.keys() - allowed:
         raise ValueError(f"{path}: a suite needs keys {sorted(required)} (optional: code, limit, gen_kwargs, avg, "
-                         "protocol), or only `alias`")
+                         "protocol, chat_template), or only `alias`")
     suite = Suite(**raw)
+    if not isinstance(suite.chat_template, bool):
+        raise ValueError(f"{path}: chat_template must be true or false")
     if suite.task_configs not in TASK_CONFIGS:
         raise ValueError(f"{path}: task_configs must be one of {sorted(TASK_CONFIGS)}")
     if not suite.benchmarks or not all(isinstance(v, list) and v for v in suite.benchmarks.values()):
@@ -254,6 +257,10 @@ def evaluate(
     if unknown := [t for t in tasks if t not in task_manager.all_tasks]:
         raise ValueError(f"suite {spec.name}: unknown lm-eval tasks {unknown}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if spec.chat_template and not tokenizer.chat_template:
+        raise ValueError(f"suite {spec.name} renders its prompts through the model's chat template, and {model_dir} "
+                         "has none (an instruct model's tokenizer carries one: chat_template.jinja or "
+                         "tokenizer_config.json)")
 
     kl_tokens, max_logprobs = None, None
     if heldout_logprobs is not None:
@@ -277,7 +284,7 @@ def evaluate(
             bar.set_postfix_str(task)
             t0 = time.perf_counter()
             out = evaluate_tasks(lm, [task], task_manager, limit=limit, seed=seed, gen_kwargs=spec.gen_kwargs,
-                                 allow_unsafe_code=allow_code)
+                                 allow_unsafe_code=allow_code, chat_template=spec.chat_template)
             seconds = time.perf_counter() - t0
             n_items = truncated = 0
             pinned = spec.pinned_metric(task)
@@ -301,7 +308,8 @@ def evaluate(
         out_dir=str(out_dir.resolve()),
         model=model_stamp(model_dir),
         suite=dict(name=spec.name, version=spec.version, description=spec.description, limit=limit,
-                   gen_kwargs=spec.gen_kwargs, code_executed=allow_code, skipped_benchmarks=skipped, avg=spec.avg),
+                   gen_kwargs=spec.gen_kwargs, code_executed=allow_code, skipped_benchmarks=skipped, avg=spec.avg,
+                   chat_template=spec.chat_template),
         backend=backend,
         settings=dict(max_model_len=max_model_len, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                       data_parallel_size=data_parallel_size, decoding="greedy (temperature 0) unless the task says otherwise"),

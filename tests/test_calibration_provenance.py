@@ -54,7 +54,7 @@ def test_a_study_resizes_every_calibration_set():
 
 def test_the_trained_model_study_loads():
     """pipelines/real.yaml: both trained models, SmoothQuant on prose + code with the early stop, the code suite
-    executed (its suite resolves: every task is a shipped one)."""
+    (HumanEval in its instruct form through each model's chat template) executed; its suite resolves."""
     from quantkit.evals.suite import load_suite
 
     spec = load_spec(PIPELINES / "real.yaml")
@@ -62,7 +62,7 @@ def test_the_trained_model_study_loads():
     recipe = Study(spec).recipe("w4a4_nvfp4_sq")
     assert (recipe.calibration_data, recipe.smoothquant.early_stop, recipe.smoothquant.num_sequences) == ("speeches+code", 0.02, 256)
     suite = load_suite(spec.eval["suite"])
-    assert spec.eval["allow_code"] and suite.tasks(allow_code=True) == ["qk_humaneval", "qk_mbpp", "qk_cruxeval"]
+    assert spec.eval["allow_code"] and suite.tasks(allow_code=True) == ["qk_humaneval_instruct"] and suite.chat_template
 
 
 @pytest.mark.parametrize("calibration, message", [
