@@ -1,6 +1,6 @@
 # quantkit — every target installs what it needs first (idempotent: stamp files under the venvs).
 #
-#   make test                          set up the main environment, run the test suite
+#   make test                          set up the main environment, lint, run the test suite
 #   make quantize eval MODEL=...       the deployment study (stages: STAGES in pipelines/study.py)
 #
 # Variables: DEVICE=cpu|cuda (default: cuda when nvidia-smi is on PATH), PYTHON (>= 3.11),
@@ -18,7 +18,7 @@ MAIN_STAMP   := $(VENV)/.quantkit-setup-$(DEVICE)
 LLMC_STAMP   := $(LLMC_VENV)/.quantkit-setup
 PY           := $(VENV)/bin/python
 
-.PHONY: help setup setup-llmcompressor setup-toolchains test test-avx2 zoo quantize eval report gate bench clean-venv
+.PHONY: help setup setup-llmcompressor setup-toolchains lint test test-avx2 zoo quantize eval report gate bench clean-venv
 
 help:
 	@sed -n '2,9p' Makefile
@@ -80,7 +80,12 @@ $(TOOLCHAIN_STAMP): Makefile
 AVX2_ENV     := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 HAS_AVX512   := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo yes)
 
-test: $(MAIN_STAMP) $(LLMC_STAMP) $(TOOLCHAIN_STAMP)
+# Style and types of the package's four source trees (pyproject's [tool.ruff] / [tool.mypy]); part of `make test`.
+lint: $(MAIN_STAMP)
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/ruff format --check
+
+test: lint $(MAIN_STAMP) $(LLMC_STAMP) $(TOOLCHAIN_STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 ifeq ($(HAS_AVX512),yes)
 	@echo "AVX-512 CPU: the cpu_isa tests again, with AVX2 kernels forced ($(AVX2_ENV))"

@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,9 +48,13 @@ def read_samples(run_dir: str | Path) -> dict[str, dict[int, dict]]:
     return out
 
 
-def compare_samples(reference: Mapping[str, Mapping[int, dict]], test: Mapping[str, Mapping[int, dict]],
-                    groups: Mapping[str, Sequence[str]] | None = None, n_boot: int = 10000,
-                    seed: int = 0) -> dict[str, tuple[Flips, PairedDelta]]:
+def compare_samples(
+    reference: Mapping[str, Mapping[int, dict]],
+    test: Mapping[str, Mapping[int, dict]],
+    groups: Mapping[str, Sequence[str]] | None = None,
+    n_boot: int = 10000,
+    seed: int = 0,
+) -> dict[str, tuple[Flips, PairedDelta]]:
     """Per group of tasks (default: every task of `reference` alone), over the items of its tasks present in
     both runs (task by task, doc_ids sorted): pooled answer flips and the paired bootstrap of the score
     difference. A group without such items is left out; a task whose items differ between the runs raises
@@ -63,14 +67,20 @@ def compare_samples(reference: Mapping[str, Mapping[int, dict]], test: Mapping[s
         if not ids:
             continue
         flips = total_flips([answer_flips(reference[t], test[t]) for t in tasks])
-        delta = paired_bootstrap([reference[t][i]["score"] for t, i in ids], [test[t][i]["score"] for t, i in ids],
-                                 n_boot=n_boot, seed=seed)
+        delta = paired_bootstrap(
+            [reference[t][i]["score"] for t, i in ids], [test[t][i]["score"] for t, i in ids], n_boot=n_boot, seed=seed
+        )
         out[name] = (flips, delta)
     return out
 
 
-def compare_runs(reference_dir: str | Path, test_dir: str | Path, groups: Mapping[str, Sequence[str]] | None = None,
-                 n_boot: int = 10000, seed: int = 0) -> dict[str, dict]:
+def compare_runs(
+    reference_dir: str | Path,
+    test_dir: str | Path,
+    groups: Mapping[str, Sequence[str]] | None = None,
+    n_boot: int = 10000,
+    seed: int = 0,
+) -> dict[str, dict]:
     """`compare_samples` of two `suite.evaluate` output directories, as JSON-ready
     {group: {'flips': Flips fields, 'delta': PairedDelta fields}}."""
     compared = compare_samples(read_samples(reference_dir), read_samples(test_dir), groups, n_boot=n_boot, seed=seed)
@@ -88,8 +98,9 @@ def _load_float32(model_dir: Path) -> torch.nn.Module:
     return load_reference_model(model_dir, torch.float32)
 
 
-def heldout_kl(reference_dir: str | Path, test_dir: str | Path, num_sequences: int = 16, seq_len: int = 256,
-               batch_size: int = 4) -> dict[str, float]:
+def heldout_kl(
+    reference_dir: str | Path, test_dir: str | Path, num_sequences: int = 16, seq_len: int = 256, batch_size: int = 4
+) -> dict[str, float]:
     """Mean, median, p99 and max per-token KL(reference || test) on held-out windows (module docstring)."""
     from transformers import AutoTokenizer
 
@@ -106,8 +117,13 @@ def heldout_kl(reference_dir: str | Path, test_dir: str | Path, num_sequences: i
 
 
 def _kl_summary(kl: torch.Tensor) -> dict[str, float]:
-    return dict(mean=kl.mean().item(), median=kl.median().item(), p99=kl.quantile(0.99).item(),
-                max=kl.max().item(), tokens=kl.numel())
+    return dict(
+        mean=kl.mean().item(),
+        median=kl.median().item(),
+        p99=kl.quantile(0.99).item(),
+        max=kl.max().item(),
+        tokens=kl.numel(),
+    )
 
 
 # ------------------------------------------------------------------------ KL from the serving engine
@@ -120,7 +136,9 @@ class HeldoutLogprobsError(QuantkitError, ValueError):
     """Recorded held-out logprobs are missing, malformed, or not comparable (different tokens, modes or vocab)."""
 
 
-def record_heldout_logprobs(llm: Any, tokens: torch.Tensor, path: str | Path, top_k: int | None = None) -> dict[str, Any]:
+def record_heldout_logprobs(
+    llm: Any, tokens: torch.Tensor, path: str | Path, top_k: int | None = None
+) -> dict[str, Any]:
     """Score `tokens` ((N, L) int64, `heldout_windows`) with the vLLM engine `llm` (a `vllm.LLM`, e.g. lm-eval's
     `VLLM.model`) and write its next-token logprobs at every position to `path` (safetensors, atomically);
     returns the file's metadata.
@@ -138,13 +156,14 @@ def record_heldout_logprobs(llm: Any, tokens: torch.Tensor, path: str | Path, to
     vocab = llm.llm_engine.model_config.get_vocab_size()
     width = vocab if top_k is None else top_k
     asked = -1 if top_k is None else top_k
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=asked, logprobs=asked,
-                            flat_logprobs=True, detokenize=False)
+    params = SamplingParams(
+        max_tokens=1, temperature=0.0, prompt_logprobs=asked, logprobs=asked, flat_logprobs=True, detokenize=False
+    )
     chunk = max(1, CHUNK_VALUES // (length * width))
     full = torch.full((n, length, vocab), float("nan")) if top_k is None else None  # filled sequence by sequence
     ids, logprobs = [], []
     for start in range(0, n, chunk):
-        rows = tokens[start:start + chunk]
+        rows = tokens[start : start + chunk]
         outputs = llm.generate([{"prompt_token_ids": row.tolist()} for row in rows], params, use_tqdm=False)
         for i, (row, output) in enumerate(zip(rows, outputs), start):
             prompt_ids, prompt_logprobs = _position_logprobs(output.prompt_logprobs, 1, length - 1, width)
@@ -158,18 +177,21 @@ def record_heldout_logprobs(llm: Any, tokens: torch.Tensor, path: str | Path, to
             else:
                 ids.append(row_ids)
                 logprobs.append(row_logprobs)
-    meta = dict(mode="full" if top_k is None else "topk", top_k=str(width), vocab_size=str(vocab),
-                source="vllm prompt_logprobs")
+    meta = dict(
+        mode="full" if top_k is None else "topk", top_k=str(width), vocab_size=str(vocab), source="vllm prompt_logprobs"
+    )
     if full is not None:
         if full.isnan().any():
             raise HeldoutLogprobsError("vLLM's full-vocabulary logprobs miss some tokens")
         tensors = dict(tokens=tokens.contiguous(), logprobs=full)
     else:
-        tensors = dict(tokens=tokens.contiguous(), topk_ids=torch.stack(ids).contiguous(),
-                       topk_logprobs=torch.stack(logprobs).contiguous())
+        tensors = dict(
+            tokens=tokens.contiguous(),
+            topk_ids=torch.stack(ids).contiguous(),
+            topk_logprobs=torch.stack(logprobs).contiguous(),
+        )
     write_bytes_atomic(path, save(tensors, metadata=meta))
-    return dict(file=Path(path).name, mode=meta["mode"], top_k=top_k, vocab_size=vocab, num_sequences=n,
-                seq_len=length)
+    return dict(file=Path(path).name, mode=meta["mode"], top_k=top_k, vocab_size=vocab, num_sequences=n, seq_len=length)
 
 
 def _position_logprobs(flat: Any, skip: int, positions: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,14 +213,17 @@ def load_heldout_logprobs(eval_dir: str | Path) -> tuple[dict[str, torch.Tensor]
 
     path = Path(eval_dir) / LOGPROBS_FILE
     if not path.exists():
-        raise HeldoutLogprobsError(f"{path} does not exist: the eval ran without recording held-out logprobs "
-                                   "(re-run its eval stage, or set kl.source: transformers)")
+        raise HeldoutLogprobsError(
+            f"{path} does not exist: the eval ran without recording held-out logprobs "
+            "(re-run its eval stage, or set kl.source: transformers)"
+        )
     with safe_open(str(path), "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
 
 
-def topk_kl(ref_ids: torch.Tensor, ref_logprobs: torch.Tensor, test_ids: torch.Tensor,
-            test_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_kl(
+    ref_ids: torch.Tensor, ref_logprobs: torch.Tensor, test_ids: torch.Tensor, test_logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position (leading dims), from each model's top-k (ids, logprobs) (..., k): the coarse-grained KL
     and the reference mass P(R) it leaves unresolved, both float64 (...).
 
@@ -231,20 +256,25 @@ def engine_kl(reference_eval_dir: str | Path, test_eval_dir: str | Path) -> dict
     ref, ref_meta = load_heldout_logprobs(reference_eval_dir)
     test, test_meta = load_heldout_logprobs(test_eval_dir)
     if ref["tokens"].shape != test["tokens"].shape or not torch.equal(ref["tokens"], test["tokens"]):
-        raise HeldoutLogprobsError(f"{reference_eval_dir} and {test_eval_dir} scored different held-out tokens "
-                                   "(different tokenizers or kl settings)")
+        raise HeldoutLogprobsError(
+            f"{reference_eval_dir} and {test_eval_dir} scored different held-out tokens "
+            "(different tokenizers or kl settings)"
+        )
     keys = ("mode", "top_k", "vocab_size")
     if [ref_meta.get(k) for k in keys] != [test_meta.get(k) for k in keys]:
-        raise HeldoutLogprobsError(f"held-out logprobs not comparable: {[ref_meta.get(k) for k in keys]} vs "
-                                   f"{[test_meta.get(k) for k in keys]} (mode, top_k, vocab_size)")
+        raise HeldoutLogprobsError(
+            f"held-out logprobs not comparable: {[ref_meta.get(k) for k in keys]} vs "
+            f"{[test_meta.get(k) for k in keys]} (mode, top_k, vocab_size)"
+        )
     out: dict[str, Any] = dict(source="vllm", mode=ref_meta["mode"])
     if ref_meta["mode"] == "full":
         kl = kl_divergence(ref["logprobs"], test["logprobs"]).flatten()
     else:
         kl, rest = topk_kl(ref["topk_ids"], ref["topk_logprobs"], test["topk_ids"], test["topk_logprobs"])
         kl, rest = kl.flatten(), rest.flatten()
-        out.update(top_k=int(ref_meta["top_k"]), unresolved_mass_mean=rest.mean().item(),
-                   unresolved_mass_max=rest.max().item())
+        out.update(
+            top_k=int(ref_meta["top_k"]), unresolved_mass_mean=rest.mean().item(), unresolved_mass_max=rest.max().item()
+        )
     return {**_kl_summary(kl), **out}
 
 

@@ -92,16 +92,32 @@ TOOLCHAINS: dict[str, Toolchain] = {
     "rs": Toolchain(".rs", (("rustc", "-O", "-o", "{exe}", "{src}"), ("{exe}",))),
     # javac/java are JVMs: their heaps are capped so that they start under the address-space rlimit
     # (the default reserves a quarter of RAM); -ea turns the tests' `assert`s on.
-    "java": Toolchain(".java", (("javac", "-J-Xmx1g", "-encoding", "UTF8", "-cp", JAVATUPLES_JAR, "-d", "{dir}", "{src}"),
-                                ("java", "-Xmx1g", "-Xss8m", "-XX:ReservedCodeCacheSize=64m", "-ea",
-                                 "-cp", "{dir}:" + JAVATUPLES_JAR, "Problem")),
-                      files=(JAVATUPLES_JAR,)),
+    "java": Toolchain(
+        ".java",
+        (
+            ("javac", "-J-Xmx1g", "-encoding", "UTF8", "-cp", JAVATUPLES_JAR, "-d", "{dir}", "{src}"),
+            (
+                "java",
+                "-Xmx1g",
+                "-Xss8m",
+                "-XX:ReservedCodeCacheSize=64m",
+                "-ea",
+                "-cp",
+                "{dir}:" + JAVATUPLES_JAR,
+                "Problem",
+            ),
+        ),
+        files=(JAVATUPLES_JAR,),
+    ),
     "ts": Toolchain(".ts", (("tsc", "--target", "esnext", "{src}"), ("node", "{dir}/program.js"))),
     "php": Toolchain(".php", (("php", "{src}"),)),
     # mcs: mono's C# compiler (MultiPL-E uses csc, the same language with DEBUG defined for Debug.Assert).
-    "cs": Toolchain(".cs", (("mcs", "-d:DEBUG", "-r:System.Numerics.dll", "-out:{exe}", "{src}"), ("mono", "{exe}")),
-                    env=(("MONO_TRACE_LISTENER", "Console.Error"),),
-                    failure_markers=("System.Diagnostics.DefaultTraceListener.Fail", "Unhandled Exception")),
+    "cs": Toolchain(
+        ".cs",
+        (("mcs", "-d:DEBUG", "-r:System.Numerics.dll", "-out:{exe}", "{src}"), ("mono", "{exe}")),
+        env=(("MONO_TRACE_LISTENER", "Console.Error"),),
+        failure_markers=("System.Diagnostics.DefaultTraceListener.Fail", "Unhandled Exception"),
+    ),
 }
 
 
@@ -122,8 +138,12 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 def _check(result: int) -> None:
@@ -139,10 +159,12 @@ def _isolate(workdir: str) -> None:
     _check(_libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None))  # nothing propagates to the host
     _check(_libc.mount(path, path, None, _MS_BIND, None))  # its own mount, to keep writable
     read_only, writable = _MountAttr(attr_set=_MOUNT_ATTR_RDONLY), _MountAttr(attr_clr=_MOUNT_ATTR_RDONLY)
-    _check(_libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, b"/", _AT_RECURSIVE, ctypes.byref(read_only),
-                         ctypes.sizeof(_MountAttr)))
-    _check(_libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, path, 0, ctypes.byref(writable),
-                         ctypes.sizeof(_MountAttr)))
+    _check(
+        _libc.syscall(
+            _SYS_MOUNT_SETATTR, _AT_FDCWD, b"/", _AT_RECURSIVE, ctypes.byref(read_only), ctypes.sizeof(_MountAttr)
+        )
+    )
+    _check(_libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, path, 0, ctypes.byref(writable), ctypes.sizeof(_MountAttr)))
     os.chdir(workdir)  # the cwd set before the bind mount is the read-only directory beneath it
 
 
@@ -179,8 +201,13 @@ def _probe(setup: Callable[[str], None]) -> bool:
     """True when a program can start under `setup(workdir)` and write into its working directory."""
     with tempfile.TemporaryDirectory(prefix="quantkit-probe-") as tmp:
         try:
-            done = subprocess.run([sys.executable, "-I", "-c", "open('probe', 'w').close()"], cwd=tmp,
-                                  preexec_fn=lambda: setup(tmp), capture_output=True, timeout=30)
+            done = subprocess.run(
+                [sys.executable, "-I", "-c", "open('probe', 'w').close()"],
+                cwd=tmp,
+                preexec_fn=lambda: setup(tmp),
+                capture_output=True,
+                timeout=30,
+            )
         except (OSError, subprocess.SubprocessError):
             return False
         return done.returncode == 0
@@ -211,29 +238,37 @@ def sandbox_report() -> dict[str, str]:
     return {
         "user": "root" if root else f"uid {os.geteuid()}",
         "rlimits": "address space, CPU seconds, file size; no core dumps",
-        "process_count": f"pids cgroup under {cgroup}" if cgroup else
-                         "not enforced (root bypasses RLIMIT_NPROC)" if root else "RLIMIT_NPROC",
+        "process_count": f"pids cgroup under {cgroup}"
+        if cgroup
+        else "not enforced (root bypasses RLIMIT_NPROC)"
+        if root
+        else "RLIMIT_NPROC",
         "leftover_processes": "killed (pids cgroup)" if cgroup else "process group killed; setsid() escapes",
         "network": "none (network namespace)" if isolated else "NOT isolated",
-        "filesystem": "read-only outside the working directory (mount namespace)" if isolated
-                      else "NOT isolated (user's permissions)",
+        "filesystem": "read-only outside the working directory (mount namespace)"
+        if isolated
+        else "NOT isolated (user's permissions)",
     }
 
 
-def _child_setup(workdir: str, limits: Limits, cpu_seconds: int, cgroup: Path | None,
-                 isolate: bool) -> Callable[[], None]:
+def _child_setup(
+    workdir: str, limits: Limits, cpu_seconds: int, cgroup: Path | None, isolate: bool
+) -> Callable[[], None]:
     def setup() -> None:  # runs in the child, after setsid and before exec
         if cgroup:
             (cgroup / "cgroup.procs").write_text(str(os.getpid()))
         if isolate:
             _isolate(workdir)
         # after unshare, which creates the user namespace under the caller's own limits
-        for rlimit, soft, hard in ((resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes),
-                                   (resource.RLIMIT_FSIZE, limits.file_bytes, limits.file_bytes),
-                                   (resource.RLIMIT_NPROC, limits.processes, limits.processes),
-                                   (resource.RLIMIT_CPU, cpu_seconds, cpu_seconds + 1),  # SIGXCPU, SIGKILL
-                                   (resource.RLIMIT_CORE, 0, 0)):
+        for rlimit, soft, hard in (
+            (resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes),
+            (resource.RLIMIT_FSIZE, limits.file_bytes, limits.file_bytes),
+            (resource.RLIMIT_NPROC, limits.processes, limits.processes),
+            (resource.RLIMIT_CPU, cpu_seconds, cpu_seconds + 1),  # SIGXCPU, SIGKILL
+            (resource.RLIMIT_CORE, 0, 0),
+        ):
             resource.setrlimit(rlimit, (soft, hard))
+
     return setup
 
 
@@ -247,8 +282,14 @@ def _exited_unreaped(pid: int, timeout: float) -> bool:
     return True
 
 
-def _run_step(argv: list[str], workdir: str, env: dict[str, str], limits: Limits, timeout: float,
-              failure_markers: tuple[str, ...] = ()) -> bool:
+def _run_step(
+    argv: list[str],
+    workdir: str,
+    env: dict[str, str],
+    limits: Limits,
+    timeout: float,
+    failure_markers: tuple[str, ...] = (),
+) -> bool:
     """True when `argv` exits with status 0 within `timeout` and its stderr shows none of `failure_markers`;
     then its process group (and cgroup) is killed."""
     parent = _pids_cgroup()
@@ -256,10 +297,16 @@ def _run_step(argv: list[str], workdir: str, env: dict[str, str], limits: Limits
     # an unlinked file of ours (the program cannot reach it by name); read only when markers are given
     with tempfile.TemporaryFile() if failure_markers else open(os.devnull, "wb") as stderr:
         try:
-            proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=stderr, start_new_session=True,
-                                    preexec_fn=_child_setup(workdir, limits, math.ceil(timeout) + 1, cgroup,
-                                                             _namespaces_work()))
+            proc = subprocess.Popen(
+                argv,
+                cwd=workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+                preexec_fn=_child_setup(workdir, limits, math.ceil(timeout) + 1, cgroup, _namespaces_work()),
+            )
             finished = _exited_unreaped(proc.pid, timeout)
             with suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -292,23 +339,36 @@ def run_program(source: str, language: str = "py", timeout: float = DEFAULT_TIME
         raise ValueError(f"no toolchain for language {language!r}; known: {sorted(TOOLCHAINS)}")
     toolchain = TOOLCHAINS[language]
     if missing := missing_tools(language):
-        raise FileNotFoundError(f"{language} programs need {', '.join(map(repr, missing))} (commands on PATH, "
-                                f"files): `make setup-toolchains` installs them on Debian")
+        raise FileNotFoundError(
+            f"{language} programs need {', '.join(map(repr, missing))} (commands on PATH, "
+            f"files): `make setup-toolchains` installs them on Debian"
+        )
     _log_report_once()
     with tempfile.TemporaryDirectory(prefix="quantkit-exec-") as tmp:
         src, exe = Path(tmp) / f"program{toolchain.suffix}", Path(tmp) / "program"
         src.write_text(source, encoding="utf-8")
-        env = {"PATH": os.environ.get("PATH", ""), "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8",
-               "PYTHONHASHSEED": "0",
-               # rustup's rustc proxy finds its toolchains through these (default: under the real $HOME)
-               "RUSTUP_HOME": os.environ.get("RUSTUP_HOME", str(Path.home() / ".rustup")),
-               "CARGO_HOME": os.environ.get("CARGO_HOME", str(Path.home() / ".cargo")),
-               **dict(toolchain.env)}
+        env = {
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": tmp,
+            "TMPDIR": tmp,
+            "LANG": "C.UTF-8",
+            "PYTHONHASHSEED": "0",
+            # rustup's rustc proxy finds its toolchains through these (default: under the real $HOME)
+            "RUSTUP_HOME": os.environ.get("RUSTUP_HOME", str(Path.home() / ".rustup")),
+            "CARGO_HOME": os.environ.get("CARGO_HOME", str(Path.home() / ".cargo")),
+            **dict(toolchain.env),
+        }
         for i, step in enumerate(toolchain.steps):
             last = i == len(toolchain.steps) - 1
             argv = [arg.format(src=src, exe=exe, dir=tmp) for arg in step]
-            if not _run_step(argv, tmp, env, RUN_LIMITS if last else COMPILE_LIMITS, timeout,
-                             toolchain.failure_markers if last else ()):
+            if not _run_step(
+                argv,
+                tmp,
+                env,
+                RUN_LIMITS if last else COMPILE_LIMITS,
+                timeout,
+                toolchain.failure_markers if last else (),
+            ):
                 return False
     return True
 

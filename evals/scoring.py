@@ -3,9 +3,9 @@
 Conventions (every function returns 1 for correct, 0 for wrong, per sample; lm-eval averages):
 - Numbers (GSM8K, MGSM): the final answer is the content of the last `\\boxed{...}`, else the number after
   the last `####`, else after the last "answer is", else the last number in the response. Numbers compare
-  as values (|a - b| <= 1e-6): `1,000` and `1000` are equal, `\\frac{1}{2}` is `1/2` (a comma followed by exactly three digits
-  groups thousands, any other comma is a decimal comma), `-57/2` equals `-28.5`, a trailing `.0`, `$` or
-  `%` does not matter.
+  as values (|a - b| <= 1e-6): `1,000` and `1000` are equal, `\\frac{1}{2}` is `1/2` (a comma followed by
+  exactly three digits groups thousands, any other comma is a decimal comma), `-57/2` equals `-28.5`, a
+  trailing `.0`, `$` or `%` does not matter.
 - MATH: the last `\\boxed{...}` or "final answer is $...$" of the response against the boxed answer of the
   reference solution, after a light LaTeX normalization (`normalize_math`); no symbolic equivalence.
 - Code (HumanEval, MBPP, CRUXEval, MultiPL-E): the program runs (`execution.run_program`, opt-in only);
@@ -30,7 +30,7 @@ def last_boxed(text: str) -> str | None:
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[i + 1:j]
+            return text[i + 1 : j]
     return None
 
 
@@ -86,6 +86,7 @@ def math_answer(response: str) -> str | None:
 
 
 # --- lm-eval process_results(doc, results) -> {metric: value} -------------------------------------
+
 
 def process_numeric(doc: dict, results: list[str]) -> dict[str, int]:
     return {"exact_match": numbers_match(results[0], doc["answer"])}

@@ -51,8 +51,11 @@ from quantkit.evals.extract import MissingExtractionError, data_dir, is_current
 logger = logging.getLogger(__name__)
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
-TASK_CONFIGS = {"mini": [TASKS_DIR / "mini"], "full": [TASKS_DIR / "mini", TASKS_DIR / "full"],
-                "table2": [TASKS_DIR / "mini", TASKS_DIR / "full", TASKS_DIR / "table2"]}
+TASK_CONFIGS = {
+    "mini": [TASKS_DIR / "mini"],
+    "full": [TASKS_DIR / "mini", TASKS_DIR / "full"],
+    "table2": [TASKS_DIR / "mini", TASKS_DIR / "full", TASKS_DIR / "table2"],
+}
 PROTOCOL_KEYS = {"num_fewshot", "cot", "generation_kwargs", "metric", "filter", "source"}
 DEFAULT_SEED = 1234
 MAX_CONTEXT = 4096  # default max_model_len cap: the checkpoint's max_position_embeddings when smaller
@@ -96,15 +99,19 @@ def load_suite(name_or_path: str | Path) -> Suite:
     if path.suffix not in (".yaml", ".yml"):
         path = SUITES_DIR / f"{name_or_path}.yaml"
     if not path.exists():
-        raise ValueError(f"unknown suite {str(name_or_path)!r}; known: {', '.join(available_suites())} (or a YAML path)")
+        raise ValueError(
+            f"unknown suite {str(name_or_path)!r}; known: {', '.join(available_suites())} (or a YAML path)"
+        )
     raw = yaml.safe_load(path.read_text())
     if isinstance(raw, dict) and raw.keys() == {"alias"}:
         return load_suite(raw["alias"])
     required = {"name", "version", "description", "task_configs", "benchmarks"}
     allowed = required | {"code", "limit", "gen_kwargs", "avg", "protocol", "chat_template"}
     if not isinstance(raw, dict) or required - raw.keys() or raw.keys() - allowed:
-        raise ValueError(f"{path}: a suite needs keys {sorted(required)} (optional: code, limit, gen_kwargs, avg, "
-                         "protocol, chat_template), or only `alias`")
+        raise ValueError(
+            f"{path}: a suite needs keys {sorted(required)} (optional: code, limit, gen_kwargs, avg, "
+            "protocol, chat_template), or only `alias`"
+        )
     suite = Suite(**raw)
     if not isinstance(suite.chat_template, bool):
         raise ValueError(f"{path}: chat_template must be true or false")
@@ -116,8 +123,10 @@ def load_suite(name_or_path: str | Path) -> Suite:
         raise ValueError(f"{path}: code lists unknown benchmarks {sorted(unknown)}")
     if suite.avg is not None and (not suite.avg or set(suite.avg) - suite.benchmarks.keys()):
         raise ValueError(f"{path}: avg must list some of the suite's benchmarks {sorted(suite.benchmarks)}")
-    if suite.protocol and (suite.protocol.keys() != suite.benchmarks.keys()
-                           or any(set(row) != PROTOCOL_KEYS for row in suite.protocol.values())):
+    if suite.protocol and (
+        suite.protocol.keys() != suite.benchmarks.keys()
+        or any(set(row) != PROTOCOL_KEYS for row in suite.protocol.values())
+    ):
         raise ValueError(f"{path}: protocol needs one row per benchmark, each with keys {sorted(PROTOCOL_KEYS)}")
     return suite
 
@@ -126,9 +135,14 @@ def model_stamp(model_dir: str | Path) -> dict[str, Any]:
     """What was evaluated: path, architecture, and the quantization recipe when the checkpoint has one."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     qc = config.get("quantization_config") or {}
-    return dict(path=str(Path(model_dir).resolve()), name=Path(model_dir).resolve().name,
-                architectures=config.get("architectures"), recipe=qc.get("recipe"),
-                quant_method=qc.get("quant_method"), scheme=qc.get("scheme"))
+    return dict(
+        path=str(Path(model_dir).resolve()),
+        name=Path(model_dir).resolve().name,
+        architectures=config.get("architectures"),
+        recipe=qc.get("recipe"),
+        quant_method=qc.get("quant_method"),
+        scheme=qc.get("scheme"),
+    )
 
 
 def _versions() -> dict[str, str]:
@@ -175,8 +189,15 @@ def _sample_record(task: str, sample: dict[str, Any], metric: str) -> dict[str, 
     else:
         answer = resps[0] if resps else None
     args = sample.get("arguments") or [[None]]
-    return dict(task=task, doc_id=sample["doc_id"], score=sample.get(metric), answer=answer,
-                prompt=args[0][0], target=sample.get("target"), lm_eval=sample)
+    return dict(
+        task=task,
+        doc_id=sample["doc_id"],
+        score=sample.get(metric),
+        answer=answer,
+        prompt=args[0][0],
+        target=sample.get("target"),
+        lm_eval=sample,
+    )
 
 
 def _is_choice(records: list[dict[str, Any]]) -> bool:
@@ -234,33 +255,44 @@ def evaluate(
     else:
         check_checkpoint_dir(model_dir)
     if heldout_logprobs is not None and (backend != "vllm" or data_parallel_size != 1):
-        raise HeldoutLogprobsError("held-out logprobs are recorded by the eval's own vLLM engine: they need backend "
-                                   "vllm and data_parallel_size 1 (lm-eval's replicas are ray workers); use "
-                                   "kl.source: transformers")
+        raise HeldoutLogprobsError(
+            "held-out logprobs are recorded by the eval's own vLLM engine: they need backend "
+            "vllm and data_parallel_size 1 (lm-eval's replicas are ray workers); use "
+            "kl.source: transformers"
+        )
     if not is_current(data_dir()):
-        raise MissingExtractionError(f"offline eval items missing or stale in {data_dir()}: run `make setup` "
-                                     "(or `python -m quantkit.evals.extract`)")
+        raise MissingExtractionError(
+            f"offline eval items missing or stale in {data_dir()}: run `make setup` "
+            "(or `python -m quantkit.evals.extract`)"
+        )
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
-    out_dir = Path(out_dir) if out_dir is not None else Path("runs") / "eval" / f"{model_dir.resolve().name}-{spec.name}"
+    out_dir = (
+        Path(out_dir) if out_dir is not None else Path("runs") / "eval" / f"{model_dir.resolve().name}-{spec.name}"
+    )
     limit = limit if limit is not None else spec.limit
     config = json.loads((model_dir / "config.json").read_text())
     max_model_len = max_model_len or min(config.get("max_position_embeddings", MAX_CONTEXT), MAX_CONTEXT)
     tasks = spec.tasks(allow_code)
     skipped = [b for b in spec.code if not allow_code]
     if skipped:
-        logger.warning("skipping %s: they execute model output; pass --allow-code-execution to run them", ", ".join(skipped))
+        logger.warning(
+            "skipping %s: they execute model output; pass --allow-code-execution to run them", ", ".join(skipped)
+        )
 
-    task_manager = TaskManager(include_path=[str(p) for p in TASK_CONFIGS[spec.task_configs]],
-                               include_defaults=spec.task_configs != "mini")
+    task_manager = TaskManager(
+        include_path=[str(p) for p in TASK_CONFIGS[spec.task_configs]], include_defaults=spec.task_configs != "mini"
+    )
     if unknown := [t for t in tasks if t not in task_manager.all_tasks]:
         raise ValueError(f"suite {spec.name}: unknown lm-eval tasks {unknown}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if spec.chat_template and not tokenizer.chat_template:
-        raise ValueError(f"suite {spec.name} renders its prompts through the model's chat template, and {model_dir} "
-                         "has none (an instruct model's tokenizer carries one: chat_template.jinja or "
-                         "tokenizer_config.json)")
+        raise ValueError(
+            f"suite {spec.name} renders its prompts through the model's chat template, and {model_dir} "
+            "has none (an instruct model's tokenizer carries one: chat_template.jinja or "
+            "tokenizer_config.json)"
+        )
 
     kl_tokens, max_logprobs = None, None
     if heldout_logprobs is not None:
@@ -268,54 +300,99 @@ def evaluate(
 
         kl_tokens = heldout_windows(tokenizer, heldout_logprobs["num_sequences"], heldout_logprobs["seq_len"])
         if kl_tokens.shape[1] > max_model_len:
-            raise HeldoutLogprobsError(f"kl seq_len {kl_tokens.shape[1]} exceeds the eval context max_model_len "
-                                       f"{max_model_len}")
+            raise HeldoutLogprobsError(
+                f"kl seq_len {kl_tokens.shape[1]} exceeds the eval context max_model_len {max_model_len}"
+            )
         top_k = heldout_logprobs.get("top_k")
         max_logprobs = -1 if top_k is None else max(top_k, 20)  # 20: vLLM's default, which lm-eval's requests fit
 
     per_task: dict[str, dict[str, Any]] = {}
     recorded = None
     started = time.perf_counter()
-    with _code_execution(allow_code), open_lm(model_dir, backend, seed=seed, max_model_len=max_model_len, dtype=dtype,
-                                                 tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
-                                                 max_logprobs=max_logprobs) as lm:
+    with (
+        _code_execution(allow_code),
+        open_lm(
+            model_dir,
+            backend,
+            seed=seed,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
+            max_logprobs=max_logprobs,
+        ) as lm,
+    ):
         startup = time.perf_counter() - started
         for task in (bar := tqdm(tasks, desc=f"eval {spec.name}", unit="task")):
             bar.set_postfix_str(task)
             t0 = time.perf_counter()
-            out = evaluate_tasks(lm, [task], task_manager, limit=limit, seed=seed, gen_kwargs=spec.gen_kwargs,
-                                 allow_unsafe_code=allow_code, chat_template=spec.chat_template)
+            out = evaluate_tasks(
+                lm,
+                [task],
+                task_manager,
+                limit=limit,
+                seed=seed,
+                gen_kwargs=spec.gen_kwargs,
+                allow_unsafe_code=allow_code,
+                chat_template=spec.chat_template,
+            )
             seconds = time.perf_counter() - t0
             n_items = truncated = 0
             pinned = spec.pinned_metric(task)
             for name, samples in out["samples"].items():  # a group's leaves, or the task itself
                 metric, filt = _primary_metric(out["results"][name], pinned)
-                records = sorted((_sample_record(name, s, metric) for s in samples if s.get("filter", filt) == filt),
-                                 key=lambda r: r["doc_id"])
-                write_text_atomic(out_dir / "samples" / f"{name}.jsonl",
-                              "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
+                records = sorted(
+                    (_sample_record(name, s, metric) for s in samples if s.get("filter", filt) == filt),
+                    key=lambda r: r["doc_id"],
+                )
+                write_text_atomic(
+                    out_dir / "samples" / f"{name}.jsonl",
+                    "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records),
+                )
                 n_items += len(records)
                 budget = (out["configs"][name].get("generation_kwargs") or {}).get("max_gen_toks", 256)
                 truncated += _truncated(tokenizer, records, max_model_len, 1 if _is_choice(records) else budget)
             metric, filt = _primary_metric(out["results"][task], pinned)
-            per_task[task] = dict(score=out["results"][task][f"{metric},{filt}"], metric=metric, filter=filt, n=n_items,
-                                  seconds=round(seconds, 2), truncated_prompts=truncated, lm_eval=out["results"][task])
+            per_task[task] = dict(
+                score=out["results"][task][f"{metric},{filt}"],
+                metric=metric,
+                filter=filt,
+                n=n_items,
+                seconds=round(seconds, 2),
+                truncated_prompts=truncated,
+                lm_eval=out["results"][task],
+            )
         if kl_tokens is not None:
             t0 = time.perf_counter()
-            recorded = record_heldout_logprobs(lm.model, kl_tokens, out_dir / LOGPROBS_FILE, heldout_logprobs.get("top_k"))
+            recorded = record_heldout_logprobs(
+                lm.model, kl_tokens, out_dir / LOGPROBS_FILE, heldout_logprobs.get("top_k")
+            )
             recorded["seconds"] = round(time.perf_counter() - t0, 2)
     results = dict(
         out_dir=str(out_dir.resolve()),
         model=model_stamp(model_dir),
-        suite=dict(name=spec.name, version=spec.version, description=spec.description, limit=limit,
-                   gen_kwargs=spec.gen_kwargs, code_executed=allow_code, skipped_benchmarks=skipped, avg=spec.avg,
-                   chat_template=spec.chat_template),
+        suite=dict(
+            name=spec.name,
+            version=spec.version,
+            description=spec.description,
+            limit=limit,
+            gen_kwargs=spec.gen_kwargs,
+            code_executed=allow_code,
+            skipped_benchmarks=skipped,
+            avg=spec.avg,
+            chat_template=spec.chat_template,
+        ),
         backend=backend,
-        settings=dict(max_model_len=max_model_len, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                      data_parallel_size=data_parallel_size, decoding="greedy (temperature 0) unless the task says otherwise"),
+        settings=dict(
+            max_model_len=max_model_len,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
+            decoding="greedy (temperature 0) unless the task says otherwise",
+        ),
         seeds=dict(python=seed, numpy=seed, torch=seed, fewshot=seed, vllm=seed),
         versions=_versions(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         host=dict(machine=platform.machine(), processor=platform.processor(), cpus=os.cpu_count()),
         seconds=dict(engine_startup=round(startup, 2), total=round(time.perf_counter() - started, 2)),
         benchmarks=_benchmark_scores(spec, per_task),
@@ -328,8 +405,16 @@ def evaluate(
 
 
 def _run(args: argparse.Namespace) -> int:
-    results = evaluate(args.model, suite=args.suite, backend=args.backend, out_dir=args.out, limit=args.limit,
-                       allow_code=args.allow_code_execution, seed=args.seed, max_model_len=args.max_model_len)
+    results = evaluate(
+        args.model,
+        suite=args.suite,
+        backend=args.backend,
+        out_dir=args.out,
+        limit=args.limit,
+        allow_code=args.allow_code_execution,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+    )
     for bench, r in results["benchmarks"].items():
         print(f"{bench:<10} {r['metric']:<12} {r['score']:.4f}  (n={r['n']})")
     print(f"results: {results['out_dir']}/results.json")
@@ -344,10 +429,17 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     parser.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     parser.add_argument("--out", default=None, help="output directory (default: runs/eval/<model>-<suite>)")
     parser.add_argument("--limit", type=int, default=None, help="items per task (default: the suite's)")
-    parser.add_argument("--allow-code-execution", action="store_true",
-                        help="run code benchmarks: executes model-written programs in subprocesses")
+    parser.add_argument(
+        "--allow-code-execution",
+        action="store_true",
+        help="run code benchmarks: executes model-written programs in subprocesses",
+    )
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help=f"context (default: the checkpoint's max_position_embeddings, at most {MAX_CONTEXT})")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help=f"context (default: the checkpoint's max_position_embeddings, at most {MAX_CONTEXT})",
+    )
     parser.set_defaults(func=_run)
     return parser

@@ -32,8 +32,10 @@ class ExpertSort:
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertSort:
     """topk_ids (T, k) integer expert ids -> the pairs sorted by expert, stably (tokens in order within one)."""
     if topk_ids.ndim != 2 or topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
-        raise ValueError(f"sort_by_expert: topk_ids must be a 2-D integer tensor (T, k), got {topk_ids.dtype} "
-                         f"{tuple(topk_ids.shape)}")
+        raise ValueError(
+            f"sort_by_expert: topk_ids must be a 2-D integer tensor (T, k), got {topk_ids.dtype} "
+            f"{tuple(topk_ids.shape)}"
+        )
     if num_experts < 1:
         raise ValueError(f"sort_by_expert: num_experts must be >= 1, got {num_experts}")
     ids = topk_ids.reshape(-1).to(torch.int64)
@@ -41,8 +43,11 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertSort:
     sorted_key, order = torch.sort(key, stable=True)
     experts = torch.arange(num_experts + 1, device=ids.device)
     offsets = torch.searchsorted(sorted_key, experts)  # first sorted row of expert e (of "none" for e = E)
-    return ExpertSort(token_index=(order // topk_ids.shape[1]).to(torch.int32), flat_index=order,
-                      expert_offsets=offsets.to(torch.int32))
+    return ExpertSort(
+        token_index=(order // topk_ids.shape[1]).to(torch.int32),
+        flat_index=order,
+        expert_offsets=offsets.to(torch.int32),
+    )
 
 
 def combine_expert_rows(y_sorted: torch.Tensor, sort: ExpertSort, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -50,8 +55,10 @@ def combine_expert_rows(y_sorted: torch.Tensor, sort: ExpertSort, topk_weights: 
     slots of topk_weights[token, slot] * y (rows of no expert, from offsets[E] on, add nothing)."""
     tokens, top_k = topk_weights.shape
     if y_sorted.ndim != 2 or y_sorted.shape[0] != tokens * top_k or sort.flat_index.shape != (tokens * top_k,):
-        raise ValueError(f"combine_expert_rows: y_sorted must be (T * k, N) = ({tokens * top_k}, N) for topk_weights "
-                         f"{tuple(topk_weights.shape)}, got {tuple(y_sorted.shape)}")
+        raise ValueError(
+            f"combine_expert_rows: y_sorted must be (T * k, N) = ({tokens * top_k}, N) for topk_weights "
+            f"{tuple(topk_weights.shape)}, got {tuple(y_sorted.shape)}"
+        )
     valid = torch.arange(y_sorted.shape[0], device=y_sorted.device) < sort.expert_offsets[-1]
     weight = topk_weights.reshape(-1)[sort.flat_index].float()
     rows = torch.where(valid[:, None], y_sorted.float() * weight[:, None], 0.0)  # whatever those rows hold

@@ -25,16 +25,33 @@ import triton
 import triton.language as tl
 
 from quantkit.formats.constants import F8E4M3_DTYPE, FP8_WEIGHT_BLOCK
-from quantkit.kernels.gemm_tiles import (GemmTiles, check_epilogue_args, default_tiles, grid_size, output_tile,
-                                         require, store_tile)
+from quantkit.kernels.gemm_tiles import (
+    GemmTiles,
+    check_epilogue_args,
+    default_tiles,
+    grid_size,
+    output_tile,
+    require,
+    store_tile,
+)
 from quantkit.kernels.interpreter_quirks import interpreting
 
 _check = partial(require, "fp8_block_gemm")  # _check(cond, msg): ValueError "fp8_block_gemm: msg" unless cond
 
 
 @triton.jit
-def fp8_block_dot(x_rows, x_scale, w_rows, w_scale_rows, m_ok, n_ok, K,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def fp8_block_dot(
+    x_rows,
+    x_scale,
+    w_rows,
+    w_scale_rows,
+    m_ok,
+    n_ok,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """The K loop of one output tile: float32 (BLOCK_M, BLOCK_N) = sum_kb (x . w) * x_scale * w_scale.
 
     x_rows (BLOCK_M,) / w_rows (BLOCK_N,): pointers to the first element of each activation / weight row;
@@ -57,15 +74,41 @@ def fp8_block_dot(x_rows, x_scale, w_rows, w_scale_rows, m_ok, n_ok, K,
 
 @triton.jit
 def _fp8_block_gemm_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr,
-    M, N, K, stride_xm, stride_wn, stride_wsn, stride_ym,
-    HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    x_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_wsn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     offs_m, offs_n, m_ok, n_ok = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     x_scale = tl.load(x_scale_ptr + offs_m, mask=m_ok, other=0.0)
-    acc = fp8_block_dot(x_ptr + offs_m.to(tl.int64) * stride_xm, x_scale, w_ptr + offs_n.to(tl.int64) * stride_wn,
-                        w_scale_ptr + (offs_n // SCALE_BLOCK) * stride_wsn, m_ok, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = fp8_block_dot(
+        x_ptr + offs_m.to(tl.int64) * stride_xm,
+        x_scale,
+        w_ptr + offs_n.to(tl.int64) * stride_wn,
+        w_scale_ptr + (offs_n // SCALE_BLOCK) * stride_wsn,
+        m_ok,
+        n_ok,
+        K,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
     store_tile(acc, y_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, HAS_BIAS, ROUND_BF16)
 
 
@@ -107,10 +150,27 @@ def fp8_block_gemm(
     x_scale, w_scale = x_scale.contiguous(), w_scale.contiguous()
     y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     _fp8_block_gemm_kernel[grid_size(m, n, tiles)](
-        x_q, x_scale, w_q, w_scale, bias if bias is not None else y, y,
-        m, n, k, x_q.stride(0), w_q.stride(0), w_scale.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, ROUND_BF16=out_dtype == torch.bfloat16 and interpreting(),
-        SCALE_BLOCK=scale_rows, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        x_q,
+        x_scale,
+        w_q,
+        w_scale,
+        bias if bias is not None else y,
+        y,
+        m,
+        n,
+        k,
+        x_q.stride(0),
+        w_q.stride(0),
+        w_scale.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        ROUND_BF16=out_dtype == torch.bfloat16 and interpreting(),
+        SCALE_BLOCK=scale_rows,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return y

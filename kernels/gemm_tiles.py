@@ -72,12 +72,16 @@ def require(fn: str, cond: bool, msg: str) -> None:
         raise ValueError(f"{fn}: {msg}")
 
 
-def check_epilogue_args(fn: str, n: int, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                        tensors: Iterable[torch.Tensor]) -> None:
+def check_epilogue_args(
+    fn: str, n: int, bias: torch.Tensor | None, out_dtype: torch.dtype, tensors: Iterable[torch.Tensor]
+) -> None:
     """The arguments every GEMM shares: bias None or a float (n,) tensor, out_dtype one of OUT_DTYPES, all
     `tensors` (bias included) on one device."""
-    require(fn, bias is None or (bias.is_floating_point() and tuple(bias.shape) == (n,)),
-            f"bias must be a float tensor of shape {(n,)}")
+    require(
+        fn,
+        bias is None or (bias.is_floating_point() and tuple(bias.shape) == (n,)),
+        f"bias must be a float tensor of shape {(n,)}",
+    )
     require(fn, out_dtype in OUT_DTYPES, f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     tensors = tuple(tensors) + (() if bias is None else (bias,))
     require(fn, len({t.device for t in tensors}) == 1, "all tensors must be on one device")
@@ -105,8 +109,9 @@ def output_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.
 
 
 @triton.jit
-def store_tile(acc, y_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
-               HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
+def store_tile(
+    acc, y_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr
+):
     """Epilogue: acc (BLOCK_M, BLOCK_N) float32 (+ bias[n]) -> y[offs_m, offs_n] in y's dtype, masked.
     ROUND_BF16: round to nearest first (the interpreter's fp32 -> bf16 cast truncates)."""
     if HAS_BIAS:

@@ -67,8 +67,9 @@ def expert_tiles(expert_offsets: torch.Tensor, rows: int, block_m: int) -> tuple
 
 
 @triton.jit
-def grouped_tile(tile_expert_ptr, tile_row_ptr, NUM_TILES, N,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def grouped_tile(
+    tile_expert_ptr, tile_row_ptr, NUM_TILES, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr
+):
     """This program's tile of a grouped GEMM: (expert (E: the rows of no expert, more: a spare tile), offs_m
     (BLOCK_M,) sorted rows from the tile's first, offs_n (BLOCK_N,), n_ok), on a 1-D grid of
     NUM_TILES * cdiv(N, BLOCK_N) programs."""
@@ -81,18 +82,50 @@ def grouped_tile(tile_expert_ptr, tile_row_ptr, NUM_TILES, N,
 
 @triton.jit
 def _fp8_block_grouped_kernel(
-    x_ptr, x_scale_ptr, row_index_ptr, w_ptr, w_scale_ptr, y_ptr, ends_ptr, tile_expert_ptr, tile_row_ptr,
-    NUM_TILES, E, N, K, stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
-    GATHER: tl.constexpr, ROUND_BF16: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    x_ptr,
+    x_scale_ptr,
+    row_index_ptr,
+    w_ptr,
+    w_scale_ptr,
+    y_ptr,
+    ends_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    NUM_TILES,
+    E,
+    N,
+    K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_ym,
+    GATHER: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     expert, offs_m, offs_n, n_ok = grouped_tile(tile_expert_ptr, tile_row_ptr, NUM_TILES, N, BLOCK_M, BLOCK_N, GROUP_M)
     if expert > E:
         return
     m_ok = offs_m < tl.load(ends_ptr + expert + 1)
     if expert == E:  # rows of no expert: zeros
-        store_tile(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), y_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
-                   False, ROUND_BF16)
+        store_tile(
+            tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
+            y_ptr,
+            y_ptr,
+            offs_m,
+            offs_n,
+            m_ok,
+            n_ok,
+            stride_ym,
+            False,
+            ROUND_BF16,
+        )
         return
     if GATHER:
         src = tl.load(row_index_ptr + offs_m, mask=m_ok, other=0)
@@ -100,62 +133,136 @@ def _fp8_block_grouped_kernel(
         src = offs_m
     x_scale = tl.load(x_scale_ptr + src, mask=m_ok, other=0.0)
     e64 = expert.to(tl.int64)
-    acc = fp8_block_dot(x_ptr + src.to(tl.int64) * stride_xm, x_scale,
-                        w_ptr + e64 * stride_we + offs_n.to(tl.int64) * stride_wn,
-                        w_scale_ptr + e64 * stride_wse + (offs_n // SCALE_BLOCK) * stride_wsn,
-                        m_ok, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = fp8_block_dot(
+        x_ptr + src.to(tl.int64) * stride_xm,
+        x_scale,
+        w_ptr + e64 * stride_we + offs_n.to(tl.int64) * stride_wn,
+        w_scale_ptr + e64 * stride_wse + (offs_n // SCALE_BLOCK) * stride_wsn,
+        m_ok,
+        n_ok,
+        K,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
     store_tile(acc, y_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, False, ROUND_BF16)
 
 
 @triton.jit
 def _nvfp4_grouped_kernel(
-    a_ptr, a_scale_ptr, a_global_ptr, row_index_ptr, w_ptr, w_scale_ptr, w_global_ptr, y_ptr,
-    ends_ptr, tile_expert_ptr, tile_row_ptr,
-    NUM_TILES, E, N, K_BYTES, stride_am, stride_asm, stride_agm, stride_we, stride_wn, stride_wse, stride_wsn,
-    stride_wge, stride_wgn, stride_ym,
-    GATHER: tl.constexpr, TILE: tl.constexpr, ROUND_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    a_scale_ptr,
+    a_global_ptr,
+    row_index_ptr,
+    w_ptr,
+    w_scale_ptr,
+    w_global_ptr,
+    y_ptr,
+    ends_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    NUM_TILES,
+    E,
+    N,
+    K_BYTES,
+    stride_am,
+    stride_asm,
+    stride_agm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_wge,
+    stride_wgn,
+    stride_ym,
+    GATHER: tl.constexpr,
+    TILE: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     expert, offs_m, offs_n, n_ok = grouped_tile(tile_expert_ptr, tile_row_ptr, NUM_TILES, N, BLOCK_M, BLOCK_N, GROUP_M)
     if expert > E:
         return
     m_ok = offs_m < tl.load(ends_ptr + expert + 1)
     if expert == E:  # rows of no expert: zeros
-        store_tile(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), y_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
-                   False, ROUND_BF16)
+        store_tile(
+            tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
+            y_ptr,
+            y_ptr,
+            offs_m,
+            offs_n,
+            m_ok,
+            n_ok,
+            stride_ym,
+            False,
+            ROUND_BF16,
+        )
         return
     if GATHER:
         src = tl.load(row_index_ptr + offs_m, mask=m_ok, other=0)
     else:
         src = offs_m
     rows, cols, e64 = src.to(tl.int64), offs_n.to(tl.int64), expert.to(tl.int64)
-    acc = nvfp4_dot(a_ptr + rows * stride_am, a_scale_ptr + rows * stride_asm,
-                    w_ptr + e64 * stride_we + cols * stride_wn, w_scale_ptr + e64 * stride_wse + cols * stride_wsn,
-                    m_ok, n_ok, K_BYTES, TILE, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = nvfp4_dot(
+        a_ptr + rows * stride_am,
+        a_scale_ptr + rows * stride_asm,
+        w_ptr + e64 * stride_we + cols * stride_wn,
+        w_scale_ptr + e64 * stride_wse + cols * stride_wsn,
+        m_ok,
+        n_ok,
+        K_BYTES,
+        TILE,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
     a_global = tl.load(a_global_ptr + rows * stride_agm, mask=m_ok, other=0.0)
     w_global = tl.load(w_global_ptr + e64 * stride_wge + cols * stride_wgn, mask=n_ok, other=0.0)
     acc = acc * a_global[:, None] * w_global[None, :]
     store_tile(acc, y_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, False, ROUND_BF16)
 
 
-def _check_grouping(fn: str, a_rows: int, expert_offsets: torch.Tensor, num_experts: int,
-                    row_index: torch.Tensor | None, out_dtype: torch.dtype, tensors: Sequence[torch.Tensor]) -> int:
+def _check_grouping(
+    fn: str,
+    a_rows: int,
+    expert_offsets: torch.Tensor,
+    num_experts: int,
+    row_index: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    tensors: Sequence[torch.Tensor],
+) -> int:
     """Check what both grouped GEMMs share; return S, the number of sorted rows."""
     check = partial(require, fn)
-    check(expert_offsets.dtype in INDEX_DTYPES and tuple(expert_offsets.shape) == (num_experts + 1,),
-          f"expert_offsets must be int32/int64 of shape (E + 1,) = {(num_experts + 1,)}, got "
-          f"{expert_offsets.dtype} {tuple(expert_offsets.shape)}")
+    check(
+        expert_offsets.dtype in INDEX_DTYPES and tuple(expert_offsets.shape) == (num_experts + 1,),
+        f"expert_offsets must be int32/int64 of shape (E + 1,) = {(num_experts + 1,)}, got "
+        f"{expert_offsets.dtype} {tuple(expert_offsets.shape)}",
+    )
     if row_index is not None:
-        check(row_index.dtype in INDEX_DTYPES and row_index.ndim == 1,
-              f"row_index must be 1-D int32/int64 (S,), got {row_index.dtype} {tuple(row_index.shape)}")
+        check(
+            row_index.dtype in INDEX_DTYPES and row_index.ndim == 1,
+            f"row_index must be 1-D int32/int64 (S,), got {row_index.dtype} {tuple(row_index.shape)}",
+        )
     check(out_dtype in OUT_DTYPES, f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    check(len({t.device for t in (*tensors, expert_offsets, *([] if row_index is None else [row_index]))}) == 1,
-          "all tensors must be on one device")
+    check(
+        len({t.device for t in (*tensors, expert_offsets, *([] if row_index is None else [row_index]))}) == 1,
+        "all tensors must be on one device",
+    )
     return a_rows if row_index is None else row_index.shape[0]
 
 
-def _launch(kernel, y: torch.Tensor, expert_offsets: torch.Tensor, tiles: GemmTiles, operands: Sequence,
-            sizes: Sequence[int], **constexprs) -> torch.Tensor:
+def _launch(
+    kernel,
+    y: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    tiles: GemmTiles,
+    operands: Sequence,
+    sizes: Sequence[int],
+    **constexprs,
+) -> torch.Tensor:
     """Run a grouped kernel (arguments: operands, y, the tile map of `expert_tiles`, NUM_TILES, E, N, sizes,
     constexprs) over its tiles, filling y (S, N); returns y."""
     s, n = y.shape
@@ -164,9 +271,22 @@ def _launch(kernel, y: torch.Tensor, expert_offsets: torch.Tensor, tiles: GemmTi
     group_ends, tile_group, tile_row = expert_tiles(expert_offsets, s, tiles.block_m)
     num_tiles = tile_group.numel()
     kernel[(num_tiles * triton.cdiv(n, tiles.block_n),)](
-        *operands, y, group_ends, tile_group, tile_row, num_tiles, expert_offsets.numel() - 1, n, *sizes,
-        ROUND_BF16=y.dtype == torch.bfloat16 and interpreting(), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        *operands,
+        y,
+        group_ends,
+        tile_group,
+        tile_row,
+        num_tiles,
+        expert_offsets.numel() - 1,
+        n,
+        *sizes,
+        ROUND_BF16=y.dtype == torch.bfloat16 and interpreting(),
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
         **constexprs,
     )
     return y
@@ -189,30 +309,43 @@ def fp8_block_grouped_gemm(
     docstring. tiles: default `default_tiles(S / E, 128, "fp8_block_grouped")`; block_k must be the scale block, 128."""
     fn = "fp8_block_grouped_gemm"
     check = partial(require, fn)
-    check(x_q.dtype == F8E4M3_DTYPE and x_q.ndim == 2, f"x_q must be 2-D float8_e4m3fn, got {x_q.dtype} {tuple(x_q.shape)}")
-    check(w_q.dtype == F8E4M3_DTYPE and w_q.ndim == 3,
-          f"w_q must be 3-D (E, N, K) float8_e4m3fn, got {w_q.dtype} {tuple(w_q.shape)}")
+    check(
+        x_q.dtype == F8E4M3_DTYPE and x_q.ndim == 2,
+        f"x_q must be 2-D float8_e4m3fn, got {x_q.dtype} {tuple(x_q.shape)}",
+    )
+    check(
+        w_q.dtype == F8E4M3_DTYPE and w_q.ndim == 3,
+        f"w_q must be 3-D (E, N, K) float8_e4m3fn, got {w_q.dtype} {tuple(w_q.shape)}",
+    )
     r, k = x_q.shape
     e, n = w_q.shape[:2]
     check(e >= 1, "w_q must hold at least one expert")
     check(w_q.shape[2] == k, f"x_q {tuple(x_q.shape)} and w_q {tuple(w_q.shape)} disagree on K")
-    check(x_scale.dtype == torch.float32 and tuple(x_scale.shape) == (r, 1),
-          f"x_scale must be float32 of shape {(r, 1)}, got {x_scale.dtype} {tuple(x_scale.shape)}")
+    check(
+        x_scale.dtype == torch.float32 and tuple(x_scale.shape) == (r, 1),
+        f"x_scale must be float32 of shape {(r, 1)}, got {x_scale.dtype} {tuple(x_scale.shape)}",
+    )
     kb = triton.cdiv(k, FP8_WEIGHT_BLOCK)
     blocks, per_row = (e, triton.cdiv(n, FP8_WEIGHT_BLOCK), kb), (e, n, kb)
-    check(w_scale.dtype == torch.float32 and tuple(w_scale.shape) in (blocks, per_row),
-          f"w_scale must be float32 of shape {blocks} (or {per_row}, one row per output row) for w_q {(e, n, k)}, "
-          f"got {w_scale.dtype} {tuple(w_scale.shape)}")
+    check(
+        w_scale.dtype == torch.float32 and tuple(w_scale.shape) in (blocks, per_row),
+        f"w_scale must be float32 of shape {blocks} (or {per_row}, one row per output row) for w_q {(e, n, k)}, "
+        f"got {w_scale.dtype} {tuple(w_scale.shape)}",
+    )
     s = _check_grouping(fn, r, expert_offsets, e, row_index, out_dtype, (x_q, x_scale, w_q, w_scale))
     tiles = tiles or default_tiles(triton.cdiv(s, e), FP8_WEIGHT_BLOCK, "fp8_block_grouped")
     check(tiles.block_k == FP8_WEIGHT_BLOCK, f"tiles.block_k must be the scale block {FP8_WEIGHT_BLOCK}")
     x_q, w_q, x_scale, w_scale = x_q.contiguous(), w_q.contiguous(), x_scale.contiguous(), w_scale.contiguous()
     y = torch.empty((s, n), dtype=out_dtype, device=x_q.device)
     return _launch(
-        _fp8_block_grouped_kernel, y, expert_offsets, tiles,
+        _fp8_block_grouped_kernel,
+        y,
+        expert_offsets,
+        tiles,
         (x_q, x_scale, x_q if row_index is None else row_index.contiguous(), w_q, w_scale),
         (k, x_q.stride(0), w_q.stride(0), w_q.stride(1), w_scale.stride(0), w_scale.stride(1), y.stride(0)),
-        GATHER=row_index is not None, SCALE_BLOCK=FP8_WEIGHT_BLOCK if tuple(w_scale.shape) == blocks else 1,
+        GATHER=row_index is not None,
+        SCALE_BLOCK=FP8_WEIGHT_BLOCK if tuple(w_scale.shape) == blocks else 1,
     )
 
 
@@ -236,47 +369,94 @@ def nvfp4_grouped_gemm(
     `default_tiles(S / E, 128, "nvfp4_grouped")`; block_k a power of two >= 32."""
     fn = "nvfp4_grouped_gemm"
     check = partial(require, fn)
-    check(a_packed.dtype == torch.uint8 and a_packed.ndim == 2,
-          f"a_packed must be 2-D uint8, got {a_packed.dtype} {tuple(a_packed.shape)}")
-    check(w_packed.dtype == torch.uint8 and w_packed.ndim == 3,
-          f"w_packed must be 3-D (E, N, Kp/2) uint8, got {w_packed.dtype} {tuple(w_packed.shape)}")
+    check(
+        a_packed.dtype == torch.uint8 and a_packed.ndim == 2,
+        f"a_packed must be 2-D uint8, got {a_packed.dtype} {tuple(a_packed.shape)}",
+    )
+    check(
+        w_packed.dtype == torch.uint8 and w_packed.ndim == 3,
+        f"w_packed must be 3-D (E, N, Kp/2) uint8, got {w_packed.dtype} {tuple(w_packed.shape)}",
+    )
     r, k_bytes = a_packed.shape
     e, n = w_packed.shape[:2]
     check(e >= 1, "w_packed must hold at least one expert")
-    check(w_packed.shape[2] == k_bytes,
-          f"a_packed {tuple(a_packed.shape)} and w_packed {tuple(w_packed.shape)} disagree on Kp/2")
-    check(k_bytes % (NVFP4_GROUP // 2) == 0,
-          f"packed rows must hold Kp/2 bytes, Kp a multiple of {NVFP4_GROUP}; got {k_bytes}")
+    check(
+        w_packed.shape[2] == k_bytes,
+        f"a_packed {tuple(a_packed.shape)} and w_packed {tuple(w_packed.shape)} disagree on Kp/2",
+    )
+    check(
+        k_bytes % (NVFP4_GROUP // 2) == 0,
+        f"packed rows must hold Kp/2 bytes, Kp a multiple of {NVFP4_GROUP}; got {k_bytes}",
+    )
     groups = 2 * k_bytes // NVFP4_GROUP
-    for name, t, want in (("a_block_scale", a_block_scale, (r, groups)), ("w_block_scale", w_block_scale, (e, n, groups))):
-        check(t.dtype == F8E4M3_DTYPE and tuple(t.shape) == want,
-              f"{name} must be float8_e4m3fn of shape {want}, got {t.dtype} {tuple(t.shape)}")
+    for name, t, want in (
+        ("a_block_scale", a_block_scale, (r, groups)),
+        ("w_block_scale", w_block_scale, (e, n, groups)),
+    ):
+        check(
+            t.dtype == F8E4M3_DTYPE and tuple(t.shape) == want,
+            f"{name} must be float8_e4m3fn of shape {want}, got {t.dtype} {tuple(t.shape)}",
+        )
     device = a_packed.device
     if isinstance(a_global, torch.Tensor) and a_global.numel() != 1:
-        check(a_global.dtype == torch.float32 and tuple(a_global.shape) == (r, 1),
-              f"a_global must be float32 (R, 1) = {(r, 1)} or one number, got {a_global.dtype} {tuple(a_global.shape)}")
+        check(
+            a_global.dtype == torch.float32 and tuple(a_global.shape) == (r, 1),
+            f"a_global must be float32 (R, 1) = {(r, 1)} or one number, got {a_global.dtype} {tuple(a_global.shape)}",
+        )
     else:
         a_global = torch.as_tensor(a_global, dtype=torch.float32, device=device)
         check(a_global.numel() == 1, f"a_global must be one number here, got shape {tuple(a_global.shape)}")
     a_global = a_global.reshape(-1).contiguous()
-    check(w_global.dtype == torch.float32 and tuple(w_global.shape) in ((e,), (e, 1), (e, n)),
-          f"w_global must be float32 (E,), (E, 1) or (E, N) = {(e, n)}, got {w_global.dtype} {tuple(w_global.shape)}")
+    check(
+        w_global.dtype == torch.float32 and tuple(w_global.shape) in ((e,), (e, 1), (e, n)),
+        f"w_global must be float32 (E,), (E, 1) or (E, N) = {(e, n)}, got {w_global.dtype} {tuple(w_global.shape)}",
+    )
     w_global = w_global.reshape(e, -1).contiguous()
-    s = _check_grouping(fn, r, expert_offsets, e, row_index, out_dtype,
-                        (a_packed, a_block_scale, a_global, w_packed, w_block_scale, w_global))
+    s = _check_grouping(
+        fn,
+        r,
+        expert_offsets,
+        e,
+        row_index,
+        out_dtype,
+        (a_packed, a_block_scale, a_global, w_packed, w_block_scale, w_global),
+    )
     tiles = tiles or default_tiles(triton.cdiv(s, e), DEFAULT_BLOCK_K, "nvfp4_grouped")
-    check(tiles.block_k >= 32 and tiles.block_k & (tiles.block_k - 1) == 0,
-          f"tiles.block_k must be a power of two >= 32 (each dot spans >= 16 elements), got {tiles.block_k}")
+    check(
+        tiles.block_k >= 32 and tiles.block_k & (tiles.block_k - 1) == 0,
+        f"tiles.block_k must be a power of two >= 32 (each dot spans >= 16 elements), got {tiles.block_k}",
+    )
     a_packed, w_packed = a_packed.contiguous(), w_packed.contiguous()
     a_block_scale, w_block_scale = a_block_scale.contiguous(), w_block_scale.contiguous()
     y = torch.empty((s, n), dtype=out_dtype, device=device)
     interpret = interpreting()
     return _launch(
-        _nvfp4_grouped_kernel, y, expert_offsets, tiles,
-        (a_packed, a_block_scale, a_global, a_packed if row_index is None else row_index.contiguous(), w_packed,
-         w_block_scale, w_global),
-        (k_bytes, a_packed.stride(0), a_block_scale.stride(0), 1 if a_global.numel() != 1 else 0,
-               w_packed.stride(0), w_packed.stride(1), w_block_scale.stride(0), w_block_scale.stride(1),
-               w_global.stride(0), 1 if w_global.shape[1] != 1 else 0, y.stride(0)),
-        GATHER=row_index is not None, TILE=tl.float32 if interpret else tl.bfloat16,
+        _nvfp4_grouped_kernel,
+        y,
+        expert_offsets,
+        tiles,
+        (
+            a_packed,
+            a_block_scale,
+            a_global,
+            a_packed if row_index is None else row_index.contiguous(),
+            w_packed,
+            w_block_scale,
+            w_global,
+        ),
+        (
+            k_bytes,
+            a_packed.stride(0),
+            a_block_scale.stride(0),
+            1 if a_global.numel() != 1 else 0,
+            w_packed.stride(0),
+            w_packed.stride(1),
+            w_block_scale.stride(0),
+            w_block_scale.stride(1),
+            w_global.stride(0),
+            1 if w_global.shape[1] != 1 else 0,
+            y.stride(0),
+        ),
+        GATHER=row_index is not None,
+        TILE=tl.float32 if interpret else tl.bfloat16,
     )

@@ -38,8 +38,15 @@ import triton.language as tl
 
 from quantkit.formats.constants import F8E4M3_DTYPE, NVFP4_GROUP
 from quantkit.kernels.fp_codes import e2m1_value
-from quantkit.kernels.gemm_tiles import (GemmTiles, check_epilogue_args, default_tiles, grid_size, output_tile,
-                                         require, store_tile)
+from quantkit.kernels.gemm_tiles import (
+    GemmTiles,
+    check_epilogue_args,
+    default_tiles,
+    grid_size,
+    output_tile,
+    require,
+    store_tile,
+)
 from quantkit.kernels.interpreter_quirks import interpreting
 
 _GROUP_BYTES = tl.constexpr(NVFP4_GROUP // 2)  # a packed group of 16 E2M1 codes
@@ -53,8 +60,19 @@ _check = partial(require, "nvfp4_gemm")  # _check(cond, msg): ValueError "nvfp4_
 
 
 @triton.jit
-def nvfp4_dot(a_rows, a_scale_rows, w_rows, w_scale_rows, m_ok, n_ok, K_BYTES, TILE: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def nvfp4_dot(
+    a_rows,
+    a_scale_rows,
+    w_rows,
+    w_scale_rows,
+    m_ok,
+    n_ok,
+    K_BYTES,
+    TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """The K loop of one output tile, before the second-stage scales: float32 (BLOCK_M, BLOCK_N) =
     sum_k (e2m1(a) * a_bs) * (e2m1(w) * w_bs), K_BYTES packed bytes a row, BLOCK_K elements a step.
 
@@ -91,15 +109,47 @@ def nvfp4_dot(a_rows, a_scale_rows, w_rows, w_scale_rows, m_ok, n_ok, K_BYTES, T
 
 @triton.jit
 def _nvfp4_gemm_kernel(
-    a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, bias_ptr, y_ptr,
-    M, N, K_BYTES, stride_am, stride_asm, stride_agm, stride_wgn, stride_wn, stride_wsn, stride_ym,
-    HAS_BIAS: tl.constexpr, TILE: tl.constexpr, ROUND_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    a_scale_ptr,
+    a_global_ptr,
+    w_ptr,
+    w_scale_ptr,
+    w_global_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K_BYTES,
+    stride_am,
+    stride_asm,
+    stride_agm,
+    stride_wgn,
+    stride_wn,
+    stride_wsn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    TILE: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     offs_m, offs_n, m_ok, n_ok = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows, cols = offs_m.to(tl.int64), offs_n.to(tl.int64)
-    acc = nvfp4_dot(a_ptr + rows * stride_am, a_scale_ptr + rows * stride_asm, w_ptr + cols * stride_wn,
-                    w_scale_ptr + cols * stride_wsn, m_ok, n_ok, K_BYTES, TILE, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = nvfp4_dot(
+        a_ptr + rows * stride_am,
+        a_scale_ptr + rows * stride_asm,
+        w_ptr + cols * stride_wn,
+        w_scale_ptr + cols * stride_wsn,
+        m_ok,
+        n_ok,
+        K_BYTES,
+        TILE,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
     a_global = tl.load(a_global_ptr + offs_m * stride_agm, mask=m_ok, other=0.0)
     w_global = tl.load(w_global_ptr + offs_n * stride_wgn, mask=n_ok, other=0.0)
     acc = acc * a_global[:, None] * w_global[None, :]
@@ -107,29 +157,59 @@ def _nvfp4_gemm_kernel(
 
 
 @triton.jit
-def _dequantize_kernel(packed_ptr, scale_ptr, out_ptr, ROWS, K_BYTES, stride_p, stride_s, stride_o,
-                       BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+def _dequantize_kernel(
+    packed_ptr,
+    scale_ptr,
+    out_ptr,
+    ROWS,
+    K_BYTES,
+    stride_p,
+    stride_s,
+    stride_o,
+    BLOCK_R: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     """out[r, 2j] / out[r, 2j + 1] = e2m1(low / high nibble of packed[r, j]) * scale[r, j // 8]; a program
     decodes BLOCK_R rows x BLOCK_B bytes and stores them as contiguous rows of 2 * BLOCK_B values."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     ok = (rows < ROWS)[:, None] & (offs_b < K_BYTES)[None, :]
     packed = tl.load(packed_ptr + rows[:, None] * stride_p + offs_b[None, :], mask=ok, other=0)
-    scale = tl.load(scale_ptr + rows[:, None] * stride_s + (offs_b // _GROUP_BYTES)[None, :], mask=ok,
-                    other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + rows[:, None] * stride_s + (offs_b // _GROUP_BYTES)[None, :], mask=ok, other=0.0).to(
+        tl.float32
+    )
     values = tl.join(e2m1_value(packed) * scale, e2m1_value(packed >> 4) * scale)  # (R, B, 2): 2j, 2j + 1
     values = tl.reshape(values, (BLOCK_R, 2 * BLOCK_B))
     offs_k = 2 * tl.program_id(1) * BLOCK_B + tl.arange(0, 2 * BLOCK_B)
-    tl.store(out_ptr + rows[:, None] * stride_o + offs_k[None, :], values.to(out_ptr.dtype.element_ty),
-             mask=(rows < ROWS)[:, None] & (offs_k < 2 * K_BYTES)[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * stride_o + offs_k[None, :],
+        values.to(out_ptr.dtype.element_ty),
+        mask=(rows < ROWS)[:, None] & (offs_k < 2 * K_BYTES)[None, :],
+    )
 
 
 @triton.jit
 def _dequantized_gemm_kernel(
-    a_ptr, a_global_ptr, w_ptr, w_global_ptr, bias_ptr, y_ptr, M, N, K,
-    stride_am, stride_agm, stride_wgn, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    a_global_ptr,
+    w_ptr,
+    w_global_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_agm,
+    stride_wgn,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """y = (a @ w^T) * a_global[m] * w_global[n] (+ bias): a (M, K), w (N, K) dequantized NVFP4 operands."""
     offs_m, offs_n, m_ok, n_ok = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -149,16 +229,27 @@ def _dequantized_gemm_kernel(
     store_tile(acc, y_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, HAS_BIAS, ROUND_BF16)
 
 
-def nvfp4_dequantize(packed: torch.Tensor, block_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
-                     ) -> torch.Tensor:
+def nvfp4_dequantize(
+    packed: torch.Tensor, block_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """(R, Kp/2) uint8 codes (element 2j in the low nibble of byte j) and (R, Kp/16) E4M3 group scales ->
     (R, Kp) `dtype` values e2m1 * group scale, without the second-stage scale: exact in bfloat16 (and
     float32). Shapes as `nvfp4_gemm` checks them."""
     rows, k_bytes = packed.shape
     out = torch.empty((rows, 2 * k_bytes), dtype=dtype, device=packed.device)
     grid = (triton.cdiv(rows, _DEQUANT_ROWS), triton.cdiv(k_bytes, _DEQUANT_BYTES))
-    _dequantize_kernel[grid](packed, block_scale, out, rows, k_bytes, packed.stride(0), block_scale.stride(0),
-                             out.stride(0), BLOCK_R=_DEQUANT_ROWS, BLOCK_B=_DEQUANT_BYTES)
+    _dequantize_kernel[grid](
+        packed,
+        block_scale,
+        out,
+        rows,
+        k_bytes,
+        packed.stride(0),
+        block_scale.stride(0),
+        out.stride(0),
+        BLOCK_R=_DEQUANT_ROWS,
+        BLOCK_B=_DEQUANT_BYTES,
+    )
     return out
 
 
@@ -221,7 +312,9 @@ def nvfp4_gemm(
         w_global = w_global.contiguous()
     else:
         w_global = _one_number(w_global, "w_global", device)
-    check_epilogue_args("nvfp4_gemm", n, bias, out_dtype, (a_packed, a_block_scale, a_global, w_packed, w_block_scale, w_global))
+    check_epilogue_args(
+        "nvfp4_gemm", n, bias, out_dtype, (a_packed, a_block_scale, a_global, w_packed, w_block_scale, w_global)
+    )
     if dequantize_first is None:
         dequantize_first = m >= DEQUANTIZE_FIRST_MIN_M
     interpret = interpreting()
@@ -234,11 +327,28 @@ def nvfp4_gemm(
         w = nvfp4_dequantize(w_packed, w_block_scale, tile_dtype)
         tiles = tiles or DEQUANTIZED_TILES
         _dequantized_gemm_kernel[grid_size(m, n, tiles)](
-            a, a_global, w, w_global, bias if bias is not None else y, y, m, n, a.shape[1],
-            a.stride(0), 1 if a_global.numel() != 1 else 0, 1 if w_global.numel() != 1 else 0, w.stride(0),
-            y.stride(0), HAS_BIAS=bias is not None, ROUND_BF16=interpret and out_dtype == torch.bfloat16,
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            a,
+            a_global,
+            w,
+            w_global,
+            bias if bias is not None else y,
+            y,
+            m,
+            n,
+            a.shape[1],
+            a.stride(0),
+            1 if a_global.numel() != 1 else 0,
+            1 if w_global.numel() != 1 else 0,
+            w.stride(0),
+            y.stride(0),
+            HAS_BIAS=bias is not None,
+            ROUND_BF16=interpret and out_dtype == torch.bfloat16,
+            BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n,
+            BLOCK_K=tiles.block_k,
+            GROUP_M=tiles.group_m,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
         )
         return y
     tiles = tiles or default_tiles(m, DEFAULT_BLOCK_K, "nvfp4")
@@ -247,14 +357,32 @@ def nvfp4_gemm(
         f"tiles.block_k must be a power of two >= 32 (each dot spans >= 16 elements), got {tiles.block_k}",
     )
     _nvfp4_gemm_kernel[grid_size(m, n, tiles)](
-        a_packed, a_block_scale, a_global, w_packed, w_block_scale, w_global, bias if bias is not None else y, y,
-        m, n, k_bytes, a_packed.stride(0), a_block_scale.stride(0), 1 if a_global.numel() != 1 else 0,
+        a_packed,
+        a_block_scale,
+        a_global,
+        w_packed,
+        w_block_scale,
+        w_global,
+        bias if bias is not None else y,
+        y,
+        m,
+        n,
+        k_bytes,
+        a_packed.stride(0),
+        a_block_scale.stride(0),
+        1 if a_global.numel() != 1 else 0,
         1 if w_global.numel() != 1 else 0,
-        w_packed.stride(0), w_block_scale.stride(0), y.stride(0),
+        w_packed.stride(0),
+        w_block_scale.stride(0),
+        y.stride(0),
         HAS_BIAS=bias is not None,
         TILE=tl.float32 if interpret else tl.bfloat16,
         ROUND_BF16=interpret and out_dtype == torch.bfloat16,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return y

@@ -55,8 +55,15 @@ def row_absmax(x_rows, row_ok, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _quantize_fp8_per_token_kernel(
-    x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_qm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M

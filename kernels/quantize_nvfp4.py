@@ -37,9 +37,21 @@ _PAIRS = tl.constexpr(NVFP4_GROUP // 2)  # bytes of a packed group
 
 @triton.jit
 def _quantize_nvfp4_kernel(
-    x_ptr, packed_ptr, block_scale_ptr, global_ptr, static_global_ptr,
-    M, K, K_PAD, stride_xm, stride_pm, stride_sm, stride_static,
-    STATIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    packed_ptr,
+    block_scale_ptr,
+    global_ptr,
+    static_global_ptr,
+    M,
+    K,
+    K_PAD,
+    stride_xm,
+    stride_pm,
+    stride_sm,
+    stride_static,
+    STATIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     GROUPS: tl.constexpr = BLOCK_K // _GROUP
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -90,8 +102,10 @@ def _static_global(global_scale: torch.Tensor | float, m: int, device: torch.dev
     sync: they are the checkpoint's loaded scales)."""
     if isinstance(global_scale, torch.Tensor) and global_scale.numel() != 1 and global_scale.ndim == 1:
         if global_scale.shape != (m,) or global_scale.dtype != torch.float32 or global_scale.device != device:
-            raise ValueError(f"quantize_nvfp4_per_token: per-row global_scale must be float32 ({m},) on {device}, got "
-                             f"{global_scale.dtype} {tuple(global_scale.shape)} on {global_scale.device}")
+            raise ValueError(
+                f"quantize_nvfp4_per_token: per-row global_scale must be float32 ({m},) on {device}, got "
+                f"{global_scale.dtype} {tuple(global_scale.shape)} on {global_scale.device}"
+            )
         return global_scale.contiguous()
     gs = torch.as_tensor(global_scale, dtype=torch.float32)
     if gs.numel() != 1:
@@ -132,8 +146,20 @@ def quantize_nvfp4_per_token(
     block_scale = torch.empty((m, k_pad // NVFP4_GROUP), dtype=torch.uint8, device=x.device)
     global_out = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     _quantize_nvfp4_kernel[(triton.cdiv(m, block_m),)](
-        x, packed, block_scale, global_out, static_global,
-        m, k, k_pad, x.stride(0), packed.stride(0), block_scale.stride(0), 1 if static_global.numel() != 1 else 0,
-        STATIC=static, BLOCK_M=block_m, BLOCK_K=block_k,
+        x,
+        packed,
+        block_scale,
+        global_out,
+        static_global,
+        m,
+        k,
+        k_pad,
+        x.stride(0),
+        packed.stride(0),
+        block_scale.stride(0),
+        1 if static_global.numel() != 1 else 0,
+        STATIC=static,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
     )
     return packed, block_scale.view(F8E4M3_DTYPE), global_out

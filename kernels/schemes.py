@@ -18,8 +18,9 @@ forward (x (T, H), topk_ids / topk_weights (T, k), w13 = gate rows then up rows,
     y = grouped_quantized_linear(scheme, a, sort.expert_offsets, w2, input_global_scale=w2_input_scale)
     out = combine_expert_rows(y, sort, topk_weights)                          # float32 (T, H)
 
-Rows from offsets[E] on (pairs routed to no expert of this rank) are zeros in h and y; the combine skips them. The FusedMoE reference (`quantkit.quantize.fake_quant.FakeQuantExperts`) quantizes the same
-inputs per expert: the block input before gate/up, the intermediate before down.
+Rows from offsets[E] on (pairs routed to no expert of this rank) are zeros in h and y; the combine skips them.
+The FusedMoE reference (`quantkit.quantize.fake_quant.FakeQuantExperts`) quantizes the same inputs per expert:
+the block input before gate/up, the intermediate before down.
 """
 
 from __future__ import annotations
@@ -47,14 +48,21 @@ class SchemeKernels:
 
 
 KERNELS: dict[str, SchemeKernels] = {
-    FP8_BLOCK.name: SchemeKernels(lambda x, _input_global_scale: quantize_fp8_per_token(x), fp8_block_gemm,
-                                  fp8_block_grouped_gemm),
+    FP8_BLOCK.name: SchemeKernels(
+        lambda x, _input_global_scale: quantize_fp8_per_token(x), fp8_block_gemm, fp8_block_grouped_gemm
+    ),
     NVFP4.name: SchemeKernels(quantize_nvfp4_per_token, nvfp4_gemm, nvfp4_grouped_gemm),
 }
 
 
-def quantized_linear(scheme: Scheme, x: torch.Tensor, weights: Sequence[torch.Tensor], bias: torch.Tensor | None,
-                     input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None) -> torch.Tensor:
+def quantized_linear(
+    scheme: Scheme,
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    bias: torch.Tensor | None,
+    input_global_scale: torch.Tensor | None = None,
+    row_amax: torch.Tensor | None = None,
+) -> torch.Tensor:
     """y (..., N) = quantize(x) @ W^T (+ bias) in x's dtype, x (..., K), `weights` in `scheme.tensors` order.
 
     row_amax (..., 1): the whole row's max |x| when x is a tensor-parallel slice of K; the activations are then
@@ -69,10 +77,17 @@ def quantized_linear(scheme: Scheme, x: torch.Tensor, weights: Sequence[torch.Te
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def grouped_quantized_linear(scheme: Scheme, x: torch.Tensor, expert_offsets: torch.Tensor,
-                             weights: Sequence[torch.Tensor], *, token_index: torch.Tensor | None = None,
-                             input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None,
-                             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def grouped_quantized_linear(
+    scheme: Scheme,
+    x: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    *,
+    token_index: torch.Tensor | None = None,
+    input_global_scale: torch.Tensor | None = None,
+    row_amax: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """One projection of a MoE layer's routed experts, y (S, N) in sorted-row order (`out_dtype`, default x's):
 
         y[s] = quantize(x_s) @ W_e^T    for offsets[e] <= s < offsets[e + 1]; zeros from offsets[E] on
@@ -95,15 +110,20 @@ def grouped_quantized_linear(scheme: Scheme, x: torch.Tensor, expert_offsets: to
         if "static" not in scheme.activation_scales:
             raise ValueError(f"grouped_quantized_linear: scheme {scheme.name} has no static activation scale")
         if input_global_scale.shape != (num_experts,):
-            raise ValueError(f"grouped_quantized_linear: input_global_scale must be ({num_experts},), one per expert, "
-                             f"got {tuple(input_global_scale.shape)}")
+            raise ValueError(
+                f"grouped_quantized_linear: input_global_scale must be ({num_experts},), one per expert, "
+                f"got {tuple(input_global_scale.shape)}"
+            )
         rows = x if token_index is None else x[token_index]
         sorted_row = torch.arange(rows.shape[0], device=x.device)
-        expert = torch.searchsorted(expert_offsets[1:].to(torch.int64), sorted_row, right=True).clamp(max=num_experts - 1)
+        expert = torch.searchsorted(expert_offsets[1:].to(torch.int64), sorted_row, right=True).clamp(
+            max=num_experts - 1
+        )
         activation = kernels.quantize(rows, input_global_scale.float()[expert])
         row_index = None
     else:
         activation = kernels.quantize(x, None) if row_amax is None else scheme.quantize_activation(x, row_amax=row_amax)
         row_index = token_index
-    return kernels.grouped_gemm(*activation, *weights, expert_offsets, row_index=row_index,
-                                out_dtype=out_dtype or x.dtype)
+    return kernels.grouped_gemm(
+        *activation, *weights, expert_offsets, row_index=row_index, out_dtype=out_dtype or x.dtype
+    )

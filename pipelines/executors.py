@@ -40,8 +40,16 @@ from typing import Any
 from tqdm import tqdm
 
 from quantkit.errors import BAD_INPUT, RayExecutorError
-from quantkit.pipelines.study import (BASELINE, STAGE_BY_NAME, Stage, StageError, Study, StudySpec, describe_target,
-                                      read_timings)
+from quantkit.pipelines.study import (
+    BASELINE,
+    STAGE_BY_NAME,
+    Stage,
+    StageError,
+    Study,
+    StudySpec,
+    describe_target,
+    read_timings,
+)
 
 SCOPE_ORDER = ("model", "recipe", "quantized", "study")  # the order the Ray executor runs scopes in
 TASK_KINDS = {"model": "model", "recipe": "chain", "quantized": "compare"}  # a task's name: "<kind> <model> [<recipe>]"
@@ -126,9 +134,11 @@ class RayExecutor:
     def check(spec: StudySpec) -> None:
         """RayExecutorError for a spec the Ray executor cannot schedule (call it before connecting)."""
         if (dp := spec.parallel["data_parallel_size"]) != 1:
-            raise RayExecutorError(f"parallel.data_parallel_size is {dp}: lm-eval's data parallelism starts Ray actors "
-                                   "of its own and shuts Ray down inside the task; the Ray executor already runs the "
-                                   "recipes in parallel, so set data_parallel_size: 1 (or run without --executor ray)")
+            raise RayExecutorError(
+                f"parallel.data_parallel_size is {dp}: lm-eval's data parallelism starts Ray actors "
+                "of its own and shuts Ray down inside the task; the Ray executor already runs the "
+                "recipes in parallel, so set data_parallel_size: 1 (or run without --executor ray)"
+            )
 
     def run(self, study: Study, stages: Sequence[Stage]) -> None:
         """Every target of `stages` as Ray tasks, then the study-scope stages here; raises StageError."""
@@ -144,7 +154,9 @@ class RayExecutor:
         models, recipes = list(spec.models), list(spec.recipes)
         remote = ray.remote(max_retries=0)(run_task)
         tp = spec.parallel["tensor_parallel_size"]
-        chain_resources = dict(num_cpus=1, num_gpus=tp) if ray.cluster_resources().get("GPU", 0) > 0 else dict(num_cpus=tp)
+        chain_resources = (
+            dict(num_cpus=1, num_gpus=tp) if ray.cluster_resources().get("GPU", 0) > 0 else dict(num_cpus=tp)
+        )
         _check_schedulable(ray, chain_resources, tp)
         sources: dict[str, str] = {}
         chains: set[tuple[str, str]] = set()  # (label, recipe) whose chain finished
@@ -152,7 +164,8 @@ class RayExecutor:
         failures: list[StageError] = []
 
         def start(scope: str, label: str, recipe: str | None) -> None:
-            """Submit the task of (scope, label, recipe); with no stage of that scope to run, go on to its dependents."""
+            """Submit the task of (scope, label, recipe); with no stage of that scope to run, go on to its
+            dependents."""
             task = Task(scope, label, recipe, by_scope[scope])
             if not task.stages:
                 finished(task)
@@ -168,13 +181,21 @@ class RayExecutor:
                     start("recipe", task.label, recipe)
             elif task.scope == "recipe":
                 chains.add((task.label, task.recipe))
-                ready = ([r for r in recipes if r != BASELINE and (task.label, r) in chains] if task.recipe == BASELINE
-                         else [task.recipe] if (task.label, BASELINE) in chains else [])
+                ready = (
+                    [r for r in recipes if r != BASELINE and (task.label, r) in chains]
+                    if task.recipe == BASELINE
+                    else [task.recipe]
+                    if (task.label, BASELINE) in chains
+                    else []
+                )
                 for recipe in ready:
                     start("quantized", task.label, recipe)
 
-        total = len(models) * (bool(by_scope["model"]) + len(recipes) * bool(by_scope["recipe"])
-                               + (len(recipes) - 1) * bool(by_scope["quantized"]))
+        total = len(models) * (
+            bool(by_scope["model"])
+            + len(recipes) * bool(by_scope["recipe"])
+            + (len(recipes) - 1) * bool(by_scope["quantized"])
+        )
         with tqdm(total=total, desc=f"study {spec.name} (ray)", unit="task") as bar:
             for label in models:
                 start("model", label, None)
@@ -203,8 +224,10 @@ def _check_schedulable(ray: ModuleType, resources: dict[str, int], tp: int) -> N
     for key, kind in (("num_cpus", "CPU"), ("num_gpus", "GPU")):
         largest = max((node.get(kind, 0) for node in nodes), default=0)
         if resources.get(key, 0) > largest:
-            raise RayExecutorError(f"a chain asks for {resources[key]} {kind}(s) on one node (tensor_parallel_size {tp}); "
-                                   f"the cluster's largest node has {largest:g}")
+            raise RayExecutorError(
+                f"a chain asks for {resources[key]} {kind}(s) on one node (tensor_parallel_size {tp}); "
+                f"the cluster's largest node has {largest:g}"
+            )
 
 
 def _failure(study: Study, task: Task, err: Exception) -> StageError:
@@ -213,27 +236,46 @@ def _failure(study: Study, task: Task, err: Exception) -> StageError:
     cause = getattr(err, "cause", None)  # RayTaskError: what the task raised
     if isinstance(cause, StageError):
         return cause
-    stage = next((name for name in task.stages if (path := study.artifact(name, task.label, task.recipe)) is not None
-                  and not path.exists()), task.stages[-1])
-    what = f"{type(cause).__name__}: {cause}" if cause is not None else \
-        f"{type(err).__name__}: the Ray task {task.name!r} did not finish: {str(err).strip().splitlines()[0]}"
-    return StageError(f"stage {stage!r} failed{describe_target(task.label, task.recipe)} ({study.dir}): {what}",
-                      bad_input=isinstance(cause, BAD_INPUT))
+    stage = next(
+        (
+            name
+            for name in task.stages
+            if (path := study.artifact(name, task.label, task.recipe)) is not None and not path.exists()
+        ),
+        task.stages[-1],
+    )
+    what = (
+        f"{type(cause).__name__}: {cause}"
+        if cause is not None
+        else f"{type(err).__name__}: the Ray task {task.name!r} did not finish: {str(err).strip().splitlines()[0]}"
+    )
+    return StageError(
+        f"stage {stage!r} failed{describe_target(task.label, task.recipe)} ({study.dir}): {what}",
+        bad_input=isinstance(cause, BAD_INPUT),
+    )
 
 
 def _portable(spec: StudySpec) -> StudySpec:
     """`spec` with the zoo directory and local model sources as absolute paths: tasks run in other working
     directories (on other nodes)."""
-    models = {label: source if source.startswith(("zoo:", "model:")) or not Path(source).exists() else str(Path(source).resolve())
-              for label, source in spec.models.items()}
-    return dataclasses.replace(spec, models=models, zoo={**spec.zoo, "dir": str(Path(spec.zoo.get("dir", "zoo")).resolve())})
+    models = {
+        label: source
+        if source.startswith(("zoo:", "model:")) or not Path(source).exists()
+        else str(Path(source).resolve())
+        for label, source in spec.models.items()
+    }
+    return dataclasses.replace(
+        spec, models=models, zoo={**spec.zoo, "dir": str(Path(spec.zoo.get("dir", "zoo")).resolve())}
+    )
 
 
 def _import_ray() -> ModuleType:
     try:
         import ray
     except ImportError as err:
-        raise RayExecutorError(f"--executor ray needs ray ({err}): pip install 'quantkit[ray]' (`make setup` installs it)") from err
+        raise RayExecutorError(
+            f"--executor ray needs ray ({err}): pip install 'quantkit[ray]' (`make setup` installs it)"
+        ) from err
     return ray
 
 
@@ -247,5 +289,7 @@ def _check_reachable(address: str) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as err:
-        raise RayExecutorError(f"cannot reach a Ray cluster at {address}: {err} (is `ray start --head` running there, "
-                               "and its port open to this machine?)") from err
+        raise RayExecutorError(
+            f"cannot reach a Ray cluster at {address}: {err} (is `ray start --head` running there, "
+            "and its port open to this machine?)"
+        ) from err

@@ -116,7 +116,9 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     for recipe in data["recipes"]:
         load_recipe(recipe)  # unknown names fail here, before any work
     if BASELINE not in data["recipes"]:
-        raise ValueError(f"{path}: recipes must include {BASELINE!r}, the baseline every degradation is measured against")
+        raise ValueError(
+            f"{path}: recipes must include {BASELINE!r}, the baseline every degradation is measured against"
+        )
     spec = StudySpec(**{k: v for k, v in data.items()})
     spec.parallel = {"tensor_parallel_size": 1, "data_parallel_size": 1, **(data.get("parallel") or {})}
     if unknown := sorted(set(spec.parallel) - {"tensor_parallel_size", "data_parallel_size"}):
@@ -140,8 +142,10 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     if spec.kl["source"] not in KL_SOURCES:
         raise ValueError(f"{path}: kl.source must be one of {list(KL_SOURCES)}, not {spec.kl['source']!r}")
     if spec.kl["source"] == "vllm" and (spec.eval["backend"] != "vllm" or spec.parallel["data_parallel_size"] != 1):
-        raise ValueError(f"{path}: kl.source vllm reads the eval engine's logprobs: it needs eval.backend vllm and "
-                         "parallel.data_parallel_size 1 (else set kl.source: transformers)")
+        raise ValueError(
+            f"{path}: kl.source vllm reads the eval engine's logprobs: it needs eval.backend vllm and "
+            "parallel.data_parallel_size 1 (else set kl.source: transformers)"
+        )
     top_k = spec.kl["top_k"]
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise ValueError(f"{path}: kl.top_k must be null (full vocabulary) or a positive integer, not {top_k!r}")
@@ -173,8 +177,10 @@ def resolve_source(source: str, spec: StudySpec) -> Path:
             raise FileNotFoundError(f"{path} is not a checkpoint directory (no config.json)")
         return path
     if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise FileNotFoundError(f"{source!r} is neither zoo:<preset>, model:<name> nor a local directory, and the "
-                                "hub is off (HF_HUB_OFFLINE=1): set HF_HUB_OFFLINE=0 with network access, or pass a local directory")
+        raise FileNotFoundError(
+            f"{source!r} is neither zoo:<preset>, model:<name> nor a local directory, and the "
+            "hub is off (HF_HUB_OFFLINE=1): set HF_HUB_OFFLINE=0 with network access, or pass a local directory"
+        )
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(source))
@@ -253,8 +259,11 @@ class Study:
         for (name, _, _), t in self.timings.items():
             if not t["cached"]:
                 measured.setdefault(name, []).append(t["seconds"])
-        todo = [(stage.name, label, recipe) for stage, label, recipe in work
-                if (done := self.artifact(stage.name, label, recipe)) is None or not done.exists()]
+        todo = [
+            (stage.name, label, recipe)
+            for stage, label, recipe in work
+            if (done := self.artifact(stage.name, label, recipe)) is None or not done.exists()
+        ]
         counts: dict[str, int] = {}
         for name, _, _ in todo:
             counts[name] = counts.get(name, 0) + 1
@@ -285,8 +294,11 @@ class Study:
         try:
             stage.run(self, label, recipe)
         except Exception as err:
-            raise StageError(f"stage {stage.name!r} failed{describe_target(label, recipe)} ({self.dir}): {type(err).__name__}: {err}",
-                             bad_input=isinstance(err, BAD_INPUT)) from err
+            raise StageError(
+                f"stage {stage.name!r} failed{describe_target(label, recipe)} ({self.dir}): "
+                f"{type(err).__name__}: {err}",
+                bad_input=isinstance(err, BAD_INPUT),
+            ) from err
         seconds = time.perf_counter() - start
         self._record_timing(key, {"seconds": round(seconds, 2), "cached": False})
         tqdm.write(f"stage {_where(stage.name, label, recipe)}: {seconds:.1f} s", file=sys.stderr)
@@ -314,8 +326,11 @@ class Study:
         from quantkit.diagnose.run import diagnose, write_diagnostics
         from quantkit.quantize.recipe import load_recipe
 
-        recipes = [r for r in self.spec.recipes
-                   if (rec := load_recipe(r)).backend == "quantkit" and rec.scheme != "bf16" and rec.smoothquant is None]
+        recipes = [
+            r
+            for r in self.spec.recipes
+            if (rec := load_recipe(r)).backend == "quantkit" and rec.scheme != "bf16" and rec.smoothquant is None
+        ]
         result = diagnose(self._source(label), recipes=recipes, progress=False, **self.spec.diagnose)
         with atomic_dir(self.diagnostics_dir(label), overwrite=True) as tmp:
             write_diagnostics(result, tmp)
@@ -331,7 +346,9 @@ class Study:
     def _quantize(self, label: str, recipe: str) -> None:
         from quantkit.quantize.checkpoint import quantize_checkpoint
 
-        quantize_checkpoint(self._source(label), self.recipe(recipe), self.checkpoint_dir(label, recipe), overwrite=True)
+        quantize_checkpoint(
+            self._source(label), self.recipe(recipe), self.checkpoint_dir(label, recipe), overwrite=True
+        )
 
     def _eval(self, label: str, recipe: str) -> None:
         from quantkit.evals.suite import evaluate
@@ -342,12 +359,24 @@ class Study:
 
             check_servable(checkpoint)
         kl = self.spec.kl
-        heldout = (dict(num_sequences=kl["num_sequences"], seq_len=kl["seq_len"], top_k=kl["top_k"])
-                   if kl["source"] == "vllm" else None)  # the KL's logprobs, from this same engine
+        heldout = (
+            dict(num_sequences=kl["num_sequences"], seq_len=kl["seq_len"], top_k=kl["top_k"])
+            if kl["source"] == "vllm"
+            else None
+        )  # the KL's logprobs, from this same engine
         with atomic_dir(out, overwrite=True) as tmp:  # a killed eval leaves only a temp dir, never a half `out`
-            results = evaluate(checkpoint, suite=e["suite"], backend=e["backend"], out_dir=tmp,
-                               limit=e["limit"], allow_code=e["allow_code"], seed=e["seed"], dtype=e["dtype"],
-                               heldout_logprobs=heldout, **self.spec.parallel)
+            results = evaluate(
+                checkpoint,
+                suite=e["suite"],
+                backend=e["backend"],
+                out_dir=tmp,
+                limit=e["limit"],
+                allow_code=e["allow_code"],
+                seed=e["seed"],
+                dtype=e["dtype"],
+                heldout_logprobs=heldout,
+                **self.spec.parallel,
+            )
             _atomic_json(tmp / "results.json", {**results, "out_dir": str(out.resolve())})  # not the temp dir
 
     def _degradation(self, label: str, recipe: str) -> None:
@@ -363,7 +392,9 @@ class Study:
         for label in self.spec.models:
             path = self.artifact("diagnose", label)
             if path.exists():
-                figures.update({f"{label}: {name}": svg for name, svg in figure_svgs(json.loads(path.read_text())).items()})
+                figures.update(
+                    {f"{label}: {name}": svg for name, svg in figure_svgs(json.loads(path.read_text())).items()}
+                )
         render_report(results, self.dir / "report", figures=figures)
 
 
@@ -420,7 +451,7 @@ def _where(stage: str, label: str | None, recipe: str | None) -> str:
 
 
 def describe_target(label: str | None, recipe: str | None) -> str:
-    """" for model 'ga' recipe 'w4a4_nvfp4'" (empty for a study-scope target): the target in a StageError."""
+    """ " for model 'ga' recipe 'w4a4_nvfp4'" (empty for a study-scope target): the target in a StageError."""
     return "" if label is None else f" for model {label!r}" + ("" if recipe is None else f" recipe {recipe!r}")
 
 
@@ -453,29 +484,47 @@ def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
     groups = {name: info["tasks"] for name, info in benchmarks.items()}
     compared = compare_samples(read_samples(base_dir), read_samples(test_dir), groups, seed=study.spec.eval["seed"])
     per_benchmark = {
-        name: dict(delta_points=100 * delta.delta, ci95_points=[100 * delta.ci_low, 100 * delta.ci_high],
-                   noise_floor_points=100 * (delta.ci_high - delta.ci_low) / 2, p_not_worse=delta.p_not_worse,
-                   n=delta.n, flip_rate=flips.flip_rate)
-        for name, (flips, delta) in compared.items()}
+        name: dict(
+            delta_points=100 * delta.delta,
+            ci95_points=[100 * delta.ci_low, 100 * delta.ci_high],
+            noise_floor_points=100 * (delta.ci_high - delta.ci_low) / 2,
+            p_not_worse=delta.p_not_worse,
+            n=delta.n,
+            flip_rate=flips.flip_rate,
+        )
+        for name, (flips, delta) in compared.items()
+    }
     if study.spec.kl["source"] == "vllm":
         kl = engine_kl(base_dir, test_dir)
         settings = study.spec.kl
-        if (kl["tokens"], kl["mode"], kl.get("top_k")) != (settings["num_sequences"] * settings["seq_len"],
-                                                          "full" if settings["top_k"] is None else "topk", settings["top_k"]):
-            raise HeldoutLogprobsError(f"{test_dir} recorded held-out logprobs under other kl settings than the spec's "
-                                       f"{settings}: remove the model's evals/ directories to re-run them")
+        if (kl["tokens"], kl["mode"], kl.get("top_k")) != (
+            settings["num_sequences"] * settings["seq_len"],
+            "full" if settings["top_k"] is None else "topk",
+            settings["top_k"],
+        ):
+            raise HeldoutLogprobsError(
+                f"{test_dir} recorded held-out logprobs under other kl settings than the spec's "
+                f"{settings}: remove the model's evals/ directories to re-run them"
+            )
     else:
-        kl = dict(heldout_kl(study.checkpoint_dir(label, BASELINE), study.checkpoint_dir(label, recipe),
-                             num_sequences=study.spec.kl["num_sequences"], seq_len=study.spec.kl["seq_len"]),
-                  source="transformers", mode="full")
+        kl = dict(
+            heldout_kl(
+                study.checkpoint_dir(label, BASELINE),
+                study.checkpoint_dir(label, recipe),
+                num_sequences=study.spec.kl["num_sequences"],
+                seq_len=study.spec.kl["seq_len"],
+            ),
+            source="transformers",
+            mode="full",
+        )
     return dict(model=label, recipe=recipe, benchmarks=per_benchmark, kl=kl)
 
 
 def study_results(study: Study) -> dict[str, Any]:
     """The report's input (docs/report-format.md, schema_version 1) from the run directory: a row for every
     (model, recipe) measured so far, the rest named in meta.pending; ValueError when no row is measured."""
-    from quantkit.quantize.provenance import checkpoint_calibration
     from quantkit.checkpoints import checkpoint_size
+    from quantkit.quantize.provenance import checkpoint_calibration
 
     rows, suite, pending = [], None, []
     for label in study.spec.models:
@@ -486,26 +535,44 @@ def study_results(study: Study) -> dict[str, Any]:
             if not all(path.exists() for path in measured):  # not measured yet: the report says so
                 pending.append(f"{label} {recipe}")
                 continue
-            section = describe_architecture(json.loads((study.checkpoint_dir(label, BASELINE) / "config.json").read_text()))
+            section = describe_architecture(
+                json.loads((study.checkpoint_dir(label, BASELINE) / "config.json").read_text())
+            )
             ev = json.loads(study.artifact("eval", label, recipe).read_text())
             suite = ev["suite"]
             scores = {b: 100 * v["score"] for b, v in ev["benchmarks"].items() if not math.isnan(v["score"])}
-            row = dict(variant=label, model=study.spec.models[label], section=section, recipe=recipe,
-                       precision=_precision(recipe), scores=scores,
-                       calibration=checkpoint_calibration(study.recipe(recipe), study.checkpoint_dir(label, recipe)),
-                       size=checkpoint_size(study.checkpoint_dir(label, recipe), study.checkpoint_dir(label, BASELINE)))
+            row = dict(
+                variant=label,
+                model=study.spec.models[label],
+                section=section,
+                recipe=recipe,
+                precision=_precision(recipe),
+                scores=scores,
+                calibration=checkpoint_calibration(study.recipe(recipe), study.checkpoint_dir(label, recipe)),
+                size=checkpoint_size(study.checkpoint_dir(label, recipe), study.checkpoint_dir(label, BASELINE)),
+            )
             if recipe != BASELINE:
                 deg = json.loads(study.artifact("degradation", label, recipe).read_text())
                 bench = deg["benchmarks"]
-                row.update(noise_floor={b: v["noise_floor_points"] for b, v in bench.items() if b in scores},
-                           flips={b: v["flip_rate"] for b, v in bench.items() if b in scores}, kl=deg["kl"]["mean"])
+                row.update(
+                    noise_floor={b: v["noise_floor_points"] for b, v in bench.items() if b in scores},
+                    flips={b: v["flip_rate"] for b, v in bench.items() if b in scores},
+                    kl=deg["kl"]["mean"],
+                )
             if outliers:
                 row["outliers"] = outliers
             rows.append(row)
     if not rows:
         raise ValueError(f"no row of study {study.spec.name!r} is measured yet (pending: {', '.join(pending)})")
-    return dict(schema_version=1, study=study.spec.name, suite=suite["name"], suite_version=str(suite["version"]),
-                created=_now(), rows=rows, meta=dict(timings=timing_summary(study.timings), pending=pending))
+    return dict(
+        schema_version=1,
+        study=study.spec.name,
+        suite=suite["name"],
+        suite_version=str(suite["version"]),
+        created=_now(),
+        rows=rows,
+        meta=dict(timings=timing_summary(study.timings), pending=pending),
+    )
 
 
 def timing_summary(timings: dict[tuple[str, str, str], dict[str, Any]]) -> dict[str, Any]:
@@ -527,8 +594,14 @@ def _precision(recipe: str) -> str:
     return label + ("+SQ" if r.smoothquant else "") + (" (static)" if r.activation_scale == "static" else "")
 
 
-OUTLIER_FIGURES = ("max_residual", "max_linear_input", "top_sink_ratio", "sink_rate_mean", "first_token_mass_mean",
-                   "max_residual_kurtosis")
+OUTLIER_FIGURES = (
+    "max_residual",
+    "max_linear_input",
+    "top_sink_ratio",
+    "sink_rate_mean",
+    "first_token_mass_mean",
+    "max_residual_kurtosis",
+)
 
 
 def _outliers(study: Study, label: str) -> dict[str, float] | None:
@@ -537,10 +610,12 @@ def _outliers(study: Study, label: str) -> dict[str, float] | None:
     if not path.exists():
         return None
     summary = json.loads(path.read_text())["summary"]
-    return {k: summary[k] for k in OUTLIER_FIGURES if isinstance(summary.get(k), (int, float)) and math.isfinite(summary[k])}
+    return {
+        k: summary[k] for k in OUTLIER_FIGURES if isinstance(summary.get(k), (int, float)) and math.isfinite(summary[k])
+    }
 
 
 def _now() -> str:
     import datetime
 
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")

@@ -113,9 +113,13 @@ def exclusive_lock(path: str | Path, what: str, *, wait: bool = False) -> Iterat
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             if not wait:
-                raise LockedError(f"{what} is in use by another quantkit process (pid {holder}; lock file {path}): "
-                                  "wait for it to finish, or use another directory") from None
-            logger.warning("waiting for %s: in use by another quantkit process (pid %s; lock file %s)", what, holder, path)
+                raise LockedError(
+                    f"{what} is in use by another quantkit process (pid {holder}; lock file {path}): "
+                    "wait for it to finish, or use another directory"
+                ) from None
+            logger.warning(
+                "waiting for %s: in use by another quantkit process (pid %s; lock file %s)", what, holder, path
+            )
             fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

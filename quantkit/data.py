@@ -48,10 +48,36 @@ VALIDATION_SPEECHES = 8
 ZOO_MODEL_TYPES = ("quantkit", "quantkit_hybrid")  # quantkit's own family, trained on the zoo corpus
 
 STDLIB_MODULES = (
-    "argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal",
-    "email", "functools", "http.client", "inspect", "itertools", "json", "logging", "pathlib", "pickle",
-    "random", "re", "shutil", "socket", "statistics", "string", "subprocess", "tarfile", "threading",
-    "typing", "unittest", "urllib.request", "zipfile",
+    "argparse",
+    "asyncio",
+    "collections",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "email",
+    "functools",
+    "http.client",
+    "inspect",
+    "itertools",
+    "json",
+    "logging",
+    "pathlib",
+    "pickle",
+    "random",
+    "re",
+    "shutil",
+    "socket",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib.request",
+    "zipfile",
 )
 
 
@@ -84,7 +110,8 @@ modules, min_chars = json.loads(sys.argv[1])
 texts = []
 for name in modules:
     module = importlib.import_module(name)
-    objects = [module] + [obj for _, obj in sorted(vars(module).items()) if inspect.isclass(obj) or inspect.isfunction(obj)]
+    members = [obj for _, obj in sorted(vars(module).items()) if inspect.isclass(obj) or inspect.isfunction(obj)]
+    objects = [module, *members]
     for obj in objects:
         doc = inspect.getdoc(obj)
         if doc and len(doc) >= min_chars:
@@ -100,8 +127,12 @@ def stdlib_docstrings(modules: tuple[str, ...] = STDLIB_MODULES, min_chars: int 
     Read in a fresh isolated interpreter (`python -I`, nothing but the standard library imported): packages this
     process has imported may patch stdlib members (ray replaces `inspect.isgenerator` with an undocumented
     function), which would change the text, the tiny tokenizers and every tiny checkpoint built after them."""
-    out = subprocess.run([sys.executable, "-I", "-c", _DOCSTRINGS_SCRIPT, json.dumps([list(modules), min_chars])],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", _DOCSTRINGS_SCRIPT, json.dumps([list(modules), min_chars])],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -121,7 +152,7 @@ def served_prefix(tokenizer: Any) -> list[int]:
     probe = "Hello"
     ids = tokenizer(probe)["input_ids"]
     bare = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    if len(ids) < len(bare) or ids[len(ids) - len(bare):] != bare:
+    if len(ids) < len(bare) or ids[len(ids) - len(bare) :] != bare:
         raise ValueError(f"cannot tell the tokenizer's prompt prefix: {ids} vs {bare} for {probe!r}")
     return ids[: len(ids) - len(bare)]
 
@@ -131,8 +162,9 @@ def token_stream(texts: Sequence[str], tokenizer: Any) -> torch.Tensor:
     return torch.tensor([i for text in texts for i in tokenizer(text)["input_ids"]], dtype=torch.long)
 
 
-def windows(stream: torch.Tensor, starts: Sequence[int] | torch.Tensor, seq_len: int,
-            prefix: int | Sequence[int] | None) -> torch.Tensor:
+def windows(
+    stream: torch.Tensor, starts: Sequence[int] | torch.Tensor, seq_len: int, prefix: int | Sequence[int] | None
+) -> torch.Tensor:
     """(len(starts), seq_len) windows stream[s : s + seq_len], their first positions set to `prefix` (token ids,
     e.g. `served_prefix(tokenizer)`; one id for a BOS; None or [] keeps the text's own tokens)."""
     batch = stream[torch.as_tensor(starts, dtype=torch.long)[:, None] + torch.arange(seq_len)]
@@ -142,8 +174,9 @@ def windows(stream: torch.Tensor, starts: Sequence[int] | torch.Tensor, seq_len:
     return batch
 
 
-def spread_windows(stream: torch.Tensor, num_sequences: int, seq_len: int, prefix: int | Sequence[int] | None,
-                   purpose: str) -> torch.Tensor:
+def spread_windows(
+    stream: torch.Tensor, num_sequences: int, seq_len: int, prefix: int | Sequence[int] | None, purpose: str
+) -> torch.Tensor:
     """`windows` at num_sequences starts spread evenly (rounded) over [0, len(stream) - seq_len].
 
     The windows are disjoint when the stream holds num_sequences * seq_len tokens and overlap otherwise
@@ -158,7 +191,12 @@ def spread_windows(stream: torch.Tensor, num_sequences: int, seq_len: int, prefi
     if need > len(stream):
         logger.warning(
             "%s: %d x %d = %d tokens asked from a %d-token corpus: windows overlap (each token seen ~%.1f times)",
-            purpose, num_sequences, seq_len, need, len(stream), need / len(stream),
+            purpose,
+            num_sequences,
+            seq_len,
+            need,
+            len(stream),
+            need / len(stream),
         )
     starts = torch.linspace(0, len(stream) - seq_len, num_sequences).round().long()
     return windows(stream, starts, seq_len, prefix)
@@ -197,10 +235,14 @@ def _file_texts(path: Path, tokenizer: Any) -> list[str]:
             texts.append(sample["text"])
         elif isinstance(sample, dict) and isinstance(sample.get("messages"), list):
             if getattr(tokenizer, "chat_template", None) is None:
-                raise ValueError(f"calibration file {path} line {n}: chat messages, but the tokenizer has no chat template")
+                raise ValueError(
+                    f"calibration file {path} line {n}: chat messages, but the tokenizer has no chat template"
+                )
             texts.append(tokenizer.apply_chat_template(sample["messages"], tokenize=False))
         else:
-            raise ValueError(f'calibration file {path} line {n}: expected an object with "text" (a string) or "messages" (a list)')
+            raise ValueError(
+                f'calibration file {path} line {n}: expected an object with "text" (a string) or "messages" (a list)'
+            )
     if not texts:
         raise ValueError(f"calibration file {path} holds no samples")
     return texts
@@ -224,8 +266,10 @@ def calibration_parts(source: str | Sequence[str], tokenizer: Any) -> list[tuple
             path = Path(name).expanduser()
             parts.append((f"file {path}", _file_texts(path, tokenizer)))
         else:
-            raise ValueError(f"unknown calibration source part {name!r}: a built-in corpus "
-                             f"({', '.join(CALIBRATION_CORPORA)}) or a .txt / .jsonl file")
+            raise ValueError(
+                f"unknown calibration source part {name!r}: a built-in corpus "
+                f"({', '.join(CALIBRATION_CORPORA)}) or a .txt / .jsonl file"
+            )
     return parts
 
 
@@ -246,8 +290,11 @@ def calibration_windows(tokenizer: Any, num_sequences: int, seq_len: int, source
     parts = calibration_parts(source, tokenizer)
     prefix = served_prefix(tokenizer)
     counts = [num_sequences // len(parts) + (i < num_sequences % len(parts)) for i in range(len(parts))]
-    drawn = [spread_windows(token_stream(texts, tokenizer), n, seq_len, prefix, f"calibration ({description})")
-             for (description, texts), n in zip(parts, counts) if n]
+    drawn = [
+        spread_windows(token_stream(texts, tokenizer), n, seq_len, prefix, f"calibration ({description})")
+        for (description, texts), n in zip(parts, counts)
+        if n
+    ]
     order = sorted(((j, i) for i, batch in enumerate(drawn) for j in range(len(batch))))
     return torch.stack([drawn[i][j] for j, i in order])
 
@@ -258,5 +305,6 @@ def heldout_windows(tokenizer: Any, num_sequences: int, seq_len: int) -> torch.T
     Evenly spread over the held-out token stream (`spread_windows`); each starts with the tokenizer's
     `served_prefix`.
     """
-    return spread_windows(token_stream(heldout_texts(), tokenizer), num_sequences, seq_len,
-                          served_prefix(tokenizer), "held-out")
+    return spread_windows(
+        token_stream(heldout_texts(), tokenizer), num_sequences, seq_len, served_prefix(tokenizer), "held-out"
+    )

@@ -83,8 +83,12 @@ def answer_flips(reference: Mapping[int, Mapping], test: Mapping[int, Mapping]) 
 
 def total_flips(flips: Sequence[Flips]) -> Flips:
     """The flips of several item sets (e.g. the tasks of one benchmark) pooled into one."""
-    return Flips(sum(f.n for f in flips), sum(f.right_to_wrong for f in flips), sum(f.wrong_to_right for f in flips),
-                 sum(f.answer_changed for f in flips))
+    return Flips(
+        sum(f.n for f in flips),
+        sum(f.right_to_wrong for f in flips),
+        sum(f.wrong_to_right for f in flips),
+        sum(f.answer_changed for f in flips),
+    )
 
 
 @dataclass
@@ -98,7 +102,9 @@ class PairedDelta:
     n: int
 
 
-def bootstrap_ci(scores: Sequence[float], n_boot: int = 10000, alpha: float = 0.05, seed: int = 0) -> tuple[float, float, float]:
+def bootstrap_ci(
+    scores: Sequence[float], n_boot: int = 10000, alpha: float = 0.05, seed: int = 0
+) -> tuple[float, float, float]:
     """(mean, low, high): percentile bootstrap (1 - alpha) CI of the mean of per-item scores."""
     x = np.asarray(scores, dtype=np.float64)
     if x.ndim != 1 or x.size == 0:
@@ -108,8 +114,9 @@ def bootstrap_ci(scores: Sequence[float], n_boot: int = 10000, alpha: float = 0.
     return float(x.mean()), float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2))
 
 
-def paired_bootstrap(reference: Sequence[float], test: Sequence[float | None], n_boot: int = 10000, alpha: float = 0.05,
-                     seed: int = 0) -> PairedDelta:
+def paired_bootstrap(
+    reference: Sequence[float], test: Sequence[float | None], n_boot: int = 10000, alpha: float = 0.05, seed: int = 0
+) -> PairedDelta:
     """Bootstrap over items (same resampled items for both runs) of mean(test) - mean(reference); item i of
     `test` pairs with item i of `reference` (None: the test run lacks it, a ValueError)."""
     if any(s is None for s in test):
@@ -120,8 +127,13 @@ def paired_bootstrap(reference: Sequence[float], test: Sequence[float | None], n
     diff = b - a
     idx = np.random.default_rng(seed).integers(0, diff.size, size=(n_boot, diff.size))
     boot = diff[idx].mean(axis=1)
-    return PairedDelta(float(diff.mean()), float(np.quantile(boot, alpha / 2)), float(np.quantile(boot, 1 - alpha / 2)),
-                       float((boot >= 0).mean()), int(diff.size))
+    return PairedDelta(
+        float(diff.mean()),
+        float(np.quantile(boot, alpha / 2)),
+        float(np.quantile(boot, 1 - alpha / 2)),
+        float((boot >= 0).mean()),
+        int(diff.size),
+    )
 
 
 def is_regression(delta: PairedDelta, tolerance: float = 0.0) -> bool:

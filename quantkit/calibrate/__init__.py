@@ -21,7 +21,15 @@ from quantkit.calibrate.smoothquant import (
 from quantkit.calibrate.stats import channel_max
 
 __all__ = [
-    "FunctionPreservationError", "MappingPlan", "MappingReport", "NonFiniteStatisticsError", "SmoothMapping",
-    "SmoothQuantMappingError", "SmoothQuantReport", "channel_max", "resolve_mappings", "smooth_model",
+    "FunctionPreservationError",
+    "MappingPlan",
+    "MappingReport",
+    "NonFiniteStatisticsError",
+    "SmoothMapping",
+    "SmoothQuantMappingError",
+    "SmoothQuantReport",
+    "channel_max",
+    "resolve_mappings",
+    "smooth_model",
     "smoothing_factors",
 ]

@@ -60,8 +60,9 @@ def decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """("model.layers", the decoder layers); LayerwiseError where the model keeps none there."""
     layers = find_decoder_stack(model)
     if layers is None:
-        raise LayerwiseError(f"{type(model).__name__} has no decoder layers at model.model.layers; running it layer "
-                             "by layer needs them")
+        raise LayerwiseError(
+            f"{type(model).__name__} has no decoder layers at model.model.layers; running it layer by layer needs them"
+        )
     return "model.layers", layers
 
 
@@ -177,13 +178,21 @@ class Stream:
 
 
 @torch.no_grad()
-def embed_stream(skeleton: nn.Module, layers: nn.ModuleList, name: str, tokens: torch.Tensor, spill_dir: Path | None,
-                 batch_size: int = BATCH_SIZE, lazy: bool = False) -> Stream:
+def embed_stream(
+    skeleton: nn.Module,
+    layers: nn.ModuleList,
+    name: str,
+    tokens: torch.Tensor,
+    spill_dir: Path | None,
+    batch_size: int = BATCH_SIZE,
+    lazy: bool = False,
+) -> Stream:
     """Run the skeleton's forward up to the first decoder layer for each batch of `batch_size` windows of tokens
     (N, T); record every layer's keyword arguments. spill_dir: keep the hidden states there (one file a batch).
     lazy: embed each batch during layer 0's pass instead (the skeleton's embeddings must stay loaded until then)."""
-    stream = Stream(name, [tokens[s : s + batch_size] for s in range(0, len(tokens), batch_size)], [],
-                    _Batches(spill_dir))
+    stream = Stream(
+        name, [tokens[s : s + batch_size] for s in range(0, len(tokens), batch_size)], [], _Batches(spill_dir)
+    )
     last = len(layers) - 1
 
     def record(i: int, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -211,8 +220,13 @@ def embed_stream(skeleton: nn.Module, layers: nn.ModuleList, name: str, tokens: 
     return stream
 
 
-def advance_stream(stream: Stream, layer: nn.Module, i: int, before_batch: Callable[[int], None] | None = None,
-                   stop_after: Callable[[int], bool] | None = None) -> None:
+def advance_stream(
+    stream: Stream,
+    layer: nn.Module,
+    i: int,
+    before_batch: Callable[[int], None] | None = None,
+    stop_after: Callable[[int], bool] | None = None,
+) -> None:
     """Hidden states of `stream` through decoder layer i (the layer's own __call__, the model's arguments);
     before_batch(b) runs before batch b's pass. stop_after(b) True after batch b's pass ends the stream there:
     the later batches are dropped for this and every later layer."""
@@ -223,7 +237,7 @@ def advance_stream(stream: Stream, layer: nn.Module, i: int, before_batch: Calla
             before_batch(b)
         out.append(layer(x, **stream.layer_kwargs[b][i]))
         if stop_after is not None and stop_after(b):
-            del stream.chunks[b + 1:], stream.layer_kwargs[b + 1:]
+            del stream.chunks[b + 1 :], stream.layer_kwargs[b + 1 :]
             break
     stream.embed = None
     stream.hidden.discard()
@@ -239,7 +253,8 @@ def skeleton_model(config, attn_implementation: str | None = None) -> nn.Module:
     float32; attention `attn_implementation`, else `reference_attention(config)`."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation=attn_implementation or reference_attention(config))
+            config, dtype=torch.float32, attn_implementation=attn_implementation or reference_attention(config)
+        )
     owners = {name.rpartition(".")[0] for name, b in model.named_buffers() if b.is_meta}
     for name in owners:
         module = model.get_submodule(name)
@@ -255,7 +270,7 @@ def source_tensors(reader: TensorReader, module: nn.Module, prefix: str, model_d
     tensor."""
     fused = fused_experts_modules(module)
     state = {}
-    for name, value in module.state_dict(keep_vars=True).items():
+    for name in module.state_dict(keep_vars=True):
         key = f"{prefix}{name}"
         owner, _, leaf = name.rpartition(".")
         if key in reader:
@@ -295,8 +310,12 @@ def stored_names(model_type: str, names: list[str]) -> dict[str, str]:
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 
     conversions = get_checkpoint_conversion_mapping(model_type) or []
-    renames = [(src, dst) for c in conversions if isinstance(c, WeightRenaming)
-               for src, dst in zip(c.source_patterns, c.target_patterns)]
+    renames = [
+        (src, dst)
+        for c in conversions
+        if isinstance(c, WeightRenaming)
+        for src, dst in zip(c.source_patterns, c.target_patterns)
+    ]
     parts = {}  # stored per-expert leaf (w1) -> the fused part it is (gate_proj)
     for c in conversions:
         if not isinstance(c, WeightConverter) or len(c.target_patterns) != 1:
@@ -334,7 +353,9 @@ def head_name(model: nn.Module) -> str | None:
     return next((name for name, module in model.named_modules() if module is head), None) if head is not None else None
 
 
-def outside_state(reader: TensorReader, keys: list[str], tied: dict[str, str], model_dir: Path) -> dict[str, torch.Tensor]:
+def outside_state(
+    reader: TensorReader, keys: list[str], tied: dict[str, str], model_dir: Path
+) -> dict[str, torch.Tensor]:
     """The checkpoint tensors `keys` (outside the decoder layers) in float32 as from_pretrained(dtype=float32) loads
     them; a key the checkpoint does not store is read from its tied partner (`tied_partners`)."""
     state = {}

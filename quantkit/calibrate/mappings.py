@@ -84,12 +84,12 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+from transformers.models.mistral.modeling_mistral import MistralAttention, MistralMLP, MistralRMSNorm
 from transformers.models.mixtral.modeling_mixtral import MixtralRMSNorm
 from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
-from transformers.models.mistral.modeling_mistral import MistralAttention, MistralMLP, MistralRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Qwen3RMSNorm
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention, Qwen3NextMLP, Qwen3NextRMSNorm
 
 from quantkit.calibrate.layers import layer_arguments
@@ -225,8 +225,12 @@ def is_router(module: nn.Module) -> bool:
     """A MoE router that is not an nn.Linear: a 2-D `weight` (num_experts, hidden) and a `top_k` (transformers
     5.x `*TopKRouter`; matched by structure)."""
     weight = getattr(module, "weight", None)
-    return (not isinstance(module, nn.Linear) and isinstance(weight, torch.Tensor) and weight.dim() == 2
-            and hasattr(module, "top_k"))
+    return (
+        not isinstance(module, nn.Linear)
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and hasattr(module, "top_k")
+    )
 
 
 def input_weight(module: nn.Module) -> torch.Tensor:
@@ -237,7 +241,9 @@ def input_weight(module: nn.Module) -> torch.Tensor:
         return module.weight
     if is_fused_experts(module):
         return module.gate_up_proj
-    raise SmoothQuantMappingError(f"{type(module).__name__} is no consumer SmoothQuant knows (Linear, router, fused experts)")
+    raise SmoothQuantMappingError(
+        f"{type(module).__name__} is no consumer SmoothQuant knows (Linear, router, fused experts)"
+    )
 
 
 @folds(nn.Linear)
@@ -249,6 +255,7 @@ def _fold_linear_rows(linear: nn.Linear, s: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # Architectures: which decoder structure each supports, and where v->o / up->down are valid
+
 
 @dataclass(frozen=True)
 class DecoderFamily:
@@ -282,7 +289,10 @@ ARCHITECTURES: dict[str, DecoderFamily] = {
 }
 
 # Parameters of an attention module (its own, not its submodules') and what they mean for v -> o.
-_ATTN_COMMUTING = {"sink_key": "the sink key k' (does not touch v)", "sink_value": "the sink value v' (divided by s too)"}
+_ATTN_COMMUTING = {
+    "sink_key": "the sink key k' (does not touch v)",
+    "sink_value": "the sink value v' (divided by s too)",
+}
 _ATTN_NONLINEAR_IN_V = {
     "v_scale_theta": "V-scale (v * r/(r+C) with r = ||v||^2) is not homogeneous per channel in v",
     "o_norm": "head-wise RMSNorm (o_h / RMS(o_h) * lambda) normalizes each head's output by its RMS over all channels",
@@ -301,7 +311,10 @@ class MappingPlan:
 
 
 def resolve_mappings(
-    model: nn.Module, include_v_o: bool = False, include_up_down: bool = False, experts: bool = True,
+    model: nn.Module,
+    include_v_o: bool = False,
+    include_up_down: bool = False,
+    experts: bool = True,
 ) -> MappingPlan:
     """The SmoothQuant mappings of `model`.
 
@@ -319,7 +332,8 @@ def resolve_mappings(
             if asked:
                 raise SmoothQuantMappingError(
                     f"{kind} smoothing needs a registered architecture (whether it is function-preserving depends "
-                    f"on the attention / MLP classes); {architecture} has no ARCHITECTURES entry: norm mappings only")
+                    f"on the attention / MLP classes); {architecture} has no ARCHITECTURES entry: norm mappings only"
+                )
         return traced_mappings(model, architecture, layers)
     problems: list[str] = []
     mappings: list[SmoothMapping] = []
@@ -327,13 +341,17 @@ def resolve_mappings(
     for i, layer in enumerate(layers):
         prefix = f"model.layers.{i}"
         if family.hybrid:
-            mappings += _hybrid_layer_mappings(layer, prefix, family, include_v_o, include_up_down, experts, problems, skipped)
+            mappings += _hybrid_layer_mappings(
+                layer, prefix, family, include_v_o, include_up_down, experts, problems, skipped
+            )
         else:
             mappings += _layer_mappings(layer, prefix, family, include_v_o, include_up_down, problems, skipped)
     if problems:
         more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         raise SmoothQuantMappingError(
-            f"SmoothQuant cannot map {architecture}: " + "; ".join(problems[:3]) + more
+            f"SmoothQuant cannot map {architecture}: "
+            + "; ".join(problems[:3])
+            + more
             + f". Foldable smoothing layers: {sorted(c.__name__ for c in _FOLDS)}. Recipes without SmoothQuant "
             "(w8a8_fp8_block, w4a4_nvfp4, ...) still work."
         )
@@ -375,13 +393,21 @@ def traced_mappings(model: nn.Module, architecture: str, layers: nn.ModuleList) 
             _random_weights(model, layer)
         handles = []
         for name, norm in layer_norms(layer, width).items():
-            handles.append(norm.register_forward_hook(
-                lambda _m, _a, out, key=f"model.layers.{i}.{name}": outputs.__setitem__(key, out.detach())))
+            handles.append(
+                norm.register_forward_hook(
+                    lambda _m, _a, out, key=f"model.layers.{i}.{name}": outputs.__setitem__(key, out.detach())
+                )
+            )
         for name, module in layer.named_modules():
             if name and _consumer_kind(module):
-                handles.append(module.register_forward_hook(
-                    lambda _m, args, kwargs, _o, key=f"model.layers.{i}.{name}": inputs.__setitem__(
-                        key, (args[0] if args else kwargs["hidden_states"]).detach()), with_kwargs=True))
+                handles.append(
+                    module.register_forward_hook(
+                        lambda _m, args, kwargs, _o, key=f"model.layers.{i}.{name}": inputs.__setitem__(
+                            key, (args[0] if args else kwargs["hidden_states"]).detach()
+                        ),
+                        with_kwargs=True,
+                    )
+                )
         try:
             layer(hidden, **arguments[i])
         finally:
@@ -392,23 +418,36 @@ def traced_mappings(model: nn.Module, architecture: str, layers: nn.ModuleList) 
     mappings, problems = [], []
     for norm_name, y in outputs.items():
         y = y.reshape(-1, width)
-        consumers = tuple(n for n, x in inputs.items() if n.startswith(norm_name.rsplit(".", 1)[0] + ".")
-                          and x.shape[-1] == width and x.numel() == y.numel() and torch.equal(x.reshape(-1, width), y))
+        consumers = tuple(
+            n
+            for n, x in inputs.items()
+            if n.startswith(norm_name.rsplit(".", 1)[0] + ".")
+            and x.shape[-1] == width
+            and x.numel() == y.numel()
+            and torch.equal(x.reshape(-1, width), y)
+        )
         if not consumers:
             continue
         norm = model.get_submodule(norm_name)
         if fold_fn_for(norm) is None:
             problems.append(f"{norm_name} ({type(norm).__name__}: no fold registered) feeds {', '.join(consumers)}")
             continue
-        fold_only = tuple(c for c in consumers if is_router(model.get_submodule(c)) or c.endswith((".mlp.gate", "shared_expert_gate")))
+        fold_only = tuple(
+            c for c in consumers if is_router(model.get_submodule(c)) or c.endswith((".mlp.gate", "shared_expert_gate"))
+        )
         mappings.append(SmoothMapping(norm_name, consumers, "norm", fold_only=fold_only))
     if problems:
         raise SmoothQuantMappingError(
-            f"SmoothQuant cannot fold {architecture}: " + "; ".join(problems[:3]) + (" ..." if len(problems) > 3 else "")
-            + ". Recipes without SmoothQuant (w8a8_fp8_block, w4a4_nvfp4, ...) still work.")
+            f"SmoothQuant cannot fold {architecture}: "
+            + "; ".join(problems[:3])
+            + (" ..." if len(problems) > 3 else "")
+            + ". Recipes without SmoothQuant (w8a8_fp8_block, w4a4_nvfp4, ...) still work."
+        )
     if not mappings:
-        raise SmoothQuantMappingError(f"SmoothQuant found no norm of {architecture} that feeds a linear; recipes "
-                                      "without SmoothQuant (w8a8_fp8_block, w4a4_nvfp4, ...) still work")
+        raise SmoothQuantMappingError(
+            f"SmoothQuant found no norm of {architecture} that feeds a linear; recipes "
+            "without SmoothQuant (w8a8_fp8_block, w4a4_nvfp4, ...) still work"
+        )
     logger.info("SmoothQuant: %s is not registered: %d norm mappings traced", architecture, len(mappings))
     return MappingPlan(architecture, tuple(mappings), ())
 
@@ -445,8 +484,9 @@ def _decoder_layers(model: nn.Module, architecture: str) -> nn.ModuleList:
 def _is_sparse_moe(mlp: nn.Module | None) -> bool:
     """A MoE block: fused routed `experts` and a router `gate` (nn.Linear or a transformers *TopKRouter)."""
     gate = getattr(mlp, "gate", None)
-    return (is_fused_experts(getattr(mlp, "experts", nn.Module()))
-            and (isinstance(gate, nn.Linear) or (gate is not None and is_router(gate))))
+    return is_fused_experts(getattr(mlp, "experts", nn.Module())) and (
+        isinstance(gate, nn.Linear) or (gate is not None and is_router(gate))
+    )
 
 
 def _is_hybrid_layer(layer: nn.Module) -> bool:
@@ -476,8 +516,12 @@ class _LayerLookup:
 
 def _norm_gate_linears(norms: dict[str, nn.Module | None]) -> set[str]:
     """A GatedNorm's own gate linears (folded with its norm, kept BF16), by layer-relative name."""
-    return {f"{name}.{g}" for name, norm in norms.items() for g in ("gate_down", "gate_up")
-            if isinstance(getattr(norm, g, None), nn.Linear)}
+    return {
+        f"{name}.{g}"
+        for name, norm in norms.items()
+        for g in ("gate_down", "gate_up")
+        if isinstance(getattr(norm, g, None), nn.Linear)
+    }
 
 
 def _unaccounted(layer: nn.Module, prefix: str, accounted: set[str], problems: list[str]) -> None:
@@ -486,8 +530,13 @@ def _unaccounted(layer: nn.Module, prefix: str, accounted: set[str], problems: l
 
 
 def _layer_mappings(
-    layer: nn.Module, prefix: str, family: DecoderFamily, include_v_o: bool, include_up_down: bool,
-    problems: list[str], skipped: list[str],
+    layer: nn.Module,
+    prefix: str,
+    family: DecoderFamily,
+    include_v_o: bool,
+    include_up_down: bool,
+    problems: list[str],
+    skipped: list[str],
 ) -> list[SmoothMapping]:
     module = _LayerLookup(layer, prefix, problems)
     ln1 = module("input_layernorm", foldable=True)
@@ -499,8 +548,15 @@ def _layer_mappings(
     gate, up, down = (module(f"mlp.{n}", linear=True) for n in ("gate_proj", "up_proj", "down_proj"))
     has_g = attn is not None and isinstance(getattr(attn, "g_proj", None), nn.Linear)
 
-    accounted = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"} | ({"self_attn.g_proj"} if has_g else set())
+    accounted = {
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    } | ({"self_attn.g_proj"} if has_g else set())
     accounted |= _norm_gate_linears({"input_layernorm": ln1, "post_attention_layernorm": ln2})
     _unaccounted(layer, prefix, accounted, problems)
     if None in (ln1, ln2, attn, mlp, o_proj, gate, up, down) or None in qkv:
@@ -509,7 +565,9 @@ def _layer_mappings(
     attn_consumers = ("q_proj", "k_proj", "v_proj") + (("g_proj",) if has_g else ())
     out = [
         SmoothMapping(f"{prefix}.input_layernorm", tuple(f"{prefix}.self_attn.{n}" for n in attn_consumers), "norm"),
-        SmoothMapping(f"{prefix}.post_attention_layernorm", (f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"), "norm"),
+        SmoothMapping(
+            f"{prefix}.post_attention_layernorm", (f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"), "norm"
+        ),
     ]
     out += _v_o_mappings(attn, f"{prefix}.self_attn", family, include_v_o, skipped)
     out += _up_down_mappings(mlp, f"{prefix}.mlp", family, include_up_down, skipped)
@@ -517,8 +575,14 @@ def _layer_mappings(
 
 
 def _hybrid_layer_mappings(
-    layer: nn.Module, prefix: str, family: DecoderFamily, include_v_o: bool, include_up_down: bool,
-    experts: bool, problems: list[str], skipped: list[str],
+    layer: nn.Module,
+    prefix: str,
+    family: DecoderFamily,
+    include_v_o: bool,
+    include_up_down: bool,
+    experts: bool,
+    problems: list[str],
+    skipped: list[str],
 ) -> list[SmoothMapping]:
     """A hybrid MoE decoder layer (module docstring): token mixer `linear_attn` or `self_attn`, `mlp` dense or MoE."""
     module = _LayerLookup(layer, prefix, problems)
@@ -532,8 +596,12 @@ def _hybrid_layer_mappings(
         found = [module(f"linear_attn.{n}", linear=True) for n in names + ("out_proj",)]
         accounted |= {f"linear_attn.{n}" for n in names + ("out_proj",)}
         if ln1 is not None and None not in found:
-            out.append(SmoothMapping(f"{prefix}.input_layernorm", tuple(f"{prefix}.linear_attn.{n}" for n in names), "norm"))
-        skipped.append("v_proj -> o_proj: Gated DeltaNet layers have no softmax attention (their out_proj reads a gated RMSNorm)")
+            out.append(
+                SmoothMapping(f"{prefix}.input_layernorm", tuple(f"{prefix}.linear_attn.{n}" for n in names), "norm")
+            )
+        skipped.append(
+            "v_proj -> o_proj: Gated DeltaNet layers have no softmax attention (their out_proj reads a gated RMSNorm)"
+        )
     else:
         attn = module("self_attn")
         names = ("q_proj", "k_proj", "v_proj")
@@ -542,7 +610,9 @@ def _hybrid_layer_mappings(
         consumers = names + (("g_proj",) if has_g else ())
         accounted |= {f"self_attn.{n}" for n in consumers + ("o_proj",)}
         if ln1 is not None and attn is not None and None not in found:
-            out.append(SmoothMapping(f"{prefix}.input_layernorm", tuple(f"{prefix}.self_attn.{n}" for n in consumers), "norm"))
+            out.append(
+                SmoothMapping(f"{prefix}.input_layernorm", tuple(f"{prefix}.self_attn.{n}" for n in consumers), "norm")
+            )
             out += _v_o_mappings(attn, f"{prefix}.self_attn", family, include_v_o, skipped)
 
     mlp = module("mlp")
@@ -556,11 +626,15 @@ def _hybrid_layer_mappings(
         accounted |= {f"mlp.{n}" for n in shared_names + ("shared_expert.down_proj",) + shared_gate}
         accounted |= {"mlp.gate"} if isinstance(mlp.gate, nn.Linear) else set()
         if not experts:
-            skipped.append("post_attention_layernorm -> MoE block (router, experts, shared expert): experts smoothing "
-                           "off (smoothquant.experts: false, as peers do)")
+            skipped.append(
+                "post_attention_layernorm -> MoE block (router, experts, shared expert): experts smoothing "
+                "off (smoothquant.experts: false, as peers do)"
+            )
         elif ln2 is not None:
             fold_only = tuple(f"{prefix}.mlp.{n}" for n in ("gate",) + shared_gate)
-            consumers = (f"{prefix}.mlp.gate", f"{prefix}.mlp.experts") + tuple(f"{prefix}.mlp.{n}" for n in shared_names + shared_gate)
+            consumers = (f"{prefix}.mlp.gate", f"{prefix}.mlp.experts") + tuple(
+                f"{prefix}.mlp.{n}" for n in shared_names + shared_gate
+            )
             out.append(SmoothMapping(f"{prefix}.post_attention_layernorm", consumers, "norm", fold_only=fold_only))
         if shared is not None:
             out += _up_down_mappings(shared, f"{prefix}.mlp.shared_expert", family, include_up_down, skipped)
@@ -570,17 +644,26 @@ def _hybrid_layer_mappings(
         found = [module(f"mlp.{n}", linear=True) for n in ("gate_proj", "up_proj", "down_proj")]
         accounted |= {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
         if ln2 is not None and mlp is not None and None not in found:
-            out.append(SmoothMapping(f"{prefix}.post_attention_layernorm", (f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"), "norm"))
+            out.append(
+                SmoothMapping(
+                    f"{prefix}.post_attention_layernorm", (f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"), "norm"
+                )
+            )
             out += _up_down_mappings(mlp, f"{prefix}.mlp", family, include_up_down, skipped)
     _unaccounted(layer, prefix, accounted, problems)
     return out
 
 
-def _v_o_mappings(attn: nn.Module, path: str, family: DecoderFamily, include_v_o: bool, skipped: list[str]) -> list[SmoothMapping]:
+def _v_o_mappings(
+    attn: nn.Module, path: str, family: DecoderFamily, include_v_o: bool, skipped: list[str]
+) -> list[SmoothMapping]:
     """v_proj -> o_proj of the attention at `path`, if asked and valid (raises if asked and not valid)."""
     v_o_problem = _v_o_problem(attn, family)
     if not include_v_o:
-        skipped.append("v_proj -> o_proj: " + (f"not valid here ({v_o_problem})" if v_o_problem else "not requested (include_v_o=False)"))
+        skipped.append(
+            "v_proj -> o_proj: "
+            + (f"not valid here ({v_o_problem})" if v_o_problem else "not requested (include_v_o=False)")
+        )
         return []
     if v_o_problem:
         raise SmoothQuantMappingError(
@@ -597,11 +680,21 @@ def _v_o_mappings(attn: nn.Module, path: str, family: DecoderFamily, include_v_o
             f"heads of head_dim {head_dim} with whole GQA groups"
         )
     extra = (f"{path}.sink_value",) if hasattr(attn, "sink_value") else ()
-    return [SmoothMapping(f"{path}.v_proj", (f"{path}.o_proj",), "v_o", kv_groups=heads // kv_heads, head_dim=head_dim,
-                          extra_divide=extra)]
+    return [
+        SmoothMapping(
+            f"{path}.v_proj",
+            (f"{path}.o_proj",),
+            "v_o",
+            kv_groups=heads // kv_heads,
+            head_dim=head_dim,
+            extra_divide=extra,
+        )
+    ]
 
 
-def _up_down_mappings(mlp: nn.Module, path: str, family: DecoderFamily, include_up_down: bool, skipped: list[str]) -> list[SmoothMapping]:
+def _up_down_mappings(
+    mlp: nn.Module, path: str, family: DecoderFamily, include_up_down: bool, skipped: list[str]
+) -> list[SmoothMapping]:
     """up_proj -> down_proj of the GLU MLP at `path`, if asked (raises if the MLP is not a known GLU)."""
     if not include_up_down:
         skipped.append("up_proj -> down_proj: not requested (include_up_down=False)")
@@ -619,8 +712,10 @@ def _v_o_problem(attn: nn.Module, family: DecoderFamily) -> str | None:
     """Why v_proj -> o_proj would not be function-preserving for `attn`, or None if it is."""
     known = isinstance(attn, family.linear_attention) if family.hybrid else type(attn) in family.linear_attention
     if not known:
-        return (f"{type(attn).__name__} is not a known attention whose output is linear in v "
-                f"(known: {[c.__name__ for c in family.linear_attention]})")
+        return (
+            f"{type(attn).__name__} is not a known attention whose output is linear in v "
+            f"(known: {[c.__name__ for c in family.linear_attention]})"
+        )
     reasons = [why for name, why in _ATTN_NONLINEAR_IN_V.items() if hasattr(attn, name)]
     if reasons:
         return "; ".join(reasons)

@@ -39,15 +39,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from quantkit.calibrate.mappings import (
-    MappingPlan,
-    SmoothMapping,
-    SmoothQuantMappingError,
-    fold_output,
-    input_weight,
-    resolve_mappings,
-    scale_,
-)
 from quantkit.calibrate.layers import (
     BATCH_SIZE,
     HEAD_POSITIONS,
@@ -58,6 +49,15 @@ from quantkit.calibrate.layers import (
     embed_stream,
     final_hidden,
     head_logits,
+)
+from quantkit.calibrate.mappings import (
+    MappingPlan,
+    SmoothMapping,
+    SmoothQuantMappingError,
+    fold_output,
+    input_weight,
+    resolve_mappings,
+    scale_,
 )
 from quantkit.calibrate.stats import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, ChannelMaxObserver, EarlyStop, Settling
 from quantkit.data import calibration_windows, default_calibration_source
@@ -135,9 +135,12 @@ class SmoothQuantReport:
             for m in self.mappings
         ]
         rows.append("")
-        used = (f"{self.num_sequences} x {self.seq_len} tokens" if self.num_sequences == self.windows_drawn else
-                f"{self.num_sequences} of {self.windows_drawn} windows x {self.seq_len} tokens (early stop at "
-                f"{self.early_stop:g}: the first layer's maxima settled)")
+        used = (
+            f"{self.num_sequences} x {self.seq_len} tokens"
+            if self.num_sequences == self.windows_drawn
+            else f"{self.num_sequences} of {self.windows_drawn} windows x {self.seq_len} tokens (early stop at "
+            f"{self.early_stop:g}: the first layer's maxima settled)"
+        )
         rows.append(
             f"{self.architecture}, alpha={self.alpha}, {used}; "
             f"max |logit change| {self.max_logit_change:.3g} (logit scale {self.logit_scale:.3g}, relative "
@@ -148,7 +151,10 @@ class SmoothQuantReport:
 
 
 def smoothing_factors(
-    act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float = DEFAULT_ALPHA, power_of_two: bool = False,
+    act_max: torch.Tensor,
+    weight_max: torch.Tensor,
+    alpha: float = DEFAULT_ALPHA,
+    power_of_two: bool = False,
 ) -> torch.Tensor:
     """s_j = act_max_j^alpha / weight_max_j^(1-alpha) in float32; s_j = 1 where either max is 0, else clamped
     to [SCALE_MIN, SCALE_MAX]. power_of_two rounds s_j to the nearest power of two (in log space): folding
@@ -181,16 +187,25 @@ def _weight_col_max(model: nn.Module, mapping: SmoothMapping) -> torch.Tensor:
     return torch.stack([w.abs().reshape(-1, w.shape[-1]).amax(0).float() for w in weights]).amax(0)
 
 
-def mapping_report(model: nn.Module, mapping: SmoothMapping, scale: torch.Tensor, act_max: torch.Tensor,
-                   weight_max: torch.Tensor) -> MappingReport:
+def mapping_report(
+    model: nn.Module, mapping: SmoothMapping, scale: torch.Tensor, act_max: torch.Tensor, weight_max: torch.Tensor
+) -> MappingReport:
     """The report of one folded mapping: `scale` (channels,) its smoothing scale, `act_max` / `weight_max`
     (channels,) the activation and consumer-weight maxima before the fold; `model` holds the folded weights."""
     w_after = _to_smoothing_channels(mapping, _weight_col_max(model, mapping).to(act_max.device), len(scale))
     return MappingReport(
-        name=mapping.name, kind=mapping.kind, smooth=mapping.smooth, consumers=mapping.consumers, channels=len(scale),
-        scale_min=scale.min().item(), scale_median=scale.median().item(), scale_max=scale.max().item(),
-        act_max_before=act_max.max().item(), act_max_after=(act_max / scale).max().item(),
-        weight_max_before=weight_max.max().item(), weight_max_after=w_after.max().item(),
+        name=mapping.name,
+        kind=mapping.kind,
+        smooth=mapping.smooth,
+        consumers=mapping.consumers,
+        channels=len(scale),
+        scale_min=scale.min().item(),
+        scale_median=scale.median().item(),
+        scale_max=scale.max().item(),
+        act_max_before=act_max.max().item(),
+        act_max_after=(act_max / scale).max().item(),
+        weight_max_before=weight_max.max().item(),
+        weight_max_after=w_after.max().item(),
     )
 
 
@@ -216,7 +231,8 @@ def _check_finite(plan: MappingPlan, maxima: dict[str, torch.Tensor]) -> None:
                 bad.append(f"{c} ({kinds} in {int((~torch.isfinite(x)).sum())} channels; mapping {m.name})")
     if bad:
         raise NonFiniteStatisticsError(
-            "SmoothQuant: non-finite activation statistics at the input of " + "; ".join(bad[:8])
+            "SmoothQuant: non-finite activation statistics at the input of "
+            + "; ".join(bad[:8])
             + (f"; and {len(bad) - 8} more" if len(bad) > 8 else "")
             + ". The model produces NaN/Inf on the calibration data (check the checkpoint and dtype)."
         )
@@ -234,15 +250,23 @@ def _check_shared_input(plan: MappingPlan, maxima: dict[str, torch.Tensor]) -> N
                 )
 
 
-def calibration_tokens(calibration, tokenizer, num_sequences: int | None, seq_len: int | None,
-                       max_positions: int | None, model_type: str | None = None) -> torch.Tensor:
+def calibration_tokens(
+    calibration,
+    tokenizer,
+    num_sequences: int | None,
+    seq_len: int | None,
+    max_positions: int | None,
+    model_type: str | None = None,
+) -> torch.Tensor:
     """(N, T) int64 calibration tokens from a source (a string: `quantkit.data` calibration source; None: the
     model's default, `default_calibration_source(model_type)`), a list of texts, a token tensor, or an iterable
     of token batches. Text is cut into num_sequences (default 4096) windows of seq_len (default
     min(512, max_positions)); token input is used as given (num_sequences keeps the first N)."""
     if calibration is None:
         calibration = default_calibration_source(model_type)
-    if isinstance(calibration, str) or (isinstance(calibration, Sequence) and calibration and isinstance(calibration[0], str)):
+    if isinstance(calibration, str) or (
+        isinstance(calibration, Sequence) and calibration and isinstance(calibration[0], str)
+    ):
         if tokenizer is None:
             raise ValueError("calibration from text needs a tokenizer")
         seq_len = seq_len or (min(DEFAULT_SEQ_LEN, max_positions) if max_positions else DEFAULT_SEQ_LEN)
@@ -255,13 +279,19 @@ def calibration_tokens(calibration, tokenizer, num_sequences: int | None, seq_le
         batches = [torch.as_tensor(b) for b in calibration]
         batches = [b[None] if b.dim() == 1 else b for b in batches]
         if not batches or len({b.shape[1] for b in batches}) != 1:
-            raise ValueError(f"token batches must be non-empty and of one length, got shapes {[tuple(b.shape) for b in batches]}")
+            raise ValueError(
+                f"token batches must be non-empty and of one length, got shapes {[tuple(b.shape) for b in batches]}"
+            )
         tokens = torch.cat(batches)
     else:
-        raise TypeError("calibration must be None, a source string, a list of texts, a token tensor or token batches; "
-                        f"got {type(calibration).__name__}")
+        raise TypeError(
+            "calibration must be None, a source string, a list of texts, a token tensor or token batches; "
+            f"got {type(calibration).__name__}"
+        )
     if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32) or len(tokens) == 0:
-        raise ValueError(f"calibration tokens must be a non-empty (N, T) integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
+        raise ValueError(
+            f"calibration tokens must be a non-empty (N, T) integer tensor, got {tuple(tokens.shape)} {tokens.dtype}"
+        )
     if seq_len is not None and tokens.shape[1] != seq_len:
         raise ValueError(f"calibration tokens have length {tokens.shape[1]}, but seq_len={seq_len} was asked")
     if num_sequences is not None:
@@ -279,8 +309,10 @@ def layer_mappings(plan: MappingPlan, stack_name: str, num_layers: int) -> list[
         head, _, rest = m.smooth.partition(f"{stack_name}.")
         index = rest.split(".", 1)[0]
         if head or not index.isdigit() or int(index) >= num_layers:
-            raise SmoothQuantMappingError(f"SmoothQuant mapping {m.name}: {m.smooth} is outside the decoder layers "
-                                          f"{stack_name}.*, which the layer-by-layer calibration cannot reach")
+            raise SmoothQuantMappingError(
+                f"SmoothQuant mapping {m.name}: {m.smooth} is outside the decoder layers "
+                f"{stack_name}.*, which the layer-by-layer calibration cannot reach"
+            )
         per_layer[int(index)].append(m)
     return [tuple(ms) for ms in per_layer]
 
@@ -305,8 +337,16 @@ def fold_layer(model: nn.Module, calibrated: LayerFactors) -> None:
 
 
 @torch.no_grad()
-def layer_factors(model: nn.Module, layer: nn.Module, i: int, stream: Stream, mappings: Sequence[SmoothMapping],
-                  alpha: float, power_of_two: bool = False, early_stop: EarlyStop | None = None) -> LayerFactors:
+def layer_factors(
+    model: nn.Module,
+    layer: nn.Module,
+    i: int,
+    stream: Stream,
+    mappings: Sequence[SmoothMapping],
+    alpha: float,
+    power_of_two: bool = False,
+    early_stop: EarlyStop | None = None,
+) -> LayerFactors:
     """Carry `stream` through decoder layer i (unsmoothed) while observing the per-channel maxima at the inputs of
     `mappings`' consumers, and compute each mapping's factors (`smoothing_factors`). With `early_stop` the
     stream ends at the batch where the maxima settled (for every later layer too). Nothing is folded here.
@@ -337,14 +377,22 @@ def _final_hidden(model: nn.Module, layers: nn.ModuleList, tokens: torch.Tensor,
     was_training = model.training
     model.eval()
     try:
-        return [final_hidden(model, layers, tokens[i : i + batch_size].to(device)) for i in range(0, len(tokens), batch_size)]
+        return [
+            final_hidden(model, layers, tokens[i : i + batch_size].to(device))
+            for i in range(0, len(tokens), batch_size)
+        ]
     finally:
         model.train(was_training)
 
 
 @torch.no_grad()
-def logit_change(model: nn.Module, layers: nn.ModuleList, reference: Sequence[torch.Tensor],
-                 smoothed: Sequence[torch.Tensor], architecture: str) -> tuple[float, float]:
+def logit_change(
+    model: nn.Module,
+    layers: nn.ModuleList,
+    reference: Sequence[torch.Tensor],
+    smoothed: Sequence[torch.Tensor],
+    architecture: str,
+) -> tuple[float, float]:
     """(max |logit change|, max |reference logit|) over every batch and position of the verification windows.
 
     reference / smoothed: per batch, the last decoder layer's output (B, T, hidden) before and after folding (any
@@ -358,25 +406,43 @@ def logit_change(model: nn.Module, layers: nn.ModuleList, reference: Sequence[to
         for start in range(0, ref_hidden.shape[1], HEAD_POSITIONS):
             ref = head_logits(model, layers, ref_hidden, start)
             if not torch.isfinite(ref).all():
-                raise NonFiniteStatisticsError(f"SmoothQuant: {architecture} produces NaN/Inf logits before smoothing "
-                                               "(check the checkpoint and dtype)")
+                raise NonFiniteStatisticsError(
+                    f"SmoothQuant: {architecture} produces NaN/Inf logits before smoothing "
+                    "(check the checkpoint and dtype)"
+                )
             diff = (head_logits(model, layers, smoothed_hidden, start) - ref).abs().max()
             change, scale = torch.maximum(change, diff.cpu()), torch.maximum(scale, ref.abs().max().cpu())
     return change.item(), scale.item()
 
 
-def smoothquant_report(plan: MappingPlan, alpha: float, tokens: torch.Tensor, calibrated: Sequence[LayerFactors],
-                       change: float, scale: float, tolerance: float, early_stop: EarlyStop | None) -> SmoothQuantReport:
+def smoothquant_report(
+    plan: MappingPlan,
+    alpha: float,
+    tokens: torch.Tensor,
+    calibrated: Sequence[LayerFactors],
+    change: float,
+    scale: float,
+    tolerance: float,
+    early_stop: EarlyStop | None,
+) -> SmoothQuantReport:
     """The report of a finished smoothing: each folded layer's mapping reports (`fold_layer`), the
     function-preservation figures, and the windows each layer's statistics saw."""
     mappings = [r for layer in calibrated for r in layer.reports]
     return SmoothQuantReport(
-        architecture=plan.architecture, alpha=alpha, num_sequences=min(c.windows for c in calibrated),
-        seq_len=tokens.shape[1], mappings=mappings, skipped=list(plan.skipped), max_logit_change=change,
-        logit_scale=scale, relative_logit_change=change / max(scale, torch.finfo(torch.float32).tiny),
-        tolerance=tolerance, windows_drawn=int(tokens.shape[0]),
+        architecture=plan.architecture,
+        alpha=alpha,
+        num_sequences=min(c.windows for c in calibrated),
+        seq_len=tokens.shape[1],
+        mappings=mappings,
+        skipped=list(plan.skipped),
+        max_logit_change=change,
+        logit_scale=scale,
+        relative_logit_change=change / max(scale, torch.finfo(torch.float32).tiny),
+        tolerance=tolerance,
+        windows_drawn=int(tokens.shape[0]),
         early_stop=None if early_stop is None else early_stop.tolerance,
-        windows_per_layer=[c.windows for c in calibrated], last_change=[c.last_change for c in calibrated],
+        windows_per_layer=[c.windows for c in calibrated],
+        last_change=[c.last_change for c in calibrated],
         scales={m.smooth: s.cpu() for layer in calibrated for m, s, _, _ in layer.factors},
     )
 
@@ -420,8 +486,9 @@ def smooth_model(
         raise ValueError(f"SmoothQuant alpha must be in [0, 1], got {alpha}")
     config = getattr(model, "config", None)
     max_positions = getattr(config, "max_position_embeddings", None)
-    tokens = calibration_tokens(calibration, tokenizer, num_sequences, seq_len, max_positions,
-                                getattr(config, "model_type", None))
+    tokens = calibration_tokens(
+        calibration, tokenizer, num_sequences, seq_len, max_positions, getattr(config, "model_type", None)
+    )
     dtype = next(model.parameters()).dtype
     if tolerance is None:
         exact = power_of_two or dtype in (torch.float32, torch.float64)
@@ -447,8 +514,9 @@ def smooth_model(
         folded = calibrated  # every factor from the unsmoothed model; nothing folded before all are in
         for layer in folded:
             fold_layer(model, layer)
-        change, scale = logit_change(model, layers, reference, _final_hidden(model, layers, verify, batch_size),
-                                     plan.architecture)
+        change, scale = logit_change(
+            model, layers, reference, _final_hidden(model, layers, verify, batch_size), plan.architecture
+        )
         relative = change / max(scale, torch.finfo(torch.float32).tiny)
         if not relative <= tolerance:  # also catches NaN
             raise FunctionPreservationError(

@@ -125,14 +125,21 @@ class Settling:
             if old is None or not torch.isfinite(amax).all():
                 change = math.inf
             else:
-                change = max(change, ((amax - old).norm() / amax.norm().clamp_min(torch.finfo(torch.float32).tiny)).item())
+                change = max(
+                    change, ((amax - old).norm() / amax.norm().clamp_min(torch.finfo(torch.float32).tiny)).item()
+                )
             self._previous[name] = amax.clone()
         self.change.append(change)
         self.windows += windows
         stop = self.early_stop
-        if stop is None or not self.observer.maxima or self.windows < stop.min_windows or len(self.change) < stop.patience:
+        if (
+            stop is None
+            or not self.observer.maxima
+            or self.windows < stop.min_windows
+            or len(self.change) < stop.patience
+        ):
             return False  # nothing observed (a layer without consumers) is no evidence of settling
-        return all(c <= stop.tolerance for c in self.change[-stop.patience:])
+        return all(c <= stop.tolerance for c in self.change[-stop.patience :])
 
 
 def _fused_experts_at(model: nn.Module, name: str) -> nn.Module | None:
@@ -150,8 +157,9 @@ def run_batches(model: nn.Module, tokens: torch.Tensor, batch_size: int, progres
     was_training = model.training
     model.eval()
     try:
-        with tqdm(total=len(tokens), desc=desc, unit="seq", disable=not progress,
-                  mininterval=1 if sys.stderr.isatty() else 30) as bar:
+        with tqdm(
+            total=len(tokens), desc=desc, unit="seq", disable=not progress, mininterval=1 if sys.stderr.isatty() else 30
+        ) as bar:
             for start in range(0, len(tokens), batch_size):
                 chunk = tokens[start : start + batch_size].to(device)
                 model(input_ids=chunk, use_cache=False)
@@ -161,8 +169,12 @@ def run_batches(model: nn.Module, tokens: torch.Tensor, batch_size: int, progres
 
 
 def channel_max(
-    model: nn.Module, tokens: torch.Tensor, module_names: Iterable[str], batch_size: int = 8,
-    progress: bool = True, desc: str = "SmoothQuant calibration",
+    model: nn.Module,
+    tokens: torch.Tensor,
+    module_names: Iterable[str],
+    batch_size: int = 8,
+    progress: bool = True,
+    desc: str = "SmoothQuant calibration",
 ) -> dict[str, torch.Tensor]:
     """max |x_j| at the input of each named linear (or expert matrix `<experts>.<e>.<proj>`, all-experts
     mode) over the token windows `tokens` (N, T)."""

@@ -36,9 +36,9 @@ from quantkit.calibrate.mappings import layer_norms
 from quantkit.diagnose.stats import ChannelStats, Moments
 from quantkit.errors import NonFiniteStatisticsError
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
+from quantkit.formats.schemes import get_scheme
 from quantkit.quantize.recipe import Recipe
 from quantkit.quantize.routed_experts import projection_outputs, routed_expert_passes
-from quantkit.formats.schemes import get_scheme
 
 SINK_EPS = 0.3  # paper 002 eq. 1 (after Gu et al. 2025)
 SINK_WINDOW = 64  # T_eps of paper 002 eq. 1
@@ -51,8 +51,10 @@ def decoder_layers(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
     backbone = getattr(model, "model", None)
     layers, norm = getattr(backbone, "layers", None), getattr(backbone, "norm", None)
     if not isinstance(layers, nn.ModuleList) or norm is None:
-        raise ValueError(f"{type(model).__name__}: expected a decoder with .model.layers and .model.norm "
-                         "(Qwen3, Llama, quantkit family)")
+        raise ValueError(
+            f"{type(model).__name__}: expected a decoder with .model.layers and .model.norm "
+            "(Qwen3, Llama, quantkit family)"
+        )
     return layers, norm
 
 
@@ -61,8 +63,9 @@ def residual_norm_names(model: nn.Module) -> list[str]:
     (`layer_norms`: Llama's input/post-attention pair, Gemma 2/3's four), in module order, then the final norm."""
     layers, _ = decoder_layers(model)
     width = model.get_input_embeddings().weight.shape[1]
-    return [f"model.layers.{i}.{name}" for i, layer in enumerate(layers) for name in layer_norms(layer, width)] + \
-        ["model.norm"]
+    return [f"model.layers.{i}.{name}" for i, layer in enumerate(layers) for name in layer_norms(layer, width)] + [
+        "model.norm"
+    ]
 
 
 @dataclass
@@ -71,11 +74,11 @@ class ResidualState:
 
     moments: Moments = field(default_factory=Moments)
     channels: ChannelStats | None = None
-    massive: int = 0                      # tokens with max_j |h_tj| > ratio * median |h| of their sequence
-    massive_pos0: int = 0                 # ... of them at position 0
+    massive: int = 0  # tokens with max_j |h_tj| > ratio * median |h| of their sequence
+    massive_pos0: int = 0  # ... of them at position 0
     massive_positions: Counter = field(default_factory=Counter)
-    ratio_sum_pos0: float = 0.0           # sum over sequences of that ratio at position 0
-    ratio_sum_rest: float = 0.0           # ... at positions >= 1
+    ratio_sum_pos0: float = 0.0  # sum over sequences of that ratio at position 0
+    ratio_sum_rest: float = 0.0  # ... at positions >= 1
     tokens: int = 0
     sequences: int = 0
     token_norm_sum: torch.Tensor | None = None  # sum over sequences of ||h_t||_2, positions 0..15
@@ -85,10 +88,10 @@ class ResidualState:
 class AttentionLayer:
     """Accumulators for one layer's attention probabilities (per head, summed over sequences)."""
 
-    alpha_sum: torch.Tensor               # (H,) sum of alpha_0^{l,h} (paper 002 eq. 1)
-    sink_count: torch.Tensor              # (H,) number of sequences with alpha_0^{l,h} > eps
-    mass_sum: torch.Tensor                # (H,) sum of first-token mass M_0^{l,h} / T (paper 002 eq. 2)
-    map_sum: torch.Tensor                 # (N, N) sum over sequences and heads of a[:N, :N]
+    alpha_sum: torch.Tensor  # (H,) sum of alpha_0^{l,h} (paper 002 eq. 1)
+    sink_count: torch.Tensor  # (H,) number of sequences with alpha_0^{l,h} > eps
+    mass_sum: torch.Tensor  # (H,) sum of first-token mass M_0^{l,h} / T (paper 002 eq. 2)
+    map_sum: torch.Tensor  # (N, N) sum over sequences and heads of a[:N, :N]
     sequences: int = 0
 
 
@@ -96,9 +99,9 @@ class AttentionLayer:
 class ExpertsStats:
     """Accumulators for one fused experts module with E experts (hidden H, intermediate I), top-k routing."""
 
-    slots: torch.Tensor                   # (E,) float64: routed (token, slot) pairs per expert
-    gate_up_input_max: torch.Tensor       # (E, H) float32: max |x_j| over the tokens routed to e
-    down_input_max: torch.Tensor          # (E, I) float32: max |h_j| at down_proj's input
+    slots: torch.Tensor  # (E,) float64: routed (token, slot) pairs per expert
+    gate_up_input_max: torch.Tensor  # (E, H) float32: max |x_j| over the tokens routed to e
+    down_input_max: torch.Tensor  # (E, I) float32: max |h_j| at down_proj's input
     tokens: int = 0
     top_k: int = 0
 
@@ -107,7 +110,7 @@ class ExpertsStats:
 class LinearStats:
     moments: Moments = field(default_factory=Moments)
     channel_max: torch.Tensor | None = None
-    signal: float = 0.0                   # sum y^2 (float product)
+    signal: float = 0.0  # sum y^2 (float product)
     noise: dict[str, float] = field(default_factory=dict)  # recipe -> sum (y - y_q)^2
 
 
@@ -120,8 +123,13 @@ class DiagnosticsObserver:
     (massive tokens are attributed to token ids); `paused()` stops the statistics for a pass of another purpose.
     """
 
-    def __init__(self, model: nn.Module, recipes: dict[str, tuple[Recipe, dict[str, torch.Tensor] | None]],
-                 massive_ratio: float, map_tokens: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        recipes: dict[str, tuple[Recipe, dict[str, torch.Tensor] | None]],
+        massive_ratio: float,
+        map_tokens: int,
+    ) -> None:
         self.model = model
         self.layers, self.final_norm = decoder_layers(model)
         self.massive_ratio = massive_ratio
@@ -129,8 +137,11 @@ class DiagnosticsObserver:
         self.recipes = recipes
         self.residual = [ResidualState() for _ in range(len(self.layers) + 1)]
         self.attention: dict[int, AttentionLayer | None] = {
-            i: None for i, layer in enumerate(self.layers) if isinstance(getattr(layer, "self_attn", None), nn.Module)}
-        self.attention_skipped = {i: _no_softmax_reason(layer) for i, layer in enumerate(self.layers) if i not in self.attention}
+            i: None for i, layer in enumerate(self.layers) if isinstance(getattr(layer, "self_attn", None), nn.Module)
+        }
+        self.attention_skipped = {
+            i: _no_softmax_reason(layer) for i, layer in enumerate(self.layers) if i not in self.attention
+        }
         self.linears = {n: LinearStats() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         self.experts_modules = fused_experts_modules(model)
         self.experts: dict[str, ExpertsStats] = {}
@@ -149,15 +160,23 @@ class DiagnosticsObserver:
     def __enter__(self) -> DiagnosticsObserver:
         try:
             for i, layer in enumerate(self.layers):
-                self._handles.append(layer.register_forward_pre_hook(self._gated(self._residual_hook(i)), with_kwargs=True))
+                self._handles.append(
+                    layer.register_forward_pre_hook(self._gated(self._residual_hook(i)), with_kwargs=True)
+                )
                 if i in self.attention:
                     self._handles.append(layer.self_attn.register_forward_hook(self._gated(self._attention_hook(i))))
-            self._handles.append(self.final_norm.register_forward_pre_hook(self._gated(self._residual_hook(len(self.layers))), with_kwargs=True))
+            self._handles.append(
+                self.final_norm.register_forward_pre_hook(
+                    self._gated(self._residual_hook(len(self.layers))), with_kwargs=True
+                )
+            )
             for name, module in self.model.named_modules():
                 if isinstance(module, nn.Linear):
                     self._handles.append(module.register_forward_hook(self._gated(self._linear_hook(name))))
             for name, module in self.experts_modules.items():
-                self._handles.append(module.register_forward_hook(self._gated(self._experts_hook(name)), with_kwargs=True))
+                self._handles.append(
+                    module.register_forward_hook(self._gated(self._experts_hook(name)), with_kwargs=True)
+                )
             for norm in residual_norm_names(self.model):
                 gate_up = getattr(self.model.get_submodule(norm), "gate_up", None)
                 if gate_up is not None:
@@ -246,8 +265,10 @@ class DiagnosticsObserver:
         def hook(_module, _args, output):
             probs = output[1] if isinstance(output, tuple) and len(output) > 1 else None
             if probs is None:
-                raise RuntimeError(f"layer {i}: self_attn returned no attention probabilities; load the model with "
-                                   "attn_implementation='eager'")
+                raise RuntimeError(
+                    f"layer {i}: self_attn returned no attention probabilities; load the model with "
+                    "attn_implementation='eager'"
+                )
             p = probs.detach().float()  # (B, H, T, T), rows sum to 1
             _check_finite(p, f"attention probabilities of layer {i}")
             b, heads, t, _ = p.shape
@@ -255,8 +276,12 @@ class DiagnosticsObserver:
             alpha = first[..., : min(SINK_WINDOW, t)].mean(-1)  # (B, H), eq. 1 with s = 0
             n = min(self.map_tokens, t)
             if self.attention[i] is None:
-                self.attention[i] = AttentionLayer(torch.zeros(heads, dtype=torch.float64), torch.zeros(heads, dtype=torch.float64),
-                                                   torch.zeros(heads, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64))
+                self.attention[i] = AttentionLayer(
+                    torch.zeros(heads, dtype=torch.float64),
+                    torch.zeros(heads, dtype=torch.float64),
+                    torch.zeros(heads, dtype=torch.float64),
+                    torch.zeros(n, n, dtype=torch.float64),
+                )
             acc = self.attention[i]
             acc.alpha_sum += alpha.double().sum(0)
             acc.sink_count += (alpha > SINK_EPS).double().sum(0)
@@ -278,8 +303,9 @@ class DiagnosticsObserver:
 
         return hook
 
-    def _quant_error(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
-                     y: torch.Tensor) -> None:
+    def _quant_error(
+        self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, y: torch.Tensor
+    ) -> None:
         """Add sum y^2 and, per recipe quantizing `name`, sum (y - y_q)^2 to the matrix's stats (y = x W^T + b)."""
         quantizing = [(r, s) for r, s in self.recipes.values() if not r.ignores(name)]
         if not quantizing:
@@ -289,7 +315,9 @@ class DiagnosticsObserver:
         stats.signal += y.pow(2).sum().item()
         for recipe, static_scale in quantizing:
             w_q = self._quantized_weight(name, weight, recipe.scheme)
-            x_q = get_scheme(recipe.scheme).fake_quant_activation(x, None if static_scale is None else static_scale[name])
+            x_q = get_scheme(recipe.scheme).fake_quant_activation(
+                x, None if static_scale is None else static_scale[name]
+            )
             y_q = F.linear(x_q, w_q, None if bias is None else bias.float())
             stats.noise[recipe.name] = stats.noise.get(recipe.name, 0.0) + (y - y_q.double()).pow(2).sum().item()
 
@@ -309,16 +337,20 @@ class DiagnosticsObserver:
         order differ by at most ~(H + I + k) 2^-24 relative (worst case; 1.5e-4 for Qwen3-Next's H = 2048,
         I = 512), a module computing something else (another layout, a bias) by O(1).
         """
+
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
             names = ("hidden_states", "top_k_index", "top_k_weights")  # transformers' experts signature
-            hidden, top_k_index, top_k_weights = (*args, *(kwargs[k] for k in names[len(args):]))
+            hidden, top_k_index, top_k_weights = (*args, *(kwargs[k] for k in names[len(args) :]))
             index = top_k_index.reshape(-1, top_k_index.shape[-1])
             _check_finite(hidden, f"input of {name}")
             experts, two_i, h_dim = module.gate_up_proj.shape
             if name not in self.experts:
-                self.experts[name] = ExpertsStats(torch.zeros(experts, dtype=torch.float64),
-                                                  torch.zeros(experts, h_dim), torch.zeros(experts, two_i // 2),
-                                                  top_k=index.shape[1])
+                self.experts[name] = ExpertsStats(
+                    torch.zeros(experts, dtype=torch.float64),
+                    torch.zeros(experts, h_dim),
+                    torch.zeros(experts, two_i // 2),
+                    top_k=index.shape[1],
+                )
             acc = self.experts[name]
             acc.tokens += index.shape[0]
             acc.slots += torch.bincount(index.reshape(-1).cpu(), minlength=experts)[:experts].double()
@@ -327,8 +359,12 @@ class DiagnosticsObserver:
             matrices = expert_matrices(name, module)  # "<name>.<e>.<proj>" -> (out, in) view
             for p in routed_expert_passes(module, hidden, index):
                 _check_finite(p.h, f"input of {name}.{p.expert}.down_proj")
-                acc.gate_up_input_max[p.expert] = torch.maximum(acc.gate_up_input_max[p.expert], p.x.abs().amax(0).float().cpu())
-                acc.down_input_max[p.expert] = torch.maximum(acc.down_input_max[p.expert], p.h.abs().amax(0).float().cpu())
+                acc.gate_up_input_max[p.expert] = torch.maximum(
+                    acc.gate_up_input_max[p.expert], p.x.abs().amax(0).float().cpu()
+                )
+                acc.down_input_max[p.expert] = torch.maximum(
+                    acc.down_input_max[p.expert], p.h.abs().amax(0).float().cpu()
+                )
                 for proj, (x, y) in projection_outputs(p).items():
                     matrix = f"{name}.{p.expert}.{proj}"
                     self._quant_error(matrix, matrices[matrix], None, x, y)
@@ -336,9 +372,11 @@ class DiagnosticsObserver:
             out = output.detach().reshape(recomputed.shape).float()
             gap, peak = (recomputed - out).abs().max().item(), out.abs().max().item()
             if gap > EXPERTS_CHECK_RTOL * peak:
-                raise RuntimeError(f"{name}: the per-expert recomputation differs from the module's output by {gap:.3g} "
-                                   f"(max |output| {peak:.3g}): it does not compute down_e(act(gate_e x) * up_e x) in "
-                                   "the layout of quantkit.formats.experts")
+                raise RuntimeError(
+                    f"{name}: the per-expert recomputation differs from the module's output by {gap:.3g} "
+                    f"(max |output| {peak:.3g}): it does not compute down_e(act(gate_e x) * up_e x) in "
+                    "the layout of quantkit.formats.experts"
+                )
 
         return hook
 

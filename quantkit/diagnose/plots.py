@@ -84,10 +84,15 @@ def _attention_map(r: dict) -> Figure:
     a = np.array(r["attention"]["map"], dtype=float)
     fig = Figure(figsize=(4.2, 3.6))
     ax = fig.add_subplot()
-    im = ax.imshow(np.where(np.tril(np.ones_like(a)) > 0, a, np.nan), cmap="magma", vmin=0, vmax=1, interpolation="nearest")
+    im = ax.imshow(
+        np.where(np.tril(np.ones_like(a)) > 0, a, np.nan), cmap="magma", vmin=0, vmax=1, interpolation="nearest"
+    )
     ax.set_xlabel("key position")
     ax.set_ylabel("query position")
-    ax.set_title(f"Attention, first {len(a)} tokens\n(mean over sequences, heads, softmax layers {_layer_list(r['attention']['layers'])})")
+    ax.set_title(
+        f"Attention, first {len(a)} tokens\n"
+        f"(mean over sequences, heads, softmax layers {_layer_list(r['attention']['layers'])})"
+    )
     fig.colorbar(im, ax=ax, label="probability")
     return fig
 
@@ -101,7 +106,9 @@ def _attention_sinks(r: dict) -> Figure:
     ax.bar(x + 0.2, att["first_token_mass_layer"], 0.4, label="first-token mass")
     ax.set_ylim(0, 1.05)
     skipped = [s["layer"] for s in att["skipped"]]
-    ax.set_xlabel("layer" + (f" (softmax attention only; no softmax in layers {_layer_list(skipped)})" if skipped else ""))
+    ax.set_xlabel(
+        "layer" + (f" (softmax attention only; no softmax in layers {_layer_list(skipped)})" if skipped else "")
+    )
     ax.set_xticks(x, [str(i) for i in att["layers"]])
     ax.set_title("Attention sinks per layer")
     ax.legend(fontsize=7)
@@ -130,7 +137,13 @@ def _quant_snr(r: dict) -> Figure:
     fig = Figure(figsize=(max(6.0, 0.12 * len(names)), 3.4))
     ax = fig.add_subplot()
     for recipe, values in snr.items():
-        ax.plot(range(len(names)), [np.nan if values.get(n) is None else values[n] for n in names], ".-", lw=0.8, label=recipe)
+        ax.plot(
+            range(len(names)),
+            [np.nan if values.get(n) is None else values[n] for n in names],
+            ".-",
+            lw=0.8,
+            label=recipe,
+        )
     ax.set_xticks(range(len(names)), [n.removeprefix("model.") for n in names], rotation=90, fontsize=5)
     ax.set_ylabel("SNR (dB)")
     ax.set_title("Quantization SNR per linear (fake-quant x and W vs float product)")
@@ -182,7 +195,9 @@ def _expert_snr(r: dict) -> Figure:
             xs = [layer for layer, _ in rows]
             colour = f"C{n}"
             ax.plot(xs, [v["median"] for _, v in rows], "-", marker=".", color=colour, lw=0.8, label=f"{recipe} median")
-            ax.plot(xs, [v["min"] for _, v in rows], "--", marker="v", ms=3, color=colour, lw=0.8, label=f"{recipe} min")
+            ax.plot(
+                xs, [v["min"] for _, v in rows], "--", marker="v", ms=3, color=colour, lw=0.8, label=f"{recipe} min"
+            )
         ax.set_title(f"experts' {proj}")
         ax.set_xlabel("layer")
         ax.grid(lw=0.3)
@@ -201,9 +216,17 @@ def _layer_order(name: str) -> tuple[int, str]:
     return (int(m.group(1)) if m else 10**9, name)
 
 
-_FIGURES = {"outliers": _outliers, "residual_heatmap": _residual_heatmap, "attention_map": _attention_map,
-            "attention_sinks": _attention_sinks, "norm_weights": _norm_weights, "quant_snr": _quant_snr,
-            "expert_load": _expert_load, "expert_maxima": _expert_maxima, "expert_snr": _expert_snr}
+_FIGURES = {
+    "outliers": _outliers,
+    "residual_heatmap": _residual_heatmap,
+    "attention_map": _attention_map,
+    "attention_sinks": _attention_sinks,
+    "norm_weights": _norm_weights,
+    "quant_snr": _quant_snr,
+    "expert_load": _expert_load,
+    "expert_maxima": _expert_maxima,
+    "expert_snr": _expert_snr,
+}
 
 
 def _has_data(name: str, result: dict) -> bool:

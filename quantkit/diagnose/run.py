@@ -42,9 +42,10 @@ from quantkit.calibrate.layers import (
     source_tensors,
     tied_partners,
 )
-from quantkit.calibrate.stats import ChannelMaxObserver, run_batches
 from quantkit.calibrate.mappings import OFFSET_NORMS
+from quantkit.calibrate.stats import ChannelMaxObserver, run_batches
 from quantkit.data import heldout_windows
+from quantkit.diagnose.defaults import DEFAULT_NUM_SEQUENCES, DEFAULT_RECIPES, DEFAULT_SEQ_LEN, MASSIVE_RATIO
 from quantkit.diagnose.observe import (
     SINK_EPS,
     SINK_WINDOW,
@@ -52,7 +53,6 @@ from quantkit.diagnose.observe import (
     decoder_layers,
     residual_norm_names,
 )
-from quantkit.diagnose.defaults import DEFAULT_NUM_SEQUENCES, DEFAULT_RECIPES, DEFAULT_SEQ_LEN, MASSIVE_RATIO
 from quantkit.errors import NonFiniteStatisticsError
 from quantkit.formats import nvfp4_global_scale
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
@@ -61,7 +61,7 @@ from quantkit.metrics import snr_db
 from quantkit.quantize.recipe import Recipe, load_recipe
 from quantkit.quantize.routed_experts import summarize_expert_snr
 
-MAP_TOKENS = 32        # attention maps are shown for the first 32 queries x keys
+MAP_TOKENS = 32  # attention maps are shown for the first 32 queries x keys
 TOP_K = 8
 NORM_PARAMS = {"weight": 1.0, "pre_scale": 1.0, "bias": 0.0, "alpha": None}  # parameter -> neutral value
 
@@ -72,18 +72,26 @@ def resolve_recipes(names: Sequence[str]) -> list[Recipe]:
     for name in names:
         recipe = load_recipe(name)  # ValueError for an unknown name
         if recipe.backend != "quantkit" or recipe.scheme not in SCHEMES:
-            raise ValueError(f"recipe {recipe.name!r} (backend {recipe.backend}, scheme {recipe.scheme}): diagnose "
-                             f"emulates quantkit's schemes ({', '.join(SCHEMES)}) only")
+            raise ValueError(
+                f"recipe {recipe.name!r} (backend {recipe.backend}, scheme {recipe.scheme}): diagnose "
+                f"emulates quantkit's schemes ({', '.join(SCHEMES)}) only"
+            )
         if recipe.smoothquant is not None:
-            raise ValueError(f"recipe {recipe.name!r} applies SmoothQuant first; diagnose measures the checkpoint as "
-                             "it is: use the recipe without SmoothQuant (e.g. w4a4_nvfp4)")
+            raise ValueError(
+                f"recipe {recipe.name!r} applies SmoothQuant first; diagnose measures the checkpoint as "
+                "it is: use the recipe without SmoothQuant (e.g. w4a4_nvfp4)"
+            )
         recipes.append(recipe)
     return recipes
 
 
 def diagnose(
-    model_dir: str | Path, num_sequences: int = DEFAULT_NUM_SEQUENCES, seq_len: int = DEFAULT_SEQ_LEN,
-    recipes: Sequence[str] = DEFAULT_RECIPES, batch_size: int = 8, massive_ratio: float = MASSIVE_RATIO,
+    model_dir: str | Path,
+    num_sequences: int = DEFAULT_NUM_SEQUENCES,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    recipes: Sequence[str] = DEFAULT_RECIPES,
+    batch_size: int = 8,
+    massive_ratio: float = MASSIVE_RATIO,
     progress: bool = True,
 ) -> dict:
     """Diagnostics of the checkpoint in `model_dir` on `num_sequences` held-out windows of `seq_len` tokens."""
@@ -95,8 +103,10 @@ def diagnose(
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a checkpoint directory (no config.json)")
     if "quantization_config" in json.loads((model_dir / "config.json").read_text()):
-        raise ValueError(f"{model_dir} is a quantized checkpoint; diagnose its unquantized source (the recipes "
-                         "emulate the quantization)")
+        raise ValueError(
+            f"{model_dir} is a quantized checkpoint; diagnose its unquantized source (the recipes "
+            "emulate the quantization)"
+        )
     recipe_list = resolve_recipes(recipes)  # fail before loading anything
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
@@ -108,8 +118,16 @@ def diagnose(
 
 
 @torch.no_grad()
-def _diagnose_layerwise(model_dir: Path, config, tokens: torch.Tensor, recipe_list: list[Recipe], batch_size: int,
-                        massive_ratio: float, progress: bool, tokenizer: Any) -> dict:
+def _diagnose_layerwise(
+    model_dir: Path,
+    config,
+    tokens: torch.Tensor,
+    recipe_list: list[Recipe],
+    batch_size: int,
+    massive_ratio: float,
+    progress: bool,
+    tokenizer: Any,
+) -> dict:
     """`diagnose_model`'s statistics with one decoder layer in memory at a time (`quantkit.calibrate.layers`):
     the windows are embedded, then each layer is read from the checkpoint (float32), its static scales calibrated
     on the batches entering it, the batches run through it under the observer's hooks, and it goes back to the
@@ -137,7 +155,9 @@ def _diagnose_layerwise(model_dir: Path, config, tokens: torch.Tensor, recipe_li
             for recipe, scales in plan.values():
                 if scales is not None:
                     with obs.paused():
-                        scales.update(_static_scales(model, recipe, prefix, lambda: _run_layer(stream, layer, i)))
+                        scales.update(
+                            _static_scales(model, recipe, prefix, lambda layer=layer, i=i: _run_layer(stream, layer, i))
+                        )
             norms += _norm_entries(model, [n for n in norm_names if n.startswith(prefix)], TOP_K)
             input_norms.append(_input_norm_params(layer))
             advance_stream(stream, layer, i, before_batch=lambda b: obs.begin_batch(stream.chunks[b], b))
@@ -164,8 +184,14 @@ def _run_layer(stream: Stream, layer: nn.Module, i: int) -> None:
 
 @torch.no_grad()
 def diagnose_model(
-    model: nn.Module, tokens: torch.Tensor, recipes: Sequence[str] = DEFAULT_RECIPES, batch_size: int = 8,
-    massive_ratio: float = MASSIVE_RATIO, map_tokens: int = MAP_TOKENS, top_k: int = TOP_K, progress: bool = False,
+    model: nn.Module,
+    tokens: torch.Tensor,
+    recipes: Sequence[str] = DEFAULT_RECIPES,
+    batch_size: int = 8,
+    massive_ratio: float = MASSIVE_RATIO,
+    map_tokens: int = MAP_TOKENS,
+    top_k: int = TOP_K,
+    progress: bool = False,
     tokenizer: Any = None,
 ) -> dict:
     """Diagnostics of `model` on token windows `tokens` (N, T) int64; see the module docstring for conventions.
@@ -182,12 +208,19 @@ def diagnose_model(
     try:
         if attn_impl != "eager":
             model.set_attn_implementation("eager")
-        plan = {r.name: (r, _static_scales(model, r, "", lambda: run_batches(model, tokens, batch_size, False, ""))
-                         if r.activation_scale == "static" else None) for r in recipe_list}
+        plan = {
+            r.name: (
+                r,
+                _static_scales(model, r, "", lambda: run_batches(model, tokens, batch_size, False, ""))
+                if r.activation_scale == "static"
+                else None,
+            )
+            for r in recipe_list
+        }
         device = next(model.parameters()).device
         with DiagnosticsObserver(model, plan, massive_ratio, map_tokens) as obs:
             for start in tqdm(range(0, len(tokens), batch_size), desc="diagnose", unit="batch", disable=not progress):
-                chunk = tokens[start: start + batch_size].to(device)
+                chunk = tokens[start : start + batch_size].to(device)
                 obs.begin_batch(chunk)
                 model(input_ids=chunk, use_cache=False)
                 obs.end_batch()
@@ -196,33 +229,64 @@ def diagnose_model(
             model.set_attn_implementation(attn_impl)
         model.train(was_training)
     norms = _norm_entries(model, residual_norm_names(model), top_k)
-    return _result(obs, model, plan, tokens, norms, [_input_norm_params(layer) for layer in layers], massive_ratio,
-                   map_tokens, top_k, tokenizer)
+    return _result(
+        obs,
+        model,
+        plan,
+        tokens,
+        norms,
+        [_input_norm_params(layer) for layer in layers],
+        massive_ratio,
+        map_tokens,
+        top_k,
+        tokenizer,
+    )
 
 
-def _result(obs: DiagnosticsObserver, model: nn.Module, plan: dict, tokens: torch.Tensor, norms: list[dict],
-            input_norms: list[dict[str, torch.Tensor | None]], massive_ratio: float, map_tokens: int, top_k: int,
-            tokenizer: Any) -> dict:
+def _result(
+    obs: DiagnosticsObserver,
+    model: nn.Module,
+    plan: dict,
+    tokens: torch.Tensor,
+    norms: list[dict],
+    input_norms: list[dict[str, torch.Tensor | None]],
+    massive_ratio: float,
+    map_tokens: int,
+    top_k: int,
+    tokenizer: Any,
+) -> dict:
     """The result dict from the observer's statistics and the norms' parameters (whole model or layer by layer)."""
     config = model.config
     bos = getattr(config, "bos_token_id", None)
     result = {
-        "model": {"architecture": type(model).__name__,
-                  "variant": getattr(config, "variant_name", config.model_type),
-                  "num_layers": len(input_norms), "hidden_size": config.hidden_size,
-                  "num_attention_heads": config.num_attention_heads},
-        "settings": {"num_sequences": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]), "recipes": list(plan),
-                     "massive_ratio": massive_ratio, "sink_eps": SINK_EPS, "sink_window": min(SINK_WINDOW, int(tokens.shape[1])),
-                     "attention_map_tokens": min(map_tokens, int(tokens.shape[1])), "top_k": top_k,
-                     "position0_is_bos": bos is not None and bool((tokens[:, 0] == bos).all())},
+        "model": {
+            "architecture": type(model).__name__,
+            "variant": getattr(config, "variant_name", config.model_type),
+            "num_layers": len(input_norms),
+            "hidden_size": config.hidden_size,
+            "num_attention_heads": config.num_attention_heads,
+        },
+        "settings": {
+            "num_sequences": int(tokens.shape[0]),
+            "seq_len": int(tokens.shape[1]),
+            "recipes": list(plan),
+            "massive_ratio": massive_ratio,
+            "sink_eps": SINK_EPS,
+            "sink_window": min(SINK_WINDOW, int(tokens.shape[1])),
+            "attention_map_tokens": min(map_tokens, int(tokens.shape[1])),
+            "top_k": top_k,
+            "position0_is_bos": bos is not None and bool((tokens[:, 0] == bos).all()),
+        },
         "residual": _residual(obs),
         "norms": norms,
         "gates": _gates(obs, top_k),
         "attention": _attention(obs),
         "linears": _linears(obs, top_k),
         "experts": _experts(obs, top_k),
-        "quant_snr_db": {name: {n: snr_db(s.signal, s.noise[name]) for n, s in obs.linears.items() if name in s.noise}
-                         for name in plan},
+        "quant_snr_db": {
+            name: {n: snr_db(s.signal, s.noise[name]) for n, s in obs.linears.items() if name in s.noise}
+            for name in plan
+        },
     }
     result["expert_snr_db"] = {name: summarize_expert_snr(snr) for name, snr in result["quant_snr_db"].items()}
     result["sink_dims"] = _sink_dims(obs, input_norms, top_k)
@@ -235,14 +299,25 @@ def _static_scales(model: nn.Module, recipe: Recipe, prefix: str, run: Callable[
     """Static NVFP4 input decode scale of each quantized linear and expert matrix under `prefix` ("" for all):
     amax over the windows `run()` sends through them / 2688, as `quantize` calibrates (expert matrices in
     calibrate-all-experts mode, `quantkit.calibrate.stats`)."""
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(prefix) and not recipe.ignores(n)]
-    names += [m for n, e in fused_experts_modules(model).items() if n.startswith(prefix)
-              for m in expert_matrices(n, e) if not recipe.ignores(m)]
+    names = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and n.startswith(prefix) and not recipe.ignores(n)
+    ]
+    names += [
+        m
+        for n, e in fused_experts_modules(model).items()
+        if n.startswith(prefix)
+        for m in expert_matrices(n, e)
+        if not recipe.ignores(m)
+    ]
     with ChannelMaxObserver(model, names) as observer:
         run()
     missing = [n for n in observer.names if n not in observer.maxima]
     if missing:
-        raise RuntimeError(f"static activation calibration: these linears were never called in the forward pass: {missing}")
+        raise RuntimeError(
+            f"static activation calibration: these linears were never called in the forward pass: {missing}"
+        )
     return {n: nvfp4_global_scale(m.max()) for n, m in observer.maxima.items()}
 
 
@@ -255,8 +330,9 @@ def _residual(obs: DiagnosticsObserver) -> dict:
         "std": [s.moments.std for s in states],
         "mean_abs_per_dim": [s.channels.mean_abs.tolist() for s in states],
         "token_norm_pos0": [float(s.token_norm_sum[0] / s.sequences) for s in states],
-        "token_norm_pos1_15": [float(s.token_norm_sum[1:].mean() / s.sequences) if len(s.token_norm_sum) > 1 else None
-                               for s in states],
+        "token_norm_pos1_15": [
+            float(s.token_norm_sum[1:].mean() / s.sequences) if len(s.token_norm_sum) > 1 else None for s in states
+        ],
     }
 
 
@@ -274,8 +350,12 @@ def _sink_dims(obs: DiagnosticsObserver, input_norms: list[dict[str, torch.Tenso
             weights[attr] = torch.stack(values)
     out = []
     for j in h_avg.argsort(descending=True)[:top_k].tolist():
-        entry = {"dim": j, "mean_abs": h_avg[j].item(), "ratio_to_median": (h_avg[j] / median).item(),
-                 "max_abs": max_abs[j].item()}
+        entry = {
+            "dim": j,
+            "mean_abs": h_avg[j].item(),
+            "ratio_to_median": (h_avg[j] / median).item(),
+            "max_abs": max_abs[j].item(),
+        }
         for attr, w in weights.items():
             entry[f"input_norm_{attr}_mean"] = w[:, j].mean().item()
         out.append(entry)
@@ -285,14 +365,20 @@ def _sink_dims(obs: DiagnosticsObserver, input_norms: list[dict[str, torch.Tenso
 def _massive(obs: DiagnosticsObserver, ratio: float, tokenizer: Any, top_k: int) -> dict:
     per_state = []
     for s in obs.residual:
-        per_state.append({
-            "count": s.massive, "fraction": s.massive / s.tokens, "at_position0": s.massive_pos0,
-            "top_positions": [[p, c] for p, c in s.massive_positions.most_common(top_k)],
-            "mean_ratio_pos0": s.ratio_sum_pos0 / s.sequences,
-            "mean_ratio_rest": s.ratio_sum_rest / (s.tokens - s.sequences),
-        })
-    ids = [{"id": i, "count": c, "text": tokenizer.decode([i]) if tokenizer is not None else None}
-           for i, c in obs.massive_token_ids.most_common(top_k)]
+        per_state.append(
+            {
+                "count": s.massive,
+                "fraction": s.massive / s.tokens,
+                "at_position0": s.massive_pos0,
+                "top_positions": [[p, c] for p, c in s.massive_positions.most_common(top_k)],
+                "mean_ratio_pos0": s.ratio_sum_pos0 / s.sequences,
+                "mean_ratio_rest": s.ratio_sum_rest / (s.tokens - s.sequences),
+            }
+        )
+    ids = [
+        {"id": i, "count": c, "text": tokenizer.decode([i]) if tokenizer is not None else None}
+        for i, c in obs.massive_token_ids.most_common(top_k)
+    ]
     return {"ratio": ratio, "per_state": per_state, "token_ids": ids}
 
 
@@ -327,20 +413,27 @@ def _experts(obs: DiagnosticsObserver, top_k: int) -> dict:
         routed = acc.slots > 0
         down_top = acc.down_input_max.argmax(1)
 
-        def per_expert(values: torch.Tensor) -> list[float | None]:
+        def per_expert(values: torch.Tensor, routed: torch.Tensor = routed) -> list[float | None]:
             return [v if r else None for v, r in zip(values.tolist(), routed.tolist())]
 
         load = acc.slots / (acc.tokens * acc.top_k)
         out[name] = {
-            "layer": int(layer.group(1)) if layer else None, "num_experts": len(acc.slots), "top_k": acc.top_k,
-            "tokens": acc.tokens, "load": load.tolist(), "token_fraction": (load * acc.top_k).tolist(),
-            "max_load_ratio": (load.max() * len(load)).item(), "unrouted_experts": int((~routed).sum()),
+            "layer": int(layer.group(1)) if layer else None,
+            "num_experts": len(acc.slots),
+            "top_k": acc.top_k,
+            "tokens": acc.tokens,
+            "load": load.tolist(),
+            "token_fraction": (load * acc.top_k).tolist(),
+            "max_load_ratio": (load.max() * len(load)).item(),
+            "unrouted_experts": int((~routed).sum()),
             "gate_up_input_max": per_expert(acc.gate_up_input_max.amax(1)),
             "down_input_max": per_expert(acc.down_input_max.amax(1)),
             "down_input_top_channel": [int(c) if r else None for c, r in zip(down_top.tolist(), routed.tolist())],
             "down_input_top_experts": [
                 {"expert": e, "max_abs": acc.down_input_max[e].max().item(), "channel": int(down_top[e])}
-                for e in acc.down_input_max.amax(1).argsort(descending=True)[:top_k].tolist() if routed[e]],
+                for e in acc.down_input_max.amax(1).argsort(descending=True)[:top_k].tolist()
+                if routed[e]
+            ],
         }
     return out
 
@@ -352,7 +445,8 @@ def _input_norm_params(layer: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 def _norm_entries(model: nn.Module, names: list[str], top_k: int) -> list[dict]:
-    """The parameters of the residual norms `names`; top dims by |value - neutral| (1 for scales, 0 for the DyT bias)."""
+    """The parameters of the residual norms `names`; top dims by |value - neutral| (1 for scales, 0 for the DyT
+    bias)."""
     out = []
     for name in names:
         norm = model.get_submodule(name)
@@ -370,9 +464,18 @@ def _norm_entries(model: nn.Module, names: list[str], top_k: int) -> list[dict]:
                 continue
             dev = (v - neutral).abs()
             top = dev.argsort(descending=True)[:top_k].tolist()
-            out.append({**entry, "mean": v.mean().item(), "std": v.std().item(),
-                        "min": v.min().item(), "max": v.max().item(), "max_deviation": dev.max().item(),
-                        "top_dims": [{"dim": j, "value": v[j].item()} for j in top], "values": v.tolist()})
+            out.append(
+                {
+                    **entry,
+                    "mean": v.mean().item(),
+                    "std": v.std().item(),
+                    "min": v.min().item(),
+                    "max": v.max().item(),
+                    "max_deviation": dev.max().item(),
+                    "top_dims": [{"dim": j, "value": v[j].item()} for j in top],
+                    "values": v.tolist(),
+                }
+            )
     return out
 
 
@@ -392,8 +495,13 @@ def _gates(obs: DiagnosticsObserver, top_k: int) -> list[dict]:
     for name, g in obs.gates.items():
         mean = g.mean_abs  # gates are positive
         low = mean.argsort()[:top_k].tolist()
-        out.append({"name": name, "mean": mean.mean().item(),
-                    "lowest_dims": [{"dim": j, "mean_gate": mean[j].item()} for j in low]})
+        out.append(
+            {
+                "name": name,
+                "mean": mean.mean().item(),
+                "lowest_dims": [{"dim": j, "mean_gate": mean[j].item()} for j in low],
+            }
+        )
     return out
 
 
@@ -404,9 +512,13 @@ def _linears(obs: DiagnosticsObserver, top_k: int) -> dict:
             continue  # not called in the forward pass (e.g. an unused head)
         cm = s.channel_max
         top = cm.argsort(descending=True)[:top_k].tolist()
-        out[name] = {"max_abs": s.moments.max_abs, "kurtosis": s.moments.kurtosis, "std": s.moments.std,
-                     "channel_max_ratio": (cm.max() / cm.median().clamp_min(1e-30)).item(),
-                     "top_channels": [{"channel": j, "max_abs": cm[j].item()} for j in top]}
+        out[name] = {
+            "max_abs": s.moments.max_abs,
+            "kurtosis": s.moments.kurtosis,
+            "std": s.moments.std,
+            "channel_max_ratio": (cm.max() / cm.median().clamp_min(1e-30)).item(),
+            "top_channels": [{"channel": j, "max_abs": cm[j].item()} for j in top],
+        }
     return out
 
 
@@ -425,26 +537,37 @@ def _summary(r: dict) -> dict:
     linear_max = max(body.items(), key=lambda kv: kv[1]["max_abs"])
     softmax = len(att["sink_rate"])  # None below: no softmax-attention layer at all
     summary = {
-        "max_residual": res["max_abs"][i_max], "max_residual_state": res["states"][i_max],
+        "max_residual": res["max_abs"][i_max],
+        "max_residual_state": res["states"][i_max],
         "top_sink_dims": [d["dim"] for d in r["sink_dims"][:3]],
         "top_sink_ratio": r["sink_dims"][0]["ratio_to_median"],
-        "softmax_layers": att["layers"], "attention_skipped_layers": [s["layer"] for s in att["skipped"]],
+        "softmax_layers": att["layers"],
+        "attention_skipped_layers": [s["layer"] for s in att["skipped"]],
         "sink_rate_mean": sum(att["sink_rate"]) / softmax if softmax else None,
         "sink_rate_max": max(att["sink_rate"], default=None),
         "first_token_mass_mean": sum(att["first_token_mass_layer"]) / softmax if softmax else None,
-        "massive_tokens": total, "massive_at_position0": sum(m["at_position0"] for m in massive),
-        "max_linear_input": linear_max[1]["max_abs"], "max_linear_input_at": linear_max[0],
+        "massive_tokens": total,
+        "massive_at_position0": sum(m["at_position0"] for m in massive),
+        "max_linear_input": linear_max[1]["max_abs"],
+        "max_linear_input_at": linear_max[0],
         "max_residual_kurtosis": max((k for k in res["kurtosis"] if not math.isnan(k)), default=float("nan")),
         "worst_snr": worst,
     }
     if r["experts"]:  # MoE: the most loaded expert (x E: 1 = balanced) and the largest expert input
         name, ex = max(r["experts"].items(), key=lambda kv: kv[1]["max_load_ratio"])
-        top = max(((n, t) for n, x in r["experts"].items() for t in x["down_input_top_experts"][:1]),
-                  key=lambda nt: nt[1]["max_abs"])
-        summary.update({"max_expert_load_ratio": ex["max_load_ratio"], "max_expert_load_at": name,
-                        "unrouted_experts": sum(x["unrouted_experts"] for x in r["experts"].values()),
-                        "max_expert_down_input": top[1]["max_abs"],
-                        "max_expert_down_input_at": f"{top[0]}.{top[1]['expert']}.down_proj"})
+        top = max(
+            ((n, t) for n, x in r["experts"].items() for t in x["down_input_top_experts"][:1]),
+            key=lambda nt: nt[1]["max_abs"],
+        )
+        summary.update(
+            {
+                "max_expert_load_ratio": ex["max_load_ratio"],
+                "max_expert_load_at": name,
+                "unrouted_experts": sum(x["unrouted_experts"] for x in r["experts"].values()),
+                "max_expert_down_input": top[1]["max_abs"],
+                "max_expert_down_input_at": f"{top[0]}.{top[1]['expert']}.down_proj",
+            }
+        )
     return summary
 
 
@@ -464,8 +587,14 @@ def _clean(x: Any) -> Any:
 def summary_markdown(results: Sequence[dict]) -> str:
     """One Markdown row per diagnosed checkpoint: the headline figures (see docs/diagnostics.md)."""
     recipes = list(dict.fromkeys(k for r in results for k in r["summary"]["worst_snr"]))
-    head = ["model", "max abs residual (state)", "top sink dims (x median)", "sink rate (mean / max)",
-            "first-token mass", "massive tokens (pos 0)"] + [f"worst SNR {k} (dB, layer)" for k in recipes]
+    head = [
+        "model",
+        "max abs residual (state)",
+        "top sink dims (x median)",
+        "sink rate (mean / max)",
+        "first-token mass",
+        "massive tokens (pos 0)",
+    ] + [f"worst SNR {k} (dB, layer)" for k in recipes]
     moe = any("max_expert_load_ratio" in r["summary"] for r in results)
     if moe:
         head += ["max expert load (x uniform)", "max expert down_proj input"]
@@ -473,16 +602,22 @@ def summary_markdown(results: Sequence[dict]) -> str:
     for r in results:
         s = r["summary"]
         name = Path(r["model"].get("path", r["model"]["architecture"])).name
-        row = [name, f"{s['max_residual']:.3g} ({s['max_residual_state']})",
-               f"{', '.join(map(str, s['top_sink_dims']))} ({s['top_sink_ratio']:.3g}x)",
-               _sink_cell(s), "-" if s["first_token_mass_mean"] is None else f"{s['first_token_mass_mean']:.3f}",
-               f"{s['massive_tokens']} ({s['massive_at_position0']})"]
+        row = [
+            name,
+            f"{s['max_residual']:.3g} ({s['max_residual_state']})",
+            f"{', '.join(map(str, s['top_sink_dims']))} ({s['top_sink_ratio']:.3g}x)",
+            _sink_cell(s),
+            "-" if s["first_token_mass_mean"] is None else f"{s['first_token_mass_mean']:.3f}",
+            f"{s['massive_tokens']} ({s['massive_at_position0']})",
+        ]
         for k in recipes:
             w = s["worst_snr"].get(k)
             row.append("-" if w is None else f"{_fmt_db(w['snr_db'])} ({w['linear'].removeprefix('model.')})")
         if moe and "max_expert_load_ratio" in s:
-            row += [f"{s['max_expert_load_ratio']:.2f} ({s['max_expert_load_at'].removeprefix('model.')})",
-                    f"{s['max_expert_down_input']:.3g} ({s['max_expert_down_input_at'].removeprefix('model.')})"]
+            row += [
+                f"{s['max_expert_load_ratio']:.2f} ({s['max_expert_load_at'].removeprefix('model.')})",
+                f"{s['max_expert_down_input']:.3g} ({s['max_expert_down_input_at'].removeprefix('model.')})",
+            ]
         elif moe:
             row += ["-", "-"]
         lines.append("| " + " | ".join(row) + " |")
@@ -509,6 +644,8 @@ def write_diagnostics(result: dict, out_dir: str | Path) -> list[Path]:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [write_text_atomic(out_dir / "diagnostics.json", json.dumps(result, indent=1, allow_nan=False)),
-             write_text_atomic(out_dir / "summary.md", summary_markdown([result]) + "\n")]
+    paths = [
+        write_text_atomic(out_dir / "diagnostics.json", json.dumps(result, indent=1, allow_nan=False)),
+        write_text_atomic(out_dir / "summary.md", summary_markdown([result]) + "\n"),
+    ]
     return paths + write_figures(result, out_dir)

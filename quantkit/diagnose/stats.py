@@ -39,8 +39,13 @@ class Moments:
         na, n = self.n, self.n + nb
         delta = mb - self.mean
         m2a, m3a, m4a = self.m2, self.m3, self.m4
-        self.m4 = (m4a + m4b + delta**4 * na * nb * (na * na - na * nb + nb * nb) / n**3
-                   + 6 * delta**2 * (na * na * m2b + nb * nb * m2a) / n**2 + 4 * delta * (na * m3b - nb * m3a) / n)
+        self.m4 = (
+            m4a
+            + m4b
+            + delta**4 * na * nb * (na * na - na * nb + nb * nb) / n**3
+            + 6 * delta**2 * (na * na * m2b + nb * nb * m2a) / n**2
+            + 4 * delta * (na * m3b - nb * m3a) / n
+        )
         self.m3 = m3a + m3b + delta**3 * na * nb * (na - nb) / n**2 + 3 * delta * (na * m2b - nb * m2a) / n
         self.m2 = m2a + m2b + delta**2 * na * nb / n
         self.mean += delta * nb / n

@@ -60,10 +60,13 @@ def expert_matrices(name: str, module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def fuse_expert_matrices(matrices: dict[str, torch.Tensor], name: str, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fuse_expert_matrices(
+    matrices: dict[str, torch.Tensor], name: str, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of `expert_matrices`: per-expert matrices `<name>.<e>.<proj>` -> (gate_up_proj, down_proj).
 
     KeyError names the first missing matrix."""
+
     def get(e: int, proj: str) -> torch.Tensor:
         key = f"{name}.{e}.{proj}"
         if key not in matrices:

@@ -36,13 +36,13 @@ from quantkit.formats.constants import F8E4M3_DTYPE, F8E4M3_MAX, FP8_WEIGHT_BLOC
 
 __all__ = [
     "check_quantizable",
-    "to_e4m3",
-    "fp8_scale_from_amax",
-    "expand_block_scales",
-    "quantize_fp8_block",
     "dequantize_fp8_block",
-    "quantize_fp8_per_token",
     "dequantize_fp8_per_token",
+    "expand_block_scales",
+    "fp8_scale_from_amax",
+    "quantize_fp8_block",
+    "quantize_fp8_per_token",
+    "to_e4m3",
 ]
 
 

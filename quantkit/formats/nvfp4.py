@@ -64,16 +64,16 @@ from quantkit.formats.fp8 import check_quantizable
 
 __all__ = [
     "NVFP4Tensor",
-    "nvfp4_global_scale",
-    "round_to_e2m1",
-    "e2m1_to_float",
-    "pack_fp4",
-    "unpack_fp4",
-    "nvfp4_block_scales",
-    "quantize_nvfp4",
     "dequantize_nvfp4",
-    "quantize_nvfp4_weight",
+    "e2m1_to_float",
+    "nvfp4_block_scales",
+    "nvfp4_global_scale",
+    "pack_fp4",
+    "quantize_nvfp4",
     "quantize_nvfp4_activation",
+    "quantize_nvfp4_weight",
+    "round_to_e2m1",
+    "unpack_fp4",
 ]
 
 
@@ -176,9 +176,7 @@ def _as_global_scale(global_scale: torch.Tensor | float, lead: tuple[int, ...], 
     return gs
 
 
-def quantize_nvfp4(
-    x: torch.Tensor, global_scale: torch.Tensor | float, *, name: str | None = None
-) -> NVFP4Tensor:
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float, *, name: str | None = None) -> NVFP4Tensor:
     """Encode x (..., K) with a given second-stage DECODE scale (scalar, or (..., 1) per row)."""
     check_quantizable(x, "quantize_nvfp4", name=name)
     return _quantize_nvfp4(x, _as_global_scale(global_scale, tuple(x.shape[:-1]), "quantize_nvfp4").to(x.device))

@@ -35,10 +35,20 @@ import torch
 
 from quantkit.checkpoints import CheckpointError
 from quantkit.formats.constants import F8E4M3_DTYPE, FP8_WEIGHT_BLOCK, NVFP4_GROUP
-from quantkit.formats.fp8 import (dequantize_fp8_block, dequantize_fp8_per_token, expand_block_scales,
-                                  quantize_fp8_block, quantize_fp8_per_token)
-from quantkit.formats.nvfp4 import (NVFP4Tensor, dequantize_nvfp4, nvfp4_global_scale, quantize_nvfp4_activation,
-                                    quantize_nvfp4_weight)
+from quantkit.formats.fp8 import (
+    dequantize_fp8_block,
+    dequantize_fp8_per_token,
+    expand_block_scales,
+    quantize_fp8_block,
+    quantize_fp8_per_token,
+)
+from quantkit.formats.nvfp4 import (
+    NVFP4Tensor,
+    dequantize_nvfp4,
+    nvfp4_global_scale,
+    quantize_nvfp4_activation,
+    quantize_nvfp4_weight,
+)
 
 FORMAT_VERSION = 1  # quantization_config.format_version of the checkpoints written here
 UNQUANTIZED = "bf16"  # the recipe scheme that quantizes nothing
@@ -89,8 +99,12 @@ class Scheme(ABC):
 
     def quantization_config(self, activation_scale: str | None) -> dict[str, Any]:
         """format_version, scheme, the scheme's keys and activation_scale of a quantization_config."""
-        return {"format_version": FORMAT_VERSION, "scheme": self.name, **self.config_keys(),
-                "activation_scale": self.activation_scale(activation_scale)}
+        return {
+            "format_version": FORMAT_VERSION,
+            "scheme": self.name,
+            **self.config_keys(),
+            "activation_scale": self.activation_scale(activation_scale),
+        }
 
     def checkpoint_tensors(self, activation_scale: str) -> dict[str, str]:
         """suffix -> safetensors dtype of every tensor a quantized Linear stores in this activation mode."""
@@ -115,14 +129,16 @@ class Scheme(ABC):
         raise ValueError(f"scheme {self.name} has no static activation scale")
 
     @abstractmethod
-    def quantize_activation(self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None,
-                            row_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    def quantize_activation(
+        self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """Activations (..., K) -> the activation operands of the scheme's GEMM, as its kernel quantizer
         writes them (see the subclasses)."""
 
     @abstractmethod
-    def fake_quant_activation(self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None,
-                              row_amax: torch.Tensor | None = None) -> torch.Tensor:
+    def fake_quant_activation(
+        self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Quantize-dequantize activations (..., K) as the scheme does at run time; float32 result."""
 
     # ------------------------------------------------------------------ served (vLLM) layer layout
@@ -146,8 +162,10 @@ class FP8BlockScheme(Scheme):
         n, k = shapes["weight"]
         want = (-(-n // FP8_WEIGHT_BLOCK), -(-k // FP8_WEIGHT_BLOCK))
         if shapes["weight_scale"] != want:
-            return (f"{module}.weight_scale has shape {shapes['weight_scale']}, "
-                    f"a ({n}, {k}) weight in {FP8_WEIGHT_BLOCK}x{FP8_WEIGHT_BLOCK} blocks needs {want}")
+            return (
+                f"{module}.weight_scale has shape {shapes['weight_scale']}, "
+                f"a ({n}, {k}) weight in {FP8_WEIGHT_BLOCK}x{FP8_WEIGHT_BLOCK} blocks needs {want}"
+            )
         return None
 
     def encode(self, weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
@@ -157,27 +175,36 @@ class FP8BlockScheme(Scheme):
     def decode(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
         return dequantize_fp8_block(tensors["weight"], tensors["weight_scale"])
 
-    def quantize_activation(self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None,
-                            row_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    def quantize_activation(
+        self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """(q float8_e4m3fn (..., K), per-token decode scale float32 (..., 1)); no static mode."""
         return quantize_fp8_per_token(x, row_amax=row_amax)
 
-    def fake_quant_activation(self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None,
-                              row_amax: torch.Tensor | None = None) -> torch.Tensor:
+    def fake_quant_activation(
+        self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return dequantize_fp8_per_token(*self.quantize_activation(x, input_global_scale, row_amax))
 
     def layer_tensors(self, n: int, k: int, shards: int, activation_scale: str) -> list[LayerTensor]:
         """weight (n, k) E4M3; weight_scale (n, ceil(k/128)) float32, each block row repeated over its rows."""
-        return [LayerTensor("weight", (n, k), F8E4M3_DTYPE),
-                LayerTensor("weight_scale", (n, -(-k // FP8_WEIGHT_BLOCK)), torch.float32, rows_per_entry=FP8_WEIGHT_BLOCK)]
+        return [
+            LayerTensor("weight", (n, k), F8E4M3_DTYPE),
+            LayerTensor("weight_scale", (n, -(-k // FP8_WEIGHT_BLOCK)), torch.float32, rows_per_entry=FP8_WEIGHT_BLOCK),
+        ]
 
     def decode_layer(self, params: Mapping[str, torch.Tensor], k: int) -> torch.Tensor:
         weight = params["weight"]
         return weight.float() * expand_block_scales(params["weight_scale"], (1, FP8_WEIGHT_BLOCK), tuple(weight.shape))
 
 
-FP8_BLOCK = FP8BlockScheme("fp8_block", {"weight": "F8_E4M3", "weight_scale": "F32"}, marker="weight_scale",
-                           k_multiple=FP8_WEIGHT_BLOCK, precision="W8A8")
+FP8_BLOCK = FP8BlockScheme(
+    "fp8_block",
+    {"weight": "F8_E4M3", "weight_scale": "F32"},
+    marker="weight_scale",
+    k_multiple=FP8_WEIGHT_BLOCK,
+    precision="W8A8",
+)
 
 
 class NVFP4Scheme(Scheme):
@@ -193,57 +220,81 @@ class NVFP4Scheme(Scheme):
         n, half_k = shapes["weight_packed"]
         want = (n, half_k * 2 // NVFP4_GROUP)
         if half_k * 2 % NVFP4_GROUP or shapes["weight_scale"] != want:
-            return (f"{module}.weight_scale has shape {shapes['weight_scale']}, "
-                    f"packed weight {(n, half_k)} needs {want} (one scale per {NVFP4_GROUP} elements)")
+            return (
+                f"{module}.weight_scale has shape {shapes['weight_scale']}, "
+                f"packed weight {(n, half_k)} needs {want} (one scale per {NVFP4_GROUP} elements)"
+            )
         return None
 
     def encode(self, weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
         t = quantize_nvfp4_weight(weight, name=name)
-        return {"weight_packed": t.packed, "weight_scale": t.block_scale, "weight_global_scale": t.global_scale.reshape(1)}
+        return {
+            "weight_packed": t.packed,
+            "weight_scale": t.block_scale,
+            "weight_global_scale": t.global_scale.reshape(1),
+        }
 
     def decode(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
-        return dequantize_nvfp4(NVFP4Tensor(tensors["weight_packed"], tensors["weight_scale"],
-                                            tensors["weight_global_scale"].reshape(()), in_features))
+        return dequantize_nvfp4(
+            NVFP4Tensor(
+                tensors["weight_packed"],
+                tensors["weight_scale"],
+                tensors["weight_global_scale"].reshape(()),
+                in_features,
+            )
+        )
 
     def static_activation_tensors(self, amax: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"input_global_scale": nvfp4_global_scale(amax).float()}
 
-    def _activation(self, x: torch.Tensor, input_global_scale: torch.Tensor | None,
-                    row_amax: torch.Tensor | None) -> NVFP4Tensor:
+    def _activation(
+        self, x: torch.Tensor, input_global_scale: torch.Tensor | None, row_amax: torch.Tensor | None
+    ) -> NVFP4Tensor:
         if input_global_scale is None:
             return quantize_nvfp4_activation(x, "per_token", row_amax=row_amax)
         return quantize_nvfp4_activation(x, "static", input_global_scale.reshape(()))
 
-    def quantize_activation(self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None,
-                            row_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    def quantize_activation(
+        self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """(packed uint8 (..., K_pad/2), block scales float8_e4m3fn (..., K_pad/16), global decode scale
         float32: (..., 1) per token, () static)."""
         t = self._activation(x, input_global_scale, row_amax)
         return t.packed, t.block_scale, t.global_scale
 
-    def fake_quant_activation(self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None,
-                              row_amax: torch.Tensor | None = None) -> torch.Tensor:
+    def fake_quant_activation(
+        self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return dequantize_nvfp4(self._activation(x, input_global_scale, row_amax))
 
     def layer_tensors(self, n: int, k: int, shards: int, activation_scale: str) -> list[LayerTensor]:
         """weight_packed (n, K_pad/2) uint8; weight_scale (n, K_pad/16) E4M3; weight_global_scale (n,) float32,
         each shard's per-tensor scale repeated over its rows; static: input_global_scale (shards,) float32."""
         groups = -(-k // NVFP4_GROUP)
-        tensors = [LayerTensor("weight_packed", (n, groups * NVFP4_GROUP // 2), torch.uint8),
-                   LayerTensor("weight_scale", (n, groups), F8E4M3_DTYPE),
-                   LayerTensor("weight_global_scale", (n,), torch.float32, per_shard="rows")]
+        tensors = [
+            LayerTensor("weight_packed", (n, groups * NVFP4_GROUP // 2), torch.uint8),
+            LayerTensor("weight_scale", (n, groups), F8E4M3_DTYPE),
+            LayerTensor("weight_global_scale", (n,), torch.float32, per_shard="rows"),
+        ]
         if activation_scale == "static":
             tensors.append(LayerTensor("input_global_scale", (shards,), torch.float32, per_shard="one"))
         return tensors
 
     def decode_layer(self, params: Mapping[str, torch.Tensor], k: int) -> torch.Tensor:
-        return dequantize_nvfp4(NVFP4Tensor(params["weight_packed"], params["weight_scale"],
-                                            params["weight_global_scale"][:, None], k))
+        return dequantize_nvfp4(
+            NVFP4Tensor(params["weight_packed"], params["weight_scale"], params["weight_global_scale"][:, None], k)
+        )
 
 
-NVFP4 = NVFP4Scheme("nvfp4", {"weight_packed": "U8", "weight_scale": "F8_E4M3", "weight_global_scale": "F32"},
-                    marker="weight_packed", k_multiple=NVFP4_GROUP, activation_scales=("per_token", "static"),
-                    static_tensors={"input_global_scale": "F32"}, precision="W4A4")
+NVFP4 = NVFP4Scheme(
+    "nvfp4",
+    {"weight_packed": "U8", "weight_scale": "F8_E4M3", "weight_global_scale": "F32"},
+    marker="weight_packed",
+    k_multiple=NVFP4_GROUP,
+    activation_scales=("per_token", "static"),
+    static_tensors={"input_global_scale": "F32"},
+    precision="W4A4",
+)
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (FP8_BLOCK, NVFP4)}
 
@@ -270,8 +321,10 @@ def scheme_from_config(qc: dict, where: str = "quantization_config") -> Scheme:
     """Check the keys of a quantkit quantization_config (docs/checkpoint-format.md), without the tensors, and
     return its scheme; CheckpointError names the bad key."""
     if qc.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{where}: format_version {qc.get('format_version')!r} is not supported "
-                              f"(expected {FORMAT_VERSION}; re-run `quantkit quantize`)")
+        raise CheckpointError(
+            f"{where}: format_version {qc.get('format_version')!r} is not supported "
+            f"(expected {FORMAT_VERSION}; re-run `quantkit quantize`)"
+        )
     name = qc.get("scheme")
     if name not in SCHEMES:
         raise CheckpointError(f"{where}: scheme {name!r} is not one of {list(SCHEMES)}")

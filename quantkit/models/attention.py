@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 
 def reference_attention(config: PretrainedConfig) -> str | None:
-    """"eager" where the model soft-caps attention logits (sdpa would drop the cap), else None (transformers'
+    """ "eager" where the model soft-caps attention logits (sdpa would drop the cap), else None (transformers'
     default)."""
     text = config.get_text_config()
     return "eager" if getattr(text, "attn_logit_softcapping", None) else None
@@ -25,5 +25,6 @@ def reference_attention(config: PretrainedConfig) -> str | None:
 def load_reference_model(model_dir: str | Path, dtype: torch.dtype) -> torch.nn.Module:
     """`AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)` in eval mode, with `reference_attention`."""
     config = AutoConfig.from_pretrained(model_dir)
-    return AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=dtype,
-                                                attn_implementation=reference_attention(config)).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, config=config, dtype=dtype, attn_implementation=reference_attention(config)
+    ).eval()

@@ -35,8 +35,14 @@ ATTN_OUTPUT_GATES = (None, "headwise", "elementwise")
 NORM_TYPES = ("rmsnorm", "dyt")
 FFN_ACTS = ("silu", "sigmoid")
 VARIANT_FLAGS = (
-    "attn_output_gate", "pre_affine", "gated_norm_rank", "norm_type", "dyt_alpha_init",
-    "value_scale", "headwise_rmsnorm", "attention_sink",
+    "attn_output_gate",
+    "pre_affine",
+    "gated_norm_rank",
+    "norm_type",
+    "dyt_alpha_init",
+    "value_scale",
+    "headwise_rmsnorm",
+    "attention_sink",
 )
 # keys transformers and quantkit write into config.json beyond the dataclass fields
 _BOOKKEEPING_KEYS = {"transformers_version", "quantization_config", "_name_or_path", "auto_map", "torch_dtype"}
@@ -76,7 +82,9 @@ class QuantkitConfig(Qwen3Config):
         unknown = sorted(set(self.to_dict()) - known)
         if unknown:
             raise ValueError(f"unknown config key(s) {unknown}; quantkit variant flags are {list(VARIANT_FLAGS)}")
-        check_shared_flags(self, ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"))
+        check_shared_flags(
+            self, ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        )
         _choice("norm_type", self.norm_type, NORM_TYPES)
         if self.pre_affine and self.norm_type == "dyt":
             raise ValueError("pre_affine scales the input of RMSNorm; it has no meaning with norm_type='dyt'")
@@ -116,7 +124,9 @@ def check_shared_flags(config: Qwen3Config, positive: tuple[str, ...]) -> None:
     _choice("attn_output_gate", config.attn_output_gate, ATTN_OUTPUT_GATES)
     _choice("hidden_act", config.hidden_act, FFN_ACTS)
     if not isinstance(config.gated_norm_rank, int) or not 0 <= config.gated_norm_rank <= config.hidden_size:
-        raise ValueError(f"gated_norm_rank must be an int in [0, hidden_size={config.hidden_size}], got {config.gated_norm_rank!r}")
+        raise ValueError(
+            f"gated_norm_rank must be an int in [0, hidden_size={config.hidden_size}], got {config.gated_norm_rank!r}"
+        )
     if config.num_attention_heads % config.num_key_value_heads:
         raise ValueError(
             f"num_attention_heads={config.num_attention_heads} is not a multiple of "

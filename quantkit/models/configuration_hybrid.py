@@ -93,7 +93,9 @@ class QuantkitHybridConfig(Qwen3NextConfig):
             raise ValueError(
                 f"unknown config key(s) {unknown}; quantkit hybrid variant flags are {list(HYBRID_VARIANT_FLAGS)}"
             )
-        check_shared_flags(self, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_experts_per_tok"))
+        check_shared_flags(
+            self, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_experts_per_tok")
+        )
         for name in ("pre_affine", "value_scale", "headwise_rmsnorm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

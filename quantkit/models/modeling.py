@@ -161,7 +161,9 @@ class QuantkitAttention(Qwen3Attention):
         )  # (B, T, H, D)
 
         if hasattr(self, "o_norm"):
-            attn_output = (self.o_norm.weight * rms_normalize(attn_output, self.config.rms_norm_eps)).to(attn_output.dtype)
+            attn_output = (self.o_norm.weight * rms_normalize(attn_output, self.config.rms_norm_eps)).to(
+                attn_output.dtype
+            )
         if self.output_gate is not None:
             gate = torch.sigmoid(self.g_proj(hidden_states))  # (B, T, H) or (B, T, H*D), head-major
             attn_output = attn_output * gate.view(*input_shape, attn_output.shape[2], -1)
@@ -200,7 +202,11 @@ class QuantkitForCausalLM(Qwen3ForCausalLM):
 
     def forward(self, input_ids: torch.LongTensor | None = None, past_key_values=None, **kwargs):
         """Qwen3's forward; with attention_sink, refuses a fresh sequence that does not start with BOS."""
-        if self.config.attention_sink and input_ids is not None and (past_key_values is None or past_key_values.get_seq_length() == 0):
+        if (
+            self.config.attention_sink
+            and input_ids is not None
+            and (past_key_values is None or past_key_values.get_seq_length() == 0)
+        ):
             bos = self.config.bos_token_id
             if bos is None or bool((input_ids[:, 0] != bos).any()):
                 raise ValueError(

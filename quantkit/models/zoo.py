@@ -101,14 +101,22 @@ ROUTER_AUX_LOSS_COEF = 0.01
 # hidden 128, 8 experts top-2 + a shared expert, head dims 64: vLLM's CPU DeltaNet refuses 32); ZooSize holds the
 # dense keys, `extra` the DeltaNet and MoE keys. Same corpus, tokenizer, sequence length, batch and lr as dense
 # tiny; fewer steps, as a hybrid step costs ~3x a dense one on CPU (transformers' torch DeltaNet fallback).
-_HYBRID_TINY = {k: v for k, v in TINY_HYBRID_SHAPE.items() if k not in ("max_position_embeddings", "tie_word_embeddings")}
+_HYBRID_TINY = {
+    k: v for k, v in TINY_HYBRID_SHAPE.items() if k not in ("max_position_embeddings", "tie_word_embeddings")
+}
 _ZOO_SIZE_KEYS = set(ZooSize.__dataclass_fields__)
 HYBRID_SIZES = {
     "tiny": ZooSize(
-        **{k: v for k, v in _HYBRID_TINY.items() if k in _ZOO_SIZE_KEYS}, vocab_size=2048, seq_len=128,
-        batch_size=16, steps=400, lr=3e-3,
-        extra={**{k: v for k, v in _HYBRID_TINY.items() if k not in _ZOO_SIZE_KEYS},
-               "router_aux_loss_coef": ROUTER_AUX_LOSS_COEF},
+        **{k: v for k, v in _HYBRID_TINY.items() if k in _ZOO_SIZE_KEYS},
+        vocab_size=2048,
+        seq_len=128,
+        batch_size=16,
+        steps=400,
+        lr=3e-3,
+        extra={
+            **{k: v for k, v in _HYBRID_TINY.items() if k not in _ZOO_SIZE_KEYS},
+            "router_aux_loss_coef": ROUTER_AUX_LOSS_COEF,
+        },
     ),
 }
 
@@ -129,7 +137,7 @@ FAMILIES = {
 
 
 def family(variant: str) -> str:
-    """"dense" or "hybrid" for a preset name; ZooError for an unknown one."""
+    """ "dense" or "hybrid" for a preset name; ZooError for an unknown one."""
     if variant not in PRESETS:
         raise ZooError(f"unknown zoo variant {variant!r}; presets: {sorted(PRESETS)}")
     return "hybrid" if variant in HYBRID_PRESETS else "dense"
@@ -159,12 +167,20 @@ def make_config(
     padding_idx would freeze BOS's embedding at 0)."""
     shape = size_of(variant, size)
     return FAMILIES[family(variant)].config_class(
-        vocab_size=vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
-        max_position_embeddings=max(1024, shape.seq_len), tie_word_embeddings=False,
-        bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=None,
-        **PRESETS[variant], **shape.extra,
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=max(1024, shape.seq_len),
+        tie_word_embeddings=False,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=None,
+        **PRESETS[variant],
+        **shape.extra,
     )
 
 
@@ -194,7 +210,10 @@ def shared_tokenizer(zoo_dir: Path, vocab_size: int) -> tuple[PreTrainedTokenize
             tokenizer = train_bpe_tokenizer(train, vocab_size)
             with atomic_dir(path, overwrite=True) as tmp:
                 save_tokenizer(tokenizer, tmp)
-                torch.save({"train": token_stream(train, tokenizer), "heldout": token_stream(held_out, tokenizer)}, tmp / "streams.pt")
+                torch.save(
+                    {"train": token_stream(train, tokenizer), "heldout": token_stream(held_out, tokenizer)},
+                    tmp / "streams.pt",
+                )
     streams = torch.load(path / "streams.pt")
     return AutoTokenizer.from_pretrained(path), streams["train"], streams["heldout"]
 
@@ -208,8 +227,11 @@ def evaluate(model: torch.nn.Module, stream: torch.Tensor, seq_len: int, max_win
     model.eval()
     peak = {"residual": 0.0, "linear_input": 0.0}
     hooks = [
-        m.register_forward_pre_hook(lambda _, a: peak.__setitem__("linear_input", max(peak["linear_input"], a[0].abs().max().item())))
-        for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"
+        m.register_forward_pre_hook(
+            lambda _, a: peak.__setitem__("linear_input", max(peak["linear_input"], a[0].abs().max().item()))
+        )
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name != "lm_head"
     ]
     routers = [m for m in model.modules() if isinstance(m, Qwen3NextTopKRouter)]
     counts = torch.zeros(len(routers), routers[0].num_experts if routers else 0)  # (MoE layers, experts)
@@ -228,13 +250,19 @@ def evaluate(model: torch.nn.Module, stream: torch.Tensor, seq_len: int, max_win
     for h in hooks:
         h.remove()
     model.train()
-    result = {"loss": sum(losses) / len(losses), "max_abs_residual": peak["residual"], "max_abs_linear_input": peak["linear_input"]}
+    result = {
+        "loss": sum(losses) / len(losses),
+        "max_abs_residual": peak["residual"],
+        "max_abs_linear_input": peak["linear_input"],
+    }
     if routers:
         result["expert_load"] = (counts / counts.sum(-1, keepdim=True)).tolist()
     return result
 
 
-def build(variant: str, size: str = "tiny", zoo_dir: str | Path = "zoo", seed: int = 0, steps: int | None = None) -> Path:
+def build(
+    variant: str, size: str = "tiny", zoo_dir: str | Path = "zoo", seed: int = 0, steps: int | None = None
+) -> Path:
     """Train `variant` at `size` from scratch; write checkpoint, loss curve, metrics and model card.
 
     Returns the checkpoint directory `zoo_dir/<variant>-<size>`; an existing finished one is reused. A build
@@ -259,11 +287,17 @@ def _train(variant: str, size: str, out: Path, seed: int, steps: int) -> None:
     model = FAMILIES[family(variant)].model_class(config)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=shape.lr, betas=(0.9, 0.95), weight_decay=shape.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / shape.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / shape.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
     generator = torch.Generator().manual_seed(seed)
     curve = []
     start = time.time()
-    for step in (bar := tqdm(range(steps), desc=f"zoo {variant}-{size}", unit="step", mininterval=1 if sys.stderr.isatty() else 30)):
+    for step in (
+        bar := tqdm(
+            range(steps), desc=f"zoo {variant}-{size}", unit="step", mininterval=1 if sys.stderr.isatty() else 30
+        )
+    ):
         starts = torch.randint(0, len(train_stream) - shape.seq_len, (shape.batch_size,), generator=generator)
         batch = windows(train_stream, starts.tolist(), shape.seq_len, tokenizer.bos_token_id)
         loss, lm_loss, aux_loss = objective(model, batch)
@@ -274,16 +308,27 @@ def _train(variant: str, size: str, out: Path, seed: int, steps: int) -> None:
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        curve.append({"step": step, "loss": lm_loss, "lr": schedule.get_last_lr()[0]}
-                     | ({} if aux_loss is None else {"aux_loss": aux_loss}))
+        curve.append(
+            {"step": step, "loss": lm_loss, "lr": schedule.get_last_lr()[0]}
+            | ({} if aux_loss is None else {"aux_loss": aux_loss})
+        )
         bar.set_postfix(loss=f"{lm_loss:.3f}", refresh=False)
     train_seconds = time.time() - start
-    metrics = {"variant": variant, "family": family(variant), "size": size, "flags": PRESETS[variant],
-               "variant_name": config.variant_name,
-               "steps": steps, "seed": seed, "train_seconds": round(train_seconds, 1),
-               "final_train_loss": sum(c["loss"] for c in curve[-20:]) / min(20, len(curve)),
-               "tokens_seen": steps * shape.batch_size * shape.seq_len, "corpus": CORPUS,
-               "heldout": evaluate(model, val_stream, shape.seq_len), "shape": asdict(shape)}
+    metrics = {
+        "variant": variant,
+        "family": family(variant),
+        "size": size,
+        "flags": PRESETS[variant],
+        "variant_name": config.variant_name,
+        "steps": steps,
+        "seed": seed,
+        "train_seconds": round(train_seconds, 1),
+        "final_train_loss": sum(c["loss"] for c in curve[-20:]) / min(20, len(curve)),
+        "tokens_seen": steps * shape.batch_size * shape.seq_len,
+        "corpus": CORPUS,
+        "heldout": evaluate(model, val_stream, shape.seq_len),
+        "shape": asdict(shape),
+    }
     if aux_loss is not None:
         metrics["router_aux_loss_coef"] = config.router_aux_loss_coef
         metrics["final_aux_loss"] = sum(c["aux_loss"] for c in curve[-20:]) / min(20, len(curve))
@@ -320,18 +365,22 @@ def _model_card(m: dict) -> str:
         f"- corpus: {m['corpus']}, last {VALIDATION_SPEECHES} speeches held out\n"
         f"- steps {m['steps']}, tokens seen {m['tokens_seen']:,}, seed {m['seed']}, train time {m['train_seconds']} s\n"
         f"- final train loss {m['final_train_loss']:.3f}; held-out loss {h['loss']:.3f} nats/token\n"
-        f"- max |activation|: residual stream {h['max_abs_residual']:.1f}, linear-layer inputs {h['max_abs_linear_input']:.1f}\n"
+        f"- max |activation|: residual stream {h['max_abs_residual']:.1f}, "
+        f"linear-layer inputs {h['max_abs_linear_input']:.1f}\n"
     )
     if "expert_load" in h:
         load = h["expert_load"]
         experts = len(load[0])
         card += (
             f"- router load-balancing loss (transformers' Qwen3-Next aux loss) weight {m['router_aux_loss_coef']}, "
-            f"final value {m['final_aux_loss']:.3f} (top_k = {m['shape']['extra']['num_experts_per_tok']} when balanced)\n\n"
+            f"final value {m['final_aux_loss']:.3f} "
+            f"(top_k = {m['shape']['extra']['num_experts_per_tok']} when balanced)\n\n"
             "Router load per expert at the end of training (held-out text): each expert's share of the top-k "
             f"token->expert assignments, balanced = 1/{experts} = {1 / experts:.3f}.\n\n"
             "| MoE layer | " + " | ".join(f"e{e}" for e in range(experts)) + " | max / balanced |\n"
-            "|---|" + "---|" * (experts + 1) + "\n"
+            "|---|"
+            + "---|" * (experts + 1)
+            + "\n"
             + "".join(
                 f"| {layer} | " + " | ".join(f"{x:.3f}" for x in row) + f" | {max(row) * experts:.2f} |\n"
                 for layer, row in enumerate(load)

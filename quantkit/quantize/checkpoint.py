@@ -40,6 +40,8 @@ from quantkit.quantize.recipe import CalibrationSettings, Recipe, load_recipe
 from quantkit.quantize.streaming import quantize_streaming
 
 logger = logging.getLogger(__name__)
+
+
 def float32_bytes(model_dir: str | Path) -> int:
     """Bytes of the checkpoint's tensors in float32 (what the whole-model path holds, twice: model and state)."""
     _, headers = check_checkpoint_dir(model_dir)
@@ -64,8 +66,14 @@ def refuse_unmappable_early(model_dir: Path, recipe: Recipe) -> None:
     resolve_mappings(skeleton_model(AutoConfig.from_pretrained(model_dir)), experts=recipe.smoothquant.experts)
 
 
-def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: str | Path, *, overwrite: bool = False,
-                        streaming: bool | None = None) -> Path:
+def quantize_checkpoint(
+    model_dir: str | Path,
+    recipe: Recipe | str,
+    out_dir: str | Path,
+    *,
+    overwrite: bool = False,
+    streaming: bool | None = None,
+) -> Path:
     """Quantize the checkpoint in `model_dir` with `recipe`; write it atomically to `out_dir`.
 
     streaming: True runs `quantkit.quantize.streaming` (one decoder layer in memory, sharded output, the same
@@ -77,7 +85,9 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} exists; pass overwrite=True (--overwrite) to replace it")
     if streaming and recipe.backend != "quantkit":
-        raise ValueError(f"recipe {recipe.name}: streaming quantization runs quantkit's own backend only, not {recipe.backend!r}")
+        raise ValueError(
+            f"recipe {recipe.name}: streaming quantization runs quantkit's own backend only, not {recipe.backend!r}"
+        )
     if recipe.backend == "llmcompressor":
         return quantize_with_llmcompressor(model_dir, recipe, out_dir)
     if recipe.backend == "modelopt":
@@ -86,7 +96,9 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
         need, have = 2 * float32_bytes(model_dir), available_memory_bytes()
         streaming = need > have
         if streaming:
-            logger.info("quantize: the whole-model path needs ~%.1f GB, %.1f GB available: streaming", need / 1e9, have / 1e9)
+            logger.info(
+                "quantize: the whole-model path needs ~%.1f GB, %.1f GB available: streaming", need / 1e9, have / 1e9
+            )
     if streaming:
         return quantize_streaming(model_dir, recipe, out_dir, overwrite=overwrite)
 
@@ -98,8 +110,14 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
     if recipe.smoothquant is not None:  # folds into the float32 weights; verified function-preserving
         sq = recipe.smoothquant
         smoothquant_report = smooth_model(
-            model, recipe.calibration_source(model.config.model_type), tokenizer, alpha=sq.alpha,
-            num_sequences=sq.num_sequences, seq_len=sq.seq_len, experts=sq.experts, early_stop=sq.early_stop_rule(),
+            model,
+            recipe.calibration_source(model.config.model_type),
+            tokenizer,
+            alpha=sq.alpha,
+            num_sequences=sq.num_sequences,
+            seq_len=sq.seq_len,
+            experts=sq.experts,
+            early_stop=sq.early_stop_rule(),
         )
     scheme = scheme_for(recipe.scheme)  # None: bf16, nothing quantized
     weights = quantizable_weights(model)
@@ -107,8 +125,12 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
     input_amax = {}
     if recipe.activation_scale == "static":  # compressed-tensors convention: one calibrated scale per tensor
         cal = recipe.calibration or CalibrationSettings()
-        tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, model.config.max_position_embeddings),
-                                     recipe.calibration_source(model.config.model_type))
+        tokens = calibration_windows(
+            tokenizer,
+            cal.num_sequences,
+            min(cal.seq_len, model.config.max_position_embeddings),
+            recipe.calibration_source(model.config.model_type),
+        )
         # expert matrices: every token through every expert (calibrate-all-experts mode, quantkit.calibrate.stats)
         maxima = channel_max(model, tokens, list(quantized), desc="static activation calibration")
         input_amax = {name: m.max().reshape(1) for name, m in maxima.items()}
@@ -121,7 +143,9 @@ def quantize_checkpoint(model_dir: str | Path, recipe: Recipe | str, out_dir: st
     else:
         state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
 
-    config = output_config(model.config, type(model).__name__, recipe, list(quantized), [n for n in weights if n not in quantized])
+    config = output_config(
+        model.config, type(model).__name__, recipe, list(quantized), [n for n in weights if n not in quantized]
+    )
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "quantkit_recipe": recipe.name})
         write_side_files(tmp, config, tokenizer, smoothquant_report)

@@ -18,17 +18,23 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import quantkit.models  # noqa: F401
-from quantkit.models.attention import reference_attention
 from quantkit.checkpoints import read_state
 from quantkit.formats.experts import expert_matrices, fuse_expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import Scheme, checkpoint_suffixes, get_scheme, scheme_from_config
+from quantkit.models.attention import reference_attention
 
 
 class FakeQuantLinear(torch.nn.Module):
     """y = fake_quant(x) @ W_decoded^T + b, in float32, cast to the input dtype."""
 
-    def __init__(self, scheme: Scheme, weight: torch.Tensor, bias: torch.Tensor | None, input_global_scale: torch.Tensor | None,
-                 quantize_activations: bool = True) -> None:
+    def __init__(
+        self,
+        scheme: Scheme,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        input_global_scale: torch.Tensor | None,
+        quantize_activations: bool = True,
+    ) -> None:
         super().__init__()
         self.scheme = scheme
         self.quantize_activations = quantize_activations
@@ -51,8 +57,16 @@ class FakeQuantExperts(torch.nn.Module):
     (down_proj's)); identity where that expert matrix is not quantized (`quantized[e, 0 or 1]` False).
     """
 
-    def __init__(self, scheme: Scheme, gate_up: torch.Tensor, down: torch.Tensor, act_fn: torch.nn.Module,
-                 quantized: torch.Tensor, input_global_scale: torch.Tensor | None, quantize_activations: bool = True) -> None:
+    def __init__(
+        self,
+        scheme: Scheme,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        act_fn: torch.nn.Module,
+        quantized: torch.Tensor,
+        input_global_scale: torch.Tensor | None,
+        quantize_activations: bool = True,
+    ) -> None:
         super().__init__()
         self.scheme, self.act_fn, self.quantize_activations = scheme, act_fn, quantize_activations
         self.register_buffer("gate_up_proj", gate_up.float(), persistent=False)  # (E, 2I, H)
@@ -61,15 +75,25 @@ class FakeQuantExperts(torch.nn.Module):
         self.register_buffer("input_global_scale", input_global_scale, persistent=False)  # (E, 2) float32 or None
 
     def fake_quant_input(self, x: torch.Tensor, e: int, which: int) -> torch.Tensor:
-        """Expert e's input `which` (0: gate/up, 1: down_proj) as its matmul reads it: quantized-dequantized, float32."""
+        """Expert e's input `which` (0: gate/up, 1: down_proj) as its matmul reads it: quantized-dequantized,
+        float32."""
         if not (self.quantize_activations and self.quantized[e, which]):
             return x.float()
         scale = None if self.input_global_scale is None else self.input_global_scale[e, which]
         return self.scheme.fake_quant_activation(x, scale)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        out = routed_experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                                     self.act_fn, per_expert(self.fake_quant_input))
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = routed_experts_forward(
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            self.gate_up_proj,
+            self.down_proj,
+            self.act_fn,
+            per_expert(self.fake_quant_input),
+        )
         return out.to(hidden_states.dtype)
 
 
@@ -82,14 +106,22 @@ RowsQuantizer = Callable[[torch.Tensor, Segments, int], torch.Tensor]
 
 def per_expert(fake_quant: Callable[[torch.Tensor, int, int], torch.Tensor]) -> RowsQuantizer:
     """A `RowsQuantizer` from a per-expert one, fake_quant(rows, e, which): one call per segment."""
+
     def quantize(rows: torch.Tensor, segments: Segments, which: int) -> torch.Tensor:
         return torch.cat([fake_quant(rows[start:stop], e, which) for e, start, stop in segments])
+
     return quantize
 
 
-def routed_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
-                           down: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor],
-                           fake_quant: RowsQuantizer) -> torch.Tensor:
+def routed_experts_forward(
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    fake_quant: RowsQuantizer,
+) -> torch.Tensor:
     """The routed experts of quantkit's MoE numerics, shared by the transformers reference (`FakeQuantExperts`) and
     vLLM's torch-emulation FusedMoE method, so the two compute the same thing by construction.
 
@@ -113,8 +145,12 @@ def routed_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_wei
     stops = torch.tensor(counts).cumsum(0).tolist()
     segments = [(e, stop - n, stop) for e, (n, stop) in enumerate(zip(counts, stops)) if n]
     xq = fake_quant(x[token_idx], segments, 0)
-    h = [act_fn(gate) * up for gate, up in
-         (torch.nn.functional.linear(xq[start:stop], gate_up[e]).chunk(2, dim=-1) for e, start, stop in segments)]
+    h = [
+        act_fn(gate) * up
+        for gate, up in (
+            torch.nn.functional.linear(xq[start:stop], gate_up[e]).chunk(2, dim=-1) for e, start, stop in segments
+        )
+    ]
     hq = fake_quant(torch.cat(h), segments, 1)
     y = torch.cat([torch.nn.functional.linear(hq[start:stop], down[e]) for e, start, stop in segments])
     # index_put_, not index_add_: the latter's 2-thread CPU kernel took ~50 ms a call (vs 20 us) on a busy machine
@@ -144,8 +180,9 @@ def load_fake_quant_model(model_dir: str | Path, quantize_activations: bool = Tr
     qc = read_quantization_config(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                             attn_implementation=reference_attention(config)).eval()
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation=reference_attention(config)
+    ).eval()
     state = read_state(model_dir)  # one model.safetensors or shards with an index
     experts = list(fused_experts_modules(model))
     rest = install_fake_quant(model, "", state, qc, quantize_activations, model_dir)
@@ -156,12 +193,21 @@ def load_fake_quant_model(model_dir: str | Path, quantize_activations: bool = Tr
     if head is not None and head.weight is embeddings.weight:  # tied: the checkpoint stores the embedding once
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
-        raise ValueError(f"{model_dir}: checkpoint inconsistent with its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"{model_dir}: checkpoint inconsistent with its config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     return model
 
 
-def install_fake_quant(module: torch.nn.Module, prefix: str, state: dict[str, torch.Tensor], qc: dict,
-                       quantize_activations: bool, model_dir: Path, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+def install_fake_quant(
+    module: torch.nn.Module,
+    prefix: str,
+    state: dict[str, torch.Tensor],
+    qc: dict,
+    quantize_activations: bool,
+    model_dir: Path,
+    only: set[str] | None = None,
+) -> dict[str, torch.Tensor]:
     """Replace, in `module` (the model, or one of its submodules named prefix without its trailing dot), the
     quantized linears and the fused routed experts by FakeQuantLinear / FakeQuantExperts built from `state`
     (checkpoint tensors under their full names, e.g. a decoder layer's with prefix "model.layers.3."; popped).
@@ -175,21 +221,32 @@ def install_fake_quant(module: torch.nn.Module, prefix: str, state: dict[str, to
             continue
         _load_experts(module, prefix, name, experts, scheme, state, quantized, quantize_activations, model_dir)
     for full in sorted(quantized):
-        name = full[len(prefix):]
+        name = full[len(prefix) :]
         linear = module.get_submodule(name)
         tensors = {s: state.pop(f"{full}.{s}") for s in checkpoint_suffixes() if f"{full}.{s}" in state}
         weight = scheme.decode(tensors, linear.in_features)
         if tuple(weight.shape) != tuple(linear.weight.shape):
-            raise ValueError(f"{model_dir}: {full} decodes to {tuple(weight.shape)}, the model expects {tuple(linear.weight.shape)}")
+            raise ValueError(
+                f"{model_dir}: {full} decodes to {tuple(weight.shape)}, the model expects {tuple(linear.weight.shape)}"
+            )
         bias = state.pop(f"{full}.bias", None)
         fake = FakeQuantLinear(scheme, weight, bias, tensors.get("input_global_scale"), quantize_activations)
         parent, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent), child, fake)
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
-def _load_experts(model: torch.nn.Module, prefix: str, name: str, module: torch.nn.Module, scheme: Scheme,
-                  state: dict[str, torch.Tensor], quantized: set[str], quantize_activations: bool, model_dir: Path) -> None:
+def _load_experts(
+    model: torch.nn.Module,
+    prefix: str,
+    name: str,
+    module: torch.nn.Module,
+    scheme: Scheme,
+    state: dict[str, torch.Tensor],
+    quantized: set[str],
+    quantize_activations: bool,
+    model_dir: Path,
+) -> None:
     """Fill the fused experts module `name` of `model` (checkpoint names: prefix + name) from its per-expert
     checkpoint tensors (popped from `state` and, for quantized matrices, discarded from `quantized`); replace it
     by a FakeQuantExperts if any matrix is quantized."""
@@ -208,7 +265,9 @@ def _load_experts(model: torch.nn.Module, prefix: str, name: str, module: torch.
         else:
             raise ValueError(f"{model_dir}: expert matrix {matrix} has no tensors in the checkpoint")
         if tuple(matrices[matrix].shape) != shape:
-            raise ValueError(f"{model_dir}: {matrix} decodes to {tuple(matrices[matrix].shape)}, the model expects {shape}")
+            raise ValueError(
+                f"{model_dir}: {matrix} decodes to {tuple(matrices[matrix].shape)}, the model expects {shape}"
+            )
     full = prefix + name
     gate_up, down = fuse_expert_matrices(matrices, full, num_experts)
     if not any(flags.values()):  # parameters replaced, not copied into: `module` may be on the meta device
@@ -216,14 +275,21 @@ def _load_experts(model: torch.nn.Module, prefix: str, name: str, module: torch.
         return
     for e in range(num_experts):
         if flags[f"{full}.{e}.gate_proj"] != flags[f"{full}.{e}.up_proj"]:
-            raise ValueError(f"{model_dir}: {full}.{e}: gate_proj and up_proj must be quantized together (one fused GEMM)")
+            raise ValueError(
+                f"{model_dir}: {full}.{e}: gate_proj and up_proj must be quantized together (one fused GEMM)"
+            )
     quant = torch.tensor([[flags[f"{full}.{e}.gate_proj"], flags[f"{full}.{e}.down_proj"]] for e in range(num_experts)])
     static = None
     if any(v is not None for v in scales.values()):
-        static = torch.tensor([[_scale(scales, f"{full}.{e}.{p}") for p in ("gate_proj", "down_proj")] for e in range(num_experts)])
+        static = torch.tensor(
+            [[_scale(scales, f"{full}.{e}.{p}") for p in ("gate_proj", "down_proj")] for e in range(num_experts)]
+        )
     parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child,
-            FakeQuantExperts(scheme, gate_up, down, module.act_fn, quant, static, quantize_activations))
+    setattr(
+        model.get_submodule(parent),
+        child,
+        FakeQuantExperts(scheme, gate_up, down, module.act_fn, quant, static, quantize_activations),
+    )
 
 
 def _scale(scales: dict[str, torch.Tensor | None], matrix: str) -> float:

@@ -37,9 +37,11 @@ def llmcompressor_python() -> Path:
     is installed outside a checkout."""
     override = os.environ.get(PYTHON_ENV)
     if override is None and not (CHECKOUT / "pyproject.toml").is_file():
-        raise BackendError(f"no llmcompressor environment: quantkit is installed outside a source checkout "
-                           f"({CHECKOUT} has no pyproject.toml, so no .venv-llmcompressor); set {PYTHON_ENV} to "
-                           f"the python of a venv with llmcompressor==0.14.0.1 and quantkit (pip install --no-deps)")
+        raise BackendError(
+            f"no llmcompressor environment: quantkit is installed outside a source checkout "
+            f"({CHECKOUT} has no pyproject.toml, so no .venv-llmcompressor); set {PYTHON_ENV} to "
+            f"the python of a venv with llmcompressor==0.14.0.1 and quantkit (pip install --no-deps)"
+        )
     python = Path(override) if override is not None else CHECKOUT / ".venv-llmcompressor" / "bin" / "python"
     if not python.exists():
         raise BackendError(f"llmcompressor environment not found at {python}: run `make setup-llmcompressor`")
@@ -56,15 +58,25 @@ def quantize_with_llmcompressor(model_dir: Path, recipe: Recipe, out_dir: Path) 
         if recipe.scheme == "NVFP4":  # static activation global scale: calibrated
             cal = recipe.calibration or CalibrationSettings()
             model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-            tokens = calibration_windows(AutoTokenizer.from_pretrained(model_dir), cal.num_sequences, cal.seq_len,
-                                         recipe.calibration_source(model_type))
+            tokens = calibration_windows(
+                AutoTokenizer.from_pretrained(model_dir),
+                cal.num_sequences,
+                cal.seq_len,
+                recipe.calibration_source(model_type),
+            )
             torch.save(tokens, Path(work) / "calibration.pt")
             job["calibration"] = str(Path(work) / "calibration.pt")
         (Path(work) / "job.json").write_text(json.dumps(job))
-        run = subprocess.run([str(python), "-m", "quantkit.quantize.llmcompressor_worker", str(Path(work) / "job.json")],
-                             capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+        run = subprocess.run(
+            [str(python), "-m", "quantkit.quantize.llmcompressor_worker", str(Path(work) / "job.json")],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
+        )
         if run.returncode != 0:
             tail = "\n".join(run.stderr.strip().splitlines()[-STDERR_LINES:])
-            raise BackendError(f"llmcompressor failed on {model_dir} with recipe {recipe.name} (worker {python}, exit "
-                               f"{run.returncode}); the end of its stderr:\n{tail}")
+            raise BackendError(
+                f"llmcompressor failed on {model_dir} with recipe {recipe.name} (worker {python}, exit "
+                f"{run.returncode}); the end of its stderr:\n{tail}"
+            )
     return out_dir

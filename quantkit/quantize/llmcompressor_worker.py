@@ -25,8 +25,14 @@ def main(job_path: str) -> None:
         tokens = torch.load(job["calibration"])
         data = Dataset.from_dict({"input_ids": tokens.tolist(), "attention_mask": torch.ones_like(tokens).tolist()})
         # "basic" pipeline: plain forward passes (the sequential pipeline's fx tracing cannot wrap our forward)
-        oneshot(model=model, recipe=recipe, dataset=data, num_calibration_samples=len(tokens),
-                max_seq_length=tokens.shape[1], pipeline="basic")
+        oneshot(
+            model=model,
+            recipe=recipe,
+            dataset=data,
+            num_calibration_samples=len(tokens),
+            max_seq_length=tokens.shape[1],
+            pipeline="basic",
+        )
     else:
         oneshot(model=model, recipe=recipe)
     model.save_pretrained(job["out"], save_compressed=True)

@@ -71,8 +71,12 @@ def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Pa
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_reference_model(model_dir, torch.bfloat16)
     cal = recipe.calibration or CalibrationSettings()
-    tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, model.config.max_position_embeddings),
-                                 recipe.calibration_source(model.config.model_type))
+    tokens = calibration_windows(
+        tokenizer,
+        cal.num_sequences,
+        min(cal.seq_len, model.config.max_position_embeddings),
+        recipe.calibration_source(model.config.model_type),
+    )
 
     def forward_loop(m: torch.nn.Module) -> None:
         with torch.no_grad():
@@ -85,6 +89,8 @@ def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Pa
                 mtq.quantize(model, modelopt_config(recipe, model), forward_loop)
                 export_hf_checkpoint(model, export_dir=str(tmp))
         except Exception as err:  # ModelOpt raises its own and torch's error types
-            raise BackendError(f"modelopt failed on {model_dir} with recipe {recipe.name}: {type(err).__name__}: {err}") from err
+            raise BackendError(
+                f"modelopt failed on {model_dir} with recipe {recipe.name}: {type(err).__name__}: {err}"
+            ) from err
         tokenizer.save_pretrained(tmp)
     return out_dir

@@ -20,7 +20,8 @@ from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import UNQUANTIZED, Scheme, scheme_for
 from quantkit.quantize.recipe import Recipe
 
-# SmoothQuant's factors beside the weights (torch.save; not *.safetensors, which vLLM and transformers would load as weights)
+# SmoothQuant's factors beside the weights (torch.save; not *.safetensors, which vLLM and transformers would load
+# as weights)
 SMOOTHQUANT_FACTORS = "smoothquant_factors.pt"
 
 
@@ -43,15 +44,22 @@ def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def unquantized_to_source_dtype(state: dict[str, torch.Tensor], quantized: list[str], source: TensorHeaders,
-                                config: PretrainedConfig, keep_float32: set[str]) -> dict[str, torch.Tensor]:
+def unquantized_to_source_dtype(
+    state: dict[str, torch.Tensor],
+    quantized: list[str],
+    source: TensorHeaders,
+    config: PretrainedConfig,
+    keep_float32: set[str],
+) -> dict[str, torch.Tensor]:
     """The tensors a recipe leaves unquantized as the source checkpoint holds them, in place: each floating tensor
     back to its source dtype (a key the source lacks, e.g. split experts: the source's most common floating dtype),
     except `keep_float32` (SmoothQuant's folded norm weights: their factors are not representable in bf16); a tied
     `lm_head.weight` the source does not store is dropped (tied embeddings stay tied). `quantized`: module names
     whose `.weight` the scheme replaces."""
     replaced = {f"{name}.weight" for name in quantized}
-    floating = [SAFETENSORS_DTYPES[d] for d, _ in source.values() if SAFETENSORS_DTYPES.get(d, torch.uint8).is_floating_point]
+    floating = [
+        SAFETENSORS_DTYPES[d] for d, _ in source.values() if SAFETENSORS_DTYPES.get(d, torch.uint8).is_floating_point
+    ]
     common = max(set(floating), key=floating.count) if floating else torch.float32
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in source.keys() | replaced:
         state.pop("lm_head.weight", None)
@@ -82,8 +90,14 @@ def quantization_config(recipe: Recipe, quantized: list[str], ignored: list[str]
     }
 
 
-def encode_matrices(state: dict[str, torch.Tensor], quantized: dict[str, torch.Tensor], scheme: Scheme,
-                    input_amax: dict[str, torch.Tensor], desc: str, progress: bool = True) -> None:
+def encode_matrices(
+    state: dict[str, torch.Tensor],
+    quantized: dict[str, torch.Tensor],
+    scheme: Scheme,
+    input_amax: dict[str, torch.Tensor],
+    desc: str,
+    progress: bool = True,
+) -> None:
     """Replace each quantized matrix's `<name>.weight` in `state` by the scheme's tensors (plus its static
     activation tensors where `input_amax` has the calibrated max |x|, shape (1,)), in place."""
     for name, weight in tqdm(quantized.items(), desc=desc, unit="matrix", disable=not (progress and quantized)):
@@ -95,7 +109,9 @@ def encode_matrices(state: dict[str, torch.Tensor], quantized: dict[str, torch.T
             state[f"{name}.{suffix}"] = tensor.contiguous()
 
 
-def output_config(config: PretrainedConfig, architecture: str, recipe: Recipe, quantized: list[str], ignored: list[str]) -> dict:
+def output_config(
+    config: PretrainedConfig, architecture: str, recipe: Recipe, quantized: list[str], ignored: list[str]
+) -> dict:
     """config.json of the quantized checkpoint: the source's, with its class, dtype and quantization_config."""
     out = config.to_dict()
     out["architectures"] = [architecture]
@@ -112,7 +128,9 @@ def write_side_files(out_dir: Path, config: dict, tokenizer, smoothquant_report:
     tokenizer.save_pretrained(out_dir)
     if smoothquant_report is not None:
         (out_dir / "smoothquant.json").write_text(json.dumps(smoothquant_report.to_dict(), indent=2))
-        torch.save({name: s.float().cpu() for name, s in smoothquant_report.scales.items()}, out_dir / SMOOTHQUANT_FACTORS)
+        torch.save(
+            {name: s.float().cpu() for name, s in smoothquant_report.scales.items()}, out_dir / SMOOTHQUANT_FACTORS
+        )
 
 
 def read_smoothquant_factors(model_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -120,6 +138,8 @@ def read_smoothquant_factors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     consumers' columns multiplied) as the checkpoint records them; CheckpointError if it records none."""
     path = Path(model_dir) / SMOOTHQUANT_FACTORS
     if not path.exists():
-        raise CheckpointError(f"{model_dir}: a SmoothQuant checkpoint without {SMOOTHQUANT_FACTORS} (written by an "
-                              "older quantkit): quantize it again")
+        raise CheckpointError(
+            f"{model_dir}: a SmoothQuant checkpoint without {SMOOTHQUANT_FACTORS} (written by an "
+            "older quantkit): quantize it again"
+        )
     return torch.load(path, weights_only=True)

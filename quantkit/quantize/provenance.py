@@ -80,7 +80,9 @@ def apply_calibration(recipe: Recipe, settings: dict[str, Any]) -> Recipe:
     return recipe
 
 
-def calibration_sets(recipe: Recipe, max_positions: int | None = None, model_type: str | None = None) -> list[dict[str, Any]]:
+def calibration_sets(
+    recipe: Recipe, max_positions: int | None = None, model_type: str | None = None
+) -> list[dict[str, Any]]:
     """The calibration sets quantizing with `recipe` draws for a model of `model_type`, one dict per use:
     {"use", "source", "num_sequences", "seq_len"} (seq_len as drawn: quantkit's and modelopt's static scales cut
     it to the model's `max_positions`); [] for a recipe that calibrates nothing."""

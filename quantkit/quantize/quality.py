@@ -54,8 +54,8 @@ from quantkit.data import heldout_windows
 from quantkit.formats.experts import EXPERT_PROJECTIONS, expert_matrices
 from quantkit.formats.schemes import checkpoint_suffixes
 from quantkit.metrics import energy, kl_divergence, snr_db
-from quantkit.quantize.output import read_smoothquant_factors
 from quantkit.quantize.fake_quant import FakeQuantExperts, install_fake_quant, read_quantization_config
+from quantkit.quantize.output import read_smoothquant_factors
 from quantkit.quantize.routed_experts import projection_outputs, routed_expert_passes, summarize_expert_snr
 
 
@@ -117,8 +117,16 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     }
 
 
-def _layers(reference: torch.nn.Module, quantized: torch.nn.Module, source: TensorReader, packed: TensorReader,
-            qc: dict, streams: list[Stream], signal: dict[str, float], noise: dict[str, float]) -> None:
+def _layers(
+    reference: torch.nn.Module,
+    quantized: torch.nn.Module,
+    source: TensorReader,
+    packed: TensorReader,
+    qc: dict,
+    streams: list[Stream],
+    signal: dict[str, float],
+    noise: dict[str, float],
+) -> None:
     """The two streams through the decoder layers, one layer of each model in memory at a time, with the SNR
     hooks on the reference's quantized modules (signal / noise accumulate per module name)."""
     stack, ref_layers = decoder_stack(reference)
@@ -132,12 +140,16 @@ def _layers(reference: torch.nn.Module, quantized: torch.nn.Module, source: Tens
     for i in tqdm(range(len(ref_layers)), desc=f"quality {qc['recipe']}", unit="layer"):
         prefix = f"{stack}.{i}."
         ref_layer = ref_layers[i]
-        materialize(ref_layer, source_tensors(source, ref_layer, prefix, source.model_dir), f"{source.model_dir} layer {i}")
+        materialize(
+            ref_layer, source_tensors(source, ref_layer, prefix, source.model_dir), f"{source.model_dir} layer {i}"
+        )
         for m in mappings:
             if m.smooth.startswith(prefix):
                 fold_mapping(reference, m, factors[m.smooth])
         _load_fake_quant(quantized, q_layers[i], prefix, packed, qc, packed.model_dir)
-        with _snr_hooks(reference, quantized, [n for n in quantized_set if n.startswith(prefix)], quantized_set, signal, noise):
+        with _snr_hooks(
+            reference, quantized, [n for n in quantized_set if n.startswith(prefix)], quantized_set, signal, noise
+        ):
             advance_stream(streams[0], ref_layer, i)
         advance_stream(streams[1], q_layers[i], i)
         ref_layer.to("meta")
@@ -155,8 +167,10 @@ def _head_kl(reference: torch.nn.Module, quantized: torch.nn.Module, streams: li
         for ref_hidden, q_hidden in zip(streams[0].hidden[b].split(1), streams[1].hidden[b].split(1)):
             kl_sum = 0.0
             for start in range(0, ref_hidden.shape[1], HEAD_POSITIONS):
-                kl = kl_divergence(head_logits(reference, ref_layers, ref_hidden, start),
-                                   head_logits(quantized, q_layers, q_hidden, start))
+                kl = kl_divergence(
+                    head_logits(reference, ref_layers, ref_hidden, start),
+                    head_logits(quantized, q_layers, q_hidden, start),
+                )
                 kl_sum += kl.sum().item()
             per_window.append(kl_sum / ref_hidden.shape[1])
     return per_window
@@ -167,8 +181,16 @@ def _input_embeddings_prefix(model: torch.nn.Module) -> str:
     return next(f"{n}." for n, m in model.named_modules() if m is embeddings)
 
 
-def _load_fake_quant(model: torch.nn.Module, module: torch.nn.Module, prefix: str, packed: TensorReader, qc: dict,
-                     model_dir: Path, keys: list[str] | None = None, tied: dict[str, str] | None = None) -> None:
+def _load_fake_quant(
+    model: torch.nn.Module,
+    module: torch.nn.Module,
+    prefix: str,
+    packed: TensorReader,
+    qc: dict,
+    model_dir: Path,
+    keys: list[str] | None = None,
+    tied: dict[str, str] | None = None,
+) -> None:
     """Fill `module` (on the meta device; named prefix in `model`) from the quantized checkpoint: its quantized
     linears and experts as fake-quant modules, the rest float32. keys: only these of the module's state (default:
     every checkpoint tensor under prefix); tied: read a key the checkpoint does not store from its partner."""
@@ -190,7 +212,9 @@ def _load_fake_quant(model: torch.nn.Module, module: torch.nn.Module, prefix: st
     try:
         module.load_state_dict(rest, strict=False, assign=True)
     except RuntimeError as err:
-        raise CheckpointError(f"{model_dir}: the checkpoint's tensors under {prefix or 'the model'} do not fit: {err}") from err
+        raise CheckpointError(
+            f"{model_dir}: the checkpoint's tensors under {prefix or 'the model'} do not fit: {err}"
+        ) from err
     meta = [n for n, t in module.named_parameters() if t.is_meta and (keys is None or n in keys)]
     if meta:
         raise CheckpointError(f"{model_dir}: the checkpoint has no tensors for {[prefix + n for n in meta][:5]}")
@@ -208,8 +232,14 @@ def _same_unquantized(source: TensorReader, packed: TensorReader, key: str, tied
 
 
 @contextmanager
-def _snr_hooks(reference: torch.nn.Module, quantized: torch.nn.Module, names: list[str], quantized_set: set[str],
-               signal: dict[str, float], noise: dict[str, float]) -> Iterator[None]:
+def _snr_hooks(
+    reference: torch.nn.Module,
+    quantized: torch.nn.Module,
+    names: list[str],
+    quantized_set: set[str],
+    signal: dict[str, float],
+    noise: dict[str, float],
+) -> Iterator[None]:
     """Forward hooks on the reference's quantized linears `names` and on the fused experts under them: add sum y^2
     and sum (y - y_q)^2 per module, y_q from the same module of `quantized` on the same input."""
     modules = dict(reference.named_modules())
@@ -228,8 +258,11 @@ def _snr_hooks(reference: torch.nn.Module, quantized: torch.nn.Module, names: li
     for name in prefixes:
         q_experts = quantized.get_submodule(name)
         if isinstance(q_experts, FakeQuantExperts):
-            hooks.append(modules[name].register_forward_hook(
-                _experts_snr_hook(name, q_experts, quantized_set, signal, noise), with_kwargs=True))
+            hooks.append(
+                modules[name].register_forward_hook(
+                    _experts_snr_hook(name, q_experts, quantized_set, signal, noise), with_kwargs=True
+                )
+            )
     try:
         yield
     finally:
@@ -237,21 +270,24 @@ def _snr_hooks(reference: torch.nn.Module, quantized: torch.nn.Module, names: li
             h.remove()
 
 
-def _experts_snr_hook(name: str, q_experts: FakeQuantExperts, quantized: set[str], signal: dict[str, float],
-                      noise: dict[str, float]):
+def _experts_snr_hook(
+    name: str, q_experts: FakeQuantExperts, quantized: set[str], signal: dict[str, float], noise: dict[str, float]
+):
     """Forward hook on the reference's fused experts `name`: per routed expert and quantized matrix, add
     sum y^2 and sum (y - y_q)^2 (y on the reference's input, y_q = fq(input) W_q^T as `q_experts` computes)."""
     decoded = expert_matrices(name, q_experts)  # "<name>.<e>.<proj>" -> the checkpoint's decoded matrix
     arg_names = ("hidden_states", "top_k_index", "top_k_weights")  # transformers' experts signature
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict, _output: torch.Tensor) -> None:
-        hidden, top_k_index = (*args, *(kwargs[k] for k in arg_names[len(args):]))[:2]
+        hidden, top_k_index = (*args, *(kwargs[k] for k in arg_names[len(args) :]))[:2]
         for p in routed_expert_passes(module, hidden, top_k_index):
             for proj, (x, y) in projection_outputs(p).items():
                 matrix = f"{name}.{p.expert}.{proj}"
                 if matrix not in quantized:
                     continue
-                x_q = q_experts.fake_quant_input(x, p.expert, 1 if proj == "down_proj" else 0)  # input 0: gate/up, 1: down
+                x_q = q_experts.fake_quant_input(
+                    x, p.expert, 1 if proj == "down_proj" else 0
+                )  # input 0: gate/up, 1: down
                 y_q = torch.nn.functional.linear(x_q, decoded[matrix])
                 signal[matrix] = signal.get(matrix, 0.0) + energy(y)
                 noise[matrix] = noise.get(matrix, 0.0) + energy(y_q - y)
@@ -259,7 +295,9 @@ def _experts_snr_hook(name: str, q_experts: FakeQuantExperts, quantized: set[str
     return hook
 
 
-def quality_table(reference_dir: str | Path, quantized_dirs: list[str | Path], num_sequences: int = 16, seq_len: int = 256) -> tuple[str, list[dict]]:
+def quality_table(
+    reference_dir: str | Path, quantized_dirs: list[str | Path], num_sequences: int = 16, seq_len: int = 256
+) -> tuple[str, list[dict]]:
     """Markdown table (one row per quantized checkpoint) and the per-checkpoint dicts, on held-out text."""
     for model_dir in (reference_dir, *quantized_dirs):  # every input, before any model is loaded
         check_checkpoint_dir(model_dir)
@@ -268,17 +306,26 @@ def quality_table(reference_dir: str | Path, quantized_dirs: list[str | Path], n
     tokenizer = AutoTokenizer.from_pretrained(reference_dir)
     tokens = heldout_windows(tokenizer, num_sequences, seq_len)
     rows = [quality(reference_dir, d, tokens) for d in quantized_dirs]
-    lines = ["| recipe | KL vs source (nats/token) | min layer SNR (dB) | mean layer SNR (dB) | worst layer |", "|---|---|---|---|---|"]
+    lines = [
+        "| recipe | KL vs source (nats/token) | min layer SNR (dB) | mean layer SNR (dB) | worst layer |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         worst = min(r["layer_snr_db"], key=r["layer_snr_db"].get)
         lines.append(f"| {r['recipe']} | {r['kl']:.2e} | {r['min_snr_db']:.1f} | {r['mean_snr_db']:.1f} | {worst} |")
     if any(r["expert_snr_db"] for r in rows):  # MoE: one row per recipe and experts module
-        lines += ["", "| recipe | experts | gate_proj SNR min / median (dB) | up_proj | down_proj | worst expert matrix |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| recipe | experts | gate_proj SNR min / median (dB) | up_proj | down_proj | worst expert matrix |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in rows:
             for experts, by_proj in r["expert_snr_db"].items():
-                cells = [f"{v['min']:.1f} / {v['median']:.1f}" if (v := by_proj.get(p)) else "-"
-                         for p in EXPERT_PROJECTIONS]
+                cells = [
+                    f"{v['min']:.1f} / {v['median']:.1f}" if (v := by_proj.get(p)) else "-" for p in EXPERT_PROJECTIONS
+                ]
                 proj, v = min(by_proj.items(), key=lambda kv: kv[1]["min"])
-                lines.append(f"| {r['recipe']} | {experts} | {' | '.join(cells)} | {experts}.{v['min_expert']}.{proj} |")
+                lines.append(
+                    f"| {r['recipe']} | {experts} | {' | '.join(cells)} | {experts}.{v['min_expert']}.{proj} |"
+                )
     return "\n".join(lines), rows

@@ -49,15 +49,30 @@ from quantkit.data import default_calibration_source
 from quantkit.formats.schemes import SCHEMES, UNQUANTIZED
 
 # lm_head stays BF16 (quantkit's choice, as the peers' presets); GatedNorm's rank-r gates are tiny (shared/DESIGN.md)
-DEFAULT_IGNORE = ("lm_head", r"re:.*\.gate_down$", r"re:.*\.gate_up$",
-                  r"re:.*\.mlp\.gate$", r"re:.*\.shared_expert_gate$", r"re:.*\.in_proj_ba$")
+DEFAULT_IGNORE = (
+    "lm_head",
+    r"re:.*\.gate_down$",
+    r"re:.*\.gate_up$",
+    r"re:.*\.mlp\.gate$",
+    r"re:.*\.shared_expert_gate$",
+    r"re:.*\.in_proj_ba$",
+)
 BACKEND_SCHEMES = {  # the scheme names each backend takes
     "quantkit": (UNQUANTIZED, *SCHEMES),
     "llmcompressor": ("FP8_BLOCK", "NVFP4"),
     "modelopt": ("NVFP4", "FP8_PER_CHANNEL_PER_TOKEN"),
 }
-_KEYS = {"name", "description", "scheme", "backend", "activation_scale", "smoothquant", "calibration",
-         "calibration_data", "ignore"}
+_KEYS = {
+    "name",
+    "description",
+    "scheme",
+    "backend",
+    "activation_scale",
+    "smoothquant",
+    "calibration",
+    "calibration_data",
+    "ignore",
+}
 DEFAULT_EARLY_STOP = 0.02  # SmoothQuant: settled when the maxima moved < 2% (relative L2) in 2 batches
 
 
@@ -141,12 +156,16 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         raise ValueError(f"{source}: backend {backend!r} is not one of {list(BACKEND_SCHEMES)}")
     scheme = data["scheme"]
     if scheme not in BACKEND_SCHEMES[backend]:
-        raise ValueError(f"{source}: scheme {scheme!r} is not one of {list(BACKEND_SCHEMES[backend])} for backend {backend!r}")
+        raise ValueError(
+            f"{source}: scheme {scheme!r} is not one of {list(BACKEND_SCHEMES[backend])} for backend {backend!r}"
+        )
     activation_scale = data.get("activation_scale")
     if backend != "quantkit":
         for key in ("activation_scale", "smoothquant"):
             if key in data:
-                raise ValueError(f"{source}: {key} applies to backend quantkit only; backend {backend!r} runs its own preset")
+                raise ValueError(
+                    f"{source}: {key} applies to backend quantkit only; backend {backend!r} runs its own preset"
+                )
     modes = SCHEMES[scheme].activation_scales if scheme in SCHEMES else ()
     if len(modes) > 1:  # the scheme offers a choice; its first mode is the default
         activation_scale = activation_scale or modes[0]
@@ -154,7 +173,9 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
             raise ValueError(f"{source}: activation_scale {activation_scale!r} is not one of {list(modes)}")
     elif activation_scale is not None:
         choosers = [s.name for s in SCHEMES.values() if len(s.activation_scales) > 1]
-        raise ValueError(f"{source}: activation_scale applies to scheme {', '.join(choosers)} only (scheme is {scheme!r})")
+        raise ValueError(
+            f"{source}: activation_scale applies to scheme {', '.join(choosers)} only (scheme is {scheme!r})"
+        )
     smoothquant = _settings(SmoothQuantSettings, data.get("smoothquant"), f"{source}: smoothquant")
     if smoothquant is not None and not 0.0 <= smoothquant.alpha <= 1.0:
         raise ValueError(f"{source}: smoothquant.alpha must be in [0, 1], got {smoothquant.alpha}")
@@ -162,9 +183,14 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         raise ValueError(f"{source}: smoothquant.experts must be true or false, got {smoothquant.experts!r}")
     if smoothquant is not None and scheme == UNQUANTIZED:
         raise ValueError(f"{source}: smoothquant with scheme bf16 changes nothing worth measuring")
-    if smoothquant is not None and smoothquant.early_stop is not None and not (
-            isinstance(smoothquant.early_stop, (int, float)) and smoothquant.early_stop >= 0):
-        raise ValueError(f"{source}: smoothquant.early_stop must be a tolerance >= 0 or null, got {smoothquant.early_stop!r}")
+    if (
+        smoothquant is not None
+        and smoothquant.early_stop is not None
+        and not (isinstance(smoothquant.early_stop, (int, float)) and smoothquant.early_stop >= 0)
+    ):
+        raise ValueError(
+            f"{source}: smoothquant.early_stop must be a tolerance >= 0 or null, got {smoothquant.early_stop!r}"
+        )
     calibration = _settings(CalibrationSettings, data.get("calibration"), f"{source}: calibration")
     calibration_data = data.get("calibration_data")
     if calibration_data is not None and (not isinstance(calibration_data, str) or not calibration_data.strip()):
@@ -179,8 +205,13 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
             except re.error as err:
                 raise ValueError(f"{source}: ignore pattern {pattern!r} is not a valid regex: {err}") from None
     return Recipe(
-        name=data["name"], scheme=scheme, backend=backend, description=data.get("description", ""),
-        activation_scale=activation_scale, smoothquant=smoothquant, calibration=calibration,
+        name=data["name"],
+        scheme=scheme,
+        backend=backend,
+        description=data.get("description", ""),
+        activation_scale=activation_scale,
+        smoothquant=smoothquant,
+        calibration=calibration,
         calibration_data=calibration_data,
         ignore=DEFAULT_IGNORE + tuple(p for p in ignore if p not in DEFAULT_IGNORE),
     )

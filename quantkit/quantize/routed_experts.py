@@ -32,15 +32,17 @@ class ExpertPass:
     """Expert `expert` on its routed tokens (n of the block's T flattened tokens); float tensors."""
 
     expert: int
-    token_idx: torch.Tensor   # (n,) rows of hidden_states routed to the expert
-    slot: torch.Tensor        # (n,) which of the token's k choices it was
-    x: torch.Tensor           # (n, H) input of gate_proj and up_proj
-    gate_up: torch.Tensor     # (n, 2I) outputs of gate_proj (columns [0, I)) and up_proj ([I, 2I))
-    h: torch.Tensor           # (n, I) act(gate) * up, input of down_proj
-    y: torch.Tensor           # (n, H) output of down_proj (before the routing weight)
+    token_idx: torch.Tensor  # (n,) rows of hidden_states routed to the expert
+    slot: torch.Tensor  # (n,) which of the token's k choices it was
+    x: torch.Tensor  # (n, H) input of gate_proj and up_proj
+    gate_up: torch.Tensor  # (n, 2I) outputs of gate_proj (columns [0, I)) and up_proj ([I, 2I))
+    h: torch.Tensor  # (n, I) act(gate) * up, input of down_proj
+    y: torch.Tensor  # (n, H) output of down_proj (before the routing weight)
 
 
-def routed_expert_passes(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> Iterator[ExpertPass]:
+def routed_expert_passes(
+    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor
+) -> Iterator[ExpertPass]:
     """Each expert with at least one routed token, in expert order (`module`: a fused experts module)."""
     x_all = hidden_states.detach().reshape(-1, hidden_states.shape[-1])
     index = top_k_index.reshape(x_all.shape[0], -1)
@@ -81,6 +83,10 @@ def summarize_expert_snr(snr_db: Mapping[str, float | None]) -> dict[str, dict[s
             ranked = sorted(values.values())
             mid = len(ranked) // 2
             median = ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
-            out[experts][proj] = {"min": ranked[0], "median": median, "min_expert": min(values, key=values.get),
-                                  "experts": len(values)}
+            out[experts][proj] = {
+                "min": ranked[0],
+                "median": median,
+                "min_expert": min(values, key=values.get),
+                "experts": len(values),
+            }
     return out

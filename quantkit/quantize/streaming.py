@@ -140,8 +140,11 @@ class ShardWriter:
             raise TypeError(f"{name}: dtype {t.dtype} has no safetensors name")
         if nbytes:
             self._data.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-        self._entries[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                               "data_offsets": [self._offset, self._offset + nbytes]}
+        self._entries[name] = {
+            "dtype": _DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [self._offset, self._offset + nbytes],
+        }
         self._offset += nbytes
         self.total_size += nbytes
 
@@ -168,7 +171,10 @@ class ShardWriter:
             final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             path.rename(self.out_dir / final)
             weight_map.update(dict.fromkeys(names, final))
-        index = {"metadata": {"total_size": self.total_size, **self.metadata}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {
+            "metadata": {"total_size": self.total_size, **self.metadata},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         return index
 
@@ -176,8 +182,15 @@ class ShardWriter:
 # --------------------------------------------------------------------------------------------- the path
 
 
-def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, overwrite: bool = False,
-                       spill_bytes: int = DEFAULT_SPILL_BYTES, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def quantize_streaming(
+    model_dir: str | Path,
+    recipe: Recipe,
+    out_dir: str | Path,
+    *,
+    overwrite: bool = False,
+    spill_bytes: int = DEFAULT_SPILL_BYTES,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
     """Quantize `model_dir` with `recipe` one decoder layer at a time (module docstring); write `out_dir` atomically.
 
     spill_bytes: a calibration stream whose hidden states (N x T x hidden x 4 bytes) exceed this is kept on disk;
@@ -199,8 +212,10 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
     in_layers = f"{stack_name}."
     outside = [n for n in quantized if not n.startswith(in_layers)]
     if outside and recipe.activation_scale == "static":
-        raise StreamingError(f"static activation scales for matrices outside the decoder layers ({outside[:3]}) are "
-                             "not calibrated by the streaming path; use the whole-model path (--no-streaming)")
+        raise StreamingError(
+            f"static activation scales for matrices outside the decoder layers ({outside[:3]}) are "
+            "not calibrated by the streaming path; use the whole-model path (--no-streaming)"
+        )
     sq = recipe.smoothquant
     plan = resolve_mappings(skeleton, experts=sq.experts) if sq is not None else None
     per_layer = layer_mappings(plan, stack_name, len(layers)) if plan is not None else None
@@ -252,8 +267,11 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
             streams: dict[str, Stream] = {}
             spill = {}
             hidden = config.hidden_size
-            for name, tokens in (("sq", sq_tokens), ("ref", None if sq_tokens is None else sq_tokens[:DEFAULT_VERIFY_SEQUENCES]),
-                                 ("static", static_tokens)):
+            for name, tokens in (
+                ("sq", sq_tokens),
+                ("ref", None if sq_tokens is None else sq_tokens[:DEFAULT_VERIFY_SEQUENCES]),
+                ("static", static_tokens),
+            ):
                 if tokens is None:
                     continue
                 big = tokens.numel() * hidden * 4 > spill_bytes
@@ -261,7 +279,9 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
                 # the statistics' windows are embedded during layer 0's pass: those an early stop drops never are
                 streams[name] = embed_stream(skeleton, layers, name, tokens, spill[name], lazy=name == "sq")
             if sq is not None:  # the smoothed stream starts from the same embeddings as the reference
-                streams["smoothed"] = embed_stream(skeleton, layers, "smoothed", sq_tokens[:DEFAULT_VERIFY_SEQUENCES], spill["ref"])
+                streams["smoothed"] = embed_stream(
+                    skeleton, layers, "smoothed", sq_tokens[:DEFAULT_VERIFY_SEQUENCES], spill["ref"]
+                )
 
             calibrated: list[LayerFactors] = []
             for i in tqdm(range(len(layers)), desc=f"quantize {recipe.name} (streaming)", unit="layer"):
@@ -270,8 +290,11 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
                 materialize(layer, source_tensors(reader, layer, prefix, model_dir), f"{model_dir} layer {i}")
                 layer.eval()
                 if sq is not None:  # the statistics' stream passes layer i unsmoothed, the reference too
-                    calibrated.append(layer_factors(skeleton, layer, i, streams["sq"], per_layer[i], sq.alpha,
-                                                    early_stop=sq.early_stop_rule()))
+                    calibrated.append(
+                        layer_factors(
+                            skeleton, layer, i, streams["sq"], per_layer[i], sq.alpha, early_stop=sq.early_stop_rule()
+                        )
+                    )
                     advance_stream(streams["ref"], layer, i)
                     fold_layer(skeleton, calibrated[-1])
                     advance_stream(streams["smoothed"], layer, i)
@@ -299,15 +322,25 @@ def quantize_streaming(model_dir: str | Path, recipe: Recipe, out_dir: str | Pat
                 report = _verify(skeleton, layers, streams["ref"], streams["smoothed"], plan, sq, sq_tokens, calibrated)
             writer.finish()
             architecture = type(skeleton).__name__
-            config_out = output_config(config, architecture, recipe, quantized, [n for n in weights if n not in quantized_set])
+            config_out = output_config(
+                config, architecture, recipe, quantized, [n for n in weights if n not in quantized_set]
+            )
             write_side_files(tmp, config_out, tokenizer, report)
     finally:
         shutil.rmtree(spill_root, ignore_errors=True)
     return out_dir
 
 
-def _verify(skeleton: nn.Module, layers: nn.ModuleList, ref: Stream, smoothed: Stream, plan: MappingPlan, sq,
-            tokens: torch.Tensor, calibrated: list[LayerFactors]) -> SmoothQuantReport:
+def _verify(
+    skeleton: nn.Module,
+    layers: nn.ModuleList,
+    ref: Stream,
+    smoothed: Stream,
+    plan: MappingPlan,
+    sq,
+    tokens: torch.Tensor,
+    calibrated: list[LayerFactors],
+) -> SmoothQuantReport:
     """smooth_model's function-preservation check on the carried verification windows; its report."""
     change, scale = logit_change(skeleton, layers, ref.hidden, smoothed.hidden, plan.architecture)
     relative = change / max(scale, torch.finfo(torch.float32).tiny)
@@ -317,6 +350,8 @@ def _verify(skeleton: nn.Module, layers: nn.ModuleList, ref: Stream, smoothed: S
             f"= {relative:.3g} of the logit scale {scale:.4g}, above the tolerance {DEFAULT_TOLERANCE:.3g}; "
             "nothing was written. A mapping is not function-preserving for this model."
         )
-    report = smoothquant_report(plan, sq.alpha, tokens, calibrated, change, scale, DEFAULT_TOLERANCE, sq.early_stop_rule())
+    report = smoothquant_report(
+        plan, sq.alpha, tokens, calibrated, change, scale, DEFAULT_TOLERANCE, sq.early_stop_rule()
+    )
     logger.info("SmoothQuant done (streaming):\n%s", report.summary())
     return report

@@ -138,25 +138,46 @@ def compare(baseline: Results, current: Results, thresholds: Thresholds) -> Gate
             continue
         cur = current.find(row.variant, row.recipe)
         if cur is None:
-            raise ResultsError(f"{current.source}: missing row variant {row.variant!r}, recipe {row.recipe!r} "
-                               f"(present in {baseline.source})")
+            raise ResultsError(
+                f"{current.source}: missing row variant {row.variant!r}, recipe {row.recipe!r} "
+                f"(present in {baseline.source})"
+            )
         base_deg = degradation(row, baseline.baseline(row.variant))
         cur_deg = degradation(cur, current.baseline(cur.variant))
         keys = list(base_deg.delta)
         missing = [resolve(k).label for k in keys if k not in cur_deg.delta]
         if missing:
-            raise ResultsError(f"{current.source}: {row.name} lacks benchmark(s) {', '.join(missing)} "
-                               f"(scored in {baseline.source}, for the recipe row and its bf16 row)")
+            raise ResultsError(
+                f"{current.source}: {row.name} lacks benchmark(s) {', '.join(missing)} "
+                f"(scored in {baseline.source}, for the recipe row and its bf16 row)"
+            )
         new_benchmarks += [f"{row.name}: {resolve(k).label}" for k in cur_deg.delta if k not in base_deg.delta]
         for k in keys:
             limit = thresholds.for_benchmark(k)
             noise = _max_noise(base_deg.noise.get(k), cur_deg.noise.get(k))
-            checks.append(Check(row.variant, row.recipe, resolve(k).label, base_deg.delta[k], cur_deg.delta[k],
-                                limit, max(limit, noise)))
+            checks.append(
+                Check(
+                    row.variant,
+                    row.recipe,
+                    resolve(k).label,
+                    base_deg.delta[k],
+                    cur_deg.delta[k],
+                    limit,
+                    max(limit, noise),
+                )
+            )
         noise = _max_noise(_avg_noise(base_deg, keys), _avg_noise(cur_deg, keys))
-        checks.append(Check(row.variant, row.recipe, "Avg", mean([base_deg.delta[k] for k in keys]),
-                            mean([cur_deg.delta[k] for k in keys]), thresholds.max_avg_drop,
-                            max(thresholds.max_avg_drop, noise)))
+        checks.append(
+            Check(
+                row.variant,
+                row.recipe,
+                "Avg",
+                mean([base_deg.delta[k] for k in keys]),
+                mean([cur_deg.delta[k] for k in keys]),
+                thresholds.max_avg_drop,
+                max(thresholds.max_avg_drop, noise),
+            )
+        )
         if row.kl is not None:
             if cur.kl is None:
                 raise ResultsError(f"{current.source}: {row.name} has no 'kl' (present in {baseline.source})")
@@ -174,13 +195,24 @@ def format_checks(checks: tuple[Check, ...]) -> str:
     """An aligned text table: variant, recipe, benchmark, baseline vs current Delta (or KL), allowed, verdict."""
     header = ("variant", "recipe", "benchmark", "baseline", "current", "change", "allowed", "verdict")
     lines = [header] + [
-        (c.variant, c.recipe, c.what, _fmt(c, c.baseline), _fmt(c, c.current),
-         f"{c.current - c.baseline:+.4f}" if c.what == "KL" else f"{c.current - c.baseline:+.2f}",
-         f"+{c.allowed:.4f}" if c.what == "KL" else f"-{c.allowed:.2f}", c.verdict) for c in checks]
+        (
+            c.variant,
+            c.recipe,
+            c.what,
+            _fmt(c, c.baseline),
+            _fmt(c, c.current),
+            f"{c.current - c.baseline:+.4f}" if c.what == "KL" else f"{c.current - c.baseline:+.2f}",
+            f"+{c.allowed:.4f}" if c.what == "KL" else f"-{c.allowed:.2f}",
+            c.verdict,
+        )
+        for c in checks
+    ]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     right = {3, 4, 5, 6}
-    out = ["  ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(line, widths))).rstrip()
-           for line in lines]
+    out = [
+        "  ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(line, widths))).rstrip()
+        for line in lines
+    ]
     return "\n".join([out[0], "  ".join("-" * w for w in widths), *out[1:]])
 
 
@@ -191,14 +223,23 @@ def run_gate(baseline: str | Path, current: str | Path, thresholds: Thresholds, 
     except ResultsError as err:
         return print_error("gate", err)
     rows = len({(c.variant, c.recipe) for c in result.checks})
-    limits = (f"max drop {thresholds.max_drop:.2f} points per benchmark, {thresholds.max_avg_drop:.2f} for Avg, "
-              f"KL x{thresholds.max_kl_ratio:g} or +{thresholds.min_kl_increase:g}; noise floor widens each")
-    notes = [f"not gated (only in current): {', '.join(result.new_rows + result.new_benchmarks)}"] \
-        if result.new_rows or result.new_benchmarks else []
+    limits = (
+        f"max drop {thresholds.max_drop:.2f} points per benchmark, {thresholds.max_avg_drop:.2f} for Avg, "
+        f"KL x{thresholds.max_kl_ratio:g} or +{thresholds.min_kl_increase:g}; noise floor widens each"
+    )
+    notes = (
+        [f"not gated (only in current): {', '.join(result.new_rows + result.new_benchmarks)}"]
+        if result.new_rows or result.new_benchmarks
+        else []
+    )
     if result.failures:
         print(format_checks(result.checks if verbose else result.failures))
-        print(f"gate: FAIL: {len(result.failures)} regression(s) in {len(result.checks)} checks of {rows} "
-              f"quantized row(s) ({limits}); Delta = recipe - BF16 in points, negative = worse", *notes, sep="\n")
+        print(
+            f"gate: FAIL: {len(result.failures)} regression(s) in {len(result.checks)} checks of {rows} "
+            f"quantized row(s) ({limits}); Delta = recipe - BF16 in points, negative = worse",
+            *notes,
+            sep="\n",
+        )
         return 1
     if verbose:
         print(format_checks(result.checks))
@@ -206,7 +247,9 @@ def run_gate(baseline: str | Path, current: str | Path, thresholds: Thresholds, 
     summary = f"gate: PASS: {len(result.checks)} checks of {rows} quantized row(s) within limits ({limits})"
     if worst is not None:
         slack = f"{worst.allowed:.4f}" if worst.what == "KL" else f"{worst.allowed:.2f} points"
-        summary += (f"; closest: {worst.variant}/{worst.recipe} {worst.what} {_fmt(worst, worst.baseline)} -> "
-                    f"{_fmt(worst, worst.current)} (may worsen by {slack})")
+        summary += (
+            f"; closest: {worst.variant}/{worst.recipe} {worst.what} {_fmt(worst, worst.baseline)} -> "
+            f"{_fmt(worst, worst.current)} (may worsen by {slack})"
+        )
     print(summary, *notes, sep="\n")
     return 0

@@ -24,7 +24,7 @@ def inline_svg(fig: Figure) -> str:
     with matplotlib.rc_context(_RC):
         fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
     text = buf.getvalue()
-    return text[text.index("<svg"):]  # drop the XML prolog/doctype: the SVG goes inline into HTML
+    return text[text.index("<svg") :]  # drop the XML prolog/doctype: the SVG goes inline into HTML
 
 
 def _bars(ax, groups: list[str], series: list[tuple[str, list[float | None], list[float | None]]]) -> None:
@@ -53,9 +53,14 @@ def plot_benchmark_degradation(table: Table) -> str | None:
     if not rows:
         return None
     labels = [b.label for b in table.columns] + ["Avg"]
-    series = [(_name(r),
-               [r.degradation.delta.get(b.key) for b in table.columns] + [r.degradation.delta_avg],
-               [r.degradation.noise.get(b.key) for b in table.columns] + [r.degradation.noise_avg]) for r in rows]
+    series = [
+        (
+            _name(r),
+            [r.degradation.delta.get(b.key) for b in table.columns] + [r.degradation.delta_avg],
+            [r.degradation.noise.get(b.key) for b in table.columns] + [r.degradation.noise_avg],
+        )
+        for r in rows
+    ]
     with matplotlib.rc_context(_RC):
         fig = Figure(figsize=(max(6.0, 0.6 * len(labels) + 0.12 * len(labels) * len(rows)), 3.6))
         ax = fig.add_subplot()

@@ -99,7 +99,9 @@ def _diagnostic_columns(table: Table) -> list[tuple[str, Callable[[TableRow], st
     if table.has_kl:
         cols.append(("KL", lambda r: _kl(r.row.kl) if r.degradation else ""))
     if table.has_calibration:
-        cols.append(("Calibration", lambda r: DASH if r.row.calibration is None else describe_calibration(r.row.calibration)))
+        cols.append(
+            ("Calibration", lambda r: DASH if r.row.calibration is None else describe_calibration(r.row.calibration))
+        )
     for key in table.outlier_keys:
         cols.append((key, lambda r, k=key: _outlier(r.row.outliers.get(k))))
     return cols
@@ -126,12 +128,22 @@ def summary(table: Table) -> str | None:
             chain += f" {STEP[step]} {_row_name(r)}{_summary_delta(r)}"
         parts.append(f"{rank.precision}: {chain}.")
     steps = [s for rank in ranked for s in rank.steps]
-    verdict = ("" if not steps else "No noise floors: the ordering's significance is unknown." if all(s is None for s in steps)
-               else "No step of the ordering is significant." if all(s is False for s in steps)
-               else "Every step of the ordering is significant." if all(steps) else "")
-    return ("Summary (ΔAvg vs BF16 ± noise floor, variants ordered least loss first; \">\": the step exceeds "
-            "the two noise floors combined, \"≈\": it does not, \"?\": no noise floor; n.s.: inside its own noise "
-            "floor). " + " ".join(parts) + (f" {verdict}" if verdict else ""))
+    verdict = (
+        ""
+        if not steps
+        else "No noise floors: the ordering's significance is unknown."
+        if all(s is None for s in steps)
+        else "No step of the ordering is significant."
+        if all(s is False for s in steps)
+        else "Every step of the ordering is significant."
+        if all(steps)
+        else ""
+    )
+    return (
+        'Summary (ΔAvg vs BF16 ± noise floor, variants ordered least loss first; ">": the step exceeds '
+        'the two noise floors combined, "≈": it does not, "?": no noise floor; n.s.: inside its own noise '
+        "floor). " + " ".join(parts) + (f" {verdict}" if verdict else "")
+    )
 
 
 def _summary_delta(r: TableRow) -> str:
@@ -155,36 +167,49 @@ def _group_spans(columns: tuple[Benchmark, ...]) -> list[tuple[str, int]]:
 
 
 def _title(results: Results) -> str:
-    parts = [f"study {results.study}" if results.study else None,
-             f"suite {results.suite}" + (f" v{results.suite_version}" if results.suite_version else "") if results.suite else None,
-             results.created]
+    parts = [
+        f"study {results.study}" if results.study else None,
+        f"suite {results.suite}" + (f" v{results.suite_version}" if results.suite_version else "")
+        if results.suite
+        else None,
+        results.created,
+    ]
     return "; ".join(p for p in parts if p)
 
 
-NOTES = ("Scores in points (0-100). Avg: plain mean of the row's benchmark columns{avg}. ΔAvg and Δ: score minus the "
-         "BF16 row of the same variant (negative = worse). Noise: half-width of the 95% paired-bootstrap CI of "
-         "the delta (noise floor). Flips: mean over benchmarks of the fraction of items whose correctness "
-         "changed vs BF16. KL: nats/token vs BF16 on held-out text.")
+NOTES = (
+    "Scores in points (0-100). Avg: plain mean of the row's benchmark columns{avg}. ΔAvg and Δ: score minus the "
+    "BF16 row of the same variant (negative = worse). Noise: half-width of the 95% paired-bootstrap CI of "
+    "the delta (noise floor). Flips: mean over benchmarks of the fraction of items whose correctness "
+    "changed vs BF16. KL: nats/token vs BF16 on held-out text."
+)
 
 
 def notes(table: Table) -> str:
     """NOTES, naming the columns kept out of Avg (the suite's `avg` set) when there are any."""
     out = table.not_in_avg
-    return NOTES.format(avg=f" except {', '.join(b.label for b in out)} (shown, not in Avg or ΔAvg: outside the "
-                            f"suite's Avg set)" if out else "")
+    return NOTES.format(
+        avg=f" except {', '.join(b.label for b in out)} (shown, not in Avg or ΔAvg: outside the suite's Avg set)"
+        if out
+        else ""
+    )
 
 
 def timing_line(timings: Any) -> str | None:
-    """"Time: checkpoint 12 s, quantize 30 s, ... (total 342 s)" from a results file's `meta.timings` (the study's
+    """ "Time: checkpoint 12 s, quantize 30 s, ... (total 342 s)" from a results file's `meta.timings` (the study's
     wall seconds per stage), or None when there are none."""
     stages = timings.get("stages") if isinstance(timings, dict) else None
     if not isinstance(stages, dict) or not stages:
         return None
-    return "Time: " + ", ".join(f"{k} {_seconds(v)}" for k, v in stages.items()) + f" (total {_seconds(sum(stages.values()))})"
+    return (
+        "Time: "
+        + ", ".join(f"{k} {_seconds(v)}" for k, v in stages.items())
+        + f" (total {_seconds(sum(stages.values()))})"
+    )
 
 
 def pending_line(results: Results | dict | str | Path) -> str | None:
-    """"Pending: 2 rows (ga w4a4_nvfp4, ga w4a4_nvfp4_sq): the study is still running or was stopped" from a
+    """ "Pending: 2 rows (ga w4a4_nvfp4, ga w4a4_nvfp4_sq): the study is still running or was stopped" from a
     results file's `meta.pending` (rows not measured yet), or None when every row is in."""
     if isinstance(results, Results):
         return None
@@ -192,7 +217,8 @@ def pending_line(results: Results | dict | str | Path) -> str | None:
     pending = doc["meta"].get("pending") if isinstance(doc.get("meta"), dict) else None
     if not pending:
         return None
-    return f"Pending: {len(pending)} row{'s' if len(pending) > 1 else ''} ({', '.join(pending)}): the study is still running or was stopped."
+    rows = f"{len(pending)} row{'s' if len(pending) > 1 else ''}"
+    return f"Pending: {rows} ({', '.join(pending)}): the study is still running or was stopped."
 
 
 def _seconds(x: float) -> str:
@@ -225,28 +251,47 @@ def to_markdown(table: Table, time_line: str | None = None) -> str:
     groups = [g for g, n in _group_spans(table.columns) for g in [g] + [""] * (n - 1)]
     width = len(lead) + len(table.columns) + len(extra)
     text = summary(table)
-    lines = ["# Table 2" + (f": {_title(table.results)}" if _title(table.results) else ""), "",
-             *([text, ""] if text else []), notes(table), "",
-             *([time_line, ""] if time_line else []),
-             _md_row([h for h, _ in lead] + groups + [h for h, _ in extra]),
-             _md_row(["---"] * len(lead) + ["---:"] * (len(table.columns) + len(extra))),
-             _md_row([""] * len(lead) + [f"**{b.label}**" for b in table.columns] + [""] * len(extra))]
+    lines = [
+        "# Table 2" + (f": {_title(table.results)}" if _title(table.results) else ""),
+        "",
+        *([text, ""] if text else []),
+        notes(table),
+        "",
+        *([time_line, ""] if time_line else []),
+        _md_row([h for h, _ in lead] + groups + [h for h, _ in extra]),
+        _md_row(["---"] * len(lead) + ["---:"] * (len(table.columns) + len(extra))),
+        _md_row([""] * len(lead) + [f"**{b.label}**" for b in table.columns] + [""] * len(extra)),
+    ]
     section = None
     for r in table.rows:
         if table.has_sections and r.row.section != section:
             section = r.row.section
             lines.append(_md_row([f"*{section or ''}*"] + [""] * (width - 1)))
-        lines.append(_md_row([f(r) for _, f in lead] + [_score(r.row.scores.get(b.key)) for b in table.columns]
-                             + [f(r) for _, f in extra]))
+        lines.append(
+            _md_row(
+                [f(r) for _, f in lead]
+                + [_score(r.row.scores.get(b.key)) for b in table.columns]
+                + [f(r) for _, f in extra]
+            )
+        )
     if diag:
-        lines += ["", "## Diagnostics", "", _md_row([h for h, _ in lead] + [h for h, _ in diag]),
-                  _md_row(["---"] * len(lead) + ["---:"] * len(diag))]
+        lines += [
+            "",
+            "## Diagnostics",
+            "",
+            _md_row([h for h, _ in lead] + [h for h, _ in diag]),
+            _md_row(["---"] * len(lead) + ["---:"] * len(diag)),
+        ]
         lines += [_md_row([f(r) for _, f in lead] + [f(r) for _, f in diag]) for r in table.rows]
     degraded = [r for r in table.rows if r.degradation]
     if degraded:
-        lines += ["", f"## Degradation vs BF16 (points, ± noise floor where known; {NS}: inside it)", "",
-                  _md_row([h for h, _ in lead] + [b.label for b in table.columns] + ["ΔAvg"]),
-                  _md_row(["---"] * len(lead) + ["---:"] * (len(table.columns) + 1))]
+        lines += [
+            "",
+            f"## Degradation vs BF16 (points, ± noise floor where known; {NS}: inside it)",
+            "",
+            _md_row([h for h, _ in lead] + [b.label for b in table.columns] + ["ΔAvg"]),
+            _md_row(["---"] * len(lead) + ["---:"] * (len(table.columns) + 1)),
+        ]
         for r in degraded:
             cells = [_degradation_cell(r, b.key)[0] for b in table.columns] + [_degradation_cell(r, None)[0]]
             lines.append(_md_row([f(r) for _, f in lead] + cells))
@@ -266,15 +311,25 @@ def _row_record(table: Table, r: TableRow) -> dict[str, Any]:
     """One row of report.json (full precision; benchmark dicts keyed by canonical benchmark key)."""
     d = r.degradation
     return {
-        "id": r.row.row_id, "section": r.row.section, "variant": r.row.variant, "label": r.row.label,
-        "model": r.row.model, "recipe": r.row.recipe, "precision": r.row.precision,
+        "id": r.row.row_id,
+        "section": r.row.section,
+        "variant": r.row.variant,
+        "label": r.row.label,
+        "model": r.row.model,
+        "recipe": r.row.recipe,
+        "precision": r.row.precision,
         "scores": {b.key: r.row.scores[b.key] for b in table.columns if b.key in r.row.scores},
         "avg": r.avg,
-        "delta": d.delta if d else None, "delta_avg": d.delta_avg if d else None,
-        "noise": d.noise if d else None, "noise_avg": d.noise_avg if d else None,
+        "delta": d.delta if d else None,
+        "delta_avg": d.delta_avg if d else None,
+        "noise": d.noise if d else None,
+        "noise_avg": d.noise_avg if d else None,
         "significant": {k: significant(v, d.noise.get(k)) for k, v in d.delta.items()} if d else None,
         "delta_avg_significant": significant(d.delta_avg, d.noise_avg) if d else None,
-        "flips": r.row.flips or None, "flips_mean": r.flips_mean, "kl": r.row.kl, "outliers": r.row.outliers or None,
+        "flips": r.row.flips or None,
+        "flips_mean": r.flips_mean,
+        "kl": r.row.kl,
+        "outliers": r.row.outliers or None,
         "calibration": None if r.row.calibration is None else list(r.row.calibration),
         "size": r.row.size,
     }
@@ -282,10 +337,16 @@ def _row_record(table: Table, r: TableRow) -> dict[str, Any]:
 
 def to_json(table: Table) -> str:
     res = table.results
-    doc = {"report_version": 1, "study": res.study, "suite": res.suite, "suite_version": res.suite_version,
-           "created": res.created, "source": res.source,
-           "columns": [{"key": b.key, "label": b.label, "group": b.group} for b in table.columns],
-           "rows": [_clean(_row_record(table, r)) for r in table.rows]}
+    doc = {
+        "report_version": 1,
+        "study": res.study,
+        "suite": res.suite,
+        "suite_version": res.suite_version,
+        "created": res.created,
+        "source": res.source,
+        "columns": [{"key": b.key, "label": b.label, "group": b.group} for b in table.columns],
+        "rows": [_clean(_row_record(table, r)) for r in table.rows],
+    }
     return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
 
 
@@ -294,9 +355,14 @@ def to_csv(table: Table) -> str:
     per-benchmark deltas (and noise, flips where present) by canonical key, outlier figures."""
     keys = [b.key for b in table.columns]
     columns: list[tuple[str, Callable[[TableRow], Any]]] = [
-        ("id", lambda r: r.row.row_id), ("section", lambda r: r.row.section), ("variant", lambda r: r.row.variant),
-        ("label", lambda r: r.row.label), ("model", lambda r: r.row.model), ("recipe", lambda r: r.row.recipe),
-        ("precision", lambda r: r.row.precision)]
+        ("id", lambda r: r.row.row_id),
+        ("section", lambda r: r.row.section),
+        ("variant", lambda r: r.row.variant),
+        ("label", lambda r: r.row.label),
+        ("model", lambda r: r.row.model),
+        ("recipe", lambda r: r.row.recipe),
+        ("precision", lambda r: r.row.precision),
+    ]
     columns += [(b.label, lambda r, k=b.key: r.row.scores.get(k)) for b in table.columns]
     columns += [("avg", lambda r: r.avg), ("delta_avg", lambda r: r.degradation and r.degradation.delta_avg)]
     if table.has_noise:
@@ -306,11 +372,17 @@ def to_csv(table: Table) -> str:
     if table.has_kl:
         columns.append(("kl", lambda r: r.row.kl))
     if table.has_calibration:
-        columns.append(("calibration", lambda r: r.row.calibration is not None and describe_calibration(r.row.calibration)
-                        or None))
+        columns.append(
+            (
+                "calibration",
+                lambda r: (r.row.calibration is not None and describe_calibration(r.row.calibration)) or None,
+            )
+        )
     if table.has_size:
-        columns += [("size_bytes", lambda r: r.row.size and r.row.size["bytes"]),
-                    ("size_bf16_ratio", lambda r: r.row.size and r.row.size["bf16_ratio"])]
+        columns += [
+            ("size_bytes", lambda r: r.row.size and r.row.size["bytes"]),
+            ("size_bf16_ratio", lambda r: r.row.size and r.row.size["bf16_ratio"]),
+        ]
     columns += [(f"delta_{k}", lambda r, k=k: r.degradation and r.degradation.delta.get(k)) for k in keys]
     if table.has_noise:
         columns += [(f"noise_{k}", lambda r, k=k: r.degradation and r.degradation.noise.get(k)) for k in keys]
@@ -348,15 +420,18 @@ def _cell(text: str, cls: str = "", tag: str = "td", attrs: str = "") -> str:
 
 
 def _sign_class(x: float | None, sig: bool | None = None) -> str:
-    """"ns" (greyed) for a delta inside its noise floor, else "neg"/"pos" by sign."""
+    """ "ns" (greyed) for a delta inside its noise floor, else "neg"/"pos" by sign."""
     if sig is False:
         return "ns"
     return "" if x is None or x == 0 else ("neg" if x < 0 else "pos")
 
 
 def _html_table(head: list[str], rows: list[list[str]]) -> str:
-    return (f"<table><thead><tr>{''.join(head)}</tr></thead><tbody>"
-            + "".join("<tr>" + "".join(r) + "</tr>" for r in rows) + "</tbody></table>")
+    return (
+        f"<table><thead><tr>{''.join(head)}</tr></thead><tbody>"
+        + "".join("<tr>" + "".join(r) + "</tr>" for r in rows)
+        + "</tbody></table>"
+    )
 
 
 def _figure(svg: str, caption: str) -> str:
@@ -385,42 +460,67 @@ def to_html(table: Table, figures: dict[str, str] | None = None, time_line: str 
             cells.append(_cell(f(r), _sign_class(d.delta_avg, significant(d.delta_avg, d.noise_avg)) if d else ""))
         body.append("<tr>" + "".join(cells) + "</tr>")
     text = summary(table)
-    parts = [f"<h1>Table 2{': ' + html.escape(_title(table.results)) if _title(table.results) else ''}</h1>",
-             *([f"<p>{html.escape(text)}</p>"] if text else []),
-             f'<p class="notes">{html.escape(notes(table))}</p>',
-             *([f'<p class="notes">{html.escape(time_line)}</p>'] if time_line else []),
-             "<table><thead><tr>" + "".join(head1) + "</tr><tr>" + "".join(head2) + "</tr></thead><tbody>"
-             + "".join(body) + "</tbody></table>"]
+    parts = [
+        f"<h1>Table 2{': ' + html.escape(_title(table.results)) if _title(table.results) else ''}</h1>",
+        *([f"<p>{html.escape(text)}</p>"] if text else []),
+        f'<p class="notes">{html.escape(notes(table))}</p>',
+        *([f'<p class="notes">{html.escape(time_line)}</p>'] if time_line else []),
+        "<table><thead><tr>"
+        + "".join(head1)
+        + "</tr><tr>"
+        + "".join(head2)
+        + "</tr></thead><tbody>"
+        + "".join(body)
+        + "</tbody></table>",
+    ]
     if diag:
-        parts += ["<h2>Diagnostics</h2>",
-                  _html_table([_cell(h, "l", "th") for h, _ in lead] + [_cell(h, "", "th") for h, _ in diag],
-                              [[_cell(f(r), "l") for _, f in lead] + [_cell(f(r)) for _, f in diag] for r in table.rows])]
+        parts += [
+            "<h2>Diagnostics</h2>",
+            _html_table(
+                [_cell(h, "l", "th") for h, _ in lead] + [_cell(h, "", "th") for h, _ in diag],
+                [[_cell(f(r), "l") for _, f in lead] + [_cell(f(r)) for _, f in diag] for r in table.rows],
+            ),
+        ]
     degraded = [r for r in table.rows if r.degradation]
     if degraded:
         rows_html = []
         for r in degraded:
             cells = [_cell(f(r), "l") for _, f in lead]
-            for key, delta in [(b.key, r.degradation.delta.get(b.key)) for b in table.columns] + [(None, r.degradation.delta_avg)]:
+            for key, delta in [(b.key, r.degradation.delta.get(b.key)) for b in table.columns] + [
+                (None, r.degradation.delta_avg)
+            ]:
                 text, sig = _degradation_cell(r, key)
                 cells.append(_cell(text, _sign_class(delta, sig)))
             rows_html.append(cells)
-        header = ([_cell(h, "l", "th") for h, _ in lead] + [_cell(b.label, "", "th") for b in table.columns]
-                  + [_cell("ΔAvg", "", "th")])
-        parts += [f"<h2>Degradation vs BF16 (points, ± noise floor where known; {NS}: inside it, greyed)</h2>",
-                  _html_table(header, rows_html), "<h2>Plots</h2>",
-                  _figure(plot_benchmark_degradation(table), "Delta vs BF16 per benchmark and Avg (points)")]
-        side = [(plot_variant_degradation(table), "Delta Avg vs BF16 per variant and precision (points)"),
-                (plot_variant_kl(table), "KL vs BF16 per variant and precision (nats/token, held-out text)")]
+        header = (
+            [_cell(h, "l", "th") for h, _ in lead]
+            + [_cell(b.label, "", "th") for b in table.columns]
+            + [_cell("ΔAvg", "", "th")]
+        )
+        parts += [
+            f"<h2>Degradation vs BF16 (points, ± noise floor where known; {NS}: inside it, greyed)</h2>",
+            _html_table(header, rows_html),
+            "<h2>Plots</h2>",
+            _figure(plot_benchmark_degradation(table), "Delta vs BF16 per benchmark and Avg (points)"),
+        ]
+        side = [
+            (plot_variant_degradation(table), "Delta Avg vs BF16 per variant and precision (points)"),
+            (plot_variant_kl(table), "KL vs BF16 per variant and precision (nats/token, held-out text)"),
+        ]
         parts.append('<div class="figs">' + "".join(_figure(svg, c) for svg, c in side if svg) + "</div>")
     if figures:
         parts.append("<h2>Outlier diagnostics</h2>")
         parts += [_figure(svg, caption) for caption, svg in figures.items()]
     title = html.escape(f"quantkit report: {_title(table.results) or table.results.source}")
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
-            f"<style>{_CSS}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+        f"<style>{_CSS}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n"
+    )
 
 
-def render_report(results: Results | dict | str | Path, out_dir: str | Path, figures: dict[str, str] | None = None) -> dict[str, Path]:
+def render_report(
+    results: Results | dict | str | Path, out_dir: str | Path, figures: dict[str, str] | None = None
+) -> dict[str, Path]:
     """Validate `results` (a Results, a parsed dict, or a JSON path) and write report.{md,csv,json,html} to out_dir;
     `figures` ({caption: inline <svg>}) are appended to the HTML page; the study's `meta.timings` give a "Time:" line,
     its `meta.pending` (rows not measured yet) a "Pending:" one."""
@@ -430,8 +530,9 @@ def render_report(results: Results | dict | str | Path, out_dir: str | Path, fig
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for name, render in zip(REPORT_FILES, (lambda t: to_markdown(t, time_line), to_csv, to_json,
-                                            lambda t: to_html(t, figures, time_line))):
+    for name, render in zip(
+        REPORT_FILES, (lambda t: to_markdown(t, time_line), to_csv, to_json, lambda t: to_html(t, figures, time_line))
+    ):
         paths[name] = out / name
         write_text_atomic(paths[name], render(table))
     return paths

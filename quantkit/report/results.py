@@ -23,8 +23,24 @@ SCHEMA_VERSION = 1
 BASELINE_RECIPE = "bf16"
 
 _TOP_KEYS = {"schema_version", "study", "suite", "suite_version", "created", "rows", "meta"}
-_ROW_KEYS = {"id", "section", "variant", "label", "model", "recipe", "precision", "scores", "ci95", "noise_floor",
-             "flips", "kl", "outliers", "calibration", "size", "meta"}
+_ROW_KEYS = {
+    "id",
+    "section",
+    "variant",
+    "label",
+    "model",
+    "recipe",
+    "precision",
+    "scores",
+    "ci95",
+    "noise_floor",
+    "flips",
+    "kl",
+    "outliers",
+    "calibration",
+    "size",
+    "meta",
+}
 _CALIBRATION_KEYS = {"use", "source", "num_sequences", "seq_len"}
 
 
@@ -114,8 +130,10 @@ def parse_results(data: Any, where: str) -> Results:
     baselines = {r.variant for r in parsed if r.is_baseline}
     for i, row in enumerate(parsed):
         if row.variant not in baselines:
-            raise ResultsError(f"{where}: rows[{i}] ({row.name}): variant {row.variant!r} has no "
-                               f"{BASELINE_RECIPE!r} row to compare with")
+            raise ResultsError(
+                f"{where}: rows[{i}] ({row.name}): variant {row.variant!r} has no "
+                f"{BASELINE_RECIPE!r} row to compare with"
+            )
     meta = {k: _opt_str(data, k, where) for k in ("study", "suite", "suite_version", "created")}
     return Results(rows=tuple(parsed), source=where, **meta)
 
@@ -141,11 +159,17 @@ def _row(data: Any, where: str) -> Row:
         raise ResultsError(f"{where}: 'outliers' must be an object of name -> number")
     kl = data.get("kl")
     return Row(
-        variant=variant, recipe=recipe,
+        variant=variant,
+        recipe=recipe,
         precision=_opt_str(data, "precision", where) or ("BF16" if recipe == BASELINE_RECIPE else recipe),
         label=_opt_str(data, "label", where) or variant,
-        scores=scores, model=_opt_str(data, "model", where), section=_opt_str(data, "section", where),
-        row_id=_opt_str(data, "id", where), ci95=ci95, noise_floor=noise, flips=flips,
+        scores=scores,
+        model=_opt_str(data, "model", where),
+        section=_opt_str(data, "section", where),
+        row_id=_opt_str(data, "id", where),
+        ci95=ci95,
+        noise_floor=noise,
+        flips=flips,
         kl=None if kl is None else _number(kl, f"{where}: 'kl'", 0.0, math.inf),
         outliers={k: _number(v, f"{where}: outliers[{k!r}]", -math.inf, math.inf) for k, v in outliers.items()},
         calibration=_calibration(data.get("calibration"), f"{where}: 'calibration'"),
@@ -158,7 +182,7 @@ def _size(value: Any, where: str) -> dict[str, float] | None:
     if value is None:
         return None
     if not isinstance(value, dict) or set(value) != {"bytes", "bf16_ratio"}:
-        raise ResultsError(f"{where}: expected {{\"bytes\": ..., \"bf16_ratio\": ...}}, got {value!r}")
+        raise ResultsError(f'{where}: expected {{"bytes": ..., "bf16_ratio": ...}}, got {value!r}')
     return {k: _number(value[k], f"{where}[{k!r}]", 0.0, math.inf) for k in ("bytes", "bf16_ratio")}
 
 
@@ -170,8 +194,10 @@ def _calibration(value: Any, where: str) -> tuple[dict[str, Any], ...] | None:
         raise ResultsError(f"{where}: expected a list of calibration sets, got {value!r}")
     for i, s in enumerate(value):
         if not isinstance(s, dict) or set(s) != _CALIBRATION_KEYS:
-            raise ResultsError(f"{where}[{i}]: a calibration set is an object with exactly "
-                               f"{', '.join(sorted(_CALIBRATION_KEYS))}, got {s!r}")
+            raise ResultsError(
+                f"{where}[{i}]: a calibration set is an object with exactly "
+                f"{', '.join(sorted(_CALIBRATION_KEYS))}, got {s!r}"
+            )
         for key in ("use", "source"):
             _req_str(s, key, f"{where}[{i}]")
         for key in ("num_sequences", "seq_len"):
@@ -183,8 +209,9 @@ def _calibration(value: Any, where: str) -> tuple[dict[str, Any], ...] | None:
 def _no_unknown(data: dict, allowed: set[str], where: str) -> None:
     unknown = sorted(set(data) - allowed)
     if unknown:
-        raise ResultsError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} "
-                           f"(allowed: {', '.join(sorted(allowed))})")
+        raise ResultsError(
+            f"{where}: unknown field(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(sorted(allowed))})"
+        )
 
 
 def _req_str(data: dict, key: str, where: str) -> str:

@@ -52,8 +52,9 @@ def degradation(row: Row, base: Row, avg_keys: frozenset[str] | None = None) -> 
             noise[b] = math.hypot(_half_width(row.ci95[b]), _half_width(base.ci95[b]))
     in_avg = [b for b in common if avg_keys is None or b in avg_keys]
     noise_avg = noise_of_mean([noise[b] for b in in_avg]) if in_avg and all(b in noise for b in in_avg) else None
-    return Degradation(delta=delta, delta_avg=mean([delta[b] for b in in_avg]) if in_avg else None, noise=noise,
-                       noise_avg=noise_avg)
+    return Degradation(
+        delta=delta, delta_avg=mean([delta[b] for b in in_avg]) if in_avg else None, noise=noise, noise_avg=noise_avg
+    )
 
 
 def significant(delta: float | None, noise: float | None) -> bool | None:
@@ -145,8 +146,9 @@ def build_table(results: Results) -> Table:
         rows.append(TableRow(row=row, avg=mean(in_avg) if in_avg else math.nan, degradation=deg, flips_mean=flips))
     columns = ordered([b for r in results.rows for b in r.scores])
     outlier_keys = tuple(dict.fromkeys(k for r in results.rows for k in r.outliers))
-    return Table(columns=tuple(columns), outlier_keys=outlier_keys, rows=tuple(rows), results=results,
-                 avg_keys=avg_keys)
+    return Table(
+        columns=tuple(columns), outlier_keys=outlier_keys, rows=tuple(rows), results=results, avg_keys=avg_keys
+    )
 
 
 @dataclass(frozen=True)

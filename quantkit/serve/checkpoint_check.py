@@ -25,7 +25,11 @@ from quantkit.formats.experts import EXPERT_MATRIX, EXPERT_PROJECTIONS
 from quantkit.formats.schemes import checkpoint_suffixes, scheme_from_config
 
 # Suffixes of quantized tensors: quantkit's (but the plain `weight`) and the peers' (ModelOpt, compressed-tensors).
-QUANT_SUFFIXES = tuple(s for s in checkpoint_suffixes() if s != "weight") + ("weight_scale_2", "input_scale", "weight_scale_inv")
+QUANT_SUFFIXES = tuple(s for s in checkpoint_suffixes() if s != "weight") + (
+    "weight_scale_2",
+    "input_scale",
+    "weight_scale_inv",
+)
 
 
 def check_servable(model_dir: str | Path) -> dict | None:
@@ -34,7 +38,9 @@ def check_servable(model_dir: str | Path) -> dict | None:
     config, headers = check_checkpoint_dir(model_dir)
     qc = config.get("quantization_config")
     if qc is None:
-        quantized = sorted(n for n, (dtype, _) in headers.items() if n.rsplit(".", 1)[-1] in QUANT_SUFFIXES or dtype.startswith("F8"))
+        quantized = sorted(
+            n for n, (dtype, _) in headers.items() if n.rsplit(".", 1)[-1] in QUANT_SUFFIXES or dtype.startswith("F8")
+        )
         if quantized:
             raise CheckpointError(
                 f"{model_dir}: the weights hold quantized tensors ({', '.join(quantized[:3])}, ...) but config.json "
@@ -50,7 +56,10 @@ def check_servable(model_dir: str | Path) -> dict | None:
         import torch
 
         if not torch.cuda.is_available():
-            raise CheckpointError(f"{model_dir}: ModelOpt checkpoints ({qc.get('quant_algo')}) are served by vLLM on CUDA only; this machine has no GPU")
+            raise CheckpointError(
+                f"{model_dir}: ModelOpt checkpoints ({qc.get('quant_algo')}) are served by vLLM on CUDA only; "
+                "this machine has no GPU"
+            )
     return qc
 
 
@@ -66,21 +75,29 @@ def _check_quantkit(model_dir: Path, qc: dict, headers: TensorHeaders) -> None:
         for suffix, dtype in scheme.checkpoint_tensors(qc["activation_scale"]).items():
             got = headers.get(f"{module}.{suffix}")
             if got is None:
-                raise CheckpointError(f"{model_dir}: quantized module {module} ({scheme.name}) has no tensor {module}.{suffix}")
+                raise CheckpointError(
+                    f"{model_dir}: quantized module {module} ({scheme.name}) has no tensor {module}.{suffix}"
+                )
             if got[0] != dtype:
-                raise CheckpointError(f"{model_dir}: {module}.{suffix} is {got[0]}, scheme {scheme.name} stores {dtype}")
+                raise CheckpointError(
+                    f"{model_dir}: {module}.{suffix} is {got[0]}, scheme {scheme.name} stores {dtype}"
+                )
         problem = scheme.shape_problem(module, shapes[module])
         if problem:
             raise CheckpointError(f"{model_dir}: {problem}")
     listed = set(modules)
     stray = sorted(m for m, suffixes in shapes.items() if scheme.marker in suffixes and m not in listed)
     if stray:
-        raise CheckpointError(f"{model_dir}: {stray[:3]} hold quantized tensors but are not in quantization_config.quantized_modules")
+        raise CheckpointError(
+            f"{model_dir}: {stray[:3]} hold quantized tensors but are not in quantization_config.quantized_modules"
+        )
     import torch
 
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
-        raise CheckpointError(f"{model_dir}: quantkit's Triton kernels need FP8 tensor cores (sm89+); this GPU is "
-                              f"sm{''.join(map(str, torch.cuda.get_device_capability()))}")
+        raise CheckpointError(
+            f"{model_dir}: quantkit's Triton kernels need FP8 tensor cores (sm89+); this GPU is "
+            f"sm{''.join(map(str, torch.cuda.get_device_capability()))}"
+        )
 
 
 def _check_experts(model_dir: Path, config: dict, qc: dict | None, headers: TensorHeaders) -> None:
@@ -99,13 +116,17 @@ def _check_experts(model_dir: Path, config: dict, qc: dict | None, headers: Tens
         missing = [f"{experts}.{e}.{p}" for e in range(count) for p in EXPERT_PROJECTIONS if (e, p) not in matrices]
         extra = sorted({e for e, _ in matrices if e >= count})
         if missing or extra:
-            raise CheckpointError(f"{model_dir}: routed experts {experts} are incomplete for {count} experts: missing "
-                                  f"{missing[:3]}{' ...' if len(missing) > 3 else ''}; unexpected expert ids {extra[:3]}")
+            raise CheckpointError(
+                f"{model_dir}: routed experts {experts} are incomplete for {count} experts: missing "
+                f"{missing[:3]}{' ...' if len(missing) > 3 else ''}; unexpected expert ids {extra[:3]}"
+            )
         states = {quantized for quantized, _ in matrices.values()}
         if len(states) > 1:
             some = sorted(f"{experts}.{e}.{p}" for (e, p), (q, _) in matrices.items() if not q)[:3]
-            raise CheckpointError(f"{model_dir}: routed experts {experts} are partly quantized ({some} are not); vLLM's "
-                                  "FusedMoE runs every expert of a layer with one quant method: quantize all or none")
+            raise CheckpointError(
+                f"{model_dir}: routed experts {experts} are partly quantized ({some} are not); vLLM's "
+                "FusedMoE runs every expert of a layer with one quant method: quantize all or none"
+            )
         for proj in EXPERT_PROJECTIONS:
             shapes = {shape for (_, p), (_, shape) in matrices.items() if p == proj}
             if len(shapes) > 1:

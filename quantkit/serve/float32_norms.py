@@ -10,10 +10,11 @@ of SmoothQuant's own effect on small models).
 (and quantkit's own residual norms, `quantkit.serve.models` / `.hybrid`), when the model is served under
 quantkit's quant method from a SmoothQuant checkpoint, the loader `keep_float32`: a float32 checkpoint tensor
 becomes the parameter's data as it is. Such a checkpoint of a float32 source also keeps its unsmoothed norms (the
-final one) float32, and they are served so (the loader cannot tell them apart); a bf16 source stores them bf16. vLLM's native rms_norm computes `normalized.to(weight.dtype) * weight` in float32 then rounds once to the
-served dtype (`vllm.ir.ops.layernorm`; its C kernels accept only matching dtypes, so mixed dtypes take that
-path); GemmaRMSNorm already forms 1 + w in float32. GatedNorm's gate_down, whose columns SmoothQuant multiplies
-by s, gets the same loader and runs in its weight's dtype (`quantkit.serve.models.gated_norm_gate`).
+final one) float32, and they are served so (the loader cannot tell them apart); a bf16 source stores them bf16.
+vLLM's native rms_norm computes `normalized.to(weight.dtype) * weight` in float32 then rounds once to the served
+dtype (`vllm.ir.ops.layernorm`; its C kernels accept only matching dtypes, so mixed dtypes take that path);
+GemmaRMSNorm already forms 1 + w in float32. GatedNorm's gate_down, whose columns SmoothQuant multiplies by s, gets
+the same loader and runs in its weight's dtype (`quantkit.serve.models.gated_norm_gate`).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def causal_conv1d_prefill(
     lengths = query_start_loc[1:].long() - starts
     num_seqs = lengths.numel()
     slots = cache_indices.long() if cache_indices is not None else torch.arange(num_seqs, device=x.device)
-    initial = conv_states[slots][:, :, :state_len]                               # (S, D, W - 1)
+    initial = conv_states[slots][:, :, :state_len]  # (S, D, W - 1)
     if has_initial_state is None:
         initial = torch.zeros_like(initial)
     else:
@@ -70,7 +70,7 @@ def causal_conv1d_prefill(
     def column(p: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
         return torch.where(p < state_len, num_tokens + seq * state_len + p, starts[seq] + p - state_len)
 
-    seq = torch.repeat_interleave(torch.arange(num_seqs, device=x.device), lengths)   # (T,)
+    seq = torch.repeat_interleave(torch.arange(num_seqs, device=x.device), lengths)  # (T,)
     local = torch.arange(num_tokens, device=x.device) - starts[seq]
     w = weight.float()
     acc = torch.zeros((dim, num_tokens), dtype=torch.float32, device=x.device)
@@ -84,8 +84,8 @@ def causal_conv1d_prefill(
     keep = (lengths > 0) & (slots != pad_slot_id)
     if bool(keep.any()):
         kept = keep.nonzero().squeeze(1)
-        tail = lengths[kept, None] + torch.arange(state_len, device=x.device)          # (S', W - 1)
-        new_state = source[:, column(tail, kept[:, None])].permute(1, 0, 2)           # (S', D, W - 1)
+        tail = lengths[kept, None] + torch.arange(state_len, device=x.device)  # (S', W - 1)
+        new_state = source[:, column(tail, kept[:, None])].permute(1, 0, 2)  # (S', D, W - 1)
         conv_states[slots[kept], :, :state_len] = new_state.to(conv_states.dtype)
     return out.to(out_dtype)
 
@@ -154,15 +154,27 @@ def chunk_gated_delta_rule_prefill(
         seq = torch.repeat_interleave(torch.arange(len(group)), torch.tensor([lengths[i] for i in group]))
         pos = tokens - torch.tensor([starts[i] for i in group])[seq]
 
-        def batched(x: torch.Tensor, group: list[int] = group) -> torch.Tensor:
+        def batched(
+            x: torch.Tensor,
+            group: list[int] = group,
+            seq=seq,
+            pos=pos,
+            tokens=tokens,  # this group's, bound now
+        ) -> torch.Tensor:
             padded = x.new_zeros((len(group), lengths[group[0]], *x.shape[1:]))
             padded[seq, pos] = x[tokens]
             return padded
 
         members = torch.tensor(group)
         o, last = torch_chunk_gated_delta_rule(
-            batched(q), batched(k), batched(v), batched(gate), batched(strength),
-            initial_state=final[members], output_final_state=True, use_qk_l2norm_in_kernel=False,
+            batched(q),
+            batched(k),
+            batched(v),
+            batched(gate),
+            batched(strength),
+            initial_state=final[members],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=False,
         )
         out[tokens] = o[seq, pos]
         final[members] = last

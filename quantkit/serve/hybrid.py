@@ -23,7 +23,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CacheConfig, ModelConfig, VllmConfig
 from vllm.distributed import get_pp_group
@@ -53,10 +52,15 @@ from vllm.model_executor.models.utils import (
 
 from quantkit.models.configuration_hybrid import DELTANET_CONV_ACT
 from quantkit.models.modeling import rms_normalize, value_scale
-from quantkit.serve.float32_norms import mark_float32_loadable
 from quantkit.quantize.fake_quant import routed_experts_forward
-from quantkit.serve.models import (HeadwiseRMSNorm, QuantkitMLP, _kv_head_sharded_parameter, gated_norm_gate,
-                                   gated_norm_gates)
+from quantkit.serve.float32_norms import mark_float32_loadable
+from quantkit.serve.models import (
+    HeadwiseRMSNorm,
+    QuantkitMLP,
+    _kv_head_sharded_parameter,
+    gated_norm_gate,
+    gated_norm_gates,
+)
 
 # ----------------------------------------------------------------------------------------- norms
 
@@ -131,14 +135,21 @@ class QuantkitHybridAttention(Qwen3NextAttention):
         prefix: str = "",
     ) -> None:
         super().__init__(
-            _StockGateView(config), model_config=model_config, cache_config=cache_config,
-            quant_config=quant_config, reduce_results=reduce_results, prefix=prefix,
+            _StockGateView(config),
+            model_config=model_config,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            reduce_results=reduce_results,
+            prefix=prefix,
         )
         # headwise GA: one gate per query head; head-major rows, so a column-parallel shard holds its own heads'.
         self.g_proj = None
         if config.attn_output_gate == "headwise":
             self.g_proj = ColumnParallelLinear(
-                config.hidden_size, self.total_num_heads, bias=False, quant_config=quant_config,
+                config.hidden_size,
+                self.total_num_heads,
+                bias=False,
+                quant_config=quant_config,
                 prefix=f"{prefix}.g_proj",
             )
         self.v_scale_theta = None
@@ -178,8 +189,14 @@ class GLUExperts(nn.Module):
 
     SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # vLLM's expert shard ids
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.quant_method = None
@@ -212,7 +229,9 @@ class GLUExperts(nn.Module):
         """x (T, H), top_ids / top_weights (T, k) -> sum_j top_weights[:, j] * expert_{top_ids[:, j]}(x)."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, top_ids, top_weights)
-        out = routed_experts_forward(x, top_ids, top_weights, self.w13, self.w2, torch.sigmoid, lambda rows, segments, which: rows)
+        out = routed_experts_forward(
+            x, top_ids, top_weights, self.w13, self.w2, torch.sigmoid, lambda rows, segments, which: rows
+        )
         return out.to(x.dtype)
 
 
@@ -227,12 +246,20 @@ class GLUSparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = ReplicatedLinear(hidden, config.num_experts, bias=False, quant_config=None, prefix=f"{prefix}.gate")
-        self.experts = GLUExperts(config.num_experts, hidden, config.moe_intermediate_size, quant_config=quant_config,
-                                  prefix=f"{prefix}.experts")
+        self.experts = GLUExperts(
+            config.num_experts,
+            hidden,
+            config.moe_intermediate_size,
+            quant_config=quant_config,
+            prefix=f"{prefix}.experts",
+        )
         self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size > 0:
             self.shared_expert = QuantkitMLP(
-                hidden, config.shared_expert_intermediate_size, "sigmoid", quant_config=quant_config,
+                hidden,
+                config.shared_expert_intermediate_size,
+                "sigmoid",
+                quant_config=quant_config,
                 prefix=f"{prefix}.shared_expert",
             )
             self.shared_expert_gate = ReplicatedLinear(
@@ -267,14 +294,20 @@ class QuantkitHybridDecoderLayer(Qwen3NextDecoderLayer):
         self.use_attn_reduce_scatter_for_moe = _should_use_sequence_parallel(vllm_config)
         if layer_type == "linear_attention":
             self.linear_attn = QwenGatedDeltaNetAttention(
-                config, vllm_config=vllm_config, prefix=f"{prefix}.linear_attn", gqa_interleaved_layout=True,
+                config,
+                vllm_config=vllm_config,
+                prefix=f"{prefix}.linear_attn",
+                gqa_interleaved_layout=True,
                 reduce_results=not self.use_attn_reduce_scatter_for_moe,
             )
             self.linear_attn.activation = DELTANET_CONV_ACT
         elif layer_type == "full_attention":
             self.self_attn = QuantkitHybridAttention(
-                config, model_config=vllm_config.model_config, cache_config=vllm_config.cache_config,
-                quant_config=vllm_config.quant_config, reduce_results=not self.use_attn_reduce_scatter_for_moe,
+                config,
+                model_config=vllm_config.model_config,
+                cache_config=vllm_config.cache_config,
+                quant_config=vllm_config.quant_config,
+                reduce_results=not self.use_attn_reduce_scatter_for_moe,
                 prefix=f"{prefix}.self_attn",
             )
         else:
@@ -289,13 +322,19 @@ class QuantkitHybridDecoderLayer(Qwen3NextDecoderLayer):
             self.mlp = Qwen3NextSparseMoeBlock(vllm_config=vllm_config, prefix=f"{prefix}.mlp")
         elif glu:
             self.mlp = QuantkitMLP(
-                config.hidden_size, config.intermediate_size, "sigmoid", quant_config=vllm_config.quant_config,
+                config.hidden_size,
+                config.intermediate_size,
+                "sigmoid",
+                quant_config=vllm_config.quant_config,
                 prefix=f"{prefix}.mlp",
             )
         else:
             self.mlp = Qwen3NextMLP(
-                hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-                hidden_act=config.hidden_act, quant_config=vllm_config.quant_config, prefix=f"{prefix}.mlp",
+                hidden_size=config.hidden_size,
+                intermediate_size=config.intermediate_size,
+                hidden_act=config.hidden_act,
+                quant_config=vllm_config.quant_config,
+                prefix=f"{prefix}.mlp",
             )
         self.input_layernorm = hybrid_residual_norm(config, prefix=f"{prefix}.input_layernorm")
         self.post_attention_layernorm = hybrid_residual_norm(config, prefix=f"{prefix}.post_attention_layernorm")

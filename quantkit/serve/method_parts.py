@@ -13,8 +13,17 @@ from quantkit.formats.fp8 import expand_block_scales
 from quantkit.formats.schemes import LayerTensor
 
 
-def copy_checkpoint_part(target: torch.Tensor, loaded: torch.Tensor, spec: LayerTensor, shard_rows: list[int], index: int,
-                         rank_shard: int, k_rank: int | None, where: str, scheme_name: str) -> None:
+def copy_checkpoint_part(
+    target: torch.Tensor,
+    loaded: torch.Tensor,
+    spec: LayerTensor,
+    shard_rows: list[int],
+    index: int,
+    rank_shard: int,
+    k_rank: int | None,
+    where: str,
+    scheme_name: str,
+) -> None:
     """Copy this rank's part of checkpoint tensor `loaded` (one checkpoint module's `spec.suffix` tensor) into the
     served tensor `target` (`spec.shape`: the fused shards' rows stacked, `shard_rows` rows each).
 
@@ -24,7 +33,9 @@ def copy_checkpoint_part(target: torch.Tensor, loaded: torch.Tensor, spec: Layer
     offset = sum(shard_rows[:index])
     if spec.per_shard is not None:
         if loaded.numel() != 1:
-            raise ValueError(f"{where}: expected one {spec.suffix} per checkpoint module, got shape {tuple(loaded.shape)}")
+            raise ValueError(
+                f"{where}: expected one {spec.suffix} per checkpoint module, got shape {tuple(loaded.shape)}"
+            )
         if spec.per_shard == "rows":
             target[offset : offset + rows] = loaded.reshape(())
         else:
@@ -40,7 +51,8 @@ def copy_checkpoint_part(target: torch.Tensor, loaded: torch.Tensor, spec: Layer
     if part.shape != target.shape or part.dtype != target.dtype:
         raise ValueError(
             f"{where}: the checkpoint tensor {tuple(loaded.shape)} {loaded.dtype} does not match the layer "
-            f"({target.dtype}, {tuple(target.shape)} for this shard and rank; quantization_config scheme {scheme_name!r}): "
+            f"({target.dtype}, {tuple(target.shape)} for this shard and rank; "
+            f"quantization_config scheme {scheme_name!r}): "
             f"the checkpoint is inconsistent with its quantization_config"
         )
     target.copy_(part)
@@ -51,7 +63,7 @@ CAPTURE_ENV = "QUANTKIT_CAPTURE_DIR"
 
 
 def select_kernel(layer: torch.nn.Module) -> str:
-    """"triton" on CUDA, "torch-emulation" elsewhere; QUANTKIT_KERNEL=triton|torch forces one (triton off
+    """ "triton" on CUDA, "torch-emulation" elsewhere; QUANTKIT_KERNEL=triton|torch forces one (triton off
     CUDA needs TRITON_INTERPRET=1: a correctness check, not a fast path)."""
     choice = os.environ.get(KERNEL_ENV, "auto")
     if choice not in ("auto", "triton", "torch"):

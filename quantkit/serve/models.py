@@ -22,7 +22,6 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CacheConfig, VllmConfig
 from vllm.distributed import (
@@ -57,7 +56,6 @@ from quantkit.serve.float32_norms import mark_float32_loadable
 # --------------------------------------------------------------------------------------- norms
 
 
-
 def gated_norm_gates(hidden: int, rank: int, prefix: str) -> tuple[nn.Module | None, nn.Module | None]:
     """GatedNorm's gate_down (hidden -> rank) and gate_up (rank -> hidden), or (None, None) for rank 0: d x r gates,
     tiny, never quantized (shared/DESIGN.md). gate_down is a plain `nn.Linear` (vLLM's CPU linears repack and drop
@@ -77,6 +75,7 @@ def gated_norm_gate(gate_down: nn.Module, gate_up: nn.Module, y: torch.Tensor) -
     down = F.linear(y.to(weight.dtype), weight).to(y.dtype)
     up, _ = gate_up(F.silu(down))
     return torch.sigmoid(up) * y
+
 
 class QuantkitNorm(nn.Module):
     """A residual-stream norm with the norm-side flags (input_layernorm, post_attention_layernorm, norm).
@@ -304,9 +303,7 @@ class QuantkitAttention(nn.Module):
             )
         self.v_scale_theta = None
         if config.value_scale:
-            self.v_scale_theta = _kv_head_sharded_parameter(
-                torch.zeros(self.num_kv_heads), self.total_num_kv_heads
-            )
+            self.v_scale_theta = _kv_head_sharded_parameter(torch.zeros(self.num_kv_heads), self.total_num_kv_heads)
         self.o_norm = HeadwiseRMSNorm(self.head_dim, eps) if config.headwise_rmsnorm else None
         self.sink_key = self.sink_value = None
         if config.attention_sink:

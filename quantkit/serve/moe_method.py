@@ -54,7 +54,7 @@ from quantkit.serve.method_parts import CAPTURE_ENV, copy_checkpoint_part, selec
 logger = init_logger(f"vllm.{__name__}")
 
 ACTIVATIONS = {MoEActivation.SILU: F.silu}  # Qwen3-Next's experts; GLU experts are served by serve/hybrid.py
-SHARD_INDEX = {"w1": 0, "w3": 1, "w2": 0}   # vLLM's expert shard id -> fused shard of its parameter
+SHARD_INDEX = {"w1": 0, "w3": 1, "w2": 0}  # vLLM's expert shard id -> fused shard of its parameter
 
 
 class QuantkitExperts:
@@ -71,34 +71,67 @@ class QuantkitExperts:
         self.calls = 0
         self.input_scales: torch.Tensor | None = None  # static activations: (E, 2) gate/up input, down input
 
-    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
-                       local_expert: Callable[[int], int]) -> None:
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        local_expert: Callable[[int], int],
+    ) -> None:
         """Register `w13_<suffix>` / `w2_<suffix>` (module docstring); intermediate_size is this rank's I_p;
         local_expert maps a global expert id to this rank's index (-1: not held here)."""
         if self.tp_size > 1 and intermediate_size % self.scheme.k_multiple:
-            raise ValueError(f"{self.prefix}: {self.scheme.name} under tensor parallelism needs moe_intermediate_size/tp "
-                             f"({intermediate_size}) to be a multiple of {self.scheme.k_multiple}")
-        layer.quantkit_layout = {"w13": ([intermediate_size] * 2, hidden_size), "w2": ([hidden_size], intermediate_size)}
+            raise ValueError(
+                f"{self.prefix}: {self.scheme.name} under tensor parallelism needs moe_intermediate_size/tp "
+                f"({intermediate_size}) to be a multiple of {self.scheme.k_multiple}"
+            )
+        layer.quantkit_layout = {
+            "w13": ([intermediate_size] * 2, hidden_size),
+            "w2": ([hidden_size], intermediate_size),
+        }
         layer.quantkit_num_experts = num_experts
         for stem, (shard_rows, k) in layer.quantkit_layout.items():
             for spec in self.scheme.layer_tensors(sum(shard_rows), k, len(shard_rows), self.activation_scale):
                 self._add(layer, stem, spec, shard_rows, num_experts, local_expert)
 
-    def _add(self, layer: torch.nn.Module, stem: str, spec: LayerTensor, shard_rows: list[int], num_experts: int,
-             local_expert: Callable[[int], int]) -> None:
+    def _add(
+        self,
+        layer: torch.nn.Module,
+        stem: str,
+        spec: LayerTensor,
+        shard_rows: list[int],
+        num_experts: int,
+        local_expert: Callable[[int], int],
+    ) -> None:
         """Register `<stem>_<suffix>` (E, *spec.shape) with a loader for vLLM's per-expert mapping."""
         param = Parameter(torch.empty((num_experts, *spec.shape), dtype=spec.dtype), requires_grad=False)
         name = f"{stem}_{spec.suffix}"
 
-        def weight_loader(param: Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
-                          expert_id: int, return_success: bool = False) -> bool | None:
+        def weight_loader(
+            param: Parameter,
+            loaded_weight: torch.Tensor,
+            weight_name: str,
+            shard_id: str,
+            expert_id: int,
+            return_success: bool = False,
+        ) -> bool | None:
             local = local_expert(expert_id)
             if local == -1:  # another rank's expert
                 return False if return_success else None
             k_rank = self.tp_rank if stem == "w2" and self.tp_size > 1 else None
             rank_shard = self.tp_rank if stem == "w13" else 0
-            copy_checkpoint_part(param.data[local], loaded_weight, spec, shard_rows, SHARD_INDEX[shard_id], rank_shard,
-                                 k_rank, f"{self.prefix}.{name} (expert {expert_id}, shard {shard_id})", self.scheme.name)
+            copy_checkpoint_part(
+                param.data[local],
+                loaded_weight,
+                spec,
+                shard_rows,
+                SHARD_INDEX[shard_id],
+                rank_shard,
+                k_rank,
+                f"{self.prefix}.{name} (expert {expert_id}, shard {shard_id})",
+                self.scheme.name,
+            )
             return True if return_success else None
 
         param.weight_loader = weight_loader
@@ -111,28 +144,47 @@ class QuantkitExperts:
         if self.activation_scale == "static":
             w13_scales = layer.w13_input_global_scale.data
             if not torch.equal(w13_scales[:, 0], w13_scales[:, 1]):
-                raise ValueError(f"{self.prefix}: experts' gate_proj and up_proj have different static "
-                                 "input_global_scale; they read the same input")
+                raise ValueError(
+                    f"{self.prefix}: experts' gate_proj and up_proj have different static "
+                    "input_global_scale; they read the same input"
+                )
             self.input_scales = torch.stack([w13_scales[:, 0], layer.w2_input_global_scale.data[:, 0]], 1)
         self.kernel = select_kernel(layer)
         if self.kernel == "torch-emulation":
             for stem, (_, k) in layer.quantkit_layout.items():
                 params = {s: getattr(layer, f"{stem}_{s}").data for s in scheme.tensors}
-                decoded = torch.stack([scheme.decode_layer({s: t[e] for s, t in params.items()}, k)
-                                       for e in range(layer.quantkit_num_experts)])
+                decoded = torch.stack(
+                    [
+                        scheme.decode_layer({s: t[e] for s, t in params.items()}, k)
+                        for e in range(layer.quantkit_num_experts)
+                    ]
+                )
                 for s in (*scheme.tensors, *scheme.static_tensors):
                     if hasattr(layer, f"{stem}_{s}"):
                         delattr(layer, f"{stem}_{s}")
                 layer.register_parameter(f"{stem}_dequantized", Parameter(decoded, requires_grad=False))
-        logger.info("quantkit: %s experts=%d scheme=%s activations=%s kernel=%s", self.prefix,
-                    layer.quantkit_num_experts, scheme.name, self.activation_scale, self.kernel)
+        logger.info(
+            "quantkit: %s experts=%d scheme=%s activations=%s kernel=%s",
+            self.prefix,
+            layer.quantkit_num_experts,
+            scheme.name,
+            self.activation_scale,
+            self.kernel,
+        )
 
-    def forward(self, layer: torch.nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        act: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
         """x (T, H), topk_ids (T, k) local expert ids (-1: not here), topk_weights (T, k) -> (T, H) in x's dtype."""
         if self.kernel == "torch-emulation":
-            out = routed_experts_forward(x, topk_ids, topk_weights, layer.w13_dequantized, layer.w2_dequantized, act,
-                                         self._fake_quant)
+            out = routed_experts_forward(
+                x, topk_ids, topk_weights, layer.w13_dequantized, layer.w2_dequantized, act, self._fake_quant
+            )
             return out.to(x.dtype)
         sort = sort_by_expert(topk_ids, layer.quantkit_num_experts)
         gate, up = self.triton_gate_up(layer, x, sort).chunk(2, dim=-1)
@@ -145,16 +197,31 @@ class QuantkitExperts:
         local expert."""
         return self._grouped(layer, "w13", x, sort.expert_offsets, 0, sort.token_index)
 
-    def _grouped(self, layer: torch.nn.Module, stem: str, x: torch.Tensor, expert_offsets: torch.Tensor, which: int,
-                 token_index: torch.Tensor | None = None) -> torch.Tensor:
+    def _grouped(
+        self,
+        layer: torch.nn.Module,
+        stem: str,
+        x: torch.Tensor,
+        expert_offsets: torch.Tensor,
+        which: int,
+        token_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Grouped GEMM of `<stem>_<suffix>` over sorted rows, float32 (S, N); `which` as in `_fake_quant`."""
         from quantkit.kernels.schemes import grouped_quantized_linear  # Triton: imported where used
 
         scale = None if self.input_scales is None else self.input_scales[:, which]
         row_amax = self._row_amax(x) if which == 1 and scale is None else None
         weights = [getattr(layer, f"{stem}_{s}") for s in self.scheme.tensors]
-        return grouped_quantized_linear(self.scheme, x, expert_offsets, weights, token_index=token_index,
-                                        input_global_scale=scale, row_amax=row_amax, out_dtype=torch.float32)
+        return grouped_quantized_linear(
+            self.scheme,
+            x,
+            expert_offsets,
+            weights,
+            token_index=token_index,
+            input_global_scale=scale,
+            row_amax=row_amax,
+            out_dtype=torch.float32,
+        )
 
     def _row_amax(self, rows: torch.Tensor) -> torch.Tensor | None:
         """Per-token max |x| (rows, 1) of the down input over the whole intermediate under tensor parallelism (this
@@ -173,14 +240,25 @@ class QuantkitExperts:
             row_amax = self._row_amax(rows) if which == 1 else None
             xq = self.scheme.fake_quant_activation(rows, None, row_amax)
         else:
-            xq = torch.cat([self.scheme.fake_quant_activation(rows[start:stop], self.input_scales[e, which])
-                            for e, start, stop in segments])
+            xq = torch.cat(
+                [
+                    self.scheme.fake_quant_activation(rows[start:stop], self.input_scales[e, which])
+                    for e, start, stop in segments
+                ]
+            )
         if self.capture_dir:
             for e, start, stop in segments:
                 name = f"{self.prefix}.{e}.{('gate_up', 'down')[which]}"
                 path = os.path.join(self.capture_dir, f"{name}.{self.tp_rank}.{self.calls:05d}.pt")
-                torch.save({"prefix": name, "tp_rank": self.tp_rank, "x": rows[start:stop].float().clone(),
-                            "xq": xq[start:stop].clone()}, path)
+                torch.save(
+                    {
+                        "prefix": name,
+                        "tp_rank": self.tp_rank,
+                        "x": rows[start:stop].float().clone(),
+                        "xq": xq[start:stop].clone(),
+                    },
+                    path,
+                )
                 self.calls += 1
         return xq
 
@@ -191,8 +269,10 @@ class QuantkitMoEMethod(FusedMoEMethodBase):
     def __init__(self, config, moe: FusedMoEConfig, prefix: str) -> None:
         super().__init__(moe)
         if moe.activation not in ACTIVATIONS or not moe.is_act_and_mul:
-            raise ValueError(f"{prefix}: quantkit's FusedMoE method serves gated experts with "
-                             f"{[a.value for a in ACTIVATIONS]}, not {moe.activation.value!r}")
+            raise ValueError(
+                f"{prefix}: quantkit's FusedMoE method serves gated experts with "
+                f"{[a.value for a in ACTIVATIONS]}, not {moe.activation.value!r}"
+            )
         parallel = moe.moe_parallel_config
         self.experts = QuantkitExperts(config, prefix, parallel.tp_rank, parallel.tp_size)
 
@@ -200,10 +280,22 @@ class QuantkitMoEMethod(FusedMoEMethodBase):
     def kernel(self) -> str:
         return self.experts.kernel
 
-    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
-                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
-        self.experts.create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition,
-                                    layer._map_global_expert_id_to_local_expert_id)
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        self.experts.create_weights(
+            layer,
+            num_experts,
+            hidden_size,
+            intermediate_size_per_partition,
+            layer._map_global_expert_id_to_local_expert_id,
+        )
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self.experts.process_weights_after_loading(layer)
@@ -211,8 +303,15 @@ class QuantkitMoEMethod(FusedMoEMethodBase):
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig | None:
         return None  # no vLLM modular kernel: `apply` computes the experts itself
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              shared_experts=None, shared_experts_input: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts=None,
+        shared_experts_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Routed experts' output (T, H) in x's dtype; vLLM adds the shared expert (run before) and reduces over TP."""
         ids = topk_ids.long()
         if layer.expert_map is not None:  # global -> local expert ids (-1: another rank's)
@@ -228,11 +327,15 @@ class QuantkitGLUExpertsMethod(QuantizeMethodBase):
         super().__init__()
         self.experts = QuantkitExperts(config, prefix)
 
-    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def create_weights(
+        self, layer: torch.nn.Module, num_experts: int, hidden_size: int, intermediate_size: int
+    ) -> None:
         self.experts.create_weights(layer, num_experts, hidden_size, intermediate_size, lambda e: e)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self.experts.process_weights_after_loading(layer)
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
         return self.experts.forward(layer, x, topk_ids, topk_weights, torch.sigmoid)

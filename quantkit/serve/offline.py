@@ -20,16 +20,16 @@ from quantkit.serve.engine import cpu_engine_kwargs, offline_environment
 
 @dataclass
 class Generation:
-    token_ids: list[int]    # prompt + generated
+    token_ids: list[int]  # prompt + generated
     prompt_len: int
-    logprobs: list[float]   # len(token_ids) - 1
-    text: str               # the generated continuation
+    logprobs: list[float]  # len(token_ids) - 1
+    text: str  # the generated continuation
 
 
 @dataclass
 class GenerationRun:
     generations: list[Generation]
-    seconds: float          # wall time of llm.generate (engine start-up excluded)
+    seconds: float  # wall time of llm.generate (engine start-up excluded)
     generated_tokens: int
 
     @property
@@ -43,7 +43,7 @@ def omp_bind_per_rank(tp: int) -> str | None:
     if len(cores) < tp:
         return None
     per_rank = len(cores) // tp
-    return "|".join(",".join(map(str, cores[r * per_rank:(r + 1) * per_rank])) for r in range(tp))
+    return "|".join(",".join(map(str, cores[r * per_rank : (r + 1) * per_rank])) for r in range(tp))
 
 
 def generate(
@@ -75,8 +75,14 @@ def generate(
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
-                  tensor_parallel_size=tensor_parallel_size, **cpu_engine_kwargs())
+        llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            **cpu_engine_kwargs(),
+        )
     finally:
         for k, v in saved.items():
             if v is None:
@@ -85,8 +91,13 @@ def generate(
                 os.environ[k] = v
     try:
         inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                prompt_logprobs=0 if with_logprobs else None, logprobs=0 if with_logprobs else None)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            prompt_logprobs=0 if with_logprobs else None,
+            logprobs=0 if with_logprobs else None,
+        )
         if warmup:
             llm.generate(["warm-up"], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
         start = time.perf_counter()

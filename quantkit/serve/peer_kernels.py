@@ -16,10 +16,10 @@ On CUDA nothing changes: vLLM's own kernels serve these checkpoints.
 from __future__ import annotations
 
 import torch
+from vllm.logger import init_logger
 from vllm.model_executor.kernels import linear as linear_kernels
 from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
 from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
-from vllm.logger import init_logger
 from vllm.platforms import PlatformEnum, current_platform
 
 from quantkit.formats.fp8 import expand_block_scales
@@ -42,7 +42,9 @@ class EmulationFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         return  # keep the checkpoint layout: weight (N, K) E4M3, block scales (ceil(N/bn), ceil(K/bk))
 
-    def apply_block_scaled_mm(self, A: torch.Tensor, B: torch.Tensor, As: torch.Tensor, Bs: torch.Tensor) -> torch.Tensor:
+    def apply_block_scaled_mm(
+        self, A: torch.Tensor, B: torch.Tensor, As: torch.Tensor, Bs: torch.Tensor
+    ) -> torch.Tensor:
         """A (M, K) E4M3 with As (M, ceil(K/g)) per-group decode scales; B (N, K) E4M3 with Bs block scales."""
         a = A.float() * expand_block_scales(As.float(), tuple(self.activation_group_shape), A.shape)
         b = B.float() * expand_block_scales(Bs.float(), tuple(self.weight_group_shape), B.shape)
@@ -51,8 +53,10 @@ class EmulationFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
 
 def register_cpu_emulation_kernels() -> None:
     """Append the emulation kernels to vLLM's CPU kernel lists (idempotent)."""
-    for table, kernel in ((linear_kernels._POSSIBLE_FP8_BLOCK_KERNELS, EmulationFp8BlockScaledMMKernel),
-                          (linear_kernels._POSSIBLE_NVFP4_KERNELS, EmulationNvFp4LinearKernel)):
+    for table, kernel in (
+        (linear_kernels._POSSIBLE_FP8_BLOCK_KERNELS, EmulationFp8BlockScaledMMKernel),
+        (linear_kernels._POSSIBLE_NVFP4_KERNELS, EmulationNvFp4LinearKernel),
+    ):
         kernels = table.setdefault(PlatformEnum.CPU, [])
         if kernel not in kernels:
             kernels.append(kernel)

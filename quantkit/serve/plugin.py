@@ -29,7 +29,7 @@ def register() -> None:
     Linears (`quantkit.serve.cpu_linear`) with vLLM (idempotent)."""
     from vllm import ModelRegistry
 
-    import quantkit.models  # noqa: F401  (registers model_types "quantkit", "quantkit_hybrid" with AutoConfig)
+    import quantkit.models
     import quantkit.serve.quant_method  # noqa: F401  (@register_quantization_config("quantkit"))
     from quantkit.serve import cpu_linear, float32_norms, gdn_cpu, stock_names
     from quantkit.serve.peer_kernels import register_cpu_emulation_kernels

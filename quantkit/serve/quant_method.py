@@ -82,7 +82,7 @@ class QuantkitQuantConfig(QuantizationConfig):
         return []
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "QuantkitQuantConfig":
+    def from_config(cls, config: dict[str, Any]) -> QuantkitQuantConfig:
         return cls(config)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
@@ -111,7 +111,6 @@ class QuantkitQuantConfig(QuantizationConfig):
                 f"{[n for n, q in zip(names, quantized) if q]}; quantize all of them or none"
             )
         return QuantkitLinearMethod(self, prefix)
-
 
     def _experts_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """QuantkitMoEMethod when the checkpoint quantized this layer's experts, None (vLLM's unquantized method)
@@ -151,14 +150,18 @@ class QuantkitLinearMethod(LinearMethodBase):
         # a fused layer the checkpoint stores as one matrix (Phi-3's qkv_proj, gate_up_proj): one shard, whole
         layer.quantkit_whole = len(output_partition_sizes) > 1 and self.prefix in self.config.quantized_modules
         if layer.quantkit_whole and layer.tp_size > 1:
-            raise ValueError(f"{self.prefix}: the checkpoint quantized this fused projection as one matrix; tensor "
-                             "parallelism splits it by its parts, whose scales the whole matrix shares: serve with tp 1")
+            raise ValueError(
+                f"{self.prefix}: the checkpoint quantized this fused projection as one matrix; tensor "
+                "parallelism splits it by its parts, whose scales the whole matrix shares: serve with tp 1"
+            )
         layer.quantkit_shards = [n] if layer.quantkit_whole else list(output_partition_sizes)
         layer.quantkit_in_features = k
         scheme = self.config.scheme
         if sharded_k and k % scheme.k_multiple:
-            raise ValueError(f"{self.prefix}: {scheme.name} under tensor parallelism needs in_features/tp ({k}) to be a "
-                             f"multiple of {scheme.k_multiple}")
+            raise ValueError(
+                f"{self.prefix}: {scheme.name} under tensor parallelism needs in_features/tp ({k}) to be a "
+                f"multiple of {scheme.k_multiple}"
+            )
         for spec in scheme.layer_tensors(n, k, len(layer.quantkit_shards), self.config.activation_scale):
             self._add(layer, spec)
 
@@ -170,8 +173,17 @@ class QuantkitLinearMethod(LinearMethodBase):
         def weight_loader(param: Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
             index, rank_shard = _shard_of(layer, shard_id, prefix)
             k_rank = layer.tp_rank if isinstance(layer, RowParallelLinear) and layer.tp_size > 1 else None
-            copy_checkpoint_part(param.data, loaded, spec, layer.quantkit_shards, index, rank_shard, k_rank,
-                                 f"{prefix}.{name} (shard {shard_id})", self.config.scheme.name)
+            copy_checkpoint_part(
+                param.data,
+                loaded,
+                spec,
+                layer.quantkit_shards,
+                index,
+                rank_shard,
+                k_rank,
+                f"{prefix}.{name} (shard {shard_id})",
+                self.config.scheme.name,
+            )
 
         param.weight_loader = weight_loader
         layer.register_parameter(name, param)
@@ -182,17 +194,27 @@ class QuantkitLinearMethod(LinearMethodBase):
         if self.config.activation_scale == "static":
             scales = layer.input_global_scale.data
             if not torch.all(scales == scales[0]):
-                raise ValueError(f"{self.prefix}: fused shards have different static input_global_scale {scales.tolist()}; they read the same input")
+                raise ValueError(
+                    f"{self.prefix}: fused shards have different static input_global_scale {scales.tolist()}; "
+                    "they read the same input"
+                )
             layer.input_global_scale = Parameter(scales[:1].clone(), requires_grad=False)
         self.kernel = select_kernel(layer)
         if self.kernel == "torch-emulation":  # decode the weights once; activations are quantized per call
             scheme = self.config.scheme
-            weight = scheme.decode_layer({s: getattr(layer, s).data for s in scheme.tensors}, layer.quantkit_in_features)
+            weight = scheme.decode_layer(
+                {s: getattr(layer, s).data for s in scheme.tensors}, layer.quantkit_in_features
+            )
             for suffix in scheme.tensors:
                 delattr(layer, suffix)
             layer.weight_dequantized = Parameter(weight, requires_grad=False)
-        logger.info("quantkit: %s scheme=%s activations=%s kernel=%s", self.prefix, self.config.scheme.name,
-                    self.config.activation_scale, self.kernel)
+        logger.info(
+            "quantkit: %s scheme=%s activations=%s kernel=%s",
+            self.prefix,
+            self.config.scheme.name,
+            self.config.activation_scale,
+            self.kernel,
+        )
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         input_global_scale = getattr(layer, "input_global_scale", None)
@@ -230,18 +252,24 @@ def _shard_of(layer: torch.nn.Module, shard_id: str | int | None, prefix: str) -
     """(index of the fused shard in this layer, which TP slice of that shard's rows this rank holds)."""
     if getattr(layer, "quantkit_whole", False):
         if shard_id is not None:
-            raise ValueError(f"{prefix}: the checkpoint stores this fused projection as one matrix (got shard {shard_id!r})")
+            raise ValueError(
+                f"{prefix}: the checkpoint stores this fused projection as one matrix (got shard {shard_id!r})"
+            )
         return 0, 0  # tp 1 (create_weights refuses more)
     if isinstance(layer, QKVParallelLinear):
         if shard_id not in ("q", "k", "v"):
-            raise ValueError(f"{prefix}: a quantkit checkpoint stores q_proj, k_proj, v_proj separately (got shard {shard_id!r})")
+            raise ValueError(
+                f"{prefix}: a quantkit checkpoint stores q_proj, k_proj, v_proj separately (got shard {shard_id!r})"
+            )
         index = "qkv".index(shard_id)
         return index, layer.tp_rank if shard_id == "q" else layer.tp_rank // layer.num_kv_head_replicas
     if isinstance(layer, MergedColumnParallelLinear):
         if shard_id is None and len(layer.output_sizes) == 1:  # one checkpoint tensor, e.g. DeltaNet's in_proj_qkvz
             return 0, layer.tp_rank
         if not isinstance(shard_id, int):
-            raise ValueError(f"{prefix}: a quantkit checkpoint stores the fused projections separately (got shard {shard_id!r})")
+            raise ValueError(
+                f"{prefix}: a quantkit checkpoint stores the fused projections separately (got shard {shard_id!r})"
+            )
         return shard_id, layer.tp_rank
     if isinstance(layer, ColumnParallelLinear):
         return 0, layer.tp_rank

@@ -13,8 +13,10 @@ quantized module names follow.
 from __future__ import annotations
 
 RENAMES = {
-    "vllm.model_executor.models.mixtral:MixtralModel": {".mlp.experts.": ".block_sparse_moe.experts.",
-                                                         ".mlp.gate.": ".block_sparse_moe.gate."},
+    "vllm.model_executor.models.mixtral:MixtralModel": {
+        ".mlp.experts.": ".block_sparse_moe.experts.",
+        ".mlp.gate.": ".block_sparse_moe.gate.",
+    },
 }
 
 
