@@ -134,7 +134,8 @@ class TensorReader:
         data = torch.empty(nbytes, dtype=torch.uint8)
         with open(file, "rb") as f:
             f.seek(offset)
-            if f.readinto(memoryview(data.numpy())) != nbytes:
+            # numpy's stubs give ndarray __buffer__ only for Python >= 3.12; it exports the buffer protocol on 3.11 too
+            if f.readinto(memoryview(data.numpy())) != nbytes:  # type: ignore[arg-type]
                 raise CheckpointError(f"{file}: tensor {name} is truncated")
         return data.view(SAFETENSORS_DTYPES[dtype]).reshape(shape)
 

@@ -6,6 +6,7 @@ import argparse
 import importlib.metadata as metadata
 import sys
 from pathlib import Path
+from typing import cast
 
 import quantkit
 from quantkit.errors import BAD_INPUT, EXIT_BAD_INPUT, print_error
@@ -104,7 +105,7 @@ def _quantize(args: argparse.Namespace) -> int:
     config, _ = check_checkpoint_dir(args.model)  # before the slow imports
     from quantkit.quantize.checkpoint import quantize_checkpoint
     from quantkit.quantize.provenance import calibration_sets, with_calibration, with_calibration_data, with_early_stop
-    from quantkit.quantize.recipe import load_recipe
+    from quantkit.quantize.recipe import SmoothQuantSettings, load_recipe
 
     recipe = load_recipe(args.recipe)
     if args.calibration:
@@ -114,7 +115,8 @@ def _quantize(args: argparse.Namespace) -> int:
     if args.early_stop is not None:
         recipe = with_early_stop(recipe, None if args.early_stop < 0 else args.early_stop)
     for s in calibration_sets(recipe, config.get("max_position_embeddings"), config.get("model_type")):
-        stop = recipe.smoothquant.early_stop if s["use"] == "smoothquant" else None  # the cost, before it starts
+        # the cost, before it starts (a "smoothquant" set comes from a recipe with SmoothQuant settings)
+        stop = cast(SmoothQuantSettings, recipe.smoothquant).early_stop if s["use"] == "smoothquant" else None
         print(
             f"calibration ({s['use']}): {s['num_sequences']} x {s['seq_len']} tokens of {s['source']}"
             + (f", or fewer once the maxima settle (early stop {stop:g})" if stop is not None else ""),

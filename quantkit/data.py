@@ -260,8 +260,8 @@ def calibration_parts(source: str | Sequence[str], tokenizer: Any) -> list[tuple
     for name in source.split("+"):
         name = name.strip()
         if name in CALIBRATION_CORPORA:
-            description, texts = CALIBRATION_CORPORA[name]
-            parts.append((f"{name}: {description}", texts()))
+            description, corpus_texts = CALIBRATION_CORPORA[name]
+            parts.append((f"{name}: {description}", corpus_texts()))
         elif name.endswith((".txt", ".jsonl")):
             path = Path(name).expanduser()
             parts.append((f"file {path}", _file_texts(path, tokenizer)))

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -33,6 +34,9 @@ from quantkit.checkpoints import CheckpointError, TensorReader
 from quantkit.errors import QuantkitError
 from quantkit.formats.experts import fuse_expert_matrices, fused_experts_modules
 from quantkit.models.attention import reference_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 HEAD_POSITIONS = 64  # positions per head_logits call
 BATCH_SIZE = 8  # windows per batch: smooth_model's and channel_max's default (the same batches give the same bits)
@@ -137,7 +141,8 @@ class _Batches:
     """A stream's per-batch hidden states, in memory or (spill_dir set) one torch.save file a batch."""
 
     def __init__(self, spill_dir: Path | None) -> None:
-        self.spill_dir, self._items = spill_dir, []
+        self.spill_dir = spill_dir
+        self._items: list[torch.Tensor | Path] = []
 
     def append(self, t: torch.Tensor) -> None:
         if self.spill_dir is None:
@@ -247,7 +252,7 @@ def advance_stream(
 # --------------------------------------------------------------------------------------------- model pieces
 
 
-def skeleton_model(config, attn_implementation: str | None = None) -> nn.Module:
+def skeleton_model(config, attn_implementation: str | None = None) -> PreTrainedModel:
     """The model on the meta device (no data) with its non-persistent buffers (rotary frequencies) computed as
     from_pretrained computes them (`_init_weights` of their modules) and its tied weights tied, in eval mode;
     float32; attention `attn_implementation`, else `reference_attention(config)`."""
@@ -281,7 +286,7 @@ def source_tensors(reader: TensorReader, module: nn.Module, prefix: str, model_d
             raise CheckpointError(f"{model_dir}: the checkpoint has no tensor {key}")
         state[name] = tensor.float() if tensor.is_floating_point() else tensor
     for name, experts in fused.items():
-        num = experts.gate_up_proj.shape[0]
+        num = cast(torch.Tensor, experts.gate_up_proj).shape[0]
         base = f"{prefix}{name}"
         matrices = {}
         for key in (f"{base}.{e}.{p}" for e in range(num) for p in ("gate_proj", "up_proj", "down_proj")):
@@ -347,7 +352,7 @@ def materialize(module: nn.Module, state: dict[str, torch.Tensor], where: str) -
         raise CheckpointError(f"{where}: the checkpoint's tensors do not fit the model: {err}") from err
 
 
-def head_name(model: nn.Module) -> str | None:
+def head_name(model: PreTrainedModel) -> str | None:
     """The module name of the model's output embeddings (lm_head), None where it has none."""
     head = model.get_output_embeddings()
     return next((name for name, module in model.named_modules() if module is head), None) if head is not None else None

@@ -77,6 +77,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeGuard, TypeVar, cast
 
 import torch
 from torch import nn
@@ -97,6 +98,9 @@ from quantkit.errors import QuantkitError
 from quantkit.formats.experts import is_fused_experts
 from quantkit.models.modeling import QuantkitAttention, QuantkitNorm
 from quantkit.models.modeling_hybrid import QuantkitHybridNorm
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -144,12 +148,14 @@ class SmoothMapping:
 
 FoldFn = Callable[[nn.Module, torch.Tensor], None]
 _FOLDS: dict[type, FoldFn] = {}
+# A fold takes an instance of the classes it is registered for (a narrower first argument than FoldFn's).
+_Fold = TypeVar("_Fold", bound=Callable[..., None])
 
 
-def folds(*classes: type) -> Callable[[FoldFn], FoldFn]:
+def folds(*classes: type) -> Callable[[_Fold], _Fold]:
     """Register `fn(module, s)` as the way to divide the output channels of `classes` by s."""
 
-    def register(fn: FoldFn) -> FoldFn:
+    def register(fn: _Fold) -> _Fold:
         for cls in classes:
             _FOLDS[cls] = fn
         return fn
@@ -178,7 +184,7 @@ def scale_(param: torch.Tensor, factor: torch.Tensor) -> None:
 
 @folds(LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm, MixtralRMSNorm, Phi3RMSNorm, Qwen3MoeRMSNorm)
 def _fold_rmsnorm(norm: nn.Module, s: torch.Tensor) -> None:
-    scale_(norm.weight, 1.0 / s)
+    scale_(cast(torch.Tensor, norm.weight), 1.0 / s)
 
 
 @folds(nn.LayerNorm)
@@ -215,10 +221,10 @@ def fold_offset_rmsnorm(norm: nn.Module, s: torch.Tensor, fold_gate: bool = True
     `fold_quantkit_norm`; a PreAffine `pre_scale` acts before the normalization and is untouched. Subclasses
     with those flags register this function for their class (`folds(cls)(fold_offset_rmsnorm)`)."""
     with torch.no_grad():
-        w = norm.weight
+        w = cast(torch.Tensor, norm.weight)
         w.copy_(((1.0 + w.float()) / s.to(w.device, torch.float32) - 1.0).to(w.dtype))
     if hasattr(norm, "gate_down") and fold_gate:
-        scale_(norm.gate_down.weight, s[None, :])
+        scale_(cast(nn.Linear, norm.gate_down).weight, s[None, :])
 
 
 def is_router(module: nn.Module) -> bool:
@@ -238,9 +244,9 @@ def input_weight(module: nn.Module) -> torch.Tensor:
     weight (out, K), fused routed experts' gate_up_proj (E, 2I, K). Multiplying its column j by s_j is the
     consumer's half of the fold."""
     if isinstance(module, nn.Linear) or is_router(module):
-        return module.weight
+        return cast(torch.Tensor, module.weight)
     if is_fused_experts(module):
-        return module.gate_up_proj
+        return cast(torch.Tensor, module.gate_up_proj)
     raise SmoothQuantMappingError(
         f"{type(module).__name__} is no consumer SmoothQuant knows (Linear, router, fused experts)"
     )
@@ -370,7 +376,7 @@ def _consumer_kind(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def traced_mappings(model: nn.Module, architecture: str, layers: nn.ModuleList) -> MappingPlan:
+def traced_mappings(model: PreTrainedModel, architecture: str, layers: nn.ModuleList) -> MappingPlan:
     """The structural rule for architectures with no ARCHITECTURES entry: which of a decoder layer's norms feeds
     which linears, found by running each decoder layer once on 8 random positions with hooks (a consumer reads a
     norm's output when its input holds the same numbers as that output), with the arguments the model's own
@@ -452,7 +458,7 @@ def traced_mappings(model: nn.Module, architecture: str, layers: nn.ModuleList) 
     return MappingPlan(architecture, tuple(mappings), ())
 
 
-def _random_weights(model: nn.Module, layer: nn.Module) -> None:
+def _random_weights(model: PreTrainedModel, layer: nn.Module) -> None:
     """Give a decoder layer on the meta device float32 CPU tensors, initialized as the model initializes them."""
     layer.to_empty(device="cpu")
     for module in layer.modules():
@@ -481,7 +487,7 @@ def _decoder_layers(model: nn.Module, architecture: str) -> nn.ModuleList:
     return layers
 
 
-def _is_sparse_moe(mlp: nn.Module | None) -> bool:
+def _is_sparse_moe(mlp: nn.Module | None) -> TypeGuard[nn.Module]:
     """A MoE block: fused routed `experts` and a router `gate` (nn.Linear or a transformers *TopKRouter)."""
     gate = getattr(mlp, "gate", None)
     return is_fused_experts(getattr(mlp, "experts", nn.Module())) and (
@@ -559,7 +565,7 @@ def _layer_mappings(
     } | ({"self_attn.g_proj"} if has_g else set())
     accounted |= _norm_gate_linears({"input_layernorm": ln1, "post_attention_layernorm": ln2})
     _unaccounted(layer, prefix, accounted, problems)
-    if None in (ln1, ln2, attn, mlp, o_proj, gate, up, down) or None in qkv:
+    if attn is None or mlp is None or None in (ln1, ln2, o_proj, gate, up, down) or None in qkv:
         return []
 
     attn_consumers = ("q_proj", "k_proj", "v_proj") + (("g_proj",) if has_g else ())
@@ -591,6 +597,7 @@ def _hybrid_layer_mappings(
     accounted = _norm_gate_linears({"input_layernorm": ln1, "post_attention_layernorm": ln2})
     out: list[SmoothMapping] = []
 
+    names: tuple[str, ...]
     if hasattr(layer, "linear_attn"):  # Gated DeltaNet: both input projections read the normed input
         names = ("in_proj_qkvz", "in_proj_ba")
         found = [module(f"linear_attn.{n}", linear=True) for n in names + ("out_proj",)]
@@ -670,8 +677,9 @@ def _v_o_mappings(
             f"v_proj -> o_proj smoothing is not function-preserving for {path}: {v_o_problem}. "
             "Smooth without it (include_v_o=False)."
         )
-    v_proj, o_proj = attn.v_proj, attn.o_proj
-    head_dim = attn.head_dim
+    # Both looked up as nn.Linear by the caller (_LayerLookup(linear=True)).
+    v_proj, o_proj = cast(nn.Linear, attn.v_proj), cast(nn.Linear, attn.o_proj)
+    head_dim = cast(int, attn.head_dim)
     heads = o_proj.in_features // head_dim
     kv_heads = v_proj.out_features // head_dim
     if o_proj.in_features != heads * head_dim or v_proj.out_features != kv_heads * head_dim or heads % kv_heads:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -178,7 +179,7 @@ def _to_smoothing_channels(mapping: SmoothMapping, per_input: torch.Tensor, chan
 
 def _smoothing_channels(model: nn.Module, mapping: SmoothMapping) -> int:
     smooth = model.get_submodule(mapping.smooth)
-    return smooth.out_features if isinstance(smooth, nn.Linear) else smooth.weight.numel()
+    return smooth.out_features if isinstance(smooth, nn.Linear) else cast(torch.Tensor, smooth.weight).numel()
 
 
 def _weight_col_max(model: nn.Module, mapping: SmoothMapping) -> torch.Tensor:
@@ -385,12 +386,20 @@ def _final_hidden(model: nn.Module, layers: nn.ModuleList, tokens: torch.Tensor,
         model.train(was_training)
 
 
+class HiddenBatches(Protocol):
+    """Per batch, a hidden-state tensor: len() and [b] (a list, or a stream's batches spilled to disk)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, b: int, /) -> torch.Tensor: ...
+
+
 @torch.no_grad()
 def logit_change(
     model: nn.Module,
     layers: nn.ModuleList,
-    reference: Sequence[torch.Tensor],
-    smoothed: Sequence[torch.Tensor],
+    reference: HiddenBatches,
+    smoothed: HiddenBatches,
     architecture: str,
 ) -> tuple[float, float]:
     """(max |logit change|, max |reference logit|) over every batch and position of the verification windows.

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -80,15 +81,17 @@ class ChannelMaxObserver:
         wanted = set(self.names)
 
         def hook(module: nn.Module, args: tuple) -> None:
+            gate_up_proj = cast(torch.Tensor, module.gate_up_proj)  # a transformers fused experts module
             x = args[0].detach().reshape(-1, args[0].shape[-1])  # (tokens, H)
             x_amax = x.abs().amax(0).float()
-            for e in range(module.gate_up_proj.shape[0]):
+            for e in range(gate_up_proj.shape[0]):
                 for proj in ("gate_proj", "up_proj"):
                     if f"{name}.{e}.{proj}" in wanted:
                         self._update(f"{name}.{e}.{proj}", x_amax)
                 if f"{name}.{e}.down_proj" in wanted:
-                    gate, up = nn.functional.linear(x, module.gate_up_proj[e].detach()).chunk(2, dim=-1)
-                    self._update(f"{name}.{e}.down_proj", (module.act_fn(gate) * up).abs().amax(0).float())
+                    gate, up = nn.functional.linear(x, gate_up_proj[e].detach()).chunk(2, dim=-1)
+                    act_fn = cast(Callable[[torch.Tensor], torch.Tensor], module.act_fn)
+                    self._update(f"{name}.{e}.down_proj", (act_fn(gate) * up).abs().amax(0).float())
 
         return hook
 

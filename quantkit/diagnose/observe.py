@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,9 @@ from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import get_scheme
 from quantkit.quantize.recipe import Recipe
 from quantkit.quantize.routed_experts import projection_outputs, routed_expert_passes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SINK_EPS = 0.3  # paper 002 eq. 1 (after Gu et al. 2025)
 SINK_WINDOW = 64  # T_eps of paper 002 eq. 1
@@ -58,7 +62,7 @@ def decoder_layers(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
     return layers, norm
 
 
-def residual_norm_names(model: nn.Module) -> list[str]:
+def residual_norm_names(model: PreTrainedModel) -> list[str]:
     """Qualified names of the residual-stream norms: each decoder layer's own norms of the residual width
     (`layer_norms`: Llama's input/post-attention pair, Gemma 2/3's four), in module order, then the final norm."""
     layers, _ = decoder_layers(model)
@@ -163,8 +167,9 @@ class DiagnosticsObserver:
                 self._handles.append(
                     layer.register_forward_pre_hook(self._gated(self._residual_hook(i)), with_kwargs=True)
                 )
-                if i in self.attention:
-                    self._handles.append(layer.self_attn.register_forward_hook(self._gated(self._attention_hook(i))))
+                if i in self.attention:  # only layers whose self_attn is an nn.Module (__init__)
+                    self_attn = cast(nn.Module, layer.self_attn)
+                    self._handles.append(self_attn.register_forward_hook(self._gated(self._attention_hook(i))))
             self._handles.append(
                 self.final_norm.register_forward_pre_hook(
                     self._gated(self._residual_hook(len(self.layers))), with_kwargs=True
@@ -257,7 +262,8 @@ class DiagnosticsObserver:
         state.ratio_sum_rest += ratio[:, 1:].double().sum().item()
         state.tokens += b * t
         state.sequences += b
-        state.token_norm_sum += h[:, : len(state.token_norm_sum)].double().norm(dim=-1).sum(0)
+        positions = len(cast(torch.Tensor, state.token_norm_sum))  # set with state.channels, above
+        state.token_norm_sum += h[:, :positions].double().norm(dim=-1).sum(0)
         if self._batch is not None:
             self._massive_any[self._batch] |= massive.cpu()
 
@@ -343,7 +349,7 @@ class DiagnosticsObserver:
             hidden, top_k_index, top_k_weights = (*args, *(kwargs[k] for k in names[len(args) :]))
             index = top_k_index.reshape(-1, top_k_index.shape[-1])
             _check_finite(hidden, f"input of {name}")
-            experts, two_i, h_dim = module.gate_up_proj.shape
+            experts, two_i, h_dim = cast(torch.Tensor, module.gate_up_proj).shape
             if name not in self.experts:
                 self.experts[name] = ExpertsStats(
                     torch.zeros(experts, dtype=torch.float64),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 import numpy as np
@@ -32,7 +33,10 @@ from matplotlib.figure import Figure
 
 from quantkit.formats.experts import EXPERT_MATRIX, EXPERT_PROJECTIONS
 
-_RC = {"svg.hashsalt": "quantkit", "svg.fonttype": "none", "font.size": 8}
+if TYPE_CHECKING:
+    from matplotlib.typing import RcKeyType
+
+_RC: dict[RcKeyType, Any] = {"svg.hashsalt": "quantkit", "svg.fonttype": "none", "font.size": 8}
 HEATMAP_DIMS = 256
 
 

@@ -15,12 +15,13 @@ and SNR (`experts`, `expert_snr_db`; docs/diagnostics.md "Hybrid MoE models").
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -53,6 +54,7 @@ from quantkit.diagnose.observe import (
     decoder_layers,
     residual_norm_names,
 )
+from quantkit.diagnose.stats import ChannelStats
 from quantkit.errors import NonFiniteStatisticsError
 from quantkit.formats import nvfp4_global_scale
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
@@ -60,6 +62,9 @@ from quantkit.formats.schemes import SCHEMES
 from quantkit.metrics import snr_db
 from quantkit.quantize.recipe import Recipe, load_recipe
 from quantkit.quantize.routed_experts import summarize_expert_snr
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 MAP_TOKENS = 32  # attention maps are shown for the first 32 queries x keys
 TOP_K = 8
@@ -143,7 +148,9 @@ def _diagnose_layerwise(
     load_outside(model, reader, before_head, tied)
     stream = embed_stream(model, layers, "diagnose", tokens, None, batch_size)
     model.get_input_embeddings().to("meta")
-    plan = {r.name: (r, {} if r.activation_scale == "static" else None) for r in recipe_list}
+    plan: dict[str, tuple[Recipe, dict[str, torch.Tensor] | None]] = {
+        r.name: (r, {} if r.activation_scale == "static" else None) for r in recipe_list
+    }
     norms, input_norms = [], []
     norm_names = residual_norm_names(model)
     with DiagnosticsObserver(model, plan, massive_ratio, MAP_TOKENS) as obs:
@@ -156,7 +163,7 @@ def _diagnose_layerwise(
                 if scales is not None:
                     with obs.paused():
                         scales.update(
-                            _static_scales(model, recipe, prefix, lambda layer=layer, i=i: _run_layer(stream, layer, i))
+                            _static_scales(model, recipe, prefix, functools.partial(_run_layer, stream, layer, i))
                         )
             norms += _norm_entries(model, [n for n in norm_names if n.startswith(prefix)], TOP_K)
             input_norms.append(_input_norm_params(layer))
@@ -184,7 +191,7 @@ def _run_layer(stream: Stream, layer: nn.Module, i: int) -> None:
 
 @torch.no_grad()
 def diagnose_model(
-    model: nn.Module,
+    model: PreTrainedModel,
     tokens: torch.Tensor,
     recipes: Sequence[str] = DEFAULT_RECIPES,
     batch_size: int = 8,
@@ -245,7 +252,7 @@ def diagnose_model(
 
 def _result(
     obs: DiagnosticsObserver,
-    model: nn.Module,
+    model: PreTrainedModel,
     plan: dict,
     tokens: torch.Tensor,
     norms: list[dict],
@@ -258,7 +265,7 @@ def _result(
     """The result dict from the observer's statistics and the norms' parameters (whole model or layer by layer)."""
     config = model.config
     bos = getattr(config, "bos_token_id", None)
-    result = {
+    result: dict[str, Any] = {
         "model": {
             "architecture": type(model).__name__,
             "variant": getattr(config, "variant_name", config.model_type),
@@ -328,10 +335,14 @@ def _residual(obs: DiagnosticsObserver) -> dict:
         "max_abs": [s.moments.max_abs for s in states],
         "kurtosis": [s.moments.kurtosis for s in states],
         "std": [s.moments.std for s in states],
-        "mean_abs_per_dim": [s.channels.mean_abs.tolist() for s in states],
-        "token_norm_pos0": [float(s.token_norm_sum[0] / s.sequences) for s in states],
+        # channels and token_norm_sum: set by the state's first batch (ResidualState)
+        "mean_abs_per_dim": [cast(ChannelStats, s.channels).mean_abs.tolist() for s in states],
+        "token_norm_pos0": [float(cast(torch.Tensor, s.token_norm_sum)[0] / s.sequences) for s in states],
         "token_norm_pos1_15": [
-            float(s.token_norm_sum[1:].mean() / s.sequences) if len(s.token_norm_sum) > 1 else None for s in states
+            float(cast(torch.Tensor, s.token_norm_sum)[1:].mean() / s.sequences)
+            if len(cast(torch.Tensor, s.token_norm_sum)) > 1
+            else None
+            for s in states
         ],
     }
 
@@ -339,15 +350,15 @@ def _residual(obs: DiagnosticsObserver) -> dict:
 def _sink_dims(obs: DiagnosticsObserver, input_norms: list[dict[str, torch.Tensor | None]], top_k: int) -> list[dict]:
     """Dimensions ranked by H_avg^j = mean over states and tokens of |H_ij| (paper 000 sec. 2), largest first.
     input_norms: per layer, its input norm's parameters (`_input_norm_params`)."""
-    mean_abs = torch.stack([s.channels.mean_abs for s in obs.residual])  # (D+1, d)
-    max_abs = torch.stack([s.channels.max_abs for s in obs.residual]).amax(0)
+    mean_abs = torch.stack([cast(ChannelStats, s.channels).mean_abs for s in obs.residual])  # (D+1, d)
+    max_abs = torch.stack([cast(ChannelStats, s.channels).max_abs for s in obs.residual]).amax(0)
     h_avg = mean_abs.mean(0)
     median = h_avg.median().clamp_min(1e-30)
     weights = {}  # input norm parameter (L, d) where every layer has one of the residual width
     for attr in ("weight", "pre_scale"):
         values = [n[attr] for n in input_norms]
         if all(isinstance(v, torch.Tensor) and v.numel() == h_avg.numel() for v in values):
-            weights[attr] = torch.stack(values)
+            weights[attr] = torch.stack(cast(list[torch.Tensor], values))
     out = []
     for j in h_avg.argsort(descending=True)[:top_k].tolist():
         entry = {
@@ -388,7 +399,7 @@ def _attention(obs: DiagnosticsObserver) -> dict:
     never = [i for i, a in obs.attention.items() if a is None]
     if never:
         raise RuntimeError(f"the attention of layers {never} was never called in the forward pass")
-    layers = list(obs.attention.values())
+    layers = [a for a in obs.attention.values() if a is not None]  # all of them (`never` is empty)
     per_layer_map = [a.map_sum / (a.sequences * len(a.alpha_sum)) for a in layers]
     return {
         "layers": list(obs.attention),
@@ -456,7 +467,7 @@ def _norm_entries(model: nn.Module, names: list[str], top_k: int) -> list[dict]:
                 continue
             if not bool(torch.isfinite(v).all()):
                 raise NonFiniteStatisticsError(f"{name}.{param} holds non-finite values")
-            entry = {"name": name, "param": param}
+            entry: dict[str, Any] = {"name": name, "param": param}
             if param == "weight" and isinstance(norm, OFFSET_NORMS):
                 entry["convention"] = "1 + w"  # the values are the scale 1 + w, not the stored w
             if v.numel() == 1 or neutral is None:

@@ -24,6 +24,7 @@ expert modules are found without naming them.
 from __future__ import annotations
 
 import re
+from typing import cast
 
 import torch
 from torch import nn
@@ -51,12 +52,13 @@ def fused_experts_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 def expert_matrices(name: str, module: nn.Module) -> dict[str, torch.Tensor]:
     """`<name>.<e>.<proj>` -> that expert matrix (a view of the fused parameter, (out, in)), e in 0..E-1."""
-    intermediate = module.gate_up_proj.shape[1] // 2
+    gate_up_proj = cast(torch.Tensor, module.gate_up_proj)  # a fused experts module's (is_fused_experts)
+    intermediate = gate_up_proj.shape[1] // 2
     out = {}
-    for e in range(module.gate_up_proj.shape[0]):
-        out[f"{name}.{e}.gate_proj"] = module.gate_up_proj[e, :intermediate]
-        out[f"{name}.{e}.up_proj"] = module.gate_up_proj[e, intermediate:]
-        out[f"{name}.{e}.down_proj"] = module.down_proj[e]
+    for e in range(gate_up_proj.shape[0]):
+        out[f"{name}.{e}.gate_proj"] = gate_up_proj[e, :intermediate]
+        out[f"{name}.{e}.up_proj"] = gate_up_proj[e, intermediate:]
+        out[f"{name}.{e}.down_proj"] = cast(torch.Tensor, module.down_proj)[e]
     return out
 
 

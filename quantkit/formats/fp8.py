@@ -76,7 +76,7 @@ def fp8_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 
 def expand_block_scales(
-    scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, int] | None = None
+    scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, ...] | None = None
 ) -> torch.Tensor:
     """A grid of block scales (R, C) -> one scale per element: each entry repeated over its block of
     block[0] rows x block[1] columns, (R * block[0], C * block[1]), cropped to `shape` (rows, cols) when given

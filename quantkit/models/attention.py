@@ -10,9 +10,13 @@ carry that difference. Every quantkit forward of a transformers model asks `refe
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def reference_attention(config: PretrainedConfig) -> str | None:
@@ -22,7 +26,7 @@ def reference_attention(config: PretrainedConfig) -> str | None:
     return "eager" if getattr(text, "attn_logit_softcapping", None) else None
 
 
-def load_reference_model(model_dir: str | Path, dtype: torch.dtype) -> torch.nn.Module:
+def load_reference_model(model_dir: str | Path, dtype: torch.dtype) -> PreTrainedModel:
     """`AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)` in eval mode, with `reference_attention`."""
     config = AutoConfig.from_pretrained(model_dir)
     return AutoModelForCausalLM.from_pretrained(

@@ -8,6 +8,7 @@ contract with the vLLM model (`quantkit.serve.models`), which loads the same saf
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +110,7 @@ class QuantkitAttention(Qwen3Attention):
         if hasattr(self, "v_scale_theta"):
             self.v_scale_theta.zero_()
         if hasattr(self, "o_norm"):
-            self.o_norm.weight.fill_(1.0)
+            cast(nn.Parameter, self.o_norm.weight).fill_(1.0)
         if hasattr(self, "sink_key"):
             self.sink_key.normal_(0.0, self.config.initializer_range)
             self.sink_value.normal_(0.0, self.config.initializer_range)
@@ -161,9 +162,9 @@ class QuantkitAttention(Qwen3Attention):
         )  # (B, T, H, D)
 
         if hasattr(self, "o_norm"):
-            attn_output = (self.o_norm.weight * rms_normalize(attn_output, self.config.rms_norm_eps)).to(
-                attn_output.dtype
-            )
+            attn_output = (
+                cast(nn.Parameter, self.o_norm.weight) * rms_normalize(attn_output, self.config.rms_norm_eps)
+            ).to(attn_output.dtype)
         if self.output_gate is not None:
             gate = torch.sigmoid(self.g_proj(hidden_states))  # (B, T, H) or (B, T, H*D), head-major
             attn_output = attn_output * gate.view(*input_shape, attn_output.shape[2], -1)
@@ -218,4 +219,4 @@ class QuantkitForCausalLM(Qwen3ForCausalLM):
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         if hasattr(module, "reset_variant_parameters"):
-            module.reset_variant_parameters()
+            cast(Callable[[], None], module.reset_variant_parameters)()

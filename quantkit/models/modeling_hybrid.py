@@ -10,6 +10,7 @@ contract with the vLLM model (`quantkit.serve.hybrid`), which loads the same saf
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +92,7 @@ class QuantkitHybridAttention(Qwen3NextAttention):
         if hasattr(self, "v_scale_theta"):
             self.v_scale_theta.zero_()
         if hasattr(self, "o_norm"):
-            self.o_norm.weight.fill_(1.0)
+            cast(nn.Parameter, self.o_norm.weight).fill_(1.0)
 
     def forward(
         self,
@@ -139,7 +140,7 @@ class QuantkitHybridAttention(Qwen3NextAttention):
 
         if hasattr(self, "o_norm"):
             normed = rms_normalize(attn_output, self.config.rms_norm_eps)
-            attn_output = (self.o_norm.weight * normed).to(attn_output.dtype)
+            attn_output = (cast(nn.Parameter, self.o_norm.weight) * normed).to(attn_output.dtype)
         if gate is not None:
             attn_output = attn_output * torch.sigmoid(gate)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
@@ -172,4 +173,4 @@ class QuantkitHybridForCausalLM(Qwen3NextForCausalLM):
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         if hasattr(module, "reset_variant_parameters"):
-            module.reset_variant_parameters()
+            cast(Callable[[], None], module.reset_variant_parameters)()

@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -34,6 +34,9 @@ from quantkit.errors import QuantkitError
 from quantkit.models import QuantkitConfig, QuantkitForCausalLM, QuantkitHybridConfig, QuantkitHybridForCausalLM
 from quantkit.models.tiny_hybrid import TINY_HYBRID_SHAPE
 from quantkit.models.tokenizer import save_tokenizer, train_bpe_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class ZooError(QuantkitError, ValueError):
@@ -219,7 +222,7 @@ def shared_tokenizer(zoo_dir: Path, vocab_size: int) -> tuple[PreTrainedTokenize
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, stream: torch.Tensor, seq_len: int, max_windows: int = 32) -> dict[str, Any]:
+def evaluate(model: PreTrainedModel, stream: torch.Tensor, seq_len: int, max_windows: int = 32) -> dict[str, Any]:
     """Held-out loss (nats/token) and max |activation| of the residual stream and of linear inputs; for MoE
     models also `expert_load`: per MoE layer, each expert's share of the top-k token->expert assignments the
     routers made (sums to 1 per layer; 1 / num_experts when balanced; an expert's fraction of tokens is

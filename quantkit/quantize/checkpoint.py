@@ -11,6 +11,7 @@ import logging
 import math
 import os
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import save_file
@@ -36,7 +37,7 @@ from quantkit.quantize.output import (
     unquantized_to_source_dtype,
     write_side_files,
 )
-from quantkit.quantize.recipe import CalibrationSettings, Recipe, load_recipe
+from quantkit.quantize.recipe import CalibrationSettings, Recipe, SmoothQuantSettings, load_recipe
 from quantkit.quantize.streaming import quantize_streaming
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,10 @@ def refuse_unmappable_early(model_dir: Path, recipe: Recipe) -> None:
     """SmoothQuant's mappings resolved on the model built from config.json alone (meta device; the traced rule
     gives one layer at a time random weights), so that a model SmoothQuant cannot fold is refused in seconds, not
     after loading it: SmoothQuantMappingError."""
-    resolve_mappings(skeleton_model(AutoConfig.from_pretrained(model_dir)), experts=recipe.smoothquant.experts)
+    resolve_mappings(
+        skeleton_model(AutoConfig.from_pretrained(model_dir)),
+        experts=cast(SmoothQuantSettings, recipe.smoothquant).experts,  # SmoothQuant recipes only (the caller checks)
+    )
 
 
 def quantize_checkpoint(

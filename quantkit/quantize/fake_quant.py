@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -26,6 +27,11 @@ from quantkit.models.attention import reference_attention
 
 class FakeQuantLinear(torch.nn.Module):
     """y = fake_quant(x) @ W_decoded^T + b, in float32, cast to the input dtype."""
+
+    # buffers (register_buffer)
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    input_global_scale: torch.Tensor | None
 
     def __init__(
         self,
@@ -56,6 +62,12 @@ class FakeQuantExperts(torch.nn.Module):
     with `input_global_scale[e, 0]` (gate_proj's, equal to up_proj's: one input, one scale) / `[e, 1]`
     (down_proj's)); identity where that expert matrix is not quantized (`quantized[e, 0 or 1]` False).
     """
+
+    # buffers (register_buffer)
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    quantized: torch.Tensor
+    input_global_scale: torch.Tensor | None
 
     def __init__(
         self,
@@ -222,7 +234,7 @@ def install_fake_quant(
         _load_experts(module, prefix, name, experts, scheme, state, quantized, quantize_activations, model_dir)
     for full in sorted(quantized):
         name = full[len(prefix) :]
-        linear = module.get_submodule(name)
+        linear = cast(torch.nn.Linear, module.get_submodule(name))  # a quantized module is a Linear
         tensors = {s: state.pop(f"{full}.{s}") for s in checkpoint_suffixes() if f"{full}.{s}" in state}
         weight = scheme.decode(tensors, linear.in_features)
         if tuple(weight.shape) != tuple(linear.weight.shape):
@@ -251,7 +263,7 @@ def _load_experts(
     checkpoint tensors (popped from `state` and, for quantized matrices, discarded from `quantized`); replace it
     by a FakeQuantExperts if any matrix is quantized."""
     shapes = {prefix + m: tuple(w.shape) for m, w in expert_matrices(name, module).items()}
-    num_experts = module.gate_up_proj.shape[0]
+    num_experts = cast(torch.Tensor, module.gate_up_proj).shape[0]
     matrices, scales, flags = {}, {}, {}
     for matrix, shape in shapes.items():
         if matrix in quantized:
@@ -288,7 +300,9 @@ def _load_experts(
     setattr(
         model.get_submodule(parent),
         child,
-        FakeQuantExperts(scheme, gate_up, down, module.act_fn, quant, static, quantize_activations),
+        FakeQuantExperts(
+            scheme, gate_up, down, cast(torch.nn.Module, module.act_fn), quant, static, quantize_activations
+        ),
     )
 
 

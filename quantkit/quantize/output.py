@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import torch
 from tqdm import tqdm
@@ -83,7 +84,8 @@ def quantization_config(recipe: Recipe, quantized: list[str], ignored: list[str]
     return {
         "quant_method": "quantkit",
         "recipe": recipe.name,
-        **scheme_for(recipe.scheme).quantization_config(recipe.activation_scale),
+        # quantized recipes only: the caller writes no quantization_config for UNQUANTIZED (scheme_for: None)
+        **cast(Scheme, scheme_for(recipe.scheme)).quantization_config(recipe.activation_scale),
         "quantized_modules": quantized,
         "ignored_modules": ignored,
         "smoothquant": None if recipe.smoothquant is None else vars(recipe.smoothquant),

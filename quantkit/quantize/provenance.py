@@ -91,8 +91,10 @@ def calibration_sets(
         sets.append(("smoothquant", recipe.smoothquant.num_sequences, recipe.smoothquant.seq_len))
     if _calibrates_scales(recipe):
         cal = recipe.calibration or CalibrationSettings()
-        clipped = max_positions and recipe.backend != "llmcompressor"  # llmcompressor's job takes T as given
-        seq_len = min(cal.seq_len, max_positions) if clipped else cal.seq_len
+        # llmcompressor's job takes T as given
+        seq_len = (
+            min(cal.seq_len, max_positions) if max_positions and recipe.backend != "llmcompressor" else cal.seq_len
+        )
         sets.append(("activation scales", cal.num_sequences, seq_len))
     source = describe_calibration_source(recipe.calibration_source(model_type))
     return [dict(use=use, source=source, num_sequences=n, seq_len=t) for use, n, t in sets]

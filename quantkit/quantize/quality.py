@@ -21,9 +21,10 @@ Both models run one decoder layer at a time (`quantkit.calibrate.layers`), so me
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -47,7 +48,7 @@ from quantkit.calibrate.layers import (
     source_tensors,
     tied_partners,
 )
-from quantkit.calibrate.mappings import resolve_mappings
+from quantkit.calibrate.mappings import SmoothMapping, resolve_mappings
 from quantkit.calibrate.smoothquant import fold_mapping
 from quantkit.checkpoints import CheckpointError, TensorReader, check_checkpoint_dir
 from quantkit.data import heldout_windows
@@ -57,6 +58,9 @@ from quantkit.metrics import energy, kl_divergence, snr_db
 from quantkit.quantize.fake_quant import FakeQuantExperts, install_fake_quant, read_quantization_config
 from quantkit.quantize.output import read_smoothquant_factors
 from quantkit.quantize.routed_experts import projection_outputs, routed_expert_passes, summarize_expert_snr
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @torch.no_grad()
@@ -131,7 +135,8 @@ def _layers(
     hooks on the reference's quantized modules (signal / noise accumulate per module name)."""
     stack, ref_layers = decoder_stack(reference)
     _, q_layers = decoder_stack(quantized)
-    mappings, factors = [], {}
+    mappings: Sequence[SmoothMapping] = []
+    factors: dict[str, torch.Tensor] = {}
     if qc["smoothquant"]:
         factors = read_smoothquant_factors(packed.model_dir)
         flags = {k: v for k, v in qc["smoothquant"].items() if k in ("include_v_o", "include_up_down", "experts")}
@@ -176,7 +181,7 @@ def _head_kl(reference: torch.nn.Module, quantized: torch.nn.Module, streams: li
     return per_window
 
 
-def _input_embeddings_prefix(model: torch.nn.Module) -> str:
+def _input_embeddings_prefix(model: PreTrainedModel) -> str:
     embeddings = model.get_input_embeddings()
     return next(f"{n}." for n, m in model.named_modules() if m is embeddings)
 

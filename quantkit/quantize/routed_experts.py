@@ -18,8 +18,9 @@ the per-matrix SNR of a model to one line per experts module and projection (min
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -46,15 +47,16 @@ def routed_expert_passes(
     """Each expert with at least one routed token, in expert order (`module`: a fused experts module)."""
     x_all = hidden_states.detach().reshape(-1, hidden_states.shape[-1])
     index = top_k_index.reshape(x_all.shape[0], -1)
-    for e in range(module.gate_up_proj.shape[0]):
+    for e in range(cast(torch.Tensor, module.gate_up_proj).shape[0]):
         token_idx, slot = torch.where(index == e)
         if token_idx.numel() == 0:
             continue
         x = x_all[token_idx]
-        gate_up = nn.functional.linear(x, module.gate_up_proj[e].detach())
+        gate_up = nn.functional.linear(x, cast(torch.Tensor, module.gate_up_proj)[e].detach())
         gate, up = gate_up.chunk(2, dim=-1)
-        h = module.act_fn(gate) * up
-        yield ExpertPass(e, token_idx, slot, x, gate_up, h, nn.functional.linear(h, module.down_proj[e].detach()))
+        h = cast(Callable[[torch.Tensor], torch.Tensor], module.act_fn)(gate) * up
+        y = nn.functional.linear(h, cast(torch.Tensor, module.down_proj)[e].detach())
+        yield ExpertPass(e, token_idx, slot, x, gate_up, h, y)
 
 
 def projection_outputs(p: ExpertPass) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -86,7 +88,7 @@ def summarize_expert_snr(snr_db: Mapping[str, float | None]) -> dict[str, dict[s
             out[experts][proj] = {
                 "min": ranked[0],
                 "median": median,
-                "min_expert": min(values, key=values.get),
+                "min_expert": min(values, key=values.__getitem__),
                 "experts": len(values),
             }
     return out

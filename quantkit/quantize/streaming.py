@@ -47,7 +47,9 @@ import os
 import shutil
 import struct
 import tempfile
+from io import BufferedWriter
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -72,7 +74,7 @@ from quantkit.calibrate.layers import (
     source_tensors,
     tied_partners,
 )
-from quantkit.calibrate.mappings import MappingPlan, resolve_mappings
+from quantkit.calibrate.mappings import MappingPlan, SmoothMapping, resolve_mappings
 from quantkit.calibrate.smoothquant import (
     DEFAULT_TOLERANCE,
     DEFAULT_VERIFY_SEQUENCES,
@@ -125,7 +127,7 @@ class ShardWriter:
         self.out_dir, self.max_shard_bytes, self.metadata = out_dir, max_shard_bytes, metadata
         self.shards: list[tuple[Path, list[str]]] = []  # closed shards and their tensors
         self.total_size = 0
-        self._data = None
+        self._data: BufferedWriter | None = None
         self._entries: dict[str, dict] = {}
         self._offset = 0
 
@@ -139,7 +141,8 @@ class ShardWriter:
         if t.dtype not in _DTYPE_NAMES:
             raise TypeError(f"{name}: dtype {t.dtype} has no safetensors name")
         if nbytes:
-            self._data.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            # numpy's stubs give ndarray __buffer__ only for Python >= 3.12; it exports the buffer protocol on 3.11 too
+            self._data.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
         self._entries[name] = {
             "dtype": _DTYPE_NAMES[t.dtype],
             "shape": list(t.shape),
@@ -149,8 +152,9 @@ class ShardWriter:
         self.total_size += nbytes
 
     def _close_shard(self) -> None:
-        data_path = Path(self._data.name)
-        self._data.close()
+        data_file = cast(BufferedWriter, self._data)  # open: add() opened it, and the shard has entries
+        data_path = Path(data_file.name)
+        data_file.close()
         header = json.dumps({"__metadata__": self.metadata, **self._entries}, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned (safetensors' own padding)
         shard = self.out_dir / f".shard-{len(self.shards)}.safetensors"
@@ -280,7 +284,11 @@ def quantize_streaming(
                 streams[name] = embed_stream(skeleton, layers, name, tokens, spill[name], lazy=name == "sq")
             if sq is not None:  # the smoothed stream starts from the same embeddings as the reference
                 streams["smoothed"] = embed_stream(
-                    skeleton, layers, "smoothed", sq_tokens[:DEFAULT_VERIFY_SEQUENCES], spill["ref"]
+                    skeleton,
+                    layers,
+                    "smoothed",
+                    cast(torch.Tensor, sq_tokens)[:DEFAULT_VERIFY_SEQUENCES],  # set with sq
+                    spill["ref"],
                 )
 
             calibrated: list[LayerFactors] = []
@@ -292,7 +300,13 @@ def quantize_streaming(
                 if sq is not None:  # the statistics' stream passes layer i unsmoothed, the reference too
                     calibrated.append(
                         layer_factors(
-                            skeleton, layer, i, streams["sq"], per_layer[i], sq.alpha, early_stop=sq.early_stop_rule()
+                            skeleton,
+                            layer,
+                            i,
+                            streams["sq"],
+                            cast(list[tuple[SmoothMapping, ...]], per_layer)[i],  # set with sq
+                            sq.alpha,
+                            early_stop=sq.early_stop_rule(),
                         )
                     )
                     advance_stream(streams["ref"], layer, i)
@@ -319,7 +333,16 @@ def quantize_streaming(
             report = None
             if sq is not None:
                 load_outside(skeleton, reader, head_keys, tied)
-                report = _verify(skeleton, layers, streams["ref"], streams["smoothed"], plan, sq, sq_tokens, calibrated)
+                report = _verify(
+                    skeleton,
+                    layers,
+                    streams["ref"],
+                    streams["smoothed"],
+                    cast(MappingPlan, plan),  # set with sq
+                    sq,
+                    cast(torch.Tensor, sq_tokens),  # set with sq
+                    calibrated,
+                )
             writer.finish()
             architecture = type(skeleton).__name__
             config_out = output_config(

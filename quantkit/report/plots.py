@@ -8,6 +8,7 @@ where the results carry one (quantkit.report.table). KL bars: the row's `kl`, na
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 import numpy as np
@@ -15,7 +16,10 @@ from matplotlib.figure import Figure
 
 from quantkit.report.table import Table, TableRow
 
-_RC = {"svg.hashsalt": "quantkit", "svg.fonttype": "none", "font.size": 9}
+if TYPE_CHECKING:
+    from matplotlib.typing import RcKeyType
+
+_RC: dict[RcKeyType, Any] = {"svg.hashsalt": "quantkit", "svg.fonttype": "none", "font.size": 9}
 
 
 def inline_svg(fig: Figure) -> str:
@@ -56,10 +60,11 @@ def plot_benchmark_degradation(table: Table) -> str | None:
     series = [
         (
             _name(r),
-            [r.degradation.delta.get(b.key) for b in table.columns] + [r.degradation.delta_avg],
-            [r.degradation.noise.get(b.key) for b in table.columns] + [r.degradation.noise_avg],
+            [d.delta.get(b.key) for b in table.columns] + [d.delta_avg],
+            [d.noise.get(b.key) for b in table.columns] + [d.noise_avg],
         )
         for r in rows
+        if (d := r.degradation)  # every row of `rows` has one
     ]
     with matplotlib.rc_context(_RC):
         fig = Figure(figsize=(max(6.0, 0.6 * len(labels) + 0.12 * len(labels) * len(rows)), 3.6))

@@ -19,13 +19,13 @@ import io
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from quantkit.atomic import write_text_atomic
 from quantkit.report.benchmarks import Benchmark
 from quantkit.report.plots import plot_benchmark_degradation, plot_variant_degradation, plot_variant_kl
 from quantkit.report.results import Results, load_results
-from quantkit.report.table import Table, TableRow, build_table, rank_variants, significant
+from quantkit.report.table import Degradation, Table, TableRow, build_table, rank_variants, significant
 
 DASH = "–"
 REPORT_FILES = ("report.md", "report.csv", "report.json", "report.html")
@@ -103,7 +103,7 @@ def _diagnostic_columns(table: Table) -> list[tuple[str, Callable[[TableRow], st
             ("Calibration", lambda r: DASH if r.row.calibration is None else describe_calibration(r.row.calibration))
         )
     for key in table.outlier_keys:
-        cols.append((key, lambda r, k=key: _outlier(r.row.outliers.get(k))))
+        cols.append((key, _keyed(lambda r, k: _outlier(r.row.outliers.get(k)), key)))
     return cols
 
 
@@ -147,8 +147,16 @@ def summary(table: Table) -> str | None:
 
 
 def _summary_delta(r: TableRow) -> str:
-    d = r.degradation
+    d = cast(Degradation, r.degradation)  # a ranked row (rank_variants): it has one
     return f" ({_delta_ns(d.delta_avg, d.noise_avg, with_noise=True)})"
+
+
+_T = TypeVar("_T")
+
+
+def _keyed(cell: Callable[[TableRow, str], _T], key: str) -> Callable[[TableRow], _T]:
+    """The column of one benchmark / outlier key: cell(row, key)."""
+    return lambda r: cell(r, key)
 
 
 def _lead_columns(table: Table) -> list[tuple[str, Callable[[TableRow], str]]]:
@@ -239,7 +247,7 @@ def _md_row(cells: list[str]) -> str:
 
 def _degradation_cell(r: TableRow, key: str | None) -> tuple[str, bool | None]:
     """(text, significant) of a degradation-table cell: Delta ± noise, n.s. inside it; key None: Delta Avg."""
-    d = r.degradation
+    d = cast(Degradation, r.degradation)  # a degraded (non-BF16) row
     delta, noise = (d.delta_avg, d.noise_avg) if key is None else (d.delta.get(key), d.noise.get(key))
     return _delta_ns(delta, noise, with_noise=True), significant(delta, noise)
 
@@ -363,7 +371,7 @@ def to_csv(table: Table) -> str:
         ("recipe", lambda r: r.row.recipe),
         ("precision", lambda r: r.row.precision),
     ]
-    columns += [(b.label, lambda r, k=b.key: r.row.scores.get(k)) for b in table.columns]
+    columns += [(b.label, _keyed(lambda r, k: r.row.scores.get(k), b.key)) for b in table.columns]
     columns += [("avg", lambda r: r.avg), ("delta_avg", lambda r: r.degradation and r.degradation.delta_avg)]
     if table.has_noise:
         columns.append(("noise_avg", lambda r: r.degradation and r.degradation.noise_avg))
@@ -383,12 +391,12 @@ def to_csv(table: Table) -> str:
             ("size_bytes", lambda r: r.row.size and r.row.size["bytes"]),
             ("size_bf16_ratio", lambda r: r.row.size and r.row.size["bf16_ratio"]),
         ]
-    columns += [(f"delta_{k}", lambda r, k=k: r.degradation and r.degradation.delta.get(k)) for k in keys]
+    columns += [(f"delta_{k}", _keyed(lambda r, k: r.degradation and r.degradation.delta.get(k), k)) for k in keys]
     if table.has_noise:
-        columns += [(f"noise_{k}", lambda r, k=k: r.degradation and r.degradation.noise.get(k)) for k in keys]
+        columns += [(f"noise_{k}", _keyed(lambda r, k: r.degradation and r.degradation.noise.get(k), k)) for k in keys]
     if table.has_flips:
-        columns += [(f"flips_{k}", lambda r, k=k: r.row.flips.get(k)) for k in keys]
-    columns += [(f"outlier_{k}", lambda r, k=k: r.row.outliers.get(k)) for k in table.outlier_keys]
+        columns += [(f"flips_{k}", _keyed(lambda r, k: r.row.flips.get(k), k)) for k in keys]
+    columns += [(f"outlier_{k}", _keyed(lambda r, k: r.row.outliers.get(k), k)) for k in table.outlier_keys]
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow([name for name, _ in columns])
@@ -486,22 +494,25 @@ def to_html(table: Table, figures: dict[str, str] | None = None, time_line: str 
         rows_html = []
         for r in degraded:
             cells = [_cell(f(r), "l") for _, f in lead]
-            for key, delta in [(b.key, r.degradation.delta.get(b.key)) for b in table.columns] + [
-                (None, r.degradation.delta_avg)
-            ]:
+            deg = cast(Degradation, r.degradation)  # `degraded` rows have one
+            per_key: list[tuple[str | None, float | None]] = [(b.key, deg.delta.get(b.key)) for b in table.columns]
+            for key, delta in per_key + [(None, deg.delta_avg)]:
                 text, sig = _degradation_cell(r, key)
                 cells.append(_cell(text, _sign_class(delta, sig)))
             rows_html.append(cells)
-        header = (
+        degradation_head = (
             [_cell(h, "l", "th") for h, _ in lead]
             + [_cell(b.label, "", "th") for b in table.columns]
             + [_cell("ΔAvg", "", "th")]
         )
         parts += [
             f"<h2>Degradation vs BF16 (points, ± noise floor where known; {NS}: inside it, greyed)</h2>",
-            _html_table(header, rows_html),
+            _html_table(degradation_head, rows_html),
             "<h2>Plots</h2>",
-            _figure(plot_benchmark_degradation(table), "Delta vs BF16 per benchmark and Avg (points)"),
+            _figure(
+                cast(str, plot_benchmark_degradation(table)),  # a plot: there are degraded rows
+                "Delta vs BF16 per benchmark and Avg (points)",
+            ),
         ]
         side = [
             (plot_variant_degradation(table), "Delta Avg vs BF16 per variant and precision (points)"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 from quantkit.metrics import noise_of_mean
 from quantkit.report.benchmarks import Benchmark, ordered, resolve
@@ -161,6 +162,12 @@ class Ranked:
     steps: tuple[bool | None, ...]
 
 
+def _ranked(r: TableRow) -> tuple[float, float | None]:
+    """(Delta Avg, its noise floor) of a row rank_variants keeps: it has a degradation with a Delta Avg."""
+    d = cast(Degradation, r.degradation)
+    return cast(float, d.delta_avg), d.noise_avg
+
+
 def rank_variants(table: Table) -> list[Ranked]:
     """Per precision (first-appearance order), the non-BF16 rows with a Delta Avg, ordered best first."""
     by_precision: dict[str, list[TableRow]] = {}
@@ -169,11 +176,11 @@ def rank_variants(table: Table) -> list[Ranked]:
             by_precision.setdefault(r.row.precision, []).append(r)
     out = []
     for precision, rows in by_precision.items():
-        rows = sorted(rows, key=lambda r: -r.degradation.delta_avg)
+        rows = sorted(rows, key=lambda r: -_ranked(r)[0])
         steps = []
         for a, b in zip(rows, rows[1:]):
-            na, nb = a.degradation.noise_avg, b.degradation.noise_avg
+            (da, na), (db, nb) = _ranked(a), _ranked(b)
             noise = None if na is None or nb is None else math.hypot(na, nb)
-            steps.append(significant(a.degradation.delta_avg - b.degradation.delta_avg, noise))
+            steps.append(significant(da - db, noise))
         out.append(Ranked(precision=precision, rows=tuple(rows), steps=tuple(steps)))
     return out

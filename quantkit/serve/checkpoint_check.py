@@ -66,7 +66,7 @@ def check_servable(model_dir: str | Path) -> dict | None:
 def _check_quantkit(model_dir: Path, qc: dict, headers: TensorHeaders) -> None:
     scheme = scheme_from_config(qc, f"{model_dir}/config.json quantization_config")
     modules = qc["quantized_modules"]
-    shapes = defaultdict(dict)  # module -> {suffix: shape}
+    shapes: defaultdict[str, dict[str, tuple[int, ...]]] = defaultdict(dict)  # module -> {suffix: shape}
     for name, (_, shape) in headers.items():
         module, dot, suffix = name.rpartition(".")
         if dot:

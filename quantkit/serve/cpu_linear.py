@@ -18,6 +18,7 @@ replaces the bf16 weight where vLLM would drop it (`remove_weight`, all Linear l
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -34,14 +35,15 @@ def float32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[
     def linear(x: torch.Tensor, _weight: torch.Tensor, _bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x.float(), weight32, bias32).to(x.dtype)
 
-    linear.weight32, linear.bias32 = weight32, bias32  # for inspection (benchmarks/ab_hybrid_cpu.py)
+    # for inspection (benchmarks/ab_hybrid_cpu.py); attributes of a function, which mypy does not model
+    linear.weight32, linear.bias32 = weight32, bias32  # type: ignore[attr-defined]
     return linear
 
 
 def _needs_float32(layer: torch.nn.Module) -> bool:
     """True for a 2-D half-precision weight that vLLM's dispatch left on the bf16 `F.linear` fallback (the paths
     that took the layer elsewhere -- oneDNN, sgl, zentorch -- drop or repack the weight when allowed to)."""
-    weight = layer.weight
+    weight = cast(torch.Tensor, layer.weight)
     return not weight.is_meta and weight.ndim == 2 and weight.numel() > 0 and weight.dtype in HALF_DTYPES
 
 
@@ -71,10 +73,12 @@ def install() -> bool:
         dispatch(layer, remove_weight)
         if not (linear and _needs_float32(layer)):
             return
-        layer.cpu_linear = float32_linear(layer.weight, getattr(layer, "bias", None))
+        weight = cast(torch.Tensor, layer.weight)
+        # nn.Module.__setattr__ takes any value; torch's stub admits only tensors and modules
+        layer.cpu_linear = float32_linear(weight, getattr(layer, "bias", None))  # type: ignore[assignment]
         if remove_weight:  # as vLLM's oneDNN path does: the layer computes from its own copy only
-            layer.weight = torch.nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+            layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
 
-    dispatch_float32.quantkit_float32 = True
+    dispatch_float32.quantkit_float32 = True  # type: ignore[attr-defined]  # a function attribute (the install mark)
     utils.dispatch_cpu_unquantized_gemm = dispatch_float32
     return True

@@ -48,14 +48,15 @@ def serving_smoothed_checkpoint() -> bool:
     return isinstance(quant_config, QuantkitQuantConfig) and quant_config.smoothquant is not None
 
 
-def mark_float32_loadable(*params: torch.nn.Parameter | None) -> None:
+def mark_float32_loadable(*params: torch.Tensor | None) -> None:
     """Give `params` the `keep_float32` loader when the model is served from a SmoothQuant checkpoint under
     quantkit's quant method."""
     if not serving_smoothed_checkpoint():
         return
     for param in params:
         if isinstance(param, torch.nn.Parameter):
-            param.weight_loader = keep_float32
+            # vLLM's loading protocol: a weight_loader attribute on the Parameter (no such attribute in torch's stub)
+            param.weight_loader = keep_float32  # type: ignore[attr-defined]
 
 
 def install() -> bool:
@@ -72,7 +73,7 @@ def install() -> bool:
             _init(self, *args, **kwargs)
             mark_float32_loadable(getattr(self, "weight", None))
 
-        wrapped.quantkit_float32 = True
+        wrapped.quantkit_float32 = True  # type: ignore[attr-defined]  # a function attribute (the install mark)
         cls.__init__ = wrapped
         installed = True
     return installed

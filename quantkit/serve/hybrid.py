@@ -20,6 +20,7 @@ unquantized, replicated across tensor-parallel ranks, no CUDA graphs; fused GLU 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -90,8 +91,8 @@ class QuantkitHybridNorm(nn.Module):
             residual = x
         h = x.float() * self.pre_scale.float() if self.pre_scale is not None else x
         y = (rms_normalize(h, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
-        if self.gate_down is not None:
-            y = gated_norm_gate(self.gate_down, self.gate_up, y)
+        if self.gate_down is not None:  # gate_up with it (gated_norm_gates)
+            y = gated_norm_gate(self.gate_down, cast(nn.Module, self.gate_up), y)
         return y if residual is None else (y, residual)
 
 
@@ -275,7 +276,7 @@ class GLUSparseMoeBlock(nn.Module):
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         out = self.experts(x, top_ids, top_weights.to(x.dtype))
         if self.shared_expert is not None:
-            shared_gate, _ = self.shared_expert_gate(x)
+            shared_gate, _ = cast(ReplicatedLinear, self.shared_expert_gate)(x)  # set with shared_expert
             out = out + torch.sigmoid(shared_gate) * self.shared_expert(x)
         return out.view(hidden_states.shape)
 
@@ -316,6 +317,7 @@ class QuantkitHybridDecoderLayer(Qwen3NextDecoderLayer):
             config.num_experts > 0 and (self.layer_idx + 1) % config.decoder_sparse_step == 0
         )
         glu = config.hidden_act == "sigmoid"
+        self.mlp: nn.Module
         if is_moe_layer and glu:
             self.mlp = GLUSparseMoeBlock(config, quant_config=vllm_config.quant_config, prefix=f"{prefix}.mlp")
         elif is_moe_layer:

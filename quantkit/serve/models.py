@@ -18,6 +18,7 @@ Where attention lives in vLLM's paged-KV backend, the flags act around it:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,7 @@ def gated_norm_gates(hidden: int, rank: int, prefix: str) -> tuple[nn.Module | N
 def gated_norm_gate(gate_down: nn.Module, gate_up: nn.Module, y: torch.Tensor) -> torch.Tensor:
     """GatedNorm's y <- sigmoid(gate_up(silu(gate_down(y)))) * y; gate_down in its weight's dtype (float32 where
     SmoothQuant scaled its columns; its rank-r output rounded once to y's dtype), the rest in y's dtype."""
-    weight = gate_down.weight
+    weight = cast(torch.Tensor, gate_down.weight)
     down = F.linear(y.to(weight.dtype), weight).to(y.dtype)
     up, _ = gate_up(F.silu(down))
     return torch.sigmoid(up) * y
@@ -116,8 +117,8 @@ class QuantkitNorm(nn.Module):
             x = x + residual  # in the model dtype, as the transformers reference does
             residual = x
         y = self._normalize(x)
-        if self.gate_down is not None:
-            y = gated_norm_gate(self.gate_down, self.gate_up, y)
+        if self.gate_down is not None:  # gate_up with it (gated_norm_gates)
+            y = gated_norm_gate(self.gate_down, cast(nn.Module, self.gate_up), y)
         return y if residual is None else (y, residual)
 
 
@@ -317,15 +318,18 @@ class QuantkitAttention(nn.Module):
     def _value_scale(self, v: torch.Tensor) -> torch.Tensor:
         """V-scale (002 sec. 5.1), float32 math, result in v's dtype."""
         per_head = v.view(-1, self.num_kv_heads, self.head_dim)
-        return value_scale(per_head, self.v_scale_theta[:, None], self.head_dim).view(v.shape)
+        theta = cast(torch.Tensor, self.v_scale_theta)  # set: forward calls this only then
+        return value_scale(per_head, theta[:, None], self.head_dim).view(v.shape)
 
     def _write_sink(
         self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replace k and v of every position-0 token with the learned sink k', v' (004 Table 2 (d))."""
         at_zero = (positions == 0)[:, None]
-        k = torch.where(at_zero, self.sink_key.reshape(1, -1).to(k.dtype), k)
-        v = torch.where(at_zero, self.sink_value.reshape(1, -1).to(v.dtype), v)
+        # set together: forward calls this only then
+        sink_key, sink_value = cast(torch.Tensor, self.sink_key), cast(torch.Tensor, self.sink_value)
+        k = torch.where(at_zero, sink_key.reshape(1, -1).to(k.dtype), k)
+        v = torch.where(at_zero, sink_value.reshape(1, -1).to(v.dtype), v)
         return k, v
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:

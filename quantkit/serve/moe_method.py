@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,16 @@ logger = init_logger(f"vllm.{__name__}")
 
 ACTIVATIONS = {MoEActivation.SILU: F.silu}  # Qwen3-Next's experts; GLU experts are served by serve/hybrid.py
 SHARD_INDEX = {"w1": 0, "w3": 1, "w2": 0}  # vLLM's expert shard id -> fused shard of its parameter
+
+
+def _layout(layer: torch.nn.Module) -> dict[str, tuple[list[int], int]]:
+    """The quantkit_layout `QuantkitExperts.create_weights` set on `layer`: stem -> (its shards' rows, in_features)."""
+    return cast(dict[str, tuple[list[int], int]], layer.quantkit_layout)
+
+
+def _num_experts(layer: torch.nn.Module) -> int:
+    """The quantkit_num_experts `QuantkitExperts.create_weights` set on `layer`."""
+    return cast(int, layer.quantkit_num_experts)
 
 
 class QuantkitExperts:
@@ -86,12 +97,13 @@ class QuantkitExperts:
                 f"{self.prefix}: {self.scheme.name} under tensor parallelism needs moe_intermediate_size/tp "
                 f"({intermediate_size}) to be a multiple of {self.scheme.k_multiple}"
             )
-        layer.quantkit_layout = {
+        # (the ignores: nn.Module.__setattr__ takes any value; torch's stub admits only tensors and modules)
+        layer.quantkit_layout = {  # type: ignore[assignment]
             "w13": ([intermediate_size] * 2, hidden_size),
             "w2": ([hidden_size], intermediate_size),
         }
-        layer.quantkit_num_experts = num_experts
-        for stem, (shard_rows, k) in layer.quantkit_layout.items():
+        layer.quantkit_num_experts = num_experts  # type: ignore[assignment]
+        for stem, (shard_rows, k) in _layout(layer).items():
             for spec in self.scheme.layer_tensors(sum(shard_rows), k, len(shard_rows), self.activation_scale):
                 self._add(layer, stem, spec, shard_rows, num_experts, local_expert)
 
@@ -134,7 +146,8 @@ class QuantkitExperts:
             )
             return True if return_success else None
 
-        param.weight_loader = weight_loader
+        # vLLM's loading protocol: a weight_loader attribute on the Parameter (no such attribute in torch's stub)
+        param.weight_loader = weight_loader  # type: ignore[attr-defined]
         layer.register_parameter(name, param)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -142,22 +155,20 @@ class QuantkitExperts:
         (`w13/w2_dequantized`), triton: keep the packed parameters."""
         scheme = self.scheme
         if self.activation_scale == "static":
-            w13_scales = layer.w13_input_global_scale.data
+            w13_scales = cast(Parameter, layer.w13_input_global_scale).data
             if not torch.equal(w13_scales[:, 0], w13_scales[:, 1]):
                 raise ValueError(
                     f"{self.prefix}: experts' gate_proj and up_proj have different static "
                     "input_global_scale; they read the same input"
                 )
-            self.input_scales = torch.stack([w13_scales[:, 0], layer.w2_input_global_scale.data[:, 0]], 1)
+            w2_scales = cast(Parameter, layer.w2_input_global_scale).data
+            self.input_scales = torch.stack([w13_scales[:, 0], w2_scales[:, 0]], 1)
         self.kernel = select_kernel(layer)
         if self.kernel == "torch-emulation":
-            for stem, (_, k) in layer.quantkit_layout.items():
+            for stem, (_, k) in _layout(layer).items():
                 params = {s: getattr(layer, f"{stem}_{s}").data for s in scheme.tensors}
                 decoded = torch.stack(
-                    [
-                        scheme.decode_layer({s: t[e] for s, t in params.items()}, k)
-                        for e in range(layer.quantkit_num_experts)
-                    ]
+                    [scheme.decode_layer({s: t[e] for s, t in params.items()}, k) for e in range(_num_experts(layer))]
                 )
                 for s in (*scheme.tensors, *scheme.static_tensors):
                     if hasattr(layer, f"{stem}_{s}"):
@@ -182,11 +193,10 @@ class QuantkitExperts:
     ) -> torch.Tensor:
         """x (T, H), topk_ids (T, k) local expert ids (-1: not here), topk_weights (T, k) -> (T, H) in x's dtype."""
         if self.kernel == "torch-emulation":
-            out = routed_experts_forward(
-                x, topk_ids, topk_weights, layer.w13_dequantized, layer.w2_dequantized, act, self._fake_quant
-            )
+            w13, w2 = cast(Parameter, layer.w13_dequantized), cast(Parameter, layer.w2_dequantized)
+            out = routed_experts_forward(x, topk_ids, topk_weights, w13, w2, act, self._fake_quant)
             return out.to(x.dtype)
-        sort = sort_by_expert(topk_ids, layer.quantkit_num_experts)
+        sort = sort_by_expert(topk_ids, _num_experts(layer))
         gate, up = self.triton_gate_up(layer, x, sort).chunk(2, dim=-1)
         y = self._grouped(layer, "w2", act(gate) * up, sort.expert_offsets, 1)
         return combine_expert_rows(y, sort, topk_weights).to(x.dtype)
@@ -294,7 +304,7 @@ class QuantkitMoEMethod(FusedMoEMethodBase):
             num_experts,
             hidden_size,
             intermediate_size_per_partition,
-            layer._map_global_expert_id_to_local_expert_id,
+            cast(Callable[[int], int], layer._map_global_expert_id_to_local_expert_id),
         )
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -315,7 +325,7 @@ class QuantkitMoEMethod(FusedMoEMethodBase):
         """Routed experts' output (T, H) in x's dtype; vLLM adds the shared expert (run before) and reduces over TP."""
         ids = topk_ids.long()
         if layer.expert_map is not None:  # global -> local expert ids (-1: another rank's)
-            ids = layer.expert_map[ids].long()
+            ids = cast(torch.Tensor, layer.expert_map)[ids].long()
         return self.experts.forward(layer, x, ids, topk_weights, ACTIVATIONS[layer.activation])
 
 

@@ -26,7 +26,7 @@ equal to the served ones.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn import Parameter
@@ -148,21 +148,23 @@ class QuantkitLinearMethod(LinearMethodBase):
         n, k = sum(output_partition_sizes), input_size_per_partition
         sharded_k = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
         # a fused layer the checkpoint stores as one matrix (Phi-3's qkv_proj, gate_up_proj): one shard, whole
-        layer.quantkit_whole = len(output_partition_sizes) > 1 and self.prefix in self.config.quantized_modules
-        if layer.quantkit_whole and layer.tp_size > 1:
+        # (the ignores: nn.Module.__setattr__ takes any value; torch's stub admits only tensors and modules)
+        layer.quantkit_whole = len(output_partition_sizes) > 1 and self.prefix in self.config.quantized_modules  # type: ignore[assignment]
+        if layer.quantkit_whole and cast(int, layer.tp_size) > 1:
             raise ValueError(
                 f"{self.prefix}: the checkpoint quantized this fused projection as one matrix; tensor "
                 "parallelism splits it by its parts, whose scales the whole matrix shares: serve with tp 1"
             )
-        layer.quantkit_shards = [n] if layer.quantkit_whole else list(output_partition_sizes)
-        layer.quantkit_in_features = k
+        layer.quantkit_shards = [n] if layer.quantkit_whole else list(output_partition_sizes)  # type: ignore[assignment]
+        layer.quantkit_in_features = k  # type: ignore[assignment]
         scheme = self.config.scheme
         if sharded_k and k % scheme.k_multiple:
             raise ValueError(
                 f"{self.prefix}: {scheme.name} under tensor parallelism needs in_features/tp ({k}) to be a "
                 f"multiple of {scheme.k_multiple}"
             )
-        for spec in scheme.layer_tensors(n, k, len(layer.quantkit_shards), self.config.activation_scale):
+        shards = len(cast(list[int], layer.quantkit_shards))
+        for spec in scheme.layer_tensors(n, k, shards, self.config.activation_scale):
             self._add(layer, spec)
 
     def _add(self, layer: torch.nn.Module, spec: LayerTensor) -> None:
@@ -177,7 +179,7 @@ class QuantkitLinearMethod(LinearMethodBase):
                 param.data,
                 loaded,
                 spec,
-                layer.quantkit_shards,
+                cast(list[int], layer.quantkit_shards),
                 index,
                 rank_shard,
                 k_rank,
@@ -185,14 +187,15 @@ class QuantkitLinearMethod(LinearMethodBase):
                 self.config.scheme.name,
             )
 
-        param.weight_loader = weight_loader
+        # vLLM's loading protocol: a weight_loader attribute on the Parameter (no such attribute in torch's stub)
+        param.weight_loader = weight_loader  # type: ignore[attr-defined]
         layer.register_parameter(name, param)
 
     # ------------------------------------------------------------------ after loading: pick the kernel
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if self.config.activation_scale == "static":
-            scales = layer.input_global_scale.data
+            scales = cast(Parameter, layer.input_global_scale).data
             if not torch.all(scales == scales[0]):
                 raise ValueError(
                     f"{self.prefix}: fused shards have different static input_global_scale {scales.tolist()}; "
@@ -203,7 +206,7 @@ class QuantkitLinearMethod(LinearMethodBase):
         if self.kernel == "torch-emulation":  # decode the weights once; activations are quantized per call
             scheme = self.config.scheme
             weight = scheme.decode_layer(
-                {s: getattr(layer, s).data for s in scheme.tensors}, layer.quantkit_in_features
+                {s: getattr(layer, s).data for s in scheme.tensors}, cast(int, layer.quantkit_in_features)
             )
             for suffix in scheme.tensors:
                 delattr(layer, suffix)
@@ -223,7 +226,8 @@ class QuantkitLinearMethod(LinearMethodBase):
             xq = self.config.scheme.fake_quant_activation(x, input_global_scale, row_amax)
             if self.capture_dir:
                 self._capture(layer, x, xq)
-            out = torch.nn.functional.linear(xq, layer.weight_dequantized, None if bias is None else bias.float())
+            weight = cast(Parameter, layer.weight_dequantized)
+            out = torch.nn.functional.linear(xq, weight, None if bias is None else bias.float())
             return out.to(x.dtype)
         from quantkit.kernels.schemes import quantized_linear  # Triton: imported where used
 
@@ -233,7 +237,8 @@ class QuantkitLinearMethod(LinearMethodBase):
     def _capture(self, layer: torch.nn.Module, x: torch.Tensor, xq: torch.Tensor) -> None:
         """Save this call's input and quantized input (see the module docstring, "Parity capture")."""
         rank = getattr(layer, "tp_rank", 0)
-        path = os.path.join(self.capture_dir, f"{self.prefix}.{rank}.{self.calls:05d}.pt")
+        capture_dir = cast(str, self.capture_dir)  # apply() captures only when it is set
+        path = os.path.join(capture_dir, f"{self.prefix}.{rank}.{self.calls:05d}.pt")
         torch.save({"prefix": self.prefix, "tp_rank": rank, "x": x.float().clone(), "xq": xq.clone()}, path)
         self.calls += 1
 

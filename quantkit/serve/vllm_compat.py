@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata as metadata
 import sys
 from pathlib import Path
+from typing import cast
 
 ALIAS_MARKER = "quantkit-vllm-alias"
 
@@ -27,7 +28,7 @@ def ensure_vllm_dist_alias() -> str | None:
     except metadata.PackageNotFoundError:
         return None
     version = f"{cpu.version}+cpu"
-    site = Path(cpu.locate_file(""))
+    site = Path(cast(Path, cpu.locate_file("")))  # an installed (path) distribution's directory
     dist_info = site / f"vllm-{version}.dist-info"
     dist_info.mkdir(exist_ok=True)
     (dist_info / "METADATA").write_text(
