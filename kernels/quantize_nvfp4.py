@@ -139,7 +139,9 @@ def quantize_nvfp4_per_token(
     check_tile("quantize_nvfp4_per_token", "block_k", block_k, least=NVFP4_GROUP)
     static = global_scale is not None
     m, k = x.shape
-    static_global = _static_global(global_scale, m, x.device) if static else torch.empty(1, device=x.device)
+    static_global = (
+        _static_global(global_scale, m, x.device) if global_scale is not None else torch.empty(1, device=x.device)
+    )
     x = x if x.stride(-1) == 1 else x.contiguous()
     k_pad = triton.cdiv(k, NVFP4_GROUP) * NVFP4_GROUP
     packed = torch.empty((m, k_pad // 2), dtype=torch.uint8, device=x.device)

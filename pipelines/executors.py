@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, TracebackType
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -180,11 +180,12 @@ class RayExecutor:
                 for recipe in recipes:
                     start("recipe", task.label, recipe)
             elif task.scope == "recipe":
-                chains.add((task.label, task.recipe))
+                recipe_done = cast(str, task.recipe)  # a recipe-scope task's (start("recipe", label, recipe))
+                chains.add((task.label, recipe_done))
                 ready = (
                     [r for r in recipes if r != BASELINE and (task.label, r) in chains]
-                    if task.recipe == BASELINE
-                    else [task.recipe]
+                    if recipe_done == BASELINE
+                    else [recipe_done]
                     if (task.label, BASELINE) in chains
                     else []
                 )

@@ -55,7 +55,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import yaml
 from tqdm import tqdm
@@ -201,14 +201,18 @@ class Study:
         template = STAGE_BY_NAME[stage].artifact
         return None if template is None else self.dir / template.format(model=label, recipe=recipe)
 
+    def _artifact_file(self, stage: str, label: str | None = None, recipe: str | None = None) -> Path:
+        """`artifact` of a stage that has one (every stage but checkpoint and report)."""
+        return cast(Path, self.artifact(stage, label, recipe))
+
     def checkpoint_dir(self, label: str, recipe: str) -> Path:
-        return self.artifact("quantize", label, recipe).parent
+        return self._artifact_file("quantize", label, recipe).parent
 
     def eval_dir(self, label: str, recipe: str) -> Path:
-        return self.artifact("eval", label, recipe).parent
+        return self._artifact_file("eval", label, recipe).parent
 
     def diagnostics_dir(self, label: str) -> Path:
-        return self.artifact("diagnose", label).parent
+        return self._artifact_file("diagnose", label).parent
 
     def run(self, until: str = "report", executor: Executor | None = None) -> Path:
         """Run every stage up to `until` (inclusive); return the run directory.
@@ -380,7 +384,7 @@ class Study:
             _atomic_json(tmp / "results.json", {**results, "out_dir": str(out.resolve())})  # not the temp dir
 
     def _degradation(self, label: str, recipe: str) -> None:
-        _atomic_json(self.artifact("degradation", label, recipe), degradation(self, label, recipe))
+        _atomic_json(self._artifact_file("degradation", label, recipe), degradation(self, label, recipe))
 
     def _report(self, *_: None) -> None:
         results = study_results(self)
@@ -390,7 +394,7 @@ class Study:
 
         figures = {}
         for label in self.spec.models:
-            path = self.artifact("diagnose", label)
+            path = self._artifact_file("diagnose", label)
             if path.exists():
                 figures.update(
                     {f"{label}: {name}": svg for name, svg in figure_svgs(json.loads(path.read_text())).items()}
@@ -415,7 +419,8 @@ class Stage:
     name: str
     scope: str
     artifact: str | None
-    run: Callable[[Study, str | None, str | None], None]
+    # run(study, model, recipe): each argument is a str or None as `scope` says (a model stage gets recipe None)
+    run: Callable[[Study, Any, Any], None]
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
@@ -480,7 +485,7 @@ def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
     from quantkit.evals.degradation import HeldoutLogprobsError, compare_samples, engine_kl, heldout_kl, read_samples
 
     base_dir, test_dir = study.eval_dir(label, BASELINE), study.eval_dir(label, recipe)
-    benchmarks = json.loads(study.artifact("eval", label, recipe).read_text())["benchmarks"]
+    benchmarks = json.loads(study._artifact_file("eval", label, recipe).read_text())["benchmarks"]
     groups = {name: info["tasks"] for name, info in benchmarks.items()}
     compared = compare_samples(read_samples(base_dir), read_samples(test_dir), groups, seed=study.spec.eval["seed"])
     per_benchmark = {
@@ -530,15 +535,15 @@ def study_results(study: Study) -> dict[str, Any]:
     for label in study.spec.models:
         outliers = _outliers(study, label)
         for recipe in study.spec.recipes:
-            measured = [study.artifact("eval", label, recipe)]
-            measured += [study.artifact("degradation", label, recipe)] if recipe != BASELINE else []
+            measured = [study._artifact_file("eval", label, recipe)]
+            measured += [study._artifact_file("degradation", label, recipe)] if recipe != BASELINE else []
             if not all(path.exists() for path in measured):  # not measured yet: the report says so
                 pending.append(f"{label} {recipe}")
                 continue
             section = describe_architecture(
                 json.loads((study.checkpoint_dir(label, BASELINE) / "config.json").read_text())
             )
-            ev = json.loads(study.artifact("eval", label, recipe).read_text())
+            ev = json.loads(study._artifact_file("eval", label, recipe).read_text())
             suite = ev["suite"]
             scores = {b: 100 * v["score"] for b, v in ev["benchmarks"].items() if not math.isnan(v["score"])}
             row = dict(
@@ -552,7 +557,7 @@ def study_results(study: Study) -> dict[str, Any]:
                 size=checkpoint_size(study.checkpoint_dir(label, recipe), study.checkpoint_dir(label, BASELINE)),
             )
             if recipe != BASELINE:
-                deg = json.loads(study.artifact("degradation", label, recipe).read_text())
+                deg = json.loads(study._artifact_file("degradation", label, recipe).read_text())
                 bench = deg["benchmarks"]
                 row.update(
                     noise_floor={b: v["noise_floor_points"] for b, v in bench.items() if b in scores},
@@ -564,11 +569,12 @@ def study_results(study: Study) -> dict[str, Any]:
             rows.append(row)
     if not rows:
         raise ValueError(f"no row of study {study.spec.name!r} is measured yet (pending: {', '.join(pending)})")
+    measured_suite = cast(dict[str, Any], suite)  # set with every measured row
     return dict(
         schema_version=1,
         study=study.spec.name,
-        suite=suite["name"],
-        suite_version=str(suite["version"]),
+        suite=measured_suite["name"],
+        suite_version=str(measured_suite["version"]),
         created=_now(),
         rows=rows,
         meta=dict(timings=timing_summary(study.timings), pending=pending),
@@ -606,7 +612,7 @@ OUTLIER_FIGURES = (
 
 def _outliers(study: Study, label: str) -> dict[str, float] | None:
     """Headline diagnostics of the source checkpoint (quantkit.diagnose summary) for the report's outlier columns."""
-    path = study.artifact("diagnose", label)
+    path = study._artifact_file("diagnose", label)
     if not path.exists():
         return None
     summary = json.loads(path.read_text())["summary"]
