@@ -84,6 +84,7 @@ HAS_AVX512   := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo yes)
 lint: $(MAIN_STAMP)
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/ruff format --check
+	$(VENV)/bin/mypy
 
 test: lint $(MAIN_STAMP) $(LLMC_STAMP) $(TOOLCHAIN_STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
