@@ -369,6 +369,15 @@ def test_non_finite_inputs_refused(fn, bad):
         fn(x, name="layers.0.w")
 
 
+def test_finite_inputs_whose_sum_overflows_are_quantized():
+    """The finiteness check sums the input (NaN and Inf reach any sum) and counts exactly only when that sum is not
+    finite: finite values near float32's maximum whose sum overflows to Inf must still quantize."""
+    x = torch.full((2, 32), 3.0e38)
+    q, scale = quantize_fp8_per_token(x, name="big")
+    assert torch.isinf(x.sum()) and torch.equal(q.float() * scale, x.new_full(x.shape, 448.0) * scale)
+    assert torch.isfinite(dequantize_nvfp4(quantize_nvfp4_activation(x))).all()
+
+
 def test_shape_dtype_and_argument_errors():
     with pytest.raises(ValueError, match="2-D"):
         quantize_fp8_block(torch.ones(2, 3, 4))
