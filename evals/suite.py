@@ -362,7 +362,7 @@ def evaluate(
                 truncated_prompts=truncated,
                 lm_eval=out["results"][task],
             )
-        if kl_tokens is not None:
+        if kl_tokens is not None and heldout_logprobs is not None:  # kl_tokens exist only with heldout_logprobs
             t0 = time.perf_counter()
             recorded = record_heldout_logprobs(
                 lm.model, kl_tokens, out_dir / LOGPROBS_FILE, heldout_logprobs.get("top_k")
