@@ -12,12 +12,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from quantkit.serve.engine import cpu_engine_kwargs, offline_environment
 
-BACKENDS = ("vllm", "hf")
+
+class EvalBackend(StrEnum):
+    """Who runs the checkpoint for lm-eval (`--backend`, the study's `eval.backend`; equal to its string)."""
+
+    VLLM = "vllm"  # vLLM, quantkit's plugin loaded (the served numerics)
+    HF = "hf"  # transformers (the fake-quant reference for quantkit checkpoints)
+
+
+BACKENDS = tuple(str(b) for b in EvalBackend)
 
 
 class _DropCustomDatasetNotice(logging.Filter):
@@ -48,7 +57,7 @@ def open_lm(
     from lm_eval.api.registry import get_model
 
     logging.getLogger("lm_eval.api.task").addFilter(_DropCustomDatasetNotice())
-    if backend == "vllm":
+    if backend == EvalBackend.VLLM:
         model_args: dict[str, Any] = dict(
             pretrained=str(model_dir),
             dtype=dtype,
@@ -60,7 +69,7 @@ def open_lm(
         )
         if max_logprobs is not None:
             model_args["max_logprobs"] = max_logprobs
-    elif backend == "hf":
+    elif backend == EvalBackend.HF:
         from transformers import AutoConfig
 
         from quantkit.models.attention import reference_attention  # registers the quantkit architectures
@@ -75,7 +84,7 @@ def open_lm(
     try:
         yield lm
     finally:
-        if backend == "vllm" and data_parallel_size == 1:  # stop the engine process now, not at interpreter exit
+        if backend == EvalBackend.VLLM and data_parallel_size == 1:  # stop the engine now, not at interpreter exit
             lm.model.llm_engine.engine_core.shutdown()
 
 

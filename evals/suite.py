@@ -47,6 +47,7 @@ from quantkit.checkpoints import check_checkpoint_dir
 from quantkit.configs import SUITES_DIR
 from quantkit.evals.execution import ALLOW_ENV
 from quantkit.evals.extract import MissingExtractionError, data_dir, is_current
+from quantkit.evals.harness import BACKENDS, EvalBackend
 
 logger = logging.getLogger(__name__)
 
@@ -243,18 +244,18 @@ def evaluate(
     None = full vocabulary). Bad input (suite, backend, checkpoint, missing offline items) raises before any
     engine starts."""
     from quantkit.evals.degradation import LOGPROBS_FILE, HeldoutLogprobsError, record_heldout_logprobs
-    from quantkit.evals.harness import BACKENDS, evaluate_tasks, open_lm
+    from quantkit.evals.harness import evaluate_tasks, open_lm
     from quantkit.serve.checkpoint_check import check_servable
 
     spec = load_suite(suite)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     model_dir = Path(model_dir)
-    if backend == "vllm":
+    if backend == EvalBackend.VLLM:
         check_servable(model_dir)
     else:
         check_checkpoint_dir(model_dir)
-    if heldout_logprobs is not None and (backend != "vllm" or data_parallel_size != 1):
+    if heldout_logprobs is not None and (backend != EvalBackend.VLLM or data_parallel_size != 1):
         raise HeldoutLogprobsError(
             "held-out logprobs are recorded by the eval's own vLLM engine: they need backend "
             "vllm and data_parallel_size 1 (lm-eval's replicas are ray workers); use "
@@ -426,7 +427,7 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     parser = subparsers.add_parser("eval", help="score a checkpoint on an evaluation suite with lm-eval (vLLM or hf)")
     parser.add_argument("model", help="checkpoint directory")
     parser.add_argument("--suite", default="mini", help=f"suite name ({', '.join(available_suites())}) or YAML path")
-    parser.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
+    parser.add_argument("--backend", default="vllm", choices=BACKENDS)
     parser.add_argument("--out", default=None, help="output directory (default: runs/eval/<model>-<suite>)")
     parser.add_argument("--limit", type=int, default=None, help="items per task (default: the suite's)")
     parser.add_argument(

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantkit.formats.constants import ActivationScale
 from quantkit.formats.schemes import FP8_BLOCK, NVFP4, Scheme
 from quantkit.kernels.fp8_gemm import fp8_block_gemm
 from quantkit.kernels.grouped_gemm import fp8_block_grouped_gemm, nvfp4_grouped_gemm
@@ -107,7 +108,7 @@ def grouped_quantized_linear(
     kernels = KERNELS[scheme.name]
     num_experts = weights[0].shape[0]
     if input_global_scale is not None:
-        if "static" not in scheme.activation_scales:
+        if ActivationScale.STATIC not in scheme.activation_scales:
             raise ValueError(f"grouped_quantized_linear: scheme {scheme.name} has no static activation scale")
         if input_global_scale.shape != (num_experts,):
             raise ValueError(

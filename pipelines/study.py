@@ -63,7 +63,8 @@ from tqdm import tqdm
 from quantkit.atomic import atomic_dir, exclusive_lock, write_text_atomic
 from quantkit.checkpoints import describe_architecture
 from quantkit.errors import BAD_INPUT
-from quantkit.quantize.recipe import Recipe
+from quantkit.formats.schemes import UNQUANTIZED
+from quantkit.quantize.recipe import Backend, Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -330,11 +331,10 @@ class Study:
         from quantkit.diagnose.run import diagnose, write_diagnostics
         from quantkit.quantize.recipe import load_recipe
 
-        recipes = [
-            r
-            for r in self.spec.recipes
-            if (rec := load_recipe(r)).backend == "quantkit" and rec.scheme != "bf16" and rec.smoothquant is None
-        ]
+        def diagnosed(rec: Recipe) -> bool:  # quantkit's own quantized schemes, without SmoothQuant
+            return rec.backend == Backend.QUANTKIT and rec.scheme != UNQUANTIZED and rec.smoothquant is None
+
+        recipes = [r for r in self.spec.recipes if diagnosed(load_recipe(r))]
         result = diagnose(self._source(label), recipes=recipes, progress=False, **self.spec.diagnose)
         with atomic_dir(self.diagnostics_dir(label), overwrite=True) as tmp:
             write_diagnostics(result, tmp)
@@ -592,12 +592,12 @@ def timing_summary(timings: dict[tuple[str, str, str], dict[str, Any]]) -> dict[
 
 
 def _precision(recipe: str) -> str:
-    from quantkit.formats.schemes import SCHEMES, UNQUANTIZED
+    from quantkit.formats.schemes import SCHEMES
     from quantkit.quantize.recipe import load_recipe
 
     r = load_recipe(recipe)
     label = "BF16" if r.scheme == UNQUANTIZED else SCHEMES[r.scheme].precision if r.scheme in SCHEMES else r.name
-    return label + ("+SQ" if r.smoothquant else "") + (" (static)" if r.activation_scale == "static" else "")
+    return label + ("+SQ" if r.smoothquant else "") + (" (static)" if r.static_activations else "")
 
 
 OUTLIER_FIGURES = (

@@ -149,7 +149,7 @@ def _diagnose_layerwise(
     stream = embed_stream(model, layers, "diagnose", tokens, None, batch_size)
     model.get_input_embeddings().to("meta")
     plan: dict[str, tuple[Recipe, dict[str, torch.Tensor] | None]] = {
-        r.name: (r, {} if r.activation_scale == "static" else None) for r in recipe_list
+        r.name: (r, {} if r.static_activations else None) for r in recipe_list
     }
     norms, input_norms = [], []
     norm_names = residual_norm_names(model)
@@ -219,7 +219,7 @@ def diagnose_model(
             r.name: (
                 r,
                 _static_scales(model, r, "", lambda: run_batches(model, tokens, batch_size, False, ""))
-                if r.activation_scale == "static"
+                if r.static_activations
                 else None,
             )
             for r in recipe_list

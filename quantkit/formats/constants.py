@@ -6,7 +6,17 @@ E2M1 is the OCP MX FP4 element type: 1 sign, 2 exponent, 1 mantissa bit, max 6, 
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import torch
+
+
+class ActivationScale(StrEnum):
+    """How a scheme scales activations at run time (quantization_config `activation_scale`; equal to its string)."""
+
+    PER_TOKEN = "per_token"  # dynamic: one decode scale per row, row_amax / format max (paper 000)
+    STATIC = "static"  # one calibrated per-tensor decode scale (compressed-tensors' NVFP4 convention)
+
 
 # --- FP8 E4M3 ------------------------------------------------------------------------------------
 F8E4M3_DTYPE = torch.float8_e4m3fn

@@ -44,7 +44,6 @@ same global scale (see the test's docstring for where float32 rounding of ``1/gl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -59,6 +58,7 @@ from quantkit.formats.constants import (
     F8E4M3_MIN_SUBNORMAL,
     NVFP4_GLOBAL_DIVISOR,
     NVFP4_GROUP,
+    ActivationScale,
 )
 from quantkit.formats.fp8 import check_quantizable
 
@@ -207,7 +207,7 @@ def quantize_nvfp4_weight(w: torch.Tensor, *, name: str | None = None) -> NVFP4T
 
 def quantize_nvfp4_activation(
     x: torch.Tensor,
-    mode: Literal["per_token", "static"] = "per_token",
+    mode: str = ActivationScale.PER_TOKEN,
     global_scale: torch.Tensor | float | None = None,
     *,
     row_amax: torch.Tensor | None = None,
@@ -221,13 +221,13 @@ def quantize_nvfp4_activation(
     static (compressed-tensors' NVFP4): the calibrated per-tensor decode scale `global_scale`; group
     scales are dynamic in both modes.
     """
-    if mode == "per_token":
+    if mode == ActivationScale.PER_TOKEN:
         if global_scale is not None:
             raise ValueError("quantize_nvfp4_activation: mode='per_token' computes its own scale; pass no global_scale")
         check_quantizable(x, "quantize_nvfp4_activation", name=name)
         amax = x.float().abs().amax(dim=-1, keepdim=True) if row_amax is None else row_amax.float()
         return _quantize_nvfp4(x, nvfp4_global_scale(amax))
-    if mode == "static":
+    if mode == ActivationScale.STATIC:
         if global_scale is None:
             raise ValueError("quantize_nvfp4_activation: mode='static' needs the calibrated global_scale (amax / 2688)")
         return quantize_nvfp4(x, global_scale, name=name)

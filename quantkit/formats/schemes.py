@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from quantkit.checkpoints import CheckpointError
-from quantkit.formats.constants import F8E4M3_DTYPE, FP8_WEIGHT_BLOCK, NVFP4_GROUP
+from quantkit.formats.constants import F8E4M3_DTYPE, FP8_WEIGHT_BLOCK, NVFP4_GROUP, ActivationScale
 from quantkit.formats.fp8 import (
     dequantize_fp8_block,
     dequantize_fp8_per_token,
@@ -83,7 +83,7 @@ class Scheme(ABC):
     tensors: Mapping[str, str]
     marker: str
     k_multiple: int
-    activation_scales: tuple[str, ...] = ("per_token",)
+    activation_scales: tuple[str, ...] = (ActivationScale.PER_TOKEN,)
     static_tensors: Mapping[str, str] = field(default_factory=dict)
     precision: str = ""
 
@@ -108,7 +108,7 @@ class Scheme(ABC):
 
     def checkpoint_tensors(self, activation_scale: str) -> dict[str, str]:
         """suffix -> safetensors dtype of every tensor a quantized Linear stores in this activation mode."""
-        return {**self.tensors, **(self.static_tensors if activation_scale == "static" else {})}
+        return {**self.tensors, **(self.static_tensors if activation_scale == ActivationScale.STATIC else {})}
 
     @abstractmethod
     def shape_problem(self, module: str, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
@@ -251,8 +251,8 @@ class NVFP4Scheme(Scheme):
         self, x: torch.Tensor, input_global_scale: torch.Tensor | None, row_amax: torch.Tensor | None
     ) -> NVFP4Tensor:
         if input_global_scale is None:
-            return quantize_nvfp4_activation(x, "per_token", row_amax=row_amax)
-        return quantize_nvfp4_activation(x, "static", input_global_scale.reshape(()))
+            return quantize_nvfp4_activation(x, ActivationScale.PER_TOKEN, row_amax=row_amax)
+        return quantize_nvfp4_activation(x, ActivationScale.STATIC, input_global_scale.reshape(()))
 
     def quantize_activation(
         self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None
@@ -276,7 +276,7 @@ class NVFP4Scheme(Scheme):
             LayerTensor("weight_scale", (n, groups), F8E4M3_DTYPE),
             LayerTensor("weight_global_scale", (n,), torch.float32, per_shard="rows"),
         ]
-        if activation_scale == "static":
+        if activation_scale == ActivationScale.STATIC:
             tensors.append(LayerTensor("input_global_scale", (shards,), torch.float32, per_shard="one"))
         return tensors
 
@@ -291,7 +291,7 @@ NVFP4 = NVFP4Scheme(
     {"weight_packed": "U8", "weight_scale": "F8_E4M3", "weight_global_scale": "F32"},
     marker="weight_packed",
     k_multiple=NVFP4_GROUP,
-    activation_scales=("per_token", "static"),
+    activation_scales=(ActivationScale.PER_TOKEN, ActivationScale.STATIC),
     static_tensors={"input_global_scale": "F32"},
     precision="W4A4",
 )

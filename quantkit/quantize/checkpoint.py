@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -37,8 +38,14 @@ from quantkit.quantize.output import (
     unquantized_to_source_dtype,
     write_side_files,
 )
-from quantkit.quantize.recipe import CalibrationSettings, Recipe, SmoothQuantSettings, load_recipe
+from quantkit.quantize.recipe import Backend, CalibrationSettings, Recipe, SmoothQuantSettings, load_recipe
 from quantkit.quantize.streaming import quantize_streaming
+
+# The peers' own code, one entry a backend: (model_dir, recipe, out_dir) -> the written checkpoint dir.
+PEER_BACKENDS: dict[Backend, Callable[[Path, Recipe, Path], Path]] = {
+    Backend.LLMCOMPRESSOR: quantize_with_llmcompressor,
+    Backend.MODELOPT: quantize_with_modelopt,
+}
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +95,13 @@ def quantize_checkpoint(
     check_checkpoint_dir(model_dir)  # CheckpointError names a missing config, unreadable or truncated shards
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} exists; pass overwrite=True (--overwrite) to replace it")
-    if streaming and recipe.backend != "quantkit":
+    if streaming and recipe.backend != Backend.QUANTKIT:
         raise ValueError(
-            f"recipe {recipe.name}: streaming quantization runs quantkit's own backend only, not {recipe.backend!r}"
+            f"recipe {recipe.name}: streaming quantization runs quantkit's own backend only, "
+            f"not {str(recipe.backend)!r}"
         )
-    if recipe.backend == "llmcompressor":
-        return quantize_with_llmcompressor(model_dir, recipe, out_dir)
-    if recipe.backend == "modelopt":
-        return quantize_with_modelopt(model_dir, recipe, out_dir)
+    if recipe.backend in PEER_BACKENDS:
+        return PEER_BACKENDS[recipe.backend](model_dir, recipe, out_dir)
     if streaming is None:
         need, have = 2 * float32_bytes(model_dir), available_memory_bytes()
         streaming = need > have
@@ -127,7 +133,7 @@ def quantize_checkpoint(
     weights = quantizable_weights(model)
     quantized = {n: w for n, w in weights.items() if not recipe.ignores(n)} if scheme is not None else {}
     input_amax = {}
-    if recipe.activation_scale == "static":  # compressed-tensors convention: one calibrated scale per tensor
+    if recipe.static_activations:  # compressed-tensors convention: one calibrated scale per tensor
         cal = recipe.calibration or CalibrationSettings()
         tokens = calibration_windows(
             tokenizer,

@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.data import describe_calibration_source
-from quantkit.quantize.recipe import CalibrationSettings, Recipe
+from quantkit.quantize.recipe import Backend, CalibrationSettings, Recipe
 
 
 def _calibrates_scales(recipe: Recipe) -> bool:
     """Whether quantizing with `recipe` calibrates static activation scales (the backends' own rules)."""
-    if recipe.backend == "quantkit":
-        return recipe.activation_scale == "static"
-    if recipe.backend == "llmcompressor":
+    if recipe.backend == Backend.QUANTKIT:
+        return recipe.static_activations
+    if recipe.backend == Backend.LLMCOMPRESSOR:
         return recipe.scheme == "NVFP4"  # FP8_BLOCK's activations are dynamic: no calibration pass
     return True  # modelopt calibrates every preset
 

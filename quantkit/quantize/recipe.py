@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ import yaml
 from quantkit.calibrate.stats import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, EarlyStop
 from quantkit.configs import RECIPES_DIR
 from quantkit.data import default_calibration_source
+from quantkit.formats.constants import ActivationScale
 from quantkit.formats.schemes import SCHEMES, UNQUANTIZED
 
 # lm_head stays BF16 (quantkit's choice, as the peers' presets); GatedNorm's rank-r gates are tiny (shared/DESIGN.md)
@@ -57,10 +59,20 @@ DEFAULT_IGNORE = (
     r"re:.*\.shared_expert_gate$",
     r"re:.*\.in_proj_ba$",
 )
-BACKEND_SCHEMES = {  # the scheme names each backend takes
-    "quantkit": (UNQUANTIZED, *SCHEMES),
-    "llmcompressor": ("FP8_BLOCK", "NVFP4"),
-    "modelopt": ("NVFP4", "FP8_PER_CHANNEL_PER_TOKEN"),
+
+
+class Backend(StrEnum):
+    """Whose code quantizes a recipe (recipe key `backend`; equal to its string)."""
+
+    QUANTKIT = "quantkit"  # quantkit's own formats and SmoothQuant
+    LLMCOMPRESSOR = "llmcompressor"  # llm-compressor's presets, in their own venv (quantize.llmcompressor_backend)
+    MODELOPT = "modelopt"  # NVIDIA ModelOpt's presets (quantize.modelopt_backend)
+
+
+BACKEND_SCHEMES: dict[Backend, tuple[str, ...]] = {  # the scheme names each backend takes
+    Backend.QUANTKIT: (UNQUANTIZED, *SCHEMES),  # quantkit's registry (quantkit.formats.schemes)
+    Backend.LLMCOMPRESSOR: ("FP8_BLOCK", "NVFP4"),  # llm-compressor's preset names
+    Backend.MODELOPT: ("NVFP4", "FP8_PER_CHANNEL_PER_TOKEN"),  # ModelOpt's preset names
 }
 _KEYS = {
     "name",
@@ -99,7 +111,7 @@ class CalibrationSettings:
 class Recipe:
     name: str
     scheme: str
-    backend: str = "quantkit"
+    backend: Backend = Backend.QUANTKIT
     description: str = ""
     activation_scale: str | None = None
     smoothquant: SmoothQuantSettings | None = None
@@ -110,6 +122,11 @@ class Recipe:
     def calibration_source(self, model_type: str | None) -> str:
         """What this recipe's calibration reads for a model of `model_type` (`quantkit.data`)."""
         return self.calibration_data or default_calibration_source(model_type)
+
+    @property
+    def static_activations(self) -> bool:
+        """Whether the checkpoint carries calibrated static activation scales (else they are per token)."""
+        return self.activation_scale == ActivationScale.STATIC
 
     def ignores(self, module_name: str) -> bool:
         """Whether the Linear `module_name` stays unquantized."""
@@ -151,20 +168,20 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     for key in ("name", "scheme"):
         if key not in data:
             raise ValueError(f"{source}: missing required key {key!r}")
-    backend = data.get("backend", "quantkit")
-    if backend not in BACKEND_SCHEMES:
-        raise ValueError(f"{source}: backend {backend!r} is not one of {list(BACKEND_SCHEMES)}")
+    if data.get("backend", Backend.QUANTKIT) not in list(Backend):
+        raise ValueError(f"{source}: backend {data['backend']!r} is not one of {[str(b) for b in Backend]}")
+    backend = Backend(data.get("backend", Backend.QUANTKIT))
     scheme = data["scheme"]
     if scheme not in BACKEND_SCHEMES[backend]:
         raise ValueError(
-            f"{source}: scheme {scheme!r} is not one of {list(BACKEND_SCHEMES[backend])} for backend {backend!r}"
+            f"{source}: scheme {scheme!r} is not one of {list(BACKEND_SCHEMES[backend])} for backend {str(backend)!r}"
         )
     activation_scale = data.get("activation_scale")
-    if backend != "quantkit":
+    if backend != Backend.QUANTKIT:
         for key in ("activation_scale", "smoothquant"):
             if key in data:
                 raise ValueError(
-                    f"{source}: {key} applies to backend quantkit only; backend {backend!r} runs its own preset"
+                    f"{source}: {key} applies to backend quantkit only; backend {str(backend)!r} runs its own preset"
                 )
     modes = SCHEMES[scheme].activation_scales if scheme in SCHEMES else ()
     if len(modes) > 1:  # the scheme offers a choice; its first mode is the default

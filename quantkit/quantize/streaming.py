@@ -215,7 +215,7 @@ def quantize_streaming(
     quantized = [n for n in weights if not recipe.ignores(n)] if scheme is not None else []
     in_layers = f"{stack_name}."
     outside = [n for n in quantized if not n.startswith(in_layers)]
-    if outside and recipe.activation_scale == "static":
+    if outside and recipe.static_activations:
         raise StreamingError(
             f"static activation scales for matrices outside the decoder layers ({outside[:3]}) are "
             "not calibrated by the streaming path; use the whole-model path (--no-streaming)"
@@ -226,7 +226,7 @@ def quantize_streaming(
     max_positions = config.max_position_embeddings
     source = recipe.calibration_source(config.model_type)
     static_tokens = None
-    if recipe.activation_scale == "static":
+    if recipe.static_activations:
         cal = recipe.calibration or CalibrationSettings()
         static_tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, max_positions), source)
     sq_tokens = None

@@ -6,6 +6,7 @@ experts' method, `quantkit.serve.moe_method`): the kernel choice (QUANTKIT_KERNE
 from __future__ import annotations
 
 import os
+from enum import StrEnum
 
 import torch
 
@@ -62,13 +63,23 @@ KERNEL_ENV = "QUANTKIT_KERNEL"  # auto (default) | triton | torch
 CAPTURE_ENV = "QUANTKIT_CAPTURE_DIR"
 
 
-def select_kernel(layer: torch.nn.Module) -> str:
-    """ "triton" on CUDA, "torch-emulation" elsewhere; QUANTKIT_KERNEL=triton|torch forces one (triton off
-    CUDA needs TRITON_INTERPRET=1: a correctness check, not a fast path)."""
+class Kernel(StrEnum):
+    """What computes a quantized layer's product (logged; equal to its string)."""
+
+    TRITON = "triton"  # quantkit.kernels: the fused quantizer + GEMM on the stored codes (CUDA)
+    TORCH_EMULATION = "torch-emulation"  # weights decoded once to float32, activations fake-quantized per call
+
+
+KERNEL_CHOICES = {"auto": None, "triton": Kernel.TRITON, "torch": Kernel.TORCH_EMULATION}  # QUANTKIT_KERNEL values
+
+
+def select_kernel(layer: torch.nn.Module) -> Kernel:
+    """Triton on CUDA, torch emulation elsewhere; QUANTKIT_KERNEL=triton|torch forces one (triton off CUDA needs
+    TRITON_INTERPRET=1: a correctness check, not a fast path)."""
     choice = os.environ.get(KERNEL_ENV, "auto")
-    if choice not in ("auto", "triton", "torch"):
+    if choice not in KERNEL_CHOICES:
         raise ValueError(f"{KERNEL_ENV}={choice!r}: expected auto, triton or torch")
-    on_cuda = next(layer.parameters()).is_cuda
-    if choice == "triton" or (choice == "auto" and on_cuda):
-        return "triton"
-    return "torch-emulation"
+    forced = KERNEL_CHOICES[choice]
+    if forced is not None:
+        return forced
+    return Kernel.TRITON if next(layer.parameters()).is_cuda else Kernel.TORCH_EMULATION

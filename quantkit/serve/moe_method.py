@@ -47,10 +47,11 @@ from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoE
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
+from quantkit.formats.constants import ActivationScale
 from quantkit.formats.schemes import LayerTensor
 from quantkit.kernels.expert_sort import ExpertSort, combine_expert_rows, sort_by_expert
 from quantkit.quantize.fake_quant import Segments, routed_experts_forward
-from quantkit.serve.method_parts import CAPTURE_ENV, copy_checkpoint_part, select_kernel
+from quantkit.serve.method_parts import CAPTURE_ENV, Kernel, copy_checkpoint_part, select_kernel
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -77,7 +78,7 @@ class QuantkitExperts:
     def __init__(self, config, prefix: str, tp_rank: int = 0, tp_size: int = 1) -> None:
         self.scheme, self.activation_scale = config.scheme, config.activation_scale
         self.prefix, self.tp_rank, self.tp_size = prefix, tp_rank, tp_size
-        self.kernel = "unset"
+        self.kernel: Kernel | None = None  # chosen after loading (select_kernel)
         self.capture_dir = os.environ.get(CAPTURE_ENV)
         self.calls = 0
         self.input_scales: torch.Tensor | None = None  # static activations: (E, 2) gate/up input, down input
@@ -154,7 +155,7 @@ class QuantkitExperts:
         """Check static scales, pick the kernel; torch-emulation: decode every expert matrix to float32
         (`w13/w2_dequantized`), triton: keep the packed parameters."""
         scheme = self.scheme
-        if self.activation_scale == "static":
+        if self.activation_scale == ActivationScale.STATIC:
             w13_scales = cast(Parameter, layer.w13_input_global_scale).data
             if not torch.equal(w13_scales[:, 0], w13_scales[:, 1]):
                 raise ValueError(
@@ -164,7 +165,7 @@ class QuantkitExperts:
             w2_scales = cast(Parameter, layer.w2_input_global_scale).data
             self.input_scales = torch.stack([w13_scales[:, 0], w2_scales[:, 0]], 1)
         self.kernel = select_kernel(layer)
-        if self.kernel == "torch-emulation":
+        if self.kernel == Kernel.TORCH_EMULATION:
             for stem, (_, k) in _layout(layer).items():
                 params = {s: getattr(layer, f"{stem}_{s}").data for s in scheme.tensors}
                 decoded = torch.stack(
@@ -192,7 +193,7 @@ class QuantkitExperts:
         act: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """x (T, H), topk_ids (T, k) local expert ids (-1: not here), topk_weights (T, k) -> (T, H) in x's dtype."""
-        if self.kernel == "torch-emulation":
+        if self.kernel == Kernel.TORCH_EMULATION:
             w13, w2 = cast(Parameter, layer.w13_dequantized), cast(Parameter, layer.w2_dequantized)
             out = routed_experts_forward(x, topk_ids, topk_weights, w13, w2, act, self._fake_quant)
             return out.to(x.dtype)
@@ -287,7 +288,8 @@ class QuantkitMoEMethod(FusedMoEMethodBase):
         self.experts = QuantkitExperts(config, prefix, parallel.tp_rank, parallel.tp_size)
 
     @property
-    def kernel(self) -> str:
+    def kernel(self) -> Kernel | None:
+        """The experts' kernel, None until the weights are loaded."""
         return self.experts.kernel
 
     def create_weights(

@@ -45,9 +45,10 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
+from quantkit.formats.constants import ActivationScale
 from quantkit.formats.experts import EXPERT_MATRIX
 from quantkit.formats.schemes import LayerTensor, scheme_from_config
-from quantkit.serve.method_parts import CAPTURE_ENV, copy_checkpoint_part, select_kernel
+from quantkit.serve.method_parts import CAPTURE_ENV, Kernel, copy_checkpoint_part, select_kernel
 from quantkit.serve.moe_method import QuantkitMoEMethod
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM configures that logger tree
@@ -129,7 +130,7 @@ class QuantkitLinearMethod(LinearMethodBase):
     def __init__(self, config: QuantkitQuantConfig, prefix: str) -> None:
         self.config = config
         self.prefix = prefix
-        self.kernel = "unset"
+        self.kernel: Kernel | None = None  # chosen after loading (select_kernel)
         self.capture_dir = os.environ.get(CAPTURE_ENV)
         self.calls = 0
 
@@ -194,7 +195,7 @@ class QuantkitLinearMethod(LinearMethodBase):
     # ------------------------------------------------------------------ after loading: pick the kernel
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        if self.config.activation_scale == "static":
+        if self.config.activation_scale == ActivationScale.STATIC:
             scales = cast(Parameter, layer.input_global_scale).data
             if not torch.all(scales == scales[0]):
                 raise ValueError(
@@ -203,7 +204,7 @@ class QuantkitLinearMethod(LinearMethodBase):
                 )
             layer.input_global_scale = Parameter(scales[:1].clone(), requires_grad=False)
         self.kernel = select_kernel(layer)
-        if self.kernel == "torch-emulation":  # decode the weights once; activations are quantized per call
+        if self.kernel == Kernel.TORCH_EMULATION:  # decode the weights once; activations are quantized per call
             scheme = self.config.scheme
             weight = scheme.decode_layer(
                 {s: getattr(layer, s).data for s in scheme.tensors}, cast(int, layer.quantkit_in_features)
@@ -222,7 +223,7 @@ class QuantkitLinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         input_global_scale = getattr(layer, "input_global_scale", None)
         row_amax = _row_amax(layer, x, input_global_scale)
-        if self.kernel == "torch-emulation":
+        if self.kernel == Kernel.TORCH_EMULATION:
             xq = self.config.scheme.fake_quant_activation(x, input_global_scale, row_amax)
             if self.capture_dir:
                 self._capture(layer, x, xq)
