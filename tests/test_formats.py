@@ -369,6 +369,27 @@ def test_non_finite_inputs_refused(fn, bad):
         fn(x, name="layers.0.w")
 
 
+@pytest.mark.parametrize("mode", ["per_token", "static"])
+def test_activation_fake_quant_equals_dequantize_of_quantize_bit_for_bit(mode):
+    """`fake_quant_nvfp4_activation` (the served emulation's path: no packing) is the same arithmetic as
+    dequantize(quantize(x)) minus the pack/unpack round trip: equal bit for bit, signed zeros included, on inputs
+    with exact rounding ties (E2M1_BOUNDS x the group scale), zeros, -0.0, a padded last group and 10 decades of
+    row magnitudes."""
+    from quantkit.formats.constants import E2M1_BOUNDS
+    from quantkit.formats.nvfp4 import fake_quant_nvfp4_activation
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        x = torch.randn(7, 45, generator=generator) * 10 ** (torch.rand(7, 1, generator=generator) * 10 - 6)
+        x[0, :16] = torch.tensor((*E2M1_BOUNDS, *(-b for b in E2M1_BOUNDS), 6.0, -6.0)) * 3.0
+        x[1, :7] = 0.0
+        x[2, 3] = -0.0
+        scale = (x.abs().max() / 2688 * 0.7).reshape(()) if mode == "static" else None
+        expected = dequantize_nvfp4(quantize_nvfp4_activation(x, mode, scale))
+        got = fake_quant_nvfp4_activation(x, mode, scale)
+        assert torch.equal(got, expected) and torch.equal(got.signbit(), expected.signbit())
+
+
 def test_finite_inputs_whose_sum_overflows_are_quantized():
     """The finiteness check sums the input (NaN and Inf reach any sum) and counts exactly only when that sum is not
     finite: finite values near float32's maximum whose sum overflows to Inf must still quantize."""

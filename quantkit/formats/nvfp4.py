@@ -66,6 +66,7 @@ __all__ = [
     "NVFP4Tensor",
     "dequantize_nvfp4",
     "e2m1_to_float",
+    "fake_quant_nvfp4_activation",
     "nvfp4_block_scales",
     "nvfp4_global_scale",
     "pack_fp4",
@@ -221,14 +222,47 @@ def quantize_nvfp4_activation(
     static (compressed-tensors' NVFP4): the calibrated per-tensor decode scale `global_scale`; group
     scales are dynamic in both modes.
     """
+    return _quantize_nvfp4(x, _activation_global_scale(x, mode, global_scale, row_amax, name))
+
+
+def fake_quant_nvfp4_activation(
+    x: torch.Tensor,
+    mode: str = ActivationScale.PER_TOKEN,
+    global_scale: torch.Tensor | float | None = None,
+    *,
+    row_amax: torch.Tensor | None = None,
+    name: str | None = None,
+) -> torch.Tensor:
+    """`dequantize_nvfp4(quantize_nvfp4_activation(...))`, float32 (..., K), equal bit for bit, without packing
+    the codes and unpacking them again (the CPU-emulated serving path quantizes every activation this way)."""
+    gs = _activation_global_scale(x, mode, global_scale, row_amax, name)
+    k = x.shape[-1]
+    k_pad = -(-k // NVFP4_GROUP) * NVFP4_GROUP
+    groups = torch.nn.functional.pad(x.float(), (0, k_pad - k)).unflatten(-1, (-1, NVFP4_GROUP))
+    block_scale = nvfp4_block_scales(groups.abs().amax(dim=-1), gs)
+    scale = (block_scale.float() * gs).unsqueeze(-1)  # as _quantize_nvfp4 divides and dequantize_nvfp4 multiplies
+    values = e2m1_to_float(round_to_e2m1(groups / scale))
+    return (values * scale).flatten(-2)[..., :k]
+
+
+def _activation_global_scale(
+    x: torch.Tensor,
+    mode: str,
+    global_scale: torch.Tensor | float | None,
+    row_amax: torch.Tensor | None,
+    name: str | None,
+) -> torch.Tensor:
+    """The second-stage decode scale of activations x in `mode` (quantize_nvfp4_activation), x checked."""
+    fn = "quantize_nvfp4_activation"
     if mode == ActivationScale.PER_TOKEN:
         if global_scale is not None:
-            raise ValueError("quantize_nvfp4_activation: mode='per_token' computes its own scale; pass no global_scale")
-        check_quantizable(x, "quantize_nvfp4_activation", name=name)
+            raise ValueError(f"{fn}: mode='per_token' computes its own scale; pass no global_scale")
+        check_quantizable(x, fn, name=name)
         amax = x.float().abs().amax(dim=-1, keepdim=True) if row_amax is None else row_amax.float()
-        return _quantize_nvfp4(x, nvfp4_global_scale(amax))
+        return nvfp4_global_scale(amax)
     if mode == ActivationScale.STATIC:
         if global_scale is None:
-            raise ValueError("quantize_nvfp4_activation: mode='static' needs the calibrated global_scale (amax / 2688)")
-        return quantize_nvfp4(x, global_scale, name=name)
-    raise ValueError(f"quantize_nvfp4_activation: mode must be 'per_token' or 'static', got {mode!r}")
+            raise ValueError(f"{fn}: mode='static' needs the calibrated global_scale (amax / 2688)")
+        check_quantizable(x, "quantize_nvfp4", name=name)
+        return _as_global_scale(global_scale, tuple(x.shape[:-1]), "quantize_nvfp4").to(x.device)
+    raise ValueError(f"{fn}: mode must be 'per_token' or 'static', got {mode!r}")

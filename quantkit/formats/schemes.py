@@ -45,6 +45,7 @@ from quantkit.formats.fp8 import (
 from quantkit.formats.nvfp4 import (
     NVFP4Tensor,
     dequantize_nvfp4,
+    fake_quant_nvfp4_activation,
     nvfp4_global_scale,
     quantize_nvfp4_activation,
     quantize_nvfp4_weight,
@@ -265,7 +266,9 @@ class NVFP4Scheme(Scheme):
     def fake_quant_activation(
         self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return dequantize_nvfp4(self._activation(x, input_global_scale, row_amax))
+        if input_global_scale is None:
+            return fake_quant_nvfp4_activation(x, ActivationScale.PER_TOKEN, row_amax=row_amax)
+        return fake_quant_nvfp4_activation(x, ActivationScale.STATIC, input_global_scale.reshape(()))
 
     def layer_tensors(self, n: int, k: int, shards: int, activation_scale: str) -> list[LayerTensor]:
         """weight_packed (n, K_pad/2) uint8; weight_scale (n, K_pad/16) E4M3; weight_global_scale (n,) float32,
