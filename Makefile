@@ -115,13 +115,13 @@ quantize: $(MAIN_STAMP)
 eval: $(MAIN_STAMP)
 	$(STUDY) --until report
 
-# Re-render a results JSON; gate one against a baseline (thresholds: quantkit/configs/gate.yaml).
+# Re-render a results JSON; gate one against a baseline (thresholds: configs/gate.yaml).
 RESULTS  ?= runs/default/results.json
 BASELINE ?= tests/baselines/tiny_study_results.json
 report: $(MAIN_STAMP)
 	$(VENV)/bin/quantkit report $(RESULTS) --out $(dir $(RESULTS))report
 gate: $(MAIN_STAMP)
-	$(VENV)/bin/quantkit gate --baseline $(BASELINE) --current $(RESULTS) --config quantkit/configs/gate.yaml
+	$(VENV)/bin/quantkit gate --baseline $(BASELINE) --current $(RESULTS) --config configs/gate.yaml
 
 # Triton GEMMs, dense and grouped (MoE), vs torch baselines (benchmarks/README.md), e.g. BENCH_ARGS=--quick (the
 # only mode without a GPU; the grouped benchmark inherits --quick, else takes GROUPED_BENCH_ARGS).

@@ -1,4 +1,4 @@
-"""Evaluation suites (quantkit/configs/suites/*.yaml) run through lm-eval, with stamped results and per-sample logs.
+"""Evaluation suites (configs/suites/*.yaml) run through lm-eval, with stamped results and per-sample logs.
 
     evaluate(model_dir, suite="mini", backend="vllm", out_dir=..., limit=None, allow_code=False) -> dict
 

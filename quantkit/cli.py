@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     quantize = sub.add_parser("quantize", help="write a quantized checkpoint: quantkit quantize MODEL RECIPE OUT")
     quantize.add_argument("model", help="checkpoint directory")
-    quantize.add_argument("recipe", help="recipe name (quantkit/configs/recipes) or YAML path")
+    quantize.add_argument("recipe", help="recipe name (configs/recipes) or YAML path")
     quantize.add_argument("out", help="output directory (written atomically)")
     quantize.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     quantize.add_argument(

@@ -11,10 +11,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_top_level_folders_import_under_quantkit_only(tmp_path):
-    """As installed (run from elsewhere), kernels/ pipelines/ evals/ resolve only under `quantkit.`."""
+    """As installed (run from elsewhere), configs/ kernels/ pipelines/ evals/ resolve only under `quantkit.`."""
     probe = (
         "import importlib.util, json\n"
-        "names = ('kernels', 'pipelines', 'evals')\n"
+        "names = ('configs', 'kernels', 'pipelines', 'evals')\n"
         "print(json.dumps({n: [getattr(importlib.util.find_spec(p + n), 'origin', None)"
         " for p in ('quantkit.', '')] for n in names}))"
     )
@@ -41,8 +41,8 @@ def test_lm_eval_sees_a_vllm_version():
 
 
 # Installed import name of each source folder (pyproject.toml [tool.setuptools.package-dir]).
-SOURCE_ROOTS = {"quantkit": "quantkit", "kernels": "quantkit.kernels", "evals": "quantkit.evals",
-                "pipelines": "quantkit.pipelines"}
+SOURCE_ROOTS = {"quantkit": "quantkit", "configs": "quantkit.configs", "kernels": "quantkit.kernels",
+                "evals": "quantkit.evals", "pipelines": "quantkit.pipelines"}
 LEAVES = ("quantkit.errors", "quantkit.atomic", "quantkit.checkpoints")  # shared by every layer, import only leaves
 SERVE_ENTRIES = ("quantkit.serve.engine", "quantkit.serve.checkpoint_check")  # what consumers of serving may use
 

@@ -1,4 +1,4 @@
-"""The table2 suite's protocol (quantkit/configs/suites/table2.yaml `protocol`, docs/protocol.md) is what
+"""The table2 suite's protocol (configs/suites/table2.yaml `protocol`, docs/protocol.md) is what
 lm-eval actually runs, checked offline.
 
 Every table2 task is built through lm-eval's TaskManager exactly as `quantkit eval --suite table2` builds

@@ -5,7 +5,7 @@ with 2 CPUs for the module (started here, shut down at the end, its processes ch
   dead task (exit 1), the other chain finishes; the resumed study redoes only the stage in flight (inode and
   mtime of every finished artifact unchanged) and its results have the local executor's rows (the tiny study's
   committed baseline, tests/baselines/tiny_study_results.json: same variants, recipes and score keys) and pass
-  its gate (quantkit/configs/gate.yaml; the two executors run the same stage functions on the same inputs, so
+  its gate (configs/gate.yaml; the two executors run the same stage functions on the same inputs, so
   only the thresholds' run-to-run allowance is needed).
 - A model task failing on bad input (a checkpoint without its tokenizer): `quantkit run` exits 2 naming the stage
   and model; the model's chains never start.

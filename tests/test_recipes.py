@@ -1,4 +1,4 @@
-"""Recipes in quantkit/configs/recipes load, validate and name their problems."""
+"""Recipes in configs/recipes load, validate and name their problems."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Quantization recipes: YAML files in `quantkit/configs/recipes/` (package data), validated on load.
+"""Quantization recipes: YAML files in `configs/recipes/` (package data), validated on load.
 
 A recipe names a scheme and what happens before it:
 

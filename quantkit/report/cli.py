@@ -59,9 +59,7 @@ def add_gate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     )
     parser.add_argument("--baseline", required=True, help="results JSON of the reference run")
     parser.add_argument("--current", required=True, help="results JSON of the run under test")
-    parser.add_argument(
-        "--config", help="YAML of thresholds (quantkit/configs/gate.yaml lists them with their defaults)"
-    )
+    parser.add_argument("--config", help="YAML of thresholds (configs/gate.yaml lists them with their defaults)")
     parser.add_argument(
         "--max-drop", type=float, help=f"extra degradation allowed per benchmark, points (default {d.max_drop})"
     )

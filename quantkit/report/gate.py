@@ -32,7 +32,7 @@ from quantkit.report.table import Degradation, degradation, mean
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Gate limits; the defaults are quantkit/configs/gate.yaml's. Points are score points 0-100."""
+    """Gate limits; the defaults are configs/gate.yaml's. Points are score points 0-100."""
 
     max_drop: float = 2.0  # extra degradation allowed per benchmark (points)
     max_avg_drop: float = 1.0  # extra degradation allowed for Delta Avg (points)
