@@ -21,8 +21,8 @@ bf16 ``tl.dot`` is wrong). The second-stage scales multiply the accumulator once
 
 Two paths, one function: for M up to the "small" shape class (<= 64 rows) the fused kernel above decodes
 each tile inside the K loop. For more rows it would decode every weight tile once per M tile, and the decode
-(integer work on every element) bounds it far below the tensor cores (measured on H100, 2026-11-25: ~59
-TFLOP/s, 0.08x torch bf16; benchmarks/README.md). So `dequantize_first` rows are decoded once, by
+(integer work on every element) bounds it far below the tensor cores (benchmarks/README.md, "Measurements
+behind design choices", has the H100 figure). So `dequantize_first` rows are decoded once, by
 `nvfp4_dequantize`, into bf16 (M, Kp) and (N, Kp) operands -- exact, as above -- and multiplied by a plain
 bf16 GEMM with the same epilogue: the same sums as the fused path, the same float32 accumulation. Cost: two
 bf16 temporaries of (M + N) * Kp * 2 bytes (one layer's weight in bf16, freed on return).

@@ -2,9 +2,9 @@
 
 vLLM 0.32's CPU GEMM dispatch for unquantized layers (`vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`)
 tries oneDNN, whose bf16 matmul primitive needs AVX-512 BF16 / AMX / Arm BF16 (on this project's AVX2 machine
-`create_onednn_mm` refuses), then falls back to `F.linear` in bf16, which PyTorch's CPU backend runs about 10x slower
-than a float32 matmul of the same shape there (profiled 2026-11-24: 28% of a tiny hybrid's prefill, 26% of its
-decode; benchmarks/README.md, "Hybrid MoE"). Every served model's unquantized layers take that path: embeddings'
+`create_onednn_mm` refuses), then falls back to `F.linear` in bf16, which PyTorch's CPU backend runs far slower than a
+float32 matmul of the same shape there (figures: benchmarks/README.md, "Measurements behind design
+choices"). Every served model's unquantized layers take that path: embeddings'
 tied LM heads, routers, the bf16 rows of a study, the layers a recipe leaves unquantized.
 
 `install()` (called by the plugin in every vLLM process) wraps the dispatch: a layer left on that fallback gets a

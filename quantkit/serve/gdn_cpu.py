@@ -3,14 +3,14 @@
 vLLM 0.32's CPU Gated DeltaNet (`vllm.model_executor.layers.mamba.ops.cpu.gdn_attention`) runs its C++ conv kernels
 only on AVX-512 BF16 / Arm BF16 CPUs; elsewhere (e.g. this project's AVX2 machine) the prefill conv is
 `causal_conv1d_fn_cpu`: a Python loop over the sequences, each a depthwise `F.conv1d` in bfloat16, which PyTorch's
-CPU backend runs as one small convolution per channel (measured: ~200 ms per sequence and layer for 512 channels,
-2 cores, 2026-11-23; 54% of a tiny hybrid's generate time). `causal_conv1d_prefill` computes the same thing for all
+CPU backend runs as one small convolution per channel (the slowest part of a tiny hybrid's generate; figures:
+benchmarks/README.md, "Measurements behind design choices"). `causal_conv1d_prefill` computes the same thing for all
 sequences at once: each output is the float32 sum of its `width` taps (window gathered by index, the sequence's
 cached state in front of it), rounded to the weight dtype once as `F.conv1d` does; the conv state of each sequence
 is written as vLLM's function writes it (the last width - 1 inputs, its state in front of it).
 
-The prefill delta rule there is vLLM's C++ `chunk_gated_delta_rule_cpu` (~60 us a token and layer, bf16
-intermediates; 54% of a prefill, profiled 2026-11-24); `chunk_gated_delta_rule_prefill` runs transformers' float32
+The prefill delta rule there is vLLM's C++ `chunk_gated_delta_rule_cpu` (bf16 intermediates; most of a prefill,
+same section); `chunk_gated_delta_rule_prefill` runs transformers' float32
 chunked reference on the sequences padded into batches of similar length, rounding outputs and states to bf16 once.
 
 `install()` (called by the plugin in every vLLM process) swaps both in where vLLM would use the slow paths; vLLM's
