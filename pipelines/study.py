@@ -207,12 +207,15 @@ class Study:
         return cast(Path, self.artifact(stage, label, recipe))
 
     def checkpoint_dir(self, label: str, recipe: str) -> Path:
+        """checkpoints/<label>-<recipe>/ of this run directory: the quantize stage's checkpoint (bf16 too)."""
         return self._artifact_file("quantize", label, recipe).parent
 
     def eval_dir(self, label: str, recipe: str) -> Path:
+        """evals/<label>-<recipe>/ of this run directory: the eval stage's output (results.json, samples/)."""
         return self._artifact_file("eval", label, recipe).parent
 
     def diagnostics_dir(self, label: str) -> Path:
+        """diagnostics/<label>/ of this run directory: the diagnose stage's output for the source checkpoint."""
         return self._artifact_file("diagnose", label).parent
 
     def run(self, until: str = "report", executor: Executor | None = None) -> Path:
@@ -443,7 +446,10 @@ class Executor(Protocol):
     """Runs `stages` (a prefix of STAGES) for every target of `study`, each through `study._do`, while
     `Study.run` holds the run directory's lock; raises StageError for a failed stage."""
 
-    def run(self, study: Study, stages: Sequence[Stage]) -> None: ...
+    def run(self, study: Study, stages: Sequence[Stage]) -> None:
+        """Each of `stages` for every target of `study` (model, recipe or study scope), through `study._do`;
+        StageError for a failed stage."""
+        ...
 
 
 def stages_help() -> str:
