@@ -122,6 +122,7 @@ class TensorReader:
 
     @property
     def names(self) -> list[str]:
+        """Every stored tensor name, in file order (`aliases` not included)."""
         return list(self._where)
 
     def __contains__(self, name: str) -> bool:

@@ -265,6 +265,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `quantkit` command on `argv` (default: sys.argv[1:]): run its subcommand; the exit status (2: bad input)."""
     parser = argparse.ArgumentParser(prog="quantkit", description=quantkit.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"quantkit {quantkit.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

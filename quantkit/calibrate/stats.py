@@ -122,6 +122,8 @@ class Settling:
         self._previous: dict[str, torch.Tensor] = {}
 
     def after_batch(self, b: int, windows: int) -> bool:
+        """After batch `b` of `windows` windows: record its largest relative L2 change of any observed maxima vector
+        (inf for a new or non-finite one); True once `early_stop` holds."""
         change = 0.0
         for name, amax in self.observer.maxima.items():
             old = self._previous.get(name)

@@ -53,6 +53,7 @@ class Moments:
 
     @property
     def std(self) -> float:
+        """Population standard deviation sqrt(M2 / n); NaN for an empty stream."""
         return math.sqrt(self.m2 / self.n) if self.n else float("nan")
 
     @property
@@ -71,6 +72,7 @@ class ChannelStats:
         self.max_abs = torch.zeros(channels, dtype=torch.float32)
 
     def update(self, x: torch.Tensor) -> None:
+        """Add x (..., C): every leading position is one token of the per-channel sums and maxima."""
         x = x.detach().reshape(-1, x.shape[-1])
         a = x.abs()
         self.count += x.shape[0]
@@ -80,8 +82,10 @@ class ChannelStats:
 
     @property
     def mean_abs(self) -> torch.Tensor:
+        """Mean |x| per channel, float64 (C,); zeros before any update."""
         return self.sum_abs / max(self.count, 1)
 
     @property
     def rms(self) -> torch.Tensor:
+        """Root mean square per channel, float64 (C,); zeros before any update."""
         return (self.sum_sq / max(self.count, 1)).sqrt()

@@ -114,9 +114,11 @@ class NVFP4Tensor:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """Logical shape (..., k), padding excluded."""
         return (*self.packed.shape[:-1], self.k)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Decoded values (..., k) in `dtype` (`dequantize_nvfp4`)."""
         return dequantize_nvfp4(self, dtype=dtype)
 
 

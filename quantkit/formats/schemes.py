@@ -157,9 +157,11 @@ class FP8BlockScheme(Scheme):
     """FP8 E4M3 W8A8 (`quantkit.formats.fp8`): 128x128 block-scaled weights, per-token activations."""
 
     def config_keys(self) -> dict[str, Any]:
+        """weight_block_size [128, 128], group_size None."""
         return {"weight_block_size": [FP8_WEIGHT_BLOCK, FP8_WEIGHT_BLOCK], "group_size": None}
 
     def shape_problem(self, module: str, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+        """weight_scale must be (ceil(N/128), ceil(K/128)) for the (N, K) weight; else the mismatch."""
         n, k = shapes["weight"]
         want = (-(-n // FP8_WEIGHT_BLOCK), -(-k // FP8_WEIGHT_BLOCK))
         if shapes["weight_scale"] != want:
@@ -170,10 +172,13 @@ class FP8BlockScheme(Scheme):
         return None
 
     def encode(self, weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+        """Weight (N, K) -> weight float8_e4m3fn (N, K) and weight_scale float32 (ceil(N/128), ceil(K/128)), the decode
+        scale of each 128x128 block."""
         q, scale = quantize_fp8_block(weight, name=name)
         return {"weight": q, "weight_scale": scale}
 
     def decode(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
+        """weight * its 128x128 block's decode scale -> float32 (N, K); `in_features` unused (K is stored unpadded)."""
         return dequantize_fp8_block(tensors["weight"], tensors["weight_scale"])
 
     def quantize_activation(
@@ -185,6 +190,8 @@ class FP8BlockScheme(Scheme):
     def fake_quant_activation(
         self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """FP8 E4M3 quantize-dequantize per token (`row_amax`: the whole row's under TP), (..., K) -> float32 (..., K);
+        no static mode (`input_global_scale` unused)."""
         return dequantize_fp8_per_token(*self.quantize_activation(x, input_global_scale, row_amax))
 
     def layer_tensors(self, n: int, k: int, shards: int, activation_scale: str) -> list[LayerTensor]:
@@ -195,6 +202,7 @@ class FP8BlockScheme(Scheme):
         ]
 
     def decode_layer(self, params: Mapping[str, torch.Tensor], k: int) -> torch.Tensor:
+        """weight (n, k) E4M3 times weight_scale (n, ceil(k/128)), each entry over its 128 columns -> float32 (n, k)."""
         weight = params["weight"]
         return weight.float() * expand_block_scales(params["weight_scale"], (1, FP8_WEIGHT_BLOCK), tuple(weight.shape))
 
@@ -213,9 +221,11 @@ class NVFP4Scheme(Scheme):
     (per tensor for weights; per token, or the static calibrated `input_global_scale`, for activations)."""
 
     def config_keys(self) -> dict[str, Any]:
+        """weight_block_size None, group_size 16."""
         return {"weight_block_size": None, "group_size": NVFP4_GROUP}
 
     def shape_problem(self, module: str, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+        """No unquantized `weight` beside weight_packed (N, K_pad/2); weight_scale (N, K_pad/16); else what differs."""
         if "weight" in shapes:
             return f"nvfp4 module {module} also stores an unquantized {module}.weight"
         n, half_k = shapes["weight_packed"]
@@ -228,6 +238,8 @@ class NVFP4Scheme(Scheme):
         return None
 
     def encode(self, weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+        """Weight (N, K) -> weight_packed uint8 (N, K_pad/2), weight_scale float8_e4m3fn (N, K_pad/16) and
+        weight_global_scale float32 (1,) decode scales (per tensor, amax / 2688)."""
         t = quantize_nvfp4_weight(weight, name=name)
         return {
             "weight_packed": t.packed,
@@ -236,6 +248,7 @@ class NVFP4Scheme(Scheme):
         }
 
     def decode(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
+        """Checkpoint tensors of one Linear -> float32 weight (N, in_features), the K padding cropped."""
         return dequantize_nvfp4(
             NVFP4Tensor(
                 tensors["weight_packed"],
@@ -246,6 +259,7 @@ class NVFP4Scheme(Scheme):
         )
 
     def static_activation_tensors(self, amax: torch.Tensor) -> dict[str, torch.Tensor]:
+        """input_global_scale: float32 (1,) decode scale amax / 2688 (1.0 where amax is 0)."""
         return {"input_global_scale": nvfp4_global_scale(amax).float()}
 
     def _activation(
@@ -266,6 +280,8 @@ class NVFP4Scheme(Scheme):
     def fake_quant_activation(
         self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """NVFP4 quantize-dequantize, (..., K) -> float32 (..., K): per token (`row_amax` under TP), or static with
+        `input_global_scale`."""
         if input_global_scale is None:
             return fake_quant_nvfp4_activation(x, ActivationScale.PER_TOKEN, row_amax=row_amax)
         return fake_quant_nvfp4_activation(x, ActivationScale.STATIC, input_global_scale.reshape(()))
@@ -284,6 +300,7 @@ class NVFP4Scheme(Scheme):
         return tensors
 
     def decode_layer(self, params: Mapping[str, torch.Tensor], k: int) -> torch.Tensor:
+        """weight_packed, weight_scale and per-row weight_global_scale (n,) -> float32 (n, k), the K padding cropped."""
         return dequantize_nvfp4(
             NVFP4Tensor(params["weight_packed"], params["weight_scale"], params["weight_global_scale"][:, None], k)
         )

@@ -68,6 +68,7 @@ class QuantkitNorm(nn.Module):
             self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., hidden): DyT, or RMSNorm (PreAffine: of pre_scale * x), then the gate if any."""
         if self.norm_type == "dyt":
             y = self.weight.float() * torch.tanh(self.alpha.float() * x.float()) + self.bias.float()
             y = y.to(x.dtype)
@@ -124,6 +125,8 @@ class QuantkitAttention(Qwen3Attention):
         position_ids: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T, hidden) -> (o_proj output (B, T, hidden), attention weights or None), in the class docstring's
+        order; this step's k, v go into `past_key_values` (when given)."""
         input_shape = hidden_states.shape[:-1]  # (B, T)
         hidden_shape = (*input_shape, -1, self.head_dim)
 

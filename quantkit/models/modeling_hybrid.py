@@ -57,6 +57,7 @@ class QuantkitHybridNorm(Qwen3NextRMSNorm):
             self.pre_scale.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., hidden) in x's dtype: (1 + w) * RMSNorm(pre_scale * x), then the gate if any."""
         h = x.float() * self.pre_scale.float() if hasattr(self, "pre_scale") else x
         y = super().forward(h).to(x.dtype)
         if hasattr(self, "gate_down"):
@@ -102,6 +103,8 @@ class QuantkitHybridAttention(Qwen3NextAttention):
         past_key_values=None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T, hidden) -> (o_proj output (B, T, hidden), attention weights or None), in the class docstring's
+        order; this step's k, v go into `past_key_values` (when given)."""
         input_shape = hidden_states.shape[:-1]  # (B, T)
         hidden_shape = (*input_shape, -1, self.head_dim)
 

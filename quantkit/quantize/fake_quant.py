@@ -49,6 +49,8 @@ class FakeQuantLinear(torch.nn.Module):
         self.register_buffer("input_global_scale", input_global_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., K) -> (..., N) in x's dtype: fake-quantized x (float32 x when quantize_activations is off) times the
+        decoded weight, + bias, in float32."""
         xq = self.scheme.fake_quant_activation(x, self.input_global_scale) if self.quantize_activations else x.float()
         return torch.nn.functional.linear(xq, self.weight, self.bias).to(x.dtype)
 
@@ -97,6 +99,7 @@ class FakeQuantExperts(torch.nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        """hidden_states (T, H), top_k_index / top_k_weights (T, k) -> (T, H) in the input's dtype (class docstring)."""
         out = routed_experts_forward(
             hidden_states,
             top_k_index,

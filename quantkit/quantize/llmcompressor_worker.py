@@ -16,6 +16,8 @@ from quantkit.models.attention import load_reference_model  # registers model_ty
 
 
 def main(job_path: str) -> None:
+    """Run JOB.json: llmcompressor's oneshot() with the job's scheme on the float32 model (calibrated on its token
+    windows (N, T) when given), saved compressed with the tokenizer to the job's out directory."""
     job = json.loads(open(job_path).read())
     model = load_reference_model(job["model"], torch.float32)
     recipe = QuantizationModifier(targets="Linear", scheme=job["scheme"], ignore=job["ignore"])

@@ -140,6 +140,7 @@ class Recipe:
 
 
 def available_recipes() -> list[str]:
+    """Names of the shipped recipes (RECIPES_DIR/*.yaml file stems), sorted."""
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 
@@ -162,6 +163,8 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
 
 
 def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
+    """A recipe mapping (a recipe YAML's content) -> validated Recipe, its ignore list appended to DEFAULT_IGNORE;
+    ValueError naming `source` and the problem."""
     unknown = sorted(set(data) - _KEYS)
     if unknown:
         raise ValueError(f"{source}: unknown recipe key(s) {unknown}; known: {sorted(_KEYS)}")

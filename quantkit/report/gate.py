@@ -41,6 +41,7 @@ class Thresholds:
     benchmarks: dict[str, float] = field(default_factory=dict)  # per-benchmark max_drop (canonical keys)
 
     def for_benchmark(self, key: str) -> float:
+        """The max_drop (points) of benchmark `key` (canonical): its override, else max_drop."""
         return self.benchmarks.get(key, self.max_drop)
 
 
@@ -99,10 +100,12 @@ class Check:
 
     @property
     def failed(self) -> bool:
+        """True when worsening > allowed: a regression."""
         return self.worsening > self.allowed
 
     @property
     def verdict(self) -> str:
+        """'REGRESSION' when failed; 'ok (within noise)' when worse by more than the threshold only; else 'ok'."""
         if self.failed:
             return "REGRESSION"
         return "ok (within noise)" if self.worsening > self.threshold else "ok"
@@ -116,6 +119,7 @@ class GateResult:
 
     @property
     def failures(self) -> tuple[Check, ...]:
+        """The failed checks (regressions), in check order."""
         return tuple(c for c in self.checks if c.failed)
 
 

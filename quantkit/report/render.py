@@ -344,6 +344,7 @@ def _row_record(table: Table, r: TableRow) -> dict[str, Any]:
 
 
 def to_json(table: Table) -> str:
+    """report.json (report_version 1): study identity, columns, one record per row (floats rounded to 10 decimals)."""
     res = table.results
     doc = {
         "report_version": 1,

@@ -70,10 +70,12 @@ class Row:
 
     @property
     def is_baseline(self) -> bool:
+        """True for a variant's BF16 row (recipe "bf16")."""
         return self.recipe == BASELINE_RECIPE
 
     @property
     def name(self) -> str:
+        """The row's display name, '<variant>/<recipe>'."""
         return f"{self.variant}/{self.recipe}"
 
 
@@ -93,6 +95,7 @@ class Results:
         return next(r for r in self.rows if r.variant == variant and r.is_baseline)
 
     def find(self, variant: str, recipe: str) -> Row | None:
+        """The row of (variant, recipe), or None."""
         return next((r for r in self.rows if r.variant == variant and r.recipe == recipe), None)
 
 

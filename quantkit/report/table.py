@@ -109,30 +109,37 @@ class Table:
 
     @property
     def has_kl(self) -> bool:
+        """Whether any row records a held-out KL (nats/token vs BF16)."""
         return any(r.row.kl is not None for r in self.rows)
 
     @property
     def has_flips(self) -> bool:
+        """Whether any row has a mean flip rate."""
         return any(r.flips_mean is not None for r in self.rows)
 
     @property
     def has_noise(self) -> bool:
+        """Whether any row's Delta Avg has a noise floor."""
         return any(r.degradation and r.degradation.noise_avg is not None for r in self.rows)
 
     @property
     def has_size(self) -> bool:
+        """Whether any row records its checkpoint size."""
         return any(r.row.size is not None for r in self.rows)
 
     @property
     def has_calibration(self) -> bool:
+        """Whether any row records its calibration sets (an empty tuple counts: recorded, none)."""
         return any(r.row.calibration is not None for r in self.rows)
 
     @property
     def has_sections(self) -> bool:
+        """Whether any row names a section."""
         return any(r.row.section for r in self.rows)
 
     @property
     def has_ids(self) -> bool:
+        """Whether any row has a row id."""
         return any(r.row.row_id for r in self.rows)
 
 

@@ -86,6 +86,7 @@ class QuantkitHybridNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x (T, H) -> y (T, H); with `residual`: s = x + residual -> (y of s, s), vLLM's fused-add convention."""
         if residual is not None:
             x = x + residual  # in the model dtype, as GemmaRMSNorm for bf16
             residual = x
@@ -159,6 +160,7 @@ class QuantkitHybridAttention(Qwen3NextAttention):
         self.o_norm = HeadwiseRMSNorm(self.head_dim, config.rms_norm_eps) if config.headwise_rmsnorm else None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """positions (T,), hidden states (T, H) -> (T, H), in the class docstring's order."""
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v, gate = self._project_qkv_gate(qkv, positions)  # gate: fused elementwise gate or None
         if self.v_scale_theta is not None:
@@ -211,6 +213,8 @@ class GLUExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Per-expert tensors `{e}.{gate_proj,up_proj,down_proj}.<suffix>` -> their rows of w13 ([gate; up]) / w2, or
+        the quant method's `w13_<suffix>` / `w2_<suffix>`; returns the names of the parameters loaded."""
         inter = self.intermediate_size
         rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "down_proj": slice(None)}
         loaded = set()
@@ -268,6 +272,8 @@ class GLUSparseMoeBlock(nn.Module):
             )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., H): top-k GLU experts (float32 softmax router, renormalized when norm_topk_prob) plus
+        the shared expert gated by sigmoid(shared_expert_gate(x))."""
         x = hidden_states.view(-1, hidden_states.shape[-1])
         router_logits, _ = self.gate(x)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)

@@ -113,6 +113,7 @@ class QuantkitNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x (T, H) -> y (T, H); with `residual`: s = x + residual -> (y of s, s), vLLM's fused-add convention."""
         if residual is not None:
             x = x + residual  # in the model dtype, as the transformers reference does
             residual = x
@@ -141,6 +142,7 @@ class HeadwiseRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(head_dim))
 
     def forward(self, o: torch.Tensor) -> torch.Tensor:  # (T, H, D)
+        """o (T, heads, head_dim) -> the same shape: each head's RMSNorm times weight, float32 math, in o's dtype."""
         return (self.weight.float() * rms_normalize(o, self.eps)).to(o.dtype)
 
 
@@ -151,6 +153,7 @@ class SigmoidAndMul(nn.Module):
     """GLU activation (000 sec. 3.2): x -> sigmoid(x[:d]) * x[d:], d = x.shape[-1] // 2."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., 2d) -> (..., d): sigmoid(x[..., :d]) * x[..., d:]."""
         d = x.shape[-1] // 2
         return torch.sigmoid(x[..., :d]) * x[..., d:]
 
@@ -189,6 +192,7 @@ class QuantkitMLP(nn.Module):
             raise ValueError(f"hidden_act={hidden_act!r}: quantkit supports 'silu' (SwiGLU) and 'sigmoid' (GLU)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, H) -> (T, H): down_proj(act(gate) * up), gate and up from the merged gate_up_proj."""
         gate_up, _ = self.gate_up_proj(x)
         x, _ = self.down_proj(self.act_fn(gate_up))
         return x
@@ -333,6 +337,7 @@ class QuantkitAttention(nn.Module):
         return k, v
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """positions (T,), hidden states (T, H) -> (T, H), in the class docstring's order."""
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).view(q.shape)
@@ -391,6 +396,8 @@ class QuantkitDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,), hidden states (T, H), residual (T, H) or None (first layer) -> (MLP output, residual
+        stream), each (T, H); vLLM's deferred residual: the next norm adds the two."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -464,6 +471,7 @@ class QuantkitForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids (T,) -> embeddings (T, H) (the backbone's embed_tokens)."""
         return self.model.embed_input_ids(input_ids)
 
     def forward(
@@ -473,10 +481,14 @@ class QuantkitForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
+        """Token ids (or inputs_embeds), positions (T,) -> final-normed hidden states (T, H) on the last PP rank, else
+        IntermediateTensors for the next rank."""
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Hidden states (T, H) -> logits (T, vocab): lm_head through vLLM's LogitsProcessor (which may give None)."""
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """vLLM: checkpoint tensors by HF name -> parameters (AutoWeightsLoader); returns the names loaded."""
         return AutoWeightsLoader(self).load_weights(weights)

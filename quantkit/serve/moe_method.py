@@ -301,6 +301,8 @@ class QuantkitMoEMethod(FusedMoEMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ) -> None:
+        """vLLM: register w13_<suffix> / w2_<suffix> for this rank's experts (`QuantkitExperts.create_weights`,
+        I_p = intermediate_size_per_partition); params_dtype unused (the scheme's dtypes)."""
         self.experts.create_weights(
             layer,
             num_experts,
@@ -310,9 +312,11 @@ class QuantkitMoEMethod(FusedMoEMethodBase):
         )
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """vLLM: check static scales, pick the kernel, decode to float32 for torch-emulation (`QuantkitExperts`)."""
         self.experts.process_weights_after_loading(layer)
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig | None:
+        """vLLM: None, no modular-kernel config: `apply` computes the experts itself."""
         return None  # no vLLM modular kernel: `apply` computes the experts itself
 
     def apply(
@@ -342,12 +346,15 @@ class QuantkitGLUExpertsMethod(QuantizeMethodBase):
     def create_weights(
         self, layer: torch.nn.Module, num_experts: int, hidden_size: int, intermediate_size: int
     ) -> None:
+        """Register w13_<suffix> / w2_<suffix> for all `num_experts` (replicated: local id = global id; whole I)."""
         self.experts.create_weights(layer, num_experts, hidden_size, intermediate_size, lambda e: e)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Check static scales, pick the kernel, decode to float32 for torch-emulation (`QuantkitExperts`)."""
         self.experts.process_weights_after_loading(layer)
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
+        """x (T, H), topk_ids / topk_weights (T, k) -> the routed GLU experts' output (T, H) in x's dtype."""
         return self.experts.forward(layer, x, topk_ids, topk_weights, torch.sigmoid)

@@ -34,6 +34,7 @@ class GenerationRun:
 
     @property
     def tokens_per_second(self) -> float:
+        """Generated tokens per second of llm.generate's wall time (engine start-up excluded)."""
         return self.generated_tokens / self.seconds
 
 

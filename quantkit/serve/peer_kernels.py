@@ -37,9 +37,11 @@ class EmulationFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
 
     @classmethod
     def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+        """vLLM: (True, None) on the CPU platform, else (False, why)."""
         return (True, None) if current_platform.is_cpu() else (False, "quantkit's FP8-block emulation is for CPU")
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """vLLM: nothing to do; the GEMM decodes the checkpoint layout as loaded."""
         return  # keep the checkpoint layout: weight (N, K) E4M3, block scales (ceil(N/bn), ceil(K/bk))
 
     def apply_block_scaled_mm(

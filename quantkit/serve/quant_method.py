@@ -68,22 +68,27 @@ class QuantkitQuantConfig(QuantizationConfig):
 
     @classmethod
     def get_name(cls) -> str:
+        """vLLM: the quant_method this config serves, "quantkit"."""
         return "quantkit"
 
     @classmethod
     def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        """vLLM: activation dtypes served: float32, bfloat16, float16."""
         return [torch.float32, torch.bfloat16, torch.float16]
 
     @classmethod
     def get_min_capability(cls) -> int:
+        """vLLM: CUDA compute capability 89 at least (8.9: FP8 tensor cores, Ada / Hopper) for the Triton kernels."""
         return 89  # CUDA: FP8 tensor cores (Ada / Hopper) for the Triton kernels
 
     @staticmethod
     def get_config_filenames() -> list[str]:
+        """vLLM: no extra files; the quantization_config is read from config.json."""
         return []
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> QuantkitQuantConfig:
+        """vLLM: the checkpoint's quantization_config -> this config."""
         return cls(config)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
@@ -98,6 +103,8 @@ class QuantkitQuantConfig(QuantizationConfig):
         return [f"{parent}.{s}" if parent else s for s in shards]
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """vLLM: routed experts -> `_experts_method`; a Linear -> QuantkitLinearMethod when the checkpoint quantized
+        all its modules, UnquantizedLinearMethod when none (ValueError when some); any other layer -> None."""
         if isinstance(layer, RoutedExperts):
             return self._experts_method(layer, prefix)
         if not isinstance(layer, LinearBase):
@@ -146,6 +153,8 @@ class QuantkitLinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ) -> None:
+        """vLLM: register the scheme's `layer_tensors` for this partition (n = sum(output_partition_sizes),
+        k = input_size_per_partition), each with a loader for its checkpoint shards; params_dtype unused."""
         n, k = sum(output_partition_sizes), input_size_per_partition
         sharded_k = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
         # a fused layer the checkpoint stores as one matrix (Phi-3's qkv_proj, gate_up_proj): one shard, whole
@@ -195,6 +204,8 @@ class QuantkitLinearMethod(LinearMethodBase):
     # ------------------------------------------------------------------ after loading: pick the kernel
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """vLLM: keep one static input_global_scale (the fused shards' must agree), pick the kernel; torch-emulation
+        decodes the weight once to float32 (N, K) `weight_dequantized`."""
         if self.config.activation_scale == ActivationScale.STATIC:
             scales = cast(Parameter, layer.input_global_scale).data
             if not torch.all(scales == scales[0]):
@@ -221,6 +232,8 @@ class QuantkitLinearMethod(LinearMethodBase):
         )
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (..., K) -> (..., N) in x's dtype: activations quantized per token (or static), then the chosen kernel's
+        GEMM, + bias."""
         input_global_scale = getattr(layer, "input_global_scale", None)
         row_amax = _row_amax(layer, x, input_global_scale)
         if self.kernel == Kernel.TORCH_EMULATION:
