@@ -79,9 +79,11 @@ class Suite:
     chat_template: bool = False  # render every prompt through the model's chat template (instruct-form tasks)
 
     def tasks(self, allow_code: bool) -> list[str]:
+        """The lm-eval task names to run, in suite order; the `code` benchmarks' only with allow_code."""
         return [t for b, ts in self.benchmarks.items() if allow_code or b not in self.code for t in ts]
 
     def benchmark_of(self, task: str) -> str:
+        """The Table 2 benchmark (column) `task` belongs to."""
         return next(b for b, ts in self.benchmarks.items() if task in ts)
 
     def pinned_metric(self, task: str) -> tuple[str, str] | None:
@@ -91,6 +93,7 @@ class Suite:
 
 
 def available_suites() -> list[str]:
+    """The names of the shipped suites (configs/suites/*.yaml), sorted."""
     return sorted(p.stem for p in SUITES_DIR.glob("*.yaml"))
 
 

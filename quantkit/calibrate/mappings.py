@@ -132,6 +132,7 @@ class SmoothMapping:
 
     @property
     def name(self) -> str:
+        """A short label for reports: the smoothing layer and its consumers' last name parts."""
         return f"{self.smooth} -> {', '.join(c.rsplit('.', 1)[-1] for c in self.consumers)}"
 
     def channel_index(self, in_features: int, device: torch.device | None = None) -> torch.Tensor:

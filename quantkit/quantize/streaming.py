@@ -47,14 +47,15 @@ import os
 import shutil
 import struct
 import tempfile
+from dataclasses import dataclass
 from io import BufferedWriter
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 import quantkit.models  # noqa: F401  (registers quantkit's model types)
 from quantkit.atomic import atomic_dir
@@ -91,7 +92,7 @@ from quantkit.calibrate.smoothquant import (
 from quantkit.calibrate.stats import ChannelMaxObserver
 from quantkit.checkpoints import SAFETENSORS_DTYPES, tensor_headers
 from quantkit.data import calibration_windows
-from quantkit.formats.schemes import scheme_for
+from quantkit.formats.schemes import Scheme, scheme_for
 from quantkit.quantize.output import (
     checkpoint_state,
     encode_matrices,
@@ -101,7 +102,7 @@ from quantkit.quantize.output import (
     unquantized_to_source_dtype,
     write_side_files,
 )
-from quantkit.quantize.recipe import CalibrationSettings, Recipe
+from quantkit.quantize.recipe import CalibrationSettings, Recipe, SmoothQuantSettings
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,8 @@ class ShardWriter:
         self._offset = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Append `tensor` (any device; stored contiguous on CPU, its own dtype) under `name`, closing the shard
+        first when this tensor would take it past max_shard_bytes."""
         t = tensor.detach().to("cpu").contiguous()
         nbytes = t.numel() * t.element_size()
         if self._entries and self._offset + nbytes > self.max_shard_bytes:
@@ -201,49 +204,8 @@ def quantize_streaming(
     max_shard_bytes: the output shard size. Raises what the whole-model path raises (CheckpointError,
     SmoothQuantMappingError, NonFiniteStatisticsError, FunctionPreservationError), and StreamingError."""
     pin_mmap_threshold()
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
-    config = AutoConfig.from_pretrained(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    reader = open_source(model_dir, config.model_type)  # under the model's names (e.g. Mixtral's hub layout)
-    skeleton = skeleton_model(config)
-    try:
-        stack_name, layers = decoder_stack(skeleton)
-    except LayerwiseError as err:
-        raise StreamingError(f"{err}; use the whole-model path (--no-streaming)") from err
-    scheme = scheme_for(recipe.scheme)
-    weights = quantizable_weights(skeleton)  # meta tensors: names only
-    quantized = [n for n in weights if not recipe.ignores(n)] if scheme is not None else []
-    in_layers = f"{stack_name}."
-    outside = [n for n in quantized if not n.startswith(in_layers)]
-    if outside and recipe.static_activations:
-        raise StreamingError(
-            f"static activation scales for matrices outside the decoder layers ({outside[:3]}) are "
-            "not calibrated by the streaming path; use the whole-model path (--no-streaming)"
-        )
-    sq = recipe.smoothquant
-    plan = resolve_mappings(skeleton, experts=sq.experts) if sq is not None else None
-    per_layer = layer_mappings(plan, stack_name, len(layers)) if plan is not None else None
-    max_positions = config.max_position_embeddings
-    source = recipe.calibration_source(config.model_type)
-    static_tokens = None
-    if recipe.static_activations:
-        cal = recipe.calibration or CalibrationSettings()
-        static_tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, max_positions), source)
-    sq_tokens = None
-    if sq is not None:
-        sq_tokens = calibration_tokens(source, tokenizer, sq.num_sequences, sq.seq_len, max_positions)
-
-    source_headers = tensor_headers(model_dir)
-    smoothed = [] if plan is None else [m.smooth for m in plan.mappings]
-
-    def finish_state(state: dict[str, torch.Tensor], matrices: dict[str, torch.Tensor], amax: dict) -> dict:
-        if scheme is None:
-            return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
-        unquantized_to_source_dtype(state, list(matrices), source_headers, config, smoothed_norm_keys(smoothed, state))
-        encode_matrices(state, matrices, scheme, amax, desc="", progress=False)
-        return state
-
-    quantized_set = set(quantized)
+    job = _StreamingJob.resolve(Path(model_dir), recipe)
+    out_dir = Path(out_dir)
     metadata = {"format": "pt", "quantkit_recipe": recipe.name}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # named like atomic_dir's temporaries: a SIGKILLed run's hidden states are removed by the next writer of out_dir
@@ -251,107 +213,208 @@ def quantize_streaming(
     try:
         with atomic_dir(out_dir, overwrite=overwrite) as tmp:
             writer = ShardWriter(tmp, max_shard_bytes, metadata)
-            # the parameters outside the decoder layers, written one module at a time
-            tied = tied_partners(skeleton)
-            owners: dict[str, list[str]] = {}
-            for key in skeleton.state_dict(keep_vars=True):
-                if not key.startswith(in_layers):
-                    owners.setdefault(key.rpartition(".")[0], []).append(key)
-            for keys in owners.values():
-                state = outside_state(reader, keys, tied, model_dir)
-                matrices = {n: state[f"{n}.weight"] for n in outside if f"{n}.weight" in state}
-                for key, tensor in finish_state(state, matrices, {}).items():
-                    writer.add(key, tensor)
-                del state, matrices
+            tied = tied_partners(job.skeleton)
+            job.write_outside(writer, tied)
             # the forward up to the first layer needs all but the head; the head is loaded again for the check
-            before_head, head_keys = outside_keys(skeleton)
-            if sq is not None or static_tokens is not None:
-                load_outside(skeleton, reader, before_head, tied)
-
-            streams: dict[str, Stream] = {}
-            spill = {}
-            hidden = config.hidden_size
-            for name, tokens in (
-                ("sq", sq_tokens),
-                ("ref", None if sq_tokens is None else sq_tokens[:DEFAULT_VERIFY_SEQUENCES]),
-                ("static", static_tokens),
-            ):
-                if tokens is None:
-                    continue
-                big = tokens.numel() * hidden * 4 > spill_bytes
-                spill[name] = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=spill_root)) if big else None
-                # the statistics' windows are embedded during layer 0's pass: those an early stop drops never are
-                streams[name] = embed_stream(skeleton, layers, name, tokens, spill[name], lazy=name == "sq")
-            if sq is not None:  # the smoothed stream starts from the same embeddings as the reference
-                streams["smoothed"] = embed_stream(
-                    skeleton,
-                    layers,
-                    "smoothed",
-                    cast(torch.Tensor, sq_tokens)[:DEFAULT_VERIFY_SEQUENCES],  # set with sq
-                    spill["ref"],
-                )
-
+            before_head, head_keys = outside_keys(job.skeleton)
+            if job.sq is not None or job.static_tokens is not None:
+                load_outside(job.skeleton, job.reader, before_head, tied)
+            streams = job.open_streams(spill_root, spill_bytes)
             calibrated: list[LayerFactors] = []
-            for i in tqdm(range(len(layers)), desc=f"quantize {recipe.name} (streaming)", unit="layer"):
-                prefix = f"{stack_name}.{i}."
-                layer = layers[i]
-                materialize(layer, source_tensors(reader, layer, prefix, model_dir), f"{model_dir} layer {i}")
-                layer.eval()
-                if sq is not None:  # the statistics' stream passes layer i unsmoothed, the reference too
-                    calibrated.append(
-                        layer_factors(
-                            skeleton,
-                            layer,
-                            i,
-                            streams["sq"],
-                            cast(list[tuple[SmoothMapping, ...]], per_layer)[i],  # set with sq
-                            sq.alpha,
-                            early_stop=sq.early_stop_rule(),
-                        )
-                    )
-                    advance_stream(streams["ref"], layer, i)
-                    fold_layer(skeleton, calibrated[-1])
-                    advance_stream(streams["smoothed"], layer, i)
-                if i == 0 and skeleton.get_input_embeddings() is not None:  # every stream is embedded now: its
-                    skeleton.get_input_embeddings().to("meta")  # (vocabulary-sized) table is not needed again
-                amax = {}
-                if static_tokens is not None:
-                    names = [n for n in quantized if n.startswith(prefix)]
-                    with ChannelMaxObserver(skeleton, names) as observer:
-                        advance_stream(streams["static"], layer, i)
-                    missing = [n for n in names if n not in observer.maxima]
-                    if missing:
-                        raise RuntimeError(f"static activation calibration: these linears were never called: {missing}")
-                    amax = {n: m.max().reshape(1) for n, m in observer.maxima.items()}
-                state = {prefix + k: v for k, v in checkpoint_state(layer).items()}
-                matrices = {prefix + k: v for k, v in quantizable_weights(layer).items() if prefix + k in quantized_set}
-                for key, tensor in finish_state(state, matrices, amax).items():
-                    writer.add(key, tensor)
-                del state, matrices
-                layer.to("meta")
-
+            for i in tqdm(range(len(job.layers)), desc=f"quantize {recipe.name} (streaming)", unit="layer"):
+                job.quantize_layer(i, streams, writer, calibrated)
             report = None
-            if sq is not None:
-                load_outside(skeleton, reader, head_keys, tied)
+            if job.sq is not None:
+                load_outside(job.skeleton, job.reader, head_keys, tied)
                 report = _verify(
-                    skeleton,
-                    layers,
+                    job.skeleton,
+                    job.layers,
                     streams["ref"],
                     streams["smoothed"],
-                    cast(MappingPlan, plan),  # set with sq
-                    sq,
-                    cast(torch.Tensor, sq_tokens),  # set with sq
+                    cast(MappingPlan, job.plan),  # set with sq
+                    job.sq,
+                    cast(torch.Tensor, job.sq_tokens),  # set with sq
                     calibrated,
                 )
             writer.finish()
-            architecture = type(skeleton).__name__
+            quantized = set(job.quantized)
             config_out = output_config(
-                config, architecture, recipe, quantized, [n for n in weights if n not in quantized_set]
+                job.config,
+                type(job.skeleton).__name__,
+                recipe,
+                job.quantized,
+                [n for n in job.weights if n not in quantized],
             )
-            write_side_files(tmp, config_out, tokenizer, report)
+            write_side_files(tmp, config_out, job.tokenizer, report)
     finally:
         shutil.rmtree(spill_root, ignore_errors=True)
     return out_dir
+
+
+@dataclass
+class _StreamingJob:
+    """What `quantize_streaming` works from, resolved before any weight is read: the model on the meta device
+    (`skeleton`, its decoder `layers` under `stack_name`), the Linears to quantize (`quantized`; `outside` those
+    outside the decoder layers), the SmoothQuant mappings (`plan`, `per_layer`) and the calibration windows
+    (`sq_tokens` for SmoothQuant's statistics, `static_tokens` for static activation scales; (N, T) int64)."""
+
+    model_dir: Path
+    recipe: Recipe
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    reader: Any
+    skeleton: PreTrainedModel
+    stack_name: str
+    layers: nn.ModuleList
+    scheme: Scheme | None
+    weights: list[str]
+    quantized: list[str]
+    outside: list[str]
+    plan: MappingPlan | None
+    per_layer: list[tuple[SmoothMapping, ...]] | None
+    sq_tokens: torch.Tensor | None
+    static_tokens: torch.Tensor | None
+    source_headers: dict[str, tuple[str, tuple[int, ...]]]
+    smoothed: list[str]
+
+    @classmethod
+    def resolve(cls, model_dir: Path, recipe: Recipe) -> _StreamingJob:
+        """Read config, tokenizer and tensor headers; refuse what streaming cannot do (StreamingError)."""
+        config = AutoConfig.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        reader = open_source(model_dir, config.model_type)  # under the model's names (e.g. Mixtral's hub layout)
+        skeleton = skeleton_model(config)
+        try:
+            stack_name, layers = decoder_stack(skeleton)
+        except LayerwiseError as err:
+            raise StreamingError(f"{err}; use the whole-model path (--no-streaming)") from err
+        scheme = scheme_for(recipe.scheme)
+        weights = list(quantizable_weights(skeleton))  # meta tensors: names only
+        quantized = [n for n in weights if not recipe.ignores(n)] if scheme is not None else []
+        outside = [n for n in quantized if not n.startswith(f"{stack_name}.")]
+        if outside and recipe.static_activations:
+            raise StreamingError(
+                f"static activation scales for matrices outside the decoder layers ({outside[:3]}) are "
+                "not calibrated by the streaming path; use the whole-model path (--no-streaming)"
+            )
+        sq = recipe.smoothquant
+        plan = resolve_mappings(skeleton, experts=sq.experts) if sq is not None else None
+        per_layer = layer_mappings(plan, stack_name, len(layers)) if plan is not None else None
+        max_positions = config.max_position_embeddings
+        source = recipe.calibration_source(config.model_type)
+        static_tokens = None
+        if recipe.static_activations:
+            cal = recipe.calibration or CalibrationSettings()
+            static_tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, max_positions), source)
+        sq_tokens = None
+        if sq is not None:
+            sq_tokens = calibration_tokens(source, tokenizer, sq.num_sequences, sq.seq_len, max_positions)
+        return cls(
+            model_dir=model_dir,
+            recipe=recipe,
+            config=config,
+            tokenizer=tokenizer,
+            reader=reader,
+            skeleton=skeleton,
+            stack_name=stack_name,
+            layers=layers,
+            scheme=scheme,
+            weights=weights,
+            quantized=quantized,
+            outside=outside,
+            plan=plan,
+            per_layer=per_layer,
+            sq_tokens=sq_tokens,
+            static_tokens=static_tokens,
+            source_headers=tensor_headers(model_dir),
+            smoothed=[] if plan is None else [m.smooth for m in plan.mappings],
+        )
+
+    @property
+    def sq(self) -> SmoothQuantSettings | None:
+        """The recipe's SmoothQuant settings (None: no SmoothQuant)."""
+        return self.recipe.smoothquant
+
+    def finish_state(
+        self, state: dict[str, torch.Tensor], matrices: dict[str, torch.Tensor], amax: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """A module's checkpoint tensors: `matrices` encoded with the scheme (`amax`: their static input amax),
+        the rest in the source dtype (bf16 for the bf16 recipe)."""
+        if self.scheme is None:
+            return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+        norm_keys = smoothed_norm_keys(self.smoothed, state)
+        unquantized_to_source_dtype(state, list(matrices), self.source_headers, self.config, norm_keys)
+        encode_matrices(state, matrices, self.scheme, amax, desc="", progress=False)
+        return state
+
+    def write_outside(self, writer: ShardWriter, tied: dict[str, str]) -> None:
+        """The parameters outside the decoder layers, written one module at a time."""
+        owners: dict[str, list[str]] = {}
+        for key in self.skeleton.state_dict(keep_vars=True):
+            if not key.startswith(f"{self.stack_name}."):
+                owners.setdefault(key.rpartition(".")[0], []).append(key)
+        for keys in owners.values():
+            state = outside_state(self.reader, keys, tied, self.model_dir)
+            matrices = {n: state[f"{n}.weight"] for n in self.outside if f"{n}.weight" in state}
+            for key, tensor in self.finish_state(state, matrices, {}).items():
+                writer.add(key, tensor)
+            del state, matrices
+
+    def open_streams(self, spill_root: Path, spill_bytes: int) -> dict[str, Stream]:
+        """The calibration streams: "sq" (SmoothQuant's statistics), "ref" and "smoothed" (the function check's
+        unsmoothed and smoothed passes over the first DEFAULT_VERIFY_SEQUENCES windows), "static" (static
+        activation scales); a stream above `spill_bytes` of hidden states lives under `spill_root`."""
+        streams: dict[str, Stream] = {}
+        spill: dict[str, Path | None] = {}
+        ref_tokens = None if self.sq_tokens is None else self.sq_tokens[:DEFAULT_VERIFY_SEQUENCES]
+        for name, tokens in (("sq", self.sq_tokens), ("ref", ref_tokens), ("static", self.static_tokens)):
+            if tokens is None:
+                continue
+            big = tokens.numel() * self.config.hidden_size * 4 > spill_bytes
+            spill[name] = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=spill_root)) if big else None
+            # the statistics' windows are embedded during layer 0's pass: those an early stop drops never are
+            streams[name] = embed_stream(self.skeleton, self.layers, name, tokens, spill[name], lazy=name == "sq")
+        if ref_tokens is not None:  # the smoothed stream starts from the same embeddings as the reference
+            streams["smoothed"] = embed_stream(self.skeleton, self.layers, "smoothed", ref_tokens, spill["ref"])
+        return streams
+
+    def quantize_layer(
+        self, i: int, streams: dict[str, Stream], writer: ShardWriter, calibrated: list[LayerFactors]
+    ) -> None:
+        """Load decoder layer i, calibrate and fold its SmoothQuant factors (appended to `calibrated`), measure
+        its static activation scales, write its tensors, and return it to the meta device."""
+        prefix = f"{self.stack_name}.{i}."
+        layer = self.layers[i]
+        materialize(layer, source_tensors(self.reader, layer, prefix, self.model_dir), f"{self.model_dir} layer {i}")
+        layer.eval()
+        if self.sq is not None:  # the statistics' stream passes layer i unsmoothed, the reference too
+            mappings = cast(list[tuple[SmoothMapping, ...]], self.per_layer)[i]  # set with sq
+            early_stop = self.sq.early_stop_rule()
+            calibrated.append(
+                layer_factors(self.skeleton, layer, i, streams["sq"], mappings, self.sq.alpha, early_stop=early_stop)
+            )
+            advance_stream(streams["ref"], layer, i)
+            fold_layer(self.skeleton, calibrated[-1])
+            advance_stream(streams["smoothed"], layer, i)
+        embeddings = self.skeleton.get_input_embeddings()
+        if i == 0 and embeddings is not None:  # every stream is embedded now: the (vocabulary-sized) table is
+            embeddings.to("meta")  # not needed again
+        amax = {}
+        if self.static_tokens is not None:
+            names = [n for n in self.quantized if n.startswith(prefix)]
+            with ChannelMaxObserver(self.skeleton, names) as observer:
+                advance_stream(streams["static"], layer, i)
+            missing = [n for n in names if n not in observer.maxima]
+            if missing:
+                raise RuntimeError(f"static activation calibration: these linears were never called: {missing}")
+            amax = {n: m.max().reshape(1) for n, m in observer.maxima.items()}
+        quantized = set(self.quantized)
+        state = {prefix + k: v for k, v in checkpoint_state(layer).items()}
+        matrices = {prefix + k: v for k, v in quantizable_weights(layer).items() if prefix + k in quantized}
+        for key, tensor in self.finish_state(state, matrices, amax).items():
+            writer.add(key, tensor)
+        del state, matrices
+        layer.to("meta")
 
 
 def _verify(
