@@ -6,10 +6,12 @@ Conventions (every function returns 1 for correct, 0 for wrong, per sample; lm-e
   as values (|a - b| <= 1e-6): `1,000` and `1000` are equal, `\\frac{1}{2}` is `1/2` (a comma followed by
   exactly three digits groups thousands, any other comma is a decimal comma), `-57/2` equals `-28.5`, a
   trailing `.0`, `$` or `%` does not matter.
-- MATH: the last `\\boxed{...}` or "final answer is $...$" of the response against the boxed answer of the
-  reference solution, after a light LaTeX normalization (`normalize_math`); no symbolic equivalence.
+- MATH: the last `\\boxed{...}` or "final answer is $...$" of the response against the item's `answer` (the
+  reference's "final answer is $...$", `extract.math_rows`), after a light LaTeX normalization
+  (`normalize_math`); no symbolic equivalence.
 - Code (HumanEval, MBPP, CRUXEval, MultiPL-E): the program runs (`execution.run_program`, opt-in only);
-  pass@1 with one greedy sample, unbiased pass@k with `repeats: n` samples.
+  pass@1: one greedy sample, or with `repeats: n` samples the fraction that pass (pass@k for k > 1 is not
+  computed).
 """
 
 from __future__ import annotations
