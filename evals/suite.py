@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from tqdm import tqdm
@@ -48,6 +48,9 @@ from quantkit.configs import SUITES_DIR
 from quantkit.evals.execution import ALLOW_ENV
 from quantkit.evals.extract import MissingExtractionError, data_dir, is_current
 from quantkit.evals.harness import BACKENDS, EvalBackend
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -246,29 +249,12 @@ def evaluate(
     same engine records the prompt logprobs of `heldout_windows` (`degradation.record_heldout_logprobs`; top_k
     None = full vocabulary). Bad input (suite, backend, checkpoint, missing offline items) raises before any
     engine starts."""
-    from quantkit.evals.degradation import LOGPROBS_FILE, HeldoutLogprobsError, record_heldout_logprobs
-    from quantkit.evals.harness import evaluate_tasks, open_lm
-    from quantkit.serve.checkpoint_check import check_servable
+    from quantkit.evals.degradation import LOGPROBS_FILE, record_heldout_logprobs
+    from quantkit.evals.harness import open_lm
 
     spec = load_suite(suite)
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     model_dir = Path(model_dir)
-    if backend == EvalBackend.VLLM:
-        check_servable(model_dir)
-    else:
-        check_checkpoint_dir(model_dir)
-    if heldout_logprobs is not None and (backend != EvalBackend.VLLM or data_parallel_size != 1):
-        raise HeldoutLogprobsError(
-            "held-out logprobs are recorded by the eval's own vLLM engine: they need backend "
-            "vllm and data_parallel_size 1 (lm-eval's replicas are ray workers); use "
-            "kl.source: transformers"
-        )
-    if not is_current(data_dir()):
-        raise MissingExtractionError(
-            f"offline eval items missing or stale in {data_dir()}: run `make setup` "
-            "(or `python -m quantkit.evals.extract`)"
-        )
+    _check_inputs(model_dir, backend, heldout_logprobs, data_parallel_size)
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
@@ -297,19 +283,9 @@ def evaluate(
             "has none (an instruct model's tokenizer carries one: chat_template.jinja or "
             "tokenizer_config.json)"
         )
+    kl_tokens, max_logprobs = _kl_tokens(tokenizer, heldout_logprobs, max_model_len)
 
-    kl_tokens, max_logprobs = None, None
-    if heldout_logprobs is not None:
-        from quantkit.data import heldout_windows
-
-        kl_tokens = heldout_windows(tokenizer, heldout_logprobs["num_sequences"], heldout_logprobs["seq_len"])
-        if kl_tokens.shape[1] > max_model_len:
-            raise HeldoutLogprobsError(
-                f"kl seq_len {kl_tokens.shape[1]} exceeds the eval context max_model_len {max_model_len}"
-            )
-        top_k = heldout_logprobs.get("top_k")
-        max_logprobs = -1 if top_k is None else max(top_k, 20)  # 20: vLLM's default, which lm-eval's requests fit
-
+    run = _TaskRun(spec, task_manager, tokenizer, out_dir, limit, seed, allow_code, max_model_len)
     per_task: dict[str, dict[str, Any]] = {}
     recorded = None
     started = time.perf_counter()
@@ -329,43 +305,7 @@ def evaluate(
         startup = time.perf_counter() - started
         for task in (bar := tqdm(tasks, desc=f"eval {spec.name}", unit="task")):
             bar.set_postfix_str(task)
-            t0 = time.perf_counter()
-            out = evaluate_tasks(
-                lm,
-                [task],
-                task_manager,
-                limit=limit,
-                seed=seed,
-                gen_kwargs=spec.gen_kwargs,
-                allow_unsafe_code=allow_code,
-                chat_template=spec.chat_template,
-            )
-            seconds = time.perf_counter() - t0
-            n_items = truncated = 0
-            pinned = spec.pinned_metric(task)
-            for name, samples in out["samples"].items():  # a group's leaves, or the task itself
-                metric, filt = _primary_metric(out["results"][name], pinned)
-                records = sorted(
-                    (_sample_record(name, s, metric) for s in samples if s.get("filter", filt) == filt),
-                    key=lambda r: r["doc_id"],
-                )
-                write_text_atomic(
-                    out_dir / "samples" / f"{name}.jsonl",
-                    "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records),
-                )
-                n_items += len(records)
-                budget = (out["configs"][name].get("generation_kwargs") or {}).get("max_gen_toks", 256)
-                truncated += _truncated(tokenizer, records, max_model_len, 1 if _is_choice(records) else budget)
-            metric, filt = _primary_metric(out["results"][task], pinned)
-            per_task[task] = dict(
-                score=out["results"][task][f"{metric},{filt}"],
-                metric=metric,
-                filter=filt,
-                n=n_items,
-                seconds=round(seconds, 2),
-                truncated_prompts=truncated,
-                lm_eval=out["results"][task],
-            )
+            per_task[task] = run.score(lm, task)
         if kl_tokens is not None and heldout_logprobs is not None:  # kl_tokens exist only with heldout_logprobs
             t0 = time.perf_counter()
             recorded = record_heldout_logprobs(
@@ -406,6 +346,110 @@ def evaluate(
         results["heldout_logprobs"] = recorded
     write_text_atomic(out_dir / "results.json", json.dumps(results, indent=1, default=str) + "\n")
     return results
+
+
+def _check_inputs(
+    model_dir: Path, backend: str, heldout_logprobs: dict[str, Any] | None, data_parallel_size: int
+) -> None:
+    """Refuse, before any engine starts, a bad backend, checkpoint, held-out logprobs setting or a missing
+    offline extraction."""
+    from quantkit.evals.degradation import HeldoutLogprobsError
+    from quantkit.serve.checkpoint_check import check_servable
+
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if backend == EvalBackend.VLLM:
+        check_servable(model_dir)
+    else:
+        check_checkpoint_dir(model_dir)
+    if heldout_logprobs is not None and (backend != EvalBackend.VLLM or data_parallel_size != 1):
+        raise HeldoutLogprobsError(
+            "held-out logprobs are recorded by the eval's own vLLM engine: they need backend "
+            "vllm and data_parallel_size 1 (lm-eval's replicas are ray workers); use "
+            "kl.source: transformers"
+        )
+    if not is_current(data_dir()):
+        raise MissingExtractionError(
+            f"offline eval items missing or stale in {data_dir()}: run `make setup` "
+            "(or `python -m quantkit.evals.extract`)"
+        )
+
+
+def _kl_tokens(
+    tokenizer: Any, heldout_logprobs: dict[str, Any] | None, max_model_len: int
+) -> tuple[torch.Tensor | None, int | None]:
+    """The held-out windows ((N, L) int64) the engine scores after the tasks and the engine's max_logprobs
+    (-1: the whole vocabulary), or (None, None) without `heldout_logprobs`."""
+    if heldout_logprobs is None:
+        return None, None
+    from quantkit.data import heldout_windows
+    from quantkit.evals.degradation import HeldoutLogprobsError
+
+    kl_tokens = heldout_windows(tokenizer, heldout_logprobs["num_sequences"], heldout_logprobs["seq_len"])
+    if kl_tokens.shape[1] > max_model_len:
+        raise HeldoutLogprobsError(
+            f"kl seq_len {kl_tokens.shape[1]} exceeds the eval context max_model_len {max_model_len}"
+        )
+    top_k = heldout_logprobs.get("top_k")
+    return kl_tokens, -1 if top_k is None else max(top_k, 20)  # 20: vLLM's default, which lm-eval's requests fit
+
+
+@dataclass
+class _TaskRun:
+    """What scoring one task of a suite needs besides the open LM."""
+
+    spec: Suite
+    task_manager: Any
+    tokenizer: Any
+    out_dir: Path
+    limit: int | None
+    seed: int
+    allow_code: bool
+    max_model_len: int
+
+    def score(self, lm: Any, task: str) -> dict[str, Any]:
+        """Run `task` through lm-eval; write samples/<task or leaf>.jsonl (sorted by doc_id); return its row of
+        results.json `tasks`: score (the primary metric, 0-1), metric, filter, n, seconds, truncated_prompts."""
+        from quantkit.evals.harness import evaluate_tasks
+
+        t0 = time.perf_counter()
+        out = evaluate_tasks(
+            lm,
+            [task],
+            self.task_manager,
+            limit=self.limit,
+            seed=self.seed,
+            gen_kwargs=self.spec.gen_kwargs,
+            allow_unsafe_code=self.allow_code,
+            chat_template=self.spec.chat_template,
+        )
+        seconds = time.perf_counter() - t0
+        n_items = truncated = 0
+        pinned = self.spec.pinned_metric(task)
+        for name, samples in out["samples"].items():  # a group's leaves, or the task itself
+            metric, filt = _primary_metric(out["results"][name], pinned)
+            records = sorted(
+                (_sample_record(name, s, metric) for s in samples if s.get("filter", filt) == filt),
+                key=lambda r: r["doc_id"],
+            )
+            write_text_atomic(
+                self.out_dir / "samples" / f"{name}.jsonl",
+                "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records),
+            )
+            n_items += len(records)
+            budget = (out["configs"][name].get("generation_kwargs") or {}).get("max_gen_toks", 256)
+            answer_tokens = 1 if _is_choice(records) else budget
+            truncated += _truncated(self.tokenizer, records, self.max_model_len, answer_tokens)
+        metric, filt = _primary_metric(out["results"][task], pinned)
+        return dict(
+            score=out["results"][task][f"{metric},{filt}"],
+            metric=metric,
+            filter=filt,
+            n=n_items,
+            seconds=round(seconds, 2),
+            truncated_prompts=truncated,
+            lm_eval=out["results"][task],
+        )
 
 
 def _run(args: argparse.Namespace) -> int:
