@@ -185,14 +185,21 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float, *, name:
     return _quantize_nvfp4(x, _as_global_scale(global_scale, tuple(x.shape[:-1]), "quantize_nvfp4").to(x.device))
 
 
-def _quantize_nvfp4(x: torch.Tensor, gs: torch.Tensor) -> NVFP4Tensor:
+def _scaled_groups(x: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (..., K) in groups of 16, zero-padded to K_pad, divided by their decode scale: (scaled (..., G, 16) float32,
+    E4M3 block scales (..., G), decode scale block_scale * gs (..., G, 1) float32)."""
     k = x.shape[-1]
     k_pad = -(-k // NVFP4_GROUP) * NVFP4_GROUP
     groups = torch.nn.functional.pad(x.float(), (0, k_pad - k)).unflatten(-1, (-1, NVFP4_GROUP))
     block_scale = nvfp4_block_scales(groups.abs().amax(dim=-1), gs)
-    scaled = groups / (block_scale.float() * gs).unsqueeze(-1)
+    scale = (block_scale.float() * gs).unsqueeze(-1)
+    return groups / scale, block_scale, scale
+
+
+def _quantize_nvfp4(x: torch.Tensor, gs: torch.Tensor) -> NVFP4Tensor:
+    scaled, block_scale, _ = _scaled_groups(x, gs)
     codes = round_to_e2m1(scaled.flatten(-2))
-    return NVFP4Tensor(packed=pack_fp4(codes), block_scale=block_scale, global_scale=gs, k=k)
+    return NVFP4Tensor(packed=pack_fp4(codes), block_scale=block_scale, global_scale=gs, k=x.shape[-1])
 
 
 def dequantize_nvfp4(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -237,14 +244,9 @@ def fake_quant_nvfp4_activation(
 ) -> torch.Tensor:
     """`dequantize_nvfp4(quantize_nvfp4_activation(...))`, float32 (..., K), equal bit for bit, without packing
     the codes and unpacking them again (the CPU-emulated serving path quantizes every activation this way)."""
-    gs = _activation_global_scale(x, mode, global_scale, row_amax, name)
-    k = x.shape[-1]
-    k_pad = -(-k // NVFP4_GROUP) * NVFP4_GROUP
-    groups = torch.nn.functional.pad(x.float(), (0, k_pad - k)).unflatten(-1, (-1, NVFP4_GROUP))
-    block_scale = nvfp4_block_scales(groups.abs().amax(dim=-1), gs)
-    scale = (block_scale.float() * gs).unsqueeze(-1)  # as _quantize_nvfp4 divides and dequantize_nvfp4 multiplies
-    values = e2m1_to_float(round_to_e2m1(groups / scale))
-    return (values * scale).flatten(-2)[..., :k]
+    scaled, _, scale = _scaled_groups(x, _activation_global_scale(x, mode, global_scale, row_amax, name))
+    values = e2m1_to_float(round_to_e2m1(scaled))  # the codes _quantize_nvfp4 packs, decoded as dequantize_nvfp4 does
+    return (values * scale).flatten(-2)[..., : x.shape[-1]]
 
 
 def _activation_global_scale(
