@@ -144,17 +144,19 @@ def test_routing_unchanged_by_smoothing_every_flag(case):
 
 
 def test_missing_g_proj_fold_is_caught(monkeypatch):
-    """Head-wise GA: a mapping that forgets g_proj fails smooth_model's own check and is rolled back."""
+    """Head-wise GA: a mapping table that forgets to fold g_proj (lists it as a linear no norm feeds) fails
+    smooth_model's own check and is rolled back."""
     from quantkit.calibrate import mappings as mappings_module
 
     model = tiny_hybrid(FLAG_CASES["ga_headwise"])
-    original = mappings_module._hybrid_layer_mappings
-
-    def without_g_proj(*args, **kwargs):
-        return [dataclasses.replace(m, consumers=tuple(c for c in m.consumers if not c.endswith("g_proj")))
-                for m in original(*args, **kwargs)]
-
-    monkeypatch.setattr(mappings_module, "_hybrid_layer_mappings", without_g_proj)
+    attention = mappings_module.SOFTMAX_ATTENTION
+    forgetful = dataclasses.replace(
+        attention,
+        norm=dataclasses.replace(attention.norm, consumers=tuple(c for c in attention.norm.consumers if "g_proj" not in c)),
+        unsmoothed=attention.unsmoothed + ("self_attn.g_proj?",))
+    hybrid = mappings_module.HYBRID
+    family = dataclasses.replace(hybrid, slots=((mappings_module.GATED_DELTANET, forgetful), hybrid.slots[1]))
+    monkeypatch.setitem(mappings_module.ARCHITECTURES, type(model).__name__, family)
     with pytest.raises(FunctionPreservationError):
         smooth_model(model, tokens(8, 32), progress=False)
 

@@ -200,20 +200,18 @@ def test_routing_is_unchanged_by_smoothing_and_changes_without_the_router_fold()
 
 
 def test_missing_router_fold_breaks_function_preservation_check(monkeypatch):
-    """A mapping that forgets the router is caught by smooth_model's own check and rolled back."""
+    """A mapping table that forgets the router is caught by smooth_model's own check and rolled back."""
     from quantkit.calibrate import FunctionPreservationError
     from quantkit.calibrate import mappings as mappings_module
 
     model = tiny_qwen3_next()
-    original = mappings_module._hybrid_layer_mappings
-
-    def without_router(*args, **kwargs):
-        return [dataclasses.replace(m, consumers=tuple(c for c in m.consumers if not c.endswith("mlp.gate")),
-                                    fold_only=tuple(c for c in m.fold_only if not c.endswith("mlp.gate")))
-                for m in original(*args, **kwargs)]
+    moe = mappings_module.SPARSE_MOE
+    forgetful = dataclasses.replace(moe, norm=dataclasses.replace(
+        moe.norm, consumers=tuple(c for c in moe.norm.consumers if c != "mlp.gate"), fold_only=("mlp.shared_expert_gate",)))
+    family = dataclasses.replace(mappings_module.HYBRID, slots=(mappings_module.HYBRID.slots[0], (forgetful, mappings_module.GLU_MLP)))
 
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    monkeypatch.setattr(mappings_module, "_hybrid_layer_mappings", without_router)
+    monkeypatch.setitem(mappings_module.ARCHITECTURES, type(model).__name__, family)
     with pytest.raises(FunctionPreservationError):
         smooth_model(model, tokens(8, 32), progress=False)
     for k, v in model.state_dict().items():  # rolled back, up to the rounding of s * (1/s)

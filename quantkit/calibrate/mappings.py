@@ -16,6 +16,11 @@ Mappings per decoder layer (Llama, Qwen2, Qwen3, Mistral and quantkit's own fami
 
 The final norm feeds lm_head, which stays BF16 (quantkit's default ignore list): it is not smoothed.
 
+These tables are data: each part of a layer is a `LayerPart` (its `NormGroup`, the v->o / up->down pair it
+offers, the linears it quantizes unsmoothed): `SOFTMAX_ATTENTION`, `GLU_MLP` here, `GATED_DELTANET` and
+`SPARSE_MOE` below; `ARCHITECTURES` gives each registered architecture its `DecoderFamily` (parts per slot, the
+attention / MLP classes v->o and up->down are valid for). A decoder of the same shape is one line there.
+
 Architectures with no ARCHITECTURES entry (Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE, ...) take the structural rule,
 `traced_mappings`: each decoder layer runs once on 8 random positions with hooks, which find which of its norms
 feeds which linears (routers, fused experts) by equal values at the consumers' inputs, so Gemma's sandwich norms
@@ -265,26 +270,102 @@ def _fold_linear_rows(linear: nn.Linear, s: torch.Tensor) -> None:
 
 
 @dataclass(frozen=True)
-class DecoderFamily:
-    """A Llama-style decoder: model.model.layers[i].{input_layernorm, self_attn, post_attention_layernorm, mlp}.
+class NormGroup:
+    """A norm of a decoder layer and the modules reading its output, smoothed together; layer-relative paths.
 
-    `linear_attention`: attention classes whose output is linear in v per channel (v->o allowed, subject to
-    `check_attention`). `glu_mlps`: MLP classes computing down(act(gate(x)) * up(x)) (up->down allowed).
-    `hybrid`: layers hold `linear_attn` (Gated DeltaNet) or `self_attn`, and `mlp` may be a sparse MoE block
-    (module docstring); attention and MLP classes are then matched with isinstance (subclasses included).
-    """
+    A path ending in "?" is optional: used where the layer has it (GA's g_proj, a shared expert), else
+    ignored; any other missing path is a problem the plan names. `consumers` are nn.Linear except those in
+    `any_module` (fused experts, a transformers router); `fold_only` consumers are folded but never quantized
+    (routers, gates), so their weights stay out of max|W_j|. `experts`: the group of a MoE block, dropped by
+    `experts=False`."""
+
+    norm: str
+    consumers: tuple[str, ...]
+    fold_only: tuple[str, ...] = ()
+    any_module: tuple[str, ...] = ()
+    experts: bool = False
+
+
+@dataclass(frozen=True)
+class LayerPart:
+    """One part of a decoder layer as data, a token mixer or an MLP: its norm group; the attention whose
+    v_proj -> o_proj (`v_o`) or the GLU MLP whose up_proj -> down_proj (`up_down`) it may smooth (paths, "?" =
+    optional); the linears it quantizes that no norm feeds (`unsmoothed`); lines the plan records when v->o or
+    up->down is asked of a part that has none (`no_v_o` always, `no_up_down` when asked). `when`: the part
+    applies to layers for which it is true (None: every layer)."""
+
+    norm: NormGroup
+    v_o: str | None = None
+    up_down: str | None = None
+    unsmoothed: tuple[str, ...] = ()
+    no_v_o: str | None = None
+    no_up_down: str | None = None
+    when: Callable[[nn.Module], bool] | None = None
+
+
+SOFTMAX_ATTENTION = LayerPart(
+    NormGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.g_proj?")),
+    v_o="self_attn",
+    unsmoothed=("self_attn.o_proj",),
+)
+GATED_DELTANET = LayerPart(  # both input projections read the normed input
+    NormGroup("input_layernorm", ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba")),
+    unsmoothed=("linear_attn.out_proj",),
+    no_v_o="v_proj -> o_proj: Gated DeltaNet layers have no softmax attention (their out_proj reads a gated RMSNorm)",
+    when=lambda layer: hasattr(layer, "linear_attn"),
+)
+GLU_MLP = LayerPart(
+    NormGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    up_down="mlp",
+    unsmoothed=("mlp.down_proj",),
+)
+SPARSE_MOE = LayerPart(
+    NormGroup(
+        "post_attention_layernorm",
+        (
+            "mlp.gate",
+            "mlp.experts",
+            "mlp.shared_expert.gate_proj?",
+            "mlp.shared_expert.up_proj?",
+            "mlp.shared_expert_gate?",
+        ),
+        fold_only=("mlp.gate", "mlp.shared_expert_gate"),
+        any_module=("mlp.gate", "mlp.experts"),
+        experts=True,
+    ),
+    up_down="mlp.shared_expert?",
+    unsmoothed=("mlp.shared_expert.down_proj?",),
+    no_up_down="routed experts' up_proj -> down_proj: not implemented (one factor vector per expert)",
+    when=lambda layer: _is_sparse_moe(getattr(layer, "mlp", None)),
+)
+
+
+@dataclass(frozen=True)
+class DecoderFamily:
+    """A decoder whose layers sit at model.model.layers: per slot of a layer (token mixer, MLP), the LayerPart
+    alternatives, the first whose `when` holds applying. `linear_attention`: attention classes whose output is
+    linear in v per channel (v->o allowed, subject to `_v_o_problem`). `glu_mlps`: MLP classes computing
+    down(act(gate(x)) * up(x)) (up->down allowed). `subclasses`: match those classes with isinstance (else the
+    exact class)."""
 
     linear_attention: tuple[type, ...]
     glu_mlps: tuple[type, ...]
-    hybrid: bool = False
+    slots: tuple[tuple[LayerPart, ...], ...] = ((SOFTMAX_ATTENTION,), (GLU_MLP,))
+    subclasses: bool = False
 
 
 _STOCK = DecoderFamily(
     linear_attention=(LlamaAttention, Qwen2Attention, Qwen3Attention, MistralAttention),
     glu_mlps=(LlamaMLP, Qwen2MLP, Qwen3MLP, MistralMLP),
 )
-# Qwen3-Next's softmax attention multiplies its output by sigmoid(gate) per channel: still linear in v.
-HYBRID = DecoderFamily(linear_attention=(Qwen3NextAttention,), glu_mlps=(Qwen3NextMLP,), hybrid=True)
+# Qwen3-Next: Gated DeltaNet or softmax attention (whose output gate sigmoid(g) multiplies per channel: still
+# linear in v); a sparse MoE block or a dense GLU MLP.
+HYBRID = DecoderFamily(
+    linear_attention=(Qwen3NextAttention,),
+    glu_mlps=(Qwen3NextMLP,),
+    slots=((GATED_DELTANET, SOFTMAX_ATTENTION), (SPARSE_MOE, GLU_MLP)),
+    subclasses=True,
+)
 ARCHITECTURES: dict[str, DecoderFamily] = {
     "LlamaForCausalLM": _STOCK,
     "Qwen2ForCausalLM": _STOCK,
@@ -335,8 +416,8 @@ def resolve_mappings(
     layers = _decoder_layers(model, architecture)
     family = _table_family(model, layers)
     if family is None:
-        for kind, asked in (("v_proj -> o_proj", include_v_o), ("up_proj -> down_proj", include_up_down)):
-            if asked:
+        for kind, wanted in (("v_proj -> o_proj", include_v_o), ("up_proj -> down_proj", include_up_down)):
+            if wanted:
                 raise SmoothQuantMappingError(
                     f"{kind} smoothing needs a registered architecture (whether it is function-preserving depends "
                     f"on the attention / MLP classes); {architecture} has no ARCHITECTURES entry: norm mappings only"
@@ -345,14 +426,9 @@ def resolve_mappings(
     problems: list[str] = []
     mappings: list[SmoothMapping] = []
     skipped: list[str] = []
+    asked = _Asked(include_v_o, include_up_down, experts)
     for i, layer in enumerate(layers):
-        prefix = f"model.layers.{i}"
-        if family.hybrid:
-            mappings += _hybrid_layer_mappings(
-                layer, prefix, family, include_v_o, include_up_down, experts, problems, skipped
-            )
-        else:
-            mappings += _layer_mappings(layer, prefix, family, include_v_o, include_up_down, problems, skipped)
+        mappings += _layer_mappings(layer, f"model.layers.{i}", family, asked, problems, skipped)
     if problems:
         more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         raise SmoothQuantMappingError(
@@ -500,24 +576,39 @@ def _is_hybrid_layer(layer: nn.Module) -> bool:
     return hasattr(layer, "linear_attn") or _is_sparse_moe(getattr(layer, "mlp", None))
 
 
+@dataclass(frozen=True)
+class _Asked:
+    """The optional mappings a caller asked for (`resolve_mappings`)."""
+
+    v_o: bool
+    up_down: bool
+    experts: bool
+
+
 class _LayerLookup:
-    """Finds a layer's submodules by path, recording what is missing or of the wrong kind in `problems`."""
+    """Finds a layer's submodules by path ("?" suffix: optional), recording what is missing or of the wrong kind in
+    `problems`; `found` collects the layer-relative paths of every module found."""
 
     def __init__(self, layer: nn.Module, prefix: str, problems: list[str]) -> None:
         self.layer, self.prefix, self.problems = layer, prefix, problems
+        self.found: list[str] = []
 
     def __call__(self, path: str, linear: bool = False, foldable: bool = False) -> nn.Module | None:
+        path, optional = path.removesuffix("?"), path.endswith("?")
         try:
             found = self.layer.get_submodule(path)
         except AttributeError:
-            self.problems.append(f"{self.prefix}.{path} (missing)")
+            if not optional:
+                self.problems.append(f"{self.prefix}.{path} (missing)")
             return None
         if linear and not isinstance(found, nn.Linear):
-            self.problems.append(f"{self.prefix}.{path} ({type(found).__name__}, expected nn.Linear)")
+            if not optional:
+                self.problems.append(f"{self.prefix}.{path} ({type(found).__name__}, expected nn.Linear)")
             return None
         if foldable and fold_fn_for(found) is None:
             self.problems.append(f"{self.prefix}.{path} ({type(found).__name__}: no fold registered)")
             return None
+        self.found.append(path)
         return found
 
 
@@ -531,134 +622,52 @@ def _norm_gate_linears(norms: dict[str, nn.Module | None]) -> set[str]:
     }
 
 
-def _unaccounted(layer: nn.Module, prefix: str, accounted: set[str], problems: list[str]) -> None:
-    unmapped = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear) and n not in accounted]
-    problems += [f"{prefix}.{n} (a linear no mapping accounts for)" for n in unmapped]
-
-
 def _layer_mappings(
-    layer: nn.Module,
-    prefix: str,
-    family: DecoderFamily,
-    include_v_o: bool,
-    include_up_down: bool,
-    problems: list[str],
-    skipped: list[str],
+    layer: nn.Module, prefix: str, family: DecoderFamily, asked: _Asked, problems: list[str], skipped: list[str]
 ) -> list[SmoothMapping]:
-    module = _LayerLookup(layer, prefix, problems)
-    ln1 = module("input_layernorm", foldable=True)
-    ln2 = module("post_attention_layernorm", foldable=True)
-    attn = module("self_attn")
-    mlp = module("mlp")
-    qkv = [module(f"self_attn.{n}", linear=True) for n in ("q_proj", "k_proj", "v_proj")]
-    o_proj = module("self_attn.o_proj", linear=True)
-    gate, up, down = (module(f"mlp.{n}", linear=True) for n in ("gate_proj", "up_proj", "down_proj"))
-    has_g = attn is not None and isinstance(getattr(attn, "g_proj", None), nn.Linear)
-
-    accounted = {
-        "self_attn.q_proj",
-        "self_attn.k_proj",
-        "self_attn.v_proj",
-        "self_attn.o_proj",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-        "mlp.down_proj",
-    } | ({"self_attn.g_proj"} if has_g else set())
-    accounted |= _norm_gate_linears({"input_layernorm": ln1, "post_attention_layernorm": ln2})
-    _unaccounted(layer, prefix, accounted, problems)
-    if attn is None or mlp is None or None in (ln1, ln2, o_proj, gate, up, down) or None in qkv:
-        return []
-
-    attn_consumers = ("q_proj", "k_proj", "v_proj") + (("g_proj",) if has_g else ())
-    out = [
-        SmoothMapping(f"{prefix}.input_layernorm", tuple(f"{prefix}.self_attn.{n}" for n in attn_consumers), "norm"),
-        SmoothMapping(
-            f"{prefix}.post_attention_layernorm", (f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"), "norm"
-        ),
-    ]
-    out += _v_o_mappings(attn, f"{prefix}.self_attn", family, include_v_o, skipped)
-    out += _up_down_mappings(mlp, f"{prefix}.mlp", family, include_up_down, skipped)
-    return out
-
-
-def _hybrid_layer_mappings(
-    layer: nn.Module,
-    prefix: str,
-    family: DecoderFamily,
-    include_v_o: bool,
-    include_up_down: bool,
-    experts: bool,
-    problems: list[str],
-    skipped: list[str],
-) -> list[SmoothMapping]:
-    """A hybrid MoE decoder layer (module docstring): token mixer `linear_attn` or `self_attn`, `mlp` dense or MoE."""
-    module = _LayerLookup(layer, prefix, problems)
-    ln1 = module("input_layernorm", foldable=True)
-    ln2 = module("post_attention_layernorm", foldable=True)
-    accounted = _norm_gate_linears({"input_layernorm": ln1, "post_attention_layernorm": ln2})
+    """One decoder layer's mappings from its family's table: per slot, the first LayerPart whose `when` holds.
+    Every linear of the layer must be a consumer, an unsmoothed linear of a part, or a GatedNorm's gate."""
     out: list[SmoothMapping] = []
-
-    names: tuple[str, ...]
-    if hasattr(layer, "linear_attn"):  # Gated DeltaNet: both input projections read the normed input
-        names = ("in_proj_qkvz", "in_proj_ba")
-        found = [module(f"linear_attn.{n}", linear=True) for n in names + ("out_proj",)]
-        accounted |= {f"linear_attn.{n}" for n in names + ("out_proj",)}
-        if ln1 is not None and None not in found:
-            out.append(
-                SmoothMapping(f"{prefix}.input_layernorm", tuple(f"{prefix}.linear_attn.{n}" for n in names), "norm")
-            )
-        skipped.append(
-            "v_proj -> o_proj: Gated DeltaNet layers have no softmax attention (their out_proj reads a gated RMSNorm)"
-        )
-    else:
-        attn = module("self_attn")
-        names = ("q_proj", "k_proj", "v_proj")
-        found = [module(f"self_attn.{n}", linear=True) for n in names + ("o_proj",)]
-        has_g = attn is not None and isinstance(getattr(attn, "g_proj", None), nn.Linear)
-        consumers = names + (("g_proj",) if has_g else ())
-        accounted |= {f"self_attn.{n}" for n in consumers + ("o_proj",)}
-        if ln1 is not None and attn is not None and None not in found:
-            out.append(
-                SmoothMapping(f"{prefix}.input_layernorm", tuple(f"{prefix}.self_attn.{n}" for n in consumers), "norm")
-            )
-            out += _v_o_mappings(attn, f"{prefix}.self_attn", family, include_v_o, skipped)
-
-    mlp = module("mlp")
-    if _is_sparse_moe(mlp):
-        shared = getattr(mlp, "shared_expert", None)
-        shared_names = ("shared_expert.gate_proj", "shared_expert.up_proj") if shared is not None else ()
-        shared_gate = ("shared_expert_gate",) if isinstance(getattr(mlp, "shared_expert_gate", None), nn.Linear) else ()
-        if shared is not None:
-            for n in shared_names + ("shared_expert.down_proj",):
-                module(f"mlp.{n}", linear=True)
-        accounted |= {f"mlp.{n}" for n in shared_names + ("shared_expert.down_proj",) + shared_gate}
-        accounted |= {"mlp.gate"} if isinstance(mlp.gate, nn.Linear) else set()
-        if not experts:
+    accounted: set[str] = set()
+    norms: dict[str, nn.Module | None] = {}
+    for alternatives in family.slots:
+        part = next(p for p in alternatives if p.when is None or p.when(layer))  # the last has no `when`
+        module = _LayerLookup(layer, prefix, problems)
+        before = len(problems)
+        norm = norms[part.norm.norm] = module(part.norm.norm, foldable=True)
+        group = part.norm
+        found = [c for c in group.consumers if module(c, linear=c not in group.any_module) is not None]
+        consumers = [c.removesuffix("?") for c in found]
+        for path in part.unsmoothed:
+            module(path, linear=True)
+        accounted |= set(module.found)
+        if len(problems) > before or norm is None:
+            continue
+        if group.experts and not asked.experts:
             skipped.append(
-                "post_attention_layernorm -> MoE block (router, experts, shared expert): experts smoothing "
-                "off (smoothquant.experts: false, as peers do)"
+                f"{group.norm} -> MoE block (router, experts, shared expert): experts smoothing off "
+                "(smoothquant.experts: false, as peers do)"
             )
-        elif ln2 is not None:
-            fold_only = tuple(f"{prefix}.mlp.{n}" for n in ("gate",) + shared_gate)
-            consumers = (f"{prefix}.mlp.gate", f"{prefix}.mlp.experts") + tuple(
-                f"{prefix}.mlp.{n}" for n in shared_names + shared_gate
-            )
-            out.append(SmoothMapping(f"{prefix}.post_attention_layernorm", consumers, "norm", fold_only=fold_only))
-        if shared is not None:
-            out += _up_down_mappings(shared, f"{prefix}.mlp.shared_expert", family, include_up_down, skipped)
-        if include_up_down:
-            skipped.append("routed experts' up_proj -> down_proj: not implemented (one factor vector per expert)")
-    else:
-        found = [module(f"mlp.{n}", linear=True) for n in ("gate_proj", "up_proj", "down_proj")]
-        accounted |= {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
-        if ln2 is not None and mlp is not None and None not in found:
+        else:
+            fold_only = tuple(f"{prefix}.{c}" for c in consumers if c in group.fold_only)
             out.append(
                 SmoothMapping(
-                    f"{prefix}.post_attention_layernorm", (f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"), "norm"
+                    f"{prefix}.{group.norm}", tuple(f"{prefix}.{c}" for c in consumers), "norm", fold_only=fold_only
                 )
             )
-            out += _up_down_mappings(mlp, f"{prefix}.mlp", family, include_up_down, skipped)
-    _unaccounted(layer, prefix, accounted, problems)
+        if part.v_o is not None:
+            out += _v_o_mappings(layer.get_submodule(part.v_o), f"{prefix}.{part.v_o}", family, asked.v_o, skipped)
+        if part.no_v_o is not None:
+            skipped.append(part.no_v_o)
+        up_down = None if part.up_down is None else module(part.up_down)
+        if part.up_down is not None and up_down is not None:
+            path = part.up_down.removesuffix("?")
+            out += _up_down_mappings(up_down, f"{prefix}.{path}", family, asked.up_down, skipped)
+        if part.no_up_down is not None and asked.up_down:
+            skipped.append(part.no_up_down)
+    accounted |= _norm_gate_linears(norms)
+    unmapped = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear) and n not in accounted]
+    problems += [f"{prefix}.{n} (a linear no mapping accounts for)" for n in unmapped]
     return out
 
 
@@ -708,7 +717,7 @@ def _up_down_mappings(
     if not include_up_down:
         skipped.append("up_proj -> down_proj: not requested (include_up_down=False)")
         return []
-    known = isinstance(mlp, family.glu_mlps) if family.hybrid else type(mlp) in family.glu_mlps
+    known = isinstance(mlp, family.glu_mlps) if family.subclasses else type(mlp) in family.glu_mlps
     if not known:
         raise SmoothQuantMappingError(
             f"up_proj -> down_proj smoothing needs an MLP known to compute down(act(gate(x)) * up(x)); "
@@ -719,7 +728,7 @@ def _up_down_mappings(
 
 def _v_o_problem(attn: nn.Module, family: DecoderFamily) -> str | None:
     """Why v_proj -> o_proj would not be function-preserving for `attn`, or None if it is."""
-    known = isinstance(attn, family.linear_attention) if family.hybrid else type(attn) in family.linear_attention
+    known = isinstance(attn, family.linear_attention) if family.subclasses else type(attn) in family.linear_attention
     if not known:
         return (
             f"{type(attn).__name__} is not a known attention whose output is linear in v "
