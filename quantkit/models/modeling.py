@@ -74,7 +74,7 @@ class QuantkitNorm(nn.Module):
             y = y.to(x.dtype)
         else:
             h = x.float() * self.pre_scale.float() if hasattr(self, "pre_scale") else x
-            y = self.weight * rms_normalize(h, self.eps).to(x.dtype)
+            y = (self.weight * rms_normalize(h, self.eps).to(x.dtype)).to(x.dtype)  # a float32 (folded) weight too
         if hasattr(self, "gate_down"):
             y = torch.sigmoid(self.gate_up(F.silu(self.gate_down(y)))) * y
         return y

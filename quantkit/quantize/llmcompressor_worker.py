@@ -6,6 +6,7 @@ JOB: {"model": dir, "out": dir, "scheme": "FP8_BLOCK" | "NVFP4", "ignore": [...]
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 from llmcompressor import oneshot
@@ -18,7 +19,7 @@ from quantkit.models.attention import load_reference_model  # registers model_ty
 def main(job_path: str) -> None:
     """Run JOB.json: llmcompressor's oneshot() with the job's scheme on the float32 model (calibrated on its token
     windows (N, T) when given), saved compressed with the tokenizer to the job's out directory."""
-    job = json.loads(open(job_path).read())
+    job = json.loads(Path(job_path).read_text())
     model = load_reference_model(job["model"], torch.float32)
     recipe = QuantizationModifier(targets="Linear", scheme=job["scheme"], ignore=job["ignore"])
     if "calibration" in job:

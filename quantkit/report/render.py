@@ -312,6 +312,8 @@ def _clean(value: Any) -> Any:
         return round(value, 10)
     if isinstance(value, dict):
         return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
     return value
 
 
