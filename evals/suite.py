@@ -94,6 +94,20 @@ class Suite:
         row = self.protocol.get(self.benchmark_of(task))
         return (row["metric"], row["filter"]) if row else None
 
+    def record(self, limit: int | None, allow_code: bool) -> dict[str, Any]:
+        """What results.json records of the suite a run used (`limit`: the items per task it ran)."""
+        return dict(
+            name=self.name,
+            version=self.version,
+            description=self.description,
+            limit=limit,
+            gen_kwargs=self.gen_kwargs,
+            code_executed=allow_code,
+            skipped_benchmarks=[b for b in self.code if not allow_code],
+            avg=self.avg,
+            chat_template=self.chat_template,
+        )
+
 
 def available_suites() -> list[str]:
     """The names of the shipped suites (configs/suites/*.yaml), sorted."""
@@ -229,6 +243,39 @@ def _benchmark_scores(suite: Suite, tasks: dict[str, dict[str, Any]]) -> dict[st
     return out
 
 
+def _tasks(spec: Suite, allow_code: bool) -> tuple[list[str], Any]:
+    """The suite's lm-eval task names to run (the code benchmarks' only with `allow_code`, else a warning) and the
+    TaskManager that knows them; ValueError naming tasks lm-eval does not know."""
+    from lm_eval.tasks import TaskManager
+
+    tasks = spec.tasks(allow_code)
+    skipped = [b for b in spec.code if not allow_code]
+    if skipped:
+        logger.warning(
+            "skipping %s: they execute model output; pass --allow-code-execution to run them", ", ".join(skipped)
+        )
+    task_manager = TaskManager(
+        include_path=[str(p) for p in TASK_CONFIGS[spec.task_configs]], include_defaults=spec.task_configs != "mini"
+    )
+    if unknown := [t for t in tasks if t not in task_manager.all_tasks]:
+        raise ValueError(f"suite {spec.name}: unknown lm-eval tasks {unknown}")
+    return tasks, task_manager
+
+
+def _tokenizer(spec: Suite, model_dir: Path) -> Any:
+    """The model's tokenizer; ValueError if the suite renders prompts through a chat template it lacks."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if spec.chat_template and not tokenizer.chat_template:
+        raise ValueError(
+            f"suite {spec.name} renders its prompts through the model's chat template, and {model_dir} "
+            "has none (an instruct model's tokenizer carries one: chat_template.jinja or "
+            "tokenizer_config.json)"
+        )
+    return tokenizer
+
+
 def evaluate(
     model_dir: str | Path,
     suite: str | Path = "mini",
@@ -255,34 +302,14 @@ def evaluate(
     spec = load_suite(suite)
     model_dir = Path(model_dir)
     _check_inputs(model_dir, backend, heldout_logprobs, data_parallel_size)
-    from lm_eval.tasks import TaskManager
-    from transformers import AutoTokenizer
-
     out_dir = (
         Path(out_dir) if out_dir is not None else Path("runs") / "eval" / f"{model_dir.resolve().name}-{spec.name}"
     )
     limit = limit if limit is not None else spec.limit
     config = json.loads((model_dir / "config.json").read_text())
     max_model_len = max_model_len or min(config.get("max_position_embeddings", MAX_CONTEXT), MAX_CONTEXT)
-    tasks = spec.tasks(allow_code)
-    skipped = [b for b in spec.code if not allow_code]
-    if skipped:
-        logger.warning(
-            "skipping %s: they execute model output; pass --allow-code-execution to run them", ", ".join(skipped)
-        )
-
-    task_manager = TaskManager(
-        include_path=[str(p) for p in TASK_CONFIGS[spec.task_configs]], include_defaults=spec.task_configs != "mini"
-    )
-    if unknown := [t for t in tasks if t not in task_manager.all_tasks]:
-        raise ValueError(f"suite {spec.name}: unknown lm-eval tasks {unknown}")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if spec.chat_template and not tokenizer.chat_template:
-        raise ValueError(
-            f"suite {spec.name} renders its prompts through the model's chat template, and {model_dir} "
-            "has none (an instruct model's tokenizer carries one: chat_template.jinja or "
-            "tokenizer_config.json)"
-        )
+    tasks, task_manager = _tasks(spec, allow_code)
+    tokenizer = _tokenizer(spec, model_dir)
     kl_tokens, max_logprobs = _kl_tokens(tokenizer, heldout_logprobs, max_model_len)
 
     run = _TaskRun(spec, task_manager, tokenizer, out_dir, limit, seed, allow_code, max_model_len)
@@ -315,17 +342,7 @@ def evaluate(
     results = dict(
         out_dir=str(out_dir.resolve()),
         model=model_stamp(model_dir),
-        suite=dict(
-            name=spec.name,
-            version=spec.version,
-            description=spec.description,
-            limit=limit,
-            gen_kwargs=spec.gen_kwargs,
-            code_executed=allow_code,
-            skipped_benchmarks=skipped,
-            avg=spec.avg,
-            chat_template=spec.chat_template,
-        ),
+        suite=spec.record(limit, allow_code),
         backend=backend,
         settings=dict(
             max_model_len=max_model_len,

@@ -456,6 +456,29 @@ def smoothquant_report(
     )
 
 
+def check_preserved(
+    model: nn.Module,
+    layers: nn.ModuleList,
+    before: HiddenBatches,
+    after: HiddenBatches,
+    architecture: str,
+    tolerance: float,
+    undone: str = "the folds have been undone (up to rounding)",
+) -> tuple[float, float]:
+    """(max |logit change|, logit scale) between the final hidden states `before` and `after` the folds
+    (`logit_change`); FunctionPreservationError when the change is above `tolerance` of the scale (or NaN), saying
+    what the caller did about it (`undone`)."""
+    change, scale = logit_change(model, layers, before, after, architecture)
+    relative = change / max(scale, torch.finfo(torch.float32).tiny)
+    if not relative <= tolerance:  # also catches NaN
+        raise FunctionPreservationError(
+            f"SmoothQuant changed the logits of {architecture}: max |logit change| {change:.4g} "
+            f"= {relative:.3g} of the logit scale {scale:.4g}, above the tolerance {tolerance:.3g}; "
+            f"{undone}. A mapping is not function-preserving for this model."
+        )
+    return change, scale
+
+
 def smooth_model(
     model: nn.Module,
     calibration: Sequence[str] | torch.Tensor | Iterable[torch.Tensor] | None = None,
@@ -498,9 +521,8 @@ def smooth_model(
     tokens = calibration_tokens(
         calibration, tokenizer, num_sequences, seq_len, max_positions, getattr(config, "model_type", None)
     )
-    dtype = next(model.parameters()).dtype
     if tolerance is None:
-        exact = power_of_two or dtype in (torch.float32, torch.float64)
+        exact = power_of_two or next(model.parameters()).dtype in (torch.float32, torch.float64)
         tolerance = DEFAULT_TOLERANCE if exact else LOW_PRECISION_TOLERANCE
     verify = tokens[:DEFAULT_VERIFY_SEQUENCES] if verify_tokens is None else verify_tokens
     try:
@@ -523,16 +545,8 @@ def smooth_model(
         folded = calibrated  # every factor from the unsmoothed model; nothing folded before all are in
         for layer in folded:
             fold_layer(model, layer)
-        change, scale = logit_change(
-            model, layers, reference, _final_hidden(model, layers, verify, batch_size), plan.architecture
-        )
-        relative = change / max(scale, torch.finfo(torch.float32).tiny)
-        if not relative <= tolerance:  # also catches NaN
-            raise FunctionPreservationError(
-                f"SmoothQuant changed the logits of {plan.architecture}: max |logit change| {change:.4g} "
-                f"= {relative:.3g} of the logit scale {scale:.4g}, above the tolerance {tolerance:.3g}; "
-                "the folds have been undone (up to rounding). A mapping is not function-preserving for this model."
-            )
+        after = _final_hidden(model, layers, verify, batch_size)
+        change, scale = check_preserved(model, layers, reference, after, plan.architecture, tolerance)
     except Exception:  # the model is left as it came, up to rounding
         for m, s, _, _ in reversed([f for layer in folded for f in layer.factors]):
             fold_mapping(model, m, 1.0 / s)

@@ -79,14 +79,13 @@ from quantkit.calibrate.mappings import MappingPlan, SmoothMapping, resolve_mapp
 from quantkit.calibrate.smoothquant import (
     DEFAULT_TOLERANCE,
     DEFAULT_VERIFY_SEQUENCES,
-    FunctionPreservationError,
     LayerFactors,
     SmoothQuantReport,
     calibration_tokens,
+    check_preserved,
     fold_layer,
     layer_factors,
     layer_mappings,
-    logit_change,
     smoothquant_report,
 )
 from quantkit.calibrate.stats import ChannelMaxObserver
@@ -428,14 +427,9 @@ def _verify(
     calibrated: list[LayerFactors],
 ) -> SmoothQuantReport:
     """smooth_model's function-preservation check on the carried verification windows; its report."""
-    change, scale = logit_change(skeleton, layers, ref.hidden, smoothed.hidden, plan.architecture)
-    relative = change / max(scale, torch.finfo(torch.float32).tiny)
-    if not relative <= DEFAULT_TOLERANCE:
-        raise FunctionPreservationError(
-            f"SmoothQuant changed the logits of {plan.architecture}: max |logit change| {change:.4g} "
-            f"= {relative:.3g} of the logit scale {scale:.4g}, above the tolerance {DEFAULT_TOLERANCE:.3g}; "
-            "nothing was written. A mapping is not function-preserving for this model."
-        )
+    change, scale = check_preserved(
+        skeleton, layers, ref.hidden, smoothed.hidden, plan.architecture, DEFAULT_TOLERANCE, "nothing was written"
+    )
     report = smoothquant_report(
         plan, sq.alpha, tokens, calibrated, change, scale, DEFAULT_TOLERANCE, sq.early_stop_rule()
     )
