@@ -83,6 +83,7 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
     # Mixtral's MoE block is `mlp` in transformers 5 (quantkit.serve.stock_names); Gemma 2 soft-caps attention
     # logits, which the reference applies only with eager attention (quantkit.models.attention)
     "llama-nvfp4": ("llama", "w4a4_nvfp4", 1),
+    "llama-nvfp4_mse": ("llama", "w4a4_nvfp4_mse", 1),  # searched weight scales (issue 31): only the stored scales differ
     "phi3-fp8_block": ("phi3", "w8a8_fp8_block", 1),
     "mixtral-nvfp4": ("mixtral", "w4a4_nvfp4", 1),
     "mistral-fp8_block": ("mistral", "w8a8_fp8_block", 1),

@@ -18,6 +18,13 @@ class ActivationScale(StrEnum):
     STATIC = "static"  # one calibrated per-tensor decode scale (compressed-tensors' NVFP4 convention)
 
 
+class WeightScales(StrEnum):
+    """How a recipe chooses weight decode scales (recipe key `weight_scales`; equal to its string)."""
+
+    MINMAX = "minmax"  # a block's max |w| maps to the format's maximum (round to nearest)
+    MSE = "mse"  # the candidate scale with the least squared error (`quantkit.formats.scale_search`)
+
+
 # --- FP8 E4M3 ------------------------------------------------------------------------------------
 F8E4M3_DTYPE = torch.float8_e4m3fn
 F8E4M3_MAX = 448.0  # largest finite E4M3 value (1.75 * 2**8)

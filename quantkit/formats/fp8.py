@@ -87,7 +87,7 @@ def expand_block_scales(
     return full if shape is None else full[: shape[0], : shape[1]]
 
 
-def _to_blocks(w: torch.Tensor, block: int) -> torch.Tensor:
+def to_blocks(w: torch.Tensor, block: int) -> torch.Tensor:
     """(N, K) -> (ceil(N/b), ceil(K/b), b, b), zero-padded."""
     n, k = w.shape
     nb, kb = math.ceil(n / block), math.ceil(k / block)
@@ -101,13 +101,15 @@ def _from_blocks(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def quantize_fp8_block(
-    w: torch.Tensor, *, block: int = FP8_WEIGHT_BLOCK, name: str | None = None
+    w: torch.Tensor, *, block: int = FP8_WEIGHT_BLOCK, name: str | None = None, scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight (N, K) -> (q float8_e4m3fn (N, K), scale float32 (ceil(N/block), ceil(K/block)))."""
+    """Weight (N, K) -> (q float8_e4m3fn (N, K), scale float32 (ceil(N/block), ceil(K/block))): the given decode
+    `scale` per block, else amax / 448 (min-max)."""
     check_quantizable(w, "quantize_fp8_block", name=name, ndim=2)
     n, k = w.shape
-    blocks = _to_blocks(w.float(), block)
-    scale = fp8_scale_from_amax(blocks.abs().amax(dim=(-2, -1)))
+    blocks = to_blocks(w.float(), block)
+    if scale is None:
+        scale = fp8_scale_from_amax(blocks.abs().amax(dim=(-2, -1)))
     scaled = _from_blocks(blocks / scale[..., None, None], n, k)
     return to_e4m3(scaled), scale
 

@@ -185,19 +185,27 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float, *, name:
     return _quantize_nvfp4(x, _as_global_scale(global_scale, tuple(x.shape[:-1]), "quantize_nvfp4").to(x.device))
 
 
-def _scaled_groups(x: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (..., K) in groups of 16, zero-padded to K_pad, divided by their decode scale: (scaled (..., G, 16) float32,
-    E4M3 block scales (..., G), decode scale block_scale * gs (..., G, 1) float32)."""
+def nvfp4_groups(x: torch.Tensor) -> torch.Tensor:
+    """x (..., K) -> float32 groups of 16 (..., G, 16), zero-padded to K_pad = 16 G."""
     k = x.shape[-1]
     k_pad = -(-k // NVFP4_GROUP) * NVFP4_GROUP
-    groups = torch.nn.functional.pad(x.float(), (0, k_pad - k)).unflatten(-1, (-1, NVFP4_GROUP))
-    block_scale = nvfp4_block_scales(groups.abs().amax(dim=-1), gs)
+    return torch.nn.functional.pad(x.float(), (0, k_pad - k)).unflatten(-1, (-1, NVFP4_GROUP))
+
+
+def _scaled_groups(
+    x: torch.Tensor, gs: torch.Tensor, block_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (..., K) in groups of 16 (`nvfp4_groups`) divided by their decode scale: (scaled (..., G, 16) float32,
+    E4M3 block scales (..., G): the given ones, else min-max, decode scale block_scale * gs (..., G, 1) float32)."""
+    groups = nvfp4_groups(x)
+    if block_scale is None:
+        block_scale = nvfp4_block_scales(groups.abs().amax(dim=-1), gs)
     scale = (block_scale.float() * gs).unsqueeze(-1)
     return groups / scale, block_scale, scale
 
 
-def _quantize_nvfp4(x: torch.Tensor, gs: torch.Tensor) -> NVFP4Tensor:
-    scaled, block_scale, _ = _scaled_groups(x, gs)
+def _quantize_nvfp4(x: torch.Tensor, gs: torch.Tensor, block_scale: torch.Tensor | None = None) -> NVFP4Tensor:
+    scaled, block_scale, _ = _scaled_groups(x, gs, block_scale)
     codes = round_to_e2m1(scaled.flatten(-2))
     return NVFP4Tensor(packed=pack_fp4(codes), block_scale=block_scale, global_scale=gs, k=x.shape[-1])
 
@@ -209,10 +217,13 @@ def dequantize_nvfp4(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torc
     return out.flatten(-2)[..., : t.k].to(dtype)
 
 
-def quantize_nvfp4_weight(w: torch.Tensor, *, name: str | None = None) -> NVFP4Tensor:
-    """Weight (N, K) -> NVFP4Tensor with a per-tensor global decode scale amax(|w|) / 2688."""
+def quantize_nvfp4_weight(
+    w: torch.Tensor, *, name: str | None = None, block_scale: torch.Tensor | None = None
+) -> NVFP4Tensor:
+    """Weight (N, K) -> NVFP4Tensor with a per-tensor global decode scale amax(|w|) / 2688 and the given E4M3 block
+    decode scales (N, K_pad/16), else min-max ones."""
     check_quantizable(w, "quantize_nvfp4_weight", name=name, ndim=2)
-    return _quantize_nvfp4(w, nvfp4_global_scale(w.float().abs().amax()))
+    return _quantize_nvfp4(w, nvfp4_global_scale(w.float().abs().amax()), block_scale)
 
 
 def quantize_nvfp4_activation(

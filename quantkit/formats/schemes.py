@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from quantkit.checkpoints import CheckpointError
-from quantkit.formats.constants import F8E4M3_DTYPE, FP8_WEIGHT_BLOCK, NVFP4_GROUP, ActivationScale
+from quantkit.formats.constants import F8E4M3_DTYPE, FP8_WEIGHT_BLOCK, NVFP4_GROUP, ActivationScale, WeightScales
 from quantkit.formats.fp8 import (
     dequantize_fp8_block,
     dequantize_fp8_per_token,
@@ -50,6 +50,7 @@ from quantkit.formats.nvfp4 import (
     quantize_nvfp4_activation,
     quantize_nvfp4_weight,
 )
+from quantkit.formats.scale_search import quantize_fp8_block_mse, quantize_nvfp4_weight_mse
 
 FORMAT_VERSION = 1  # quantization_config.format_version of the checkpoints written here
 UNQUANTIZED = "bf16"  # the recipe scheme that quantizes nothing
@@ -118,8 +119,11 @@ class Scheme(ABC):
     # ------------------------------------------------------------------ numerics
 
     @abstractmethod
-    def encode(self, weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
-        """Weight (N, K) -> {tensor suffix: tensor} for the checkpoint (`name` labels errors)."""
+    def encode(
+        self, weight: torch.Tensor, name: str, weight_scales: str = WeightScales.MINMAX
+    ) -> dict[str, torch.Tensor]:
+        """Weight (N, K) -> {tensor suffix: tensor} for the checkpoint (`name` labels errors); `weight_scales`: how
+        the decode scales are chosen (`WeightScales`: min-max, or searched, `quantkit.formats.scale_search`)."""
 
     @abstractmethod
     def decode(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
@@ -171,10 +175,13 @@ class FP8BlockScheme(Scheme):
             )
         return None
 
-    def encode(self, weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+    def encode(
+        self, weight: torch.Tensor, name: str, weight_scales: str = WeightScales.MINMAX
+    ) -> dict[str, torch.Tensor]:
         """Weight (N, K) -> weight float8_e4m3fn (N, K) and weight_scale float32 (ceil(N/128), ceil(K/128)), the decode
-        scale of each 128x128 block."""
-        q, scale = quantize_fp8_block(weight, name=name)
+        scale of each 128x128 block (min-max, or searched: `weight_scales`)."""
+        quantize = quantize_fp8_block_mse if weight_scales == WeightScales.MSE else quantize_fp8_block
+        q, scale = quantize(weight, name=name)
         return {"weight": q, "weight_scale": scale}
 
     def decode(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
@@ -237,10 +244,13 @@ class NVFP4Scheme(Scheme):
             )
         return None
 
-    def encode(self, weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
-        """Weight (N, K) -> weight_packed uint8 (N, K_pad/2), weight_scale float8_e4m3fn (N, K_pad/16) and
-        weight_global_scale float32 (1,) decode scales (per tensor, amax / 2688)."""
-        t = quantize_nvfp4_weight(weight, name=name)
+    def encode(
+        self, weight: torch.Tensor, name: str, weight_scales: str = WeightScales.MINMAX
+    ) -> dict[str, torch.Tensor]:
+        """Weight (N, K) -> weight_packed uint8 (N, K_pad/2), weight_scale float8_e4m3fn (N, K_pad/16) (min-max, or
+        searched: `weight_scales`) and weight_global_scale float32 (1,) decode scales (per tensor, amax / 2688)."""
+        quantize = quantize_nvfp4_weight_mse if weight_scales == WeightScales.MSE else quantize_nvfp4_weight
+        t = quantize(weight, name=name)
         return {
             "weight_packed": t.packed,
             "weight_scale": t.block_scale,

@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 
 from quantkit.calibrate import SmoothQuantReport
 from quantkit.checkpoints import SAFETENSORS_DTYPES, CheckpointError, TensorHeaders
+from quantkit.formats.constants import WeightScales
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import UNQUANTIZED, Scheme, scheme_for
 from quantkit.quantize.recipe import Recipe
@@ -89,6 +90,7 @@ def quantization_config(recipe: Recipe, quantized: list[str], ignored: list[str]
         "quantized_modules": quantized,
         "ignored_modules": ignored,
         "smoothquant": None if recipe.smoothquant is None else vars(recipe.smoothquant),
+        "weight_scales": str(recipe.weight_scales),
     }
 
 
@@ -99,12 +101,14 @@ def encode_matrices(
     input_amax: dict[str, torch.Tensor],
     desc: str,
     progress: bool = True,
+    weight_scales: str = WeightScales.MINMAX,
 ) -> None:
-    """Replace each quantized matrix's `<name>.weight` in `state` by the scheme's tensors (plus its static
-    activation tensors where `input_amax` has the calibrated max |x|, shape (1,)), in place."""
+    """Replace each quantized matrix's `<name>.weight` in `state` by the scheme's tensors (weight decode scales
+    chosen as `weight_scales` says; plus its static activation tensors where `input_amax` has the calibrated
+    max |x|, shape (1,)), in place."""
     for name, weight in tqdm(quantized.items(), desc=desc, unit="matrix", disable=not (progress and quantized)):
         state.pop(f"{name}.weight")
-        tensors = scheme.encode(weight.detach().contiguous(), name)
+        tensors = scheme.encode(weight.detach().contiguous(), name, weight_scales)
         if name in input_amax:
             tensors.update(scheme.static_activation_tensors(input_amax[name]))
         for suffix, tensor in tensors.items():

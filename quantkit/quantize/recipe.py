@@ -15,6 +15,8 @@ A recipe names a scheme and what happens before it:
     calibration: {num_sequences: 64, seq_len: 512}                # static activation scales only
     calibration_data: speeches+code  # optional: what calibration reads (quantkit.data; default: fits the model)
     ignore: ["re:.*\\.g_proj$"]  # added to DEFAULT_IGNORE; names or "re:<regex>" on module names
+    weight_scales: mse           # minmax (default) | mse: each block's / group's decode scale searched for the
+                                 # least squared weight error (MSE clipping, quantkit.formats.scale_search)
 
 Linear layers (and expert matrices `<experts>.<e>.<proj>`) whose names match the ignore list stay in the
 checkpoint's original precision. The default list (DEFAULT_IGNORE) keeps, per tensor:
@@ -47,7 +49,7 @@ import yaml
 from quantkit.calibrate.stats import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, EarlyStop
 from quantkit.configs import RECIPES_DIR
 from quantkit.data import default_calibration_source
-from quantkit.formats.constants import ActivationScale
+from quantkit.formats.constants import ActivationScale, WeightScales
 from quantkit.formats.schemes import SCHEMES, UNQUANTIZED
 
 # lm_head stays BF16 (quantkit's choice, as the peers' presets); GatedNorm's rank-r gates are tiny (shared/DESIGN.md)
@@ -84,6 +86,7 @@ _KEYS = {
     "calibration",
     "calibration_data",
     "ignore",
+    "weight_scales",
 }
 DEFAULT_EARLY_STOP = 0.02  # SmoothQuant: settled when the maxima moved < 2% (relative L2) in 2 batches
 
@@ -118,6 +121,7 @@ class Recipe:
     calibration: CalibrationSettings | None = None
     calibration_data: str | None = None  # a `quantkit.data` calibration source; None: the model's default
     ignore: tuple[str, ...] = field(default=DEFAULT_IGNORE)
+    weight_scales: WeightScales = WeightScales.MINMAX  # min-max, or searched per block (MSE clipping)
 
     def calibration_source(self, model_type: str | None) -> str:
         """What this recipe's calibration reads for a model of `model_type` (`quantkit.data`)."""
@@ -224,6 +228,11 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
                 re.compile(pattern[3:])
             except re.error as err:
                 raise ValueError(f"{source}: ignore pattern {pattern!r} is not a valid regex: {err}") from None
+    weight_scales = data.get("weight_scales", WeightScales.MINMAX)
+    if weight_scales not in list(WeightScales):
+        raise ValueError(f"{source}: weight_scales {weight_scales!r} is not one of {[str(w) for w in WeightScales]}")
+    if weight_scales != WeightScales.MINMAX and (backend != Backend.QUANTKIT or scheme == UNQUANTIZED):
+        raise ValueError(f"{source}: weight_scales applies to quantkit's own quantized schemes only")
     return Recipe(
         name=data["name"],
         scheme=scheme,
@@ -234,6 +243,7 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         calibration=calibration,
         calibration_data=calibration_data,
         ignore=DEFAULT_IGNORE + tuple(p for p in ignore if p not in DEFAULT_IGNORE),
+        weight_scales=WeightScales(weight_scales),
     )
 
 
