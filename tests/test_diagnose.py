@@ -119,6 +119,30 @@ def test_outlier_input_channel_lowers_nvfp4_snr():
     assert r["quant_snr_db"]["w8a8_fp8_block"][name] < base["w8a8_fp8_block"][name] - 10.0
     other = "model.layers.1.mlp.down_proj"  # untouched layer: same SNR within noise
     assert r["quant_snr_db"]["w4a4_nvfp4"][other] == pytest.approx(base["w4a4_nvfp4"][other], abs=1.5)
+    for recipe in recipes:  # the sensitivity table names the module to keep in higher precision
+        table = r["sensitivity"][recipe]
+        assert table["mlp.down_proj"]["worst_layer"] == 0
+        assert table["mlp.down_proj"]["min_db"] == r["quant_snr_db"][recipe][name] == min(
+            t["min_db"] for t in table.values())
+    assert next(iter(r["sensitivity"]["w8a8_fp8_block"])) == "mlp.down_proj"  # lowest mean first
+
+
+def test_sensitivity_groups_projection_kinds_and_folds_experts():
+    """Kinds are the path inside the decoder layer; routed experts fold into one kind per projection (a layer's
+    value is its worst expert); the mean is over layers; non-finite SNRs (exact products) and linears outside
+    the layers are left out; kinds come in ascending mean."""
+    from quantkit.diagnose.run import sensitivity_by_kind, sensitivity_markdown
+
+    snr = {"model.layers.0.self_attn.q_proj": 20.0, "model.layers.1.self_attn.q_proj": 10.0,
+           "model.layers.0.mlp.experts.0.down_proj": 8.0, "model.layers.0.mlp.experts.7.down_proj": 4.0,
+           "model.layers.1.mlp.experts.3.down_proj": 12.0, "model.layers.1.mlp.shared_expert.up_proj": float("inf"),
+           "lm_head": 1.0}
+    table = sensitivity_by_kind(snr)
+    assert list(table) == ["mlp.experts.down_proj", "self_attn.q_proj"]
+    assert table["mlp.experts.down_proj"] == {"mean_db": 8.0, "min_db": 4.0, "worst_layer": 0, "layers": {0: 4.0, 1: 12.0}}
+    assert table["self_attn.q_proj"] == {"mean_db": 15.0, "min_db": 10.0, "worst_layer": 1, "layers": {0: 20.0, 1: 10.0}}
+    text = sensitivity_markdown({"sensitivity": {"w4a4_nvfp4": table, "w8a8_fp8_block": {}}})
+    assert text.splitlines()[2] == "| mlp.experts.down_proj | 8.0 (4.0 @ 0) |"
 
 
 def test_hooks_removed_and_attention_restored_also_on_error():
@@ -238,7 +262,9 @@ def test_stock_checkpoint_cli_outputs(tmp_path, architecture, capsys):
     args = parser.parse_args(["diagnose", str(model_dir), "--out", str(tmp_path / "cli"), "--num-sequences", "1",
                               "--seq-len", "16", "--recipes", "w8a8_fp8_block"])
     assert args.func(args) == 0 and (tmp_path / "cli" / "attention_map.svg").exists()
-    assert "| model |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| model |" in printed and "| projection (kind) |" in printed
+    assert "| projection (kind) |" in (tmp_path / "out" / "summary.md").read_text()
 
 
 def _assert_close(a, b, path="result"):

@@ -14,7 +14,12 @@ def _diagnose(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("diagnostics") / Path(args.model).resolve().name
     try:
         check_checkpoint_dir(args.model)
-        from quantkit.diagnose.run import diagnose, summary_markdown, write_diagnostics  # torch: after the checks
+        from quantkit.diagnose.run import (  # torch: after the checks
+            diagnose,
+            sensitivity_markdown,
+            summary_markdown,
+            write_diagnostics,
+        )
 
         result = diagnose(
             args.model,
@@ -28,6 +33,7 @@ def _diagnose(args: argparse.Namespace) -> int:
         return print_error("diagnose", err)
     paths = write_diagnostics(result, out)
     print(summary_markdown([result]))
+    print(sensitivity_markdown(result))
     for skipped in result["attention"]["skipped"]:
         print(f"attention-sink statistics skip layer {skipped['layer']}: {skipped['reason']}")
     print(f"{args.model} -> {out} ({len(paths)} files)")

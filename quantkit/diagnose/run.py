@@ -296,6 +296,7 @@ def _result(
         },
     }
     result["expert_snr_db"] = {name: summarize_expert_snr(snr) for name, snr in result["quant_snr_db"].items()}
+    result["sensitivity"] = {name: sensitivity_by_kind(snr) for name, snr in result["quant_snr_db"].items()}
     result["sink_dims"] = _sink_dims(obs, input_norms, top_k)
     result["massive"] = _massive(obs, massive_ratio, tokenizer, top_k)
     result["summary"] = _summary(result)
@@ -582,6 +583,59 @@ def _summary(r: dict) -> dict:
     return summary
 
 
+_LAYER_MODULE = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(.+)$")
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+
+
+def sensitivity_by_kind(snr: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Quantization SNR (dB) per projection kind, from one recipe's `quant_snr_db` ({linear: dB}): the kind is the
+    module path inside its decoder layer, routed experts folded together (`self_attn.q_proj`, `mlp.down_proj`,
+    `linear_attn.out_proj`, `mlp.experts.down_proj`); per kind `layers` {layer index: the layer's lowest SNR
+    among that kind's matrices}, `mean_db` over those layers, `min_db` and the `worst_layer`. Kinds in ascending
+    mean SNR: the first ones are the modules to keep in higher precision. Linears outside the decoder layers
+    (none quantized by default) and non-finite SNRs (exact products, all-zero outputs) are left out."""
+    layers: dict[str, dict[int, float]] = {}
+    for name, db in snr.items():
+        match = _LAYER_MODULE.match(name)
+        if match is None or not math.isfinite(db):
+            continue
+        kind = _EXPERT_INDEX.sub(".experts.", "." + match.group(2)).removeprefix(".")
+        per_layer = layers.setdefault(kind, {})
+        layer = int(match.group(1))
+        per_layer[layer] = min(db, per_layer.get(layer, math.inf))
+    mean = {kind: sum(per_layer.values()) / len(per_layer) for kind, per_layer in layers.items()}
+    table: dict[str, dict[str, Any]] = {}
+    for kind in sorted(layers, key=mean.__getitem__):
+        per_layer = layers[kind]
+        worst = min(per_layer, key=per_layer.__getitem__)
+        table[kind] = {
+            "mean_db": mean[kind],
+            "min_db": per_layer[worst],
+            "worst_layer": worst,
+            "layers": dict(sorted(per_layer.items())),
+        }
+    return table
+
+
+def sensitivity_markdown(result: dict) -> str:
+    """The per-projection-kind SNR table of one diagnosed checkpoint: one row per kind (most sensitive first,
+    by the first recipe), per recipe "mean (min @ layer)" in dB."""
+    recipes = [r for r, table in result["sensitivity"].items() if table]
+    if not recipes:
+        return ""
+    kinds = list(result["sensitivity"][recipes[0]])
+    kinds += [k for r in recipes[1:] for k in result["sensitivity"][r] if k not in kinds]
+    head = ["projection (kind)"] + [f"{r}: mean dB (min @ layer)" for r in recipes]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for kind in kinds:
+        row = [kind]
+        for r in recipes:
+            cell = result["sensitivity"][r].get(kind)
+            row.append("-" if cell is None else f"{cell['mean_db']:.1f} ({cell['min_db']:.1f} @ {cell['worst_layer']})")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def _clean(x: Any) -> Any:
     """JSON-ready copy: tensors to lists, floats to 6 significant digits, NaN/Inf to None."""
     if isinstance(x, dict):
@@ -657,6 +711,8 @@ def write_diagnostics(result: dict, out_dir: str | Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [
         write_text_atomic(out_dir / "diagnostics.json", json.dumps(result, indent=1, allow_nan=False)),
-        write_text_atomic(out_dir / "summary.md", summary_markdown([result]) + "\n"),
+        write_text_atomic(
+            out_dir / "summary.md", summary_markdown([result]) + "\n\n" + sensitivity_markdown(result) + "\n"
+        ),
     ]
     return paths + write_figures(result, out_dir)
