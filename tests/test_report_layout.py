@@ -70,8 +70,8 @@ def test_table2_marks_n_s_and_diagnostics_hold_kl_and_calibration(tmp_path):
     md = to_markdown(build_table(load_results(study(DELTAS))))
     assert "| W4A4 | gn | 49.80 | 49.80 | -0.20 n.s. | ±0.30 |" in md  # Table 2 ends at ΔAvg and its noise
     assert "| W4A4 | ga | 49.00 | 49.00 | -1.00 | ±0.30 |" in md
-    assert "| Type | Add | KL | Calibration |" in md
-    assert "| W4A4 | gn | 0.0100 | 4096x512 SQ |" in md and "| BF16 | gn |  | none |" in md
+    assert "| Type | Add | Recovery | KL | Calibration |" in md  # Recovery: 100 x 49.80 / 50.00
+    assert "| W4A4 | gn | 99.6% | 0.0100 | 4096x512 SQ |" in md and "| BF16 | gn |  |  | none |" in md
     paths = render_report(study(DELTAS), tmp_path)
     page = paths["report.html"].read_text()
     assert page.count("<svg") == 3 and "KL vs BF16 per variant and precision" in page

@@ -94,6 +94,8 @@ def _diagnostic_columns(table: Table) -> list[tuple[str, Callable[[TableRow], st
     cols: list[tuple[str, Callable[[TableRow], str]]] = []
     if table.has_size:
         cols.append(("Size", lambda r: DASH if r.row.size is None else _size(r.row.size)))
+    if any(r.degradation and r.degradation.recovery is not None for r in table.rows):
+        cols.append(("Recovery", lambda r: _recovery(r.degradation.recovery) if r.degradation else ""))
     if table.has_flips:
         cols.append(("Flips", lambda r: _pct(r.flips_mean) if r.degradation else ""))
     if table.has_kl:
@@ -105,6 +107,11 @@ def _diagnostic_columns(table: Table) -> list[tuple[str, Callable[[TableRow], st
     for key in table.outlier_keys:
         cols.append((key, _keyed(lambda r, k: _outlier(r.row.outliers.get(k)), key)))
     return cols
+
+
+def _recovery(recovery: float | None) -> str:
+    """'97.3%' (100 x Avg / Avg(BF16)), a dash when BF16's Avg is 0."""
+    return DASH if recovery is None else f"{recovery:.1f}%"
 
 
 def _row_name(r: TableRow) -> str:
@@ -336,6 +343,7 @@ def _row_record(table: Table, r: TableRow) -> dict[str, Any]:
         "noise_avg": d.noise_avg if d else None,
         "significant": {k: significant(v, d.noise.get(k)) for k, v in d.delta.items()} if d else None,
         "delta_avg_significant": significant(d.delta_avg, d.noise_avg) if d else None,
+        "recovery": d.recovery if d else None,
         "flips": r.row.flips or None,
         "flips_mean": r.flips_mean,
         "kl": r.row.kl,
@@ -378,6 +386,7 @@ def to_csv(table: Table) -> str:
     columns += [("avg", lambda r: r.avg), ("delta_avg", lambda r: r.degradation and r.degradation.delta_avg)]
     if table.has_noise:
         columns.append(("noise_avg", lambda r: r.degradation and r.degradation.noise_avg))
+    columns.append(("recovery", lambda r: r.degradation and r.degradation.recovery))
     if table.has_flips:
         columns.append(("flips_mean", lambda r: r.flips_mean))
     if table.has_kl:

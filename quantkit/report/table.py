@@ -39,6 +39,7 @@ class Degradation:
     delta_avg: float | None
     noise: dict[str, float]
     noise_avg: float | None
+    recovery: float | None = None  # 100 x Avg / Avg(BF16) over the same benchmarks, % (llm-compressor's figure)
 
 
 def degradation(row: Row, base: Row, avg_keys: frozenset[str] | None = None) -> Degradation:
@@ -53,8 +54,13 @@ def degradation(row: Row, base: Row, avg_keys: frozenset[str] | None = None) -> 
             noise[b] = math.hypot(_half_width(row.ci95[b]), _half_width(base.ci95[b]))
     in_avg = [b for b in common if avg_keys is None or b in avg_keys]
     noise_avg = noise_of_mean([noise[b] for b in in_avg]) if in_avg and all(b in noise for b in in_avg) else None
+    base_avg = mean([base.scores[b] for b in in_avg]) if in_avg else 0.0
     return Degradation(
-        delta=delta, delta_avg=mean([delta[b] for b in in_avg]) if in_avg else None, noise=noise, noise_avg=noise_avg
+        delta=delta,
+        delta_avg=mean([delta[b] for b in in_avg]) if in_avg else None,
+        noise=noise,
+        noise_avg=noise_avg,
+        recovery=100 * mean([row.scores[b] for b in in_avg]) / base_avg if base_avg > 0 else None,
     )
 
 
