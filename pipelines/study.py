@@ -598,12 +598,20 @@ def timing_summary(timings: dict[tuple[str, str, str], dict[str, Any]]) -> dict[
 
 
 def _precision(recipe: str) -> str:
+    from quantkit.formats.constants import WeightScales
     from quantkit.formats.schemes import SCHEMES
     from quantkit.quantize.recipe import load_recipe
 
     r = load_recipe(recipe)
     label = "BF16" if r.scheme == UNQUANTIZED else SCHEMES[r.scheme].precision if r.scheme in SCHEMES else r.name
-    return label + ("+SQ" if r.smoothquant else "") + (" (static)" if r.static_activations else "")
+    mixed = sorted({SCHEMES[s].precision for _, s in r.module_schemes if s in SCHEMES} - {label})
+    label = "/".join([label, *mixed])  # mixed precision by module: e.g. W4A4/W8A8
+    return (
+        label
+        + ("+SQ" if r.smoothquant else "")
+        + ("+MSE" if r.weight_scales == WeightScales.MSE else "")
+        + (" (static)" if r.static_activations else "")
+    )
 
 
 OUTLIER_FIGURES = (

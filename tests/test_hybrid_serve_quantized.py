@@ -82,6 +82,7 @@ CASES = {
     "glu-nvfp4_static": ("glu", "w4a4_nvfp4_static"),
     "stock-fp8_block": ("stock", "w8a8_fp8_block"),
     "stock-nvfp4": ("stock", "w4a4_nvfp4"),
+    "stock-mixed": ("stock", "mixed_fp8_attn_nvfp4"),  # FP8 attention + linear attention, NVFP4 experts (issue 31)
     # tensor parallel 2 (vLLM's CPU backend runs it; FP8's 128-wide blocks cannot split the tiny model's 128-wide
     # expert / shared-expert intermediate, NVFP4's 16-wide groups can): every shard, the experts' down inputs
     # all-reduced for their per-token scale, joined back by served_activations

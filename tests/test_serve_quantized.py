@@ -84,6 +84,9 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
     # logits, which the reference applies only with eager attention (quantkit.models.attention)
     "llama-nvfp4": ("llama", "w4a4_nvfp4", 1),
     "llama-nvfp4_mse": ("llama", "w4a4_nvfp4_mse", 1),  # searched weight scales (issue 31): only the stored scales differ
+    # mixed precision by module (issue 31): FP8 attention, NVFP4 MLP / routed experts, each layer its own scheme
+    "llama-mixed": ("llama", "mixed_fp8_attn_nvfp4", 1),
+    "qwen3_moe-mixed": ("qwen3_moe", "mixed_fp8_attn_nvfp4", 1),
     "phi3-fp8_block": ("phi3", "w8a8_fp8_block", 1),
     "mixtral-nvfp4": ("mixtral", "w4a4_nvfp4", 1),
     "mistral-fp8_block": ("mistral", "w8a8_fp8_block", 1),

@@ -153,7 +153,7 @@ class DiagnosticsObserver:
             self.linears.update({m: LinearStats() for m in expert_matrices(name, module)})
         self.gates: dict[str, ChannelStats] = {}
         self.massive_token_ids: Counter = Counter()
-        self._quantized: dict[tuple[str, str], torch.Tensor] = {}  # (linear, scheme) -> decoded weight
+        self._quantized: dict[tuple[str, str, str], torch.Tensor] = {}  # (linear, scheme, scales) -> weight
         self._handles: list = []
         self._ids: dict[int, torch.Tensor] = {}  # batch key -> (B, T) input ids
         self._massive_any: dict[int, torch.Tensor] = {}  # batch key -> (B, T) massive in some state so far
@@ -320,19 +320,18 @@ class DiagnosticsObserver:
         y = y.detach().double()
         stats.signal += y.pow(2).sum().item()
         for recipe, static_scale in quantizing:
-            w_q = self._quantized_weight(name, weight, recipe.scheme)
-            x_q = get_scheme(recipe.scheme).fake_quant_activation(
-                x, None if static_scale is None else static_scale[name]
-            )
+            scheme = recipe.scheme_of(name)  # mixed precision by module: this matrix's
+            w_q = self._quantized_weight(name, weight, scheme, recipe.weight_scales)
+            x_q = get_scheme(scheme).fake_quant_activation(x, None if static_scale is None else static_scale[name])
             y_q = F.linear(x_q, w_q, None if bias is None else bias.float())
             stats.noise[recipe.name] = stats.noise.get(recipe.name, 0.0) + (y - y_q.double()).pow(2).sum().item()
 
-    def _quantized_weight(self, name: str, weight: torch.Tensor, scheme: str) -> torch.Tensor:
-        key = (name, scheme)
+    def _quantized_weight(self, name: str, weight: torch.Tensor, scheme: str, weight_scales: str) -> torch.Tensor:
+        key = (name, scheme, weight_scales)
         if key not in self._quantized:
             w = weight.detach()
             s = get_scheme(scheme)
-            self._quantized[key] = s.decode(s.encode(w, name), w.shape[1]).to(w.device)
+            self._quantized[key] = s.decode(s.encode(w, name, weight_scales), w.shape[1]).to(w.device)
         return self._quantized[key]
 
     def _experts_hook(self, name: str):

@@ -364,4 +364,18 @@ def scheme_from_config(qc: dict, where: str = "quantization_config") -> Scheme:
         raise CheckpointError(f"{where}: activation_scale {activation_scale!r} is not valid for scheme {name}")
     if not qc.get("quantized_modules"):
         raise CheckpointError(f"{where}: quantized_modules is empty")
+    overrides = qc.get("module_schemes") or {}
+    if bad := {m: s for m, s in overrides.items() if s not in SCHEMES}:
+        raise CheckpointError(f"{where}: module_schemes {bad} name schemes not in {list(SCHEMES)}")
+    if unlisted := sorted(set(overrides) - set(qc["quantized_modules"])):
+        raise CheckpointError(f"{where}: module_schemes names {unlisted[:3]}, which are not quantized_modules")
     return scheme
+
+
+def module_scheme(qc: dict, module: str) -> tuple[Scheme, str]:
+    """The scheme of the quantized `module` in a checked quantization_config (`scheme_from_config`) and its
+    activation scale: its `module_schemes` entry (mixed precision by module), else `scheme`; the activation scale is
+    the config's where that scheme offers a choice, else the scheme's only one (FP8: per token)."""
+    scheme = SCHEMES[(qc.get("module_schemes") or {}).get(module, qc["scheme"])]
+    requested = qc["activation_scale"]
+    return scheme, requested if requested in scheme.activation_scales else scheme.activation_scales[0]

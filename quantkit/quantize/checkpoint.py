@@ -149,9 +149,7 @@ def quantize_checkpoint(
         smoothed = [] if smoothquant_report is None else [m.smooth for m in smoothquant_report.mappings]
         _, source = check_checkpoint_dir(model_dir)
         unquantized_to_source_dtype(state, list(quantized), source, model.config, smoothed_norm_keys(smoothed, state))
-        encode_matrices(
-            state, quantized, scheme, input_amax, f"quantize {recipe.name}", weight_scales=recipe.weight_scales
-        )
+        encode_matrices(state, quantized, recipe, input_amax, f"quantize {recipe.name}")
     else:
         state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
 

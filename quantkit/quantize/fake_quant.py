@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import quantkit.models  # noqa: F401
 from quantkit.checkpoints import read_state
 from quantkit.formats.experts import expert_matrices, fuse_expert_matrices, fused_experts_modules
-from quantkit.formats.schemes import Scheme, checkpoint_suffixes, get_scheme, scheme_from_config
+from quantkit.formats.schemes import Scheme, checkpoint_suffixes, get_scheme, module_scheme, scheme_from_config
 from quantkit.models.attention import reference_attention
 
 
@@ -229,13 +229,13 @@ def install_fake_quant(
     Returns the remaining tensors of `state` under `prefix`, renamed relative to `module`, for load_state_dict.
     qc: the checkpoint's quantization_config (`read_quantization_config`); only: full module names to consider
     (default: every quantized module and experts module under prefix)."""
-    scheme = get_scheme(qc["scheme"])
     quantized = {n for n in qc["quantized_modules"] if n.startswith(prefix) and (only is None or n in only)}
     for name, experts in fused_experts_modules(module).items():  # their matrices are taken out of `quantized`
         if only is not None and prefix + name not in only:
             continue
-        _load_experts(module, prefix, name, experts, scheme, state, quantized, quantize_activations, model_dir)
+        _load_experts(module, prefix, name, experts, qc, state, quantized, quantize_activations, model_dir)
     for full in sorted(quantized):
+        scheme = module_scheme(qc, full)[0]
         name = full[len(prefix) :]
         linear = cast(torch.nn.Linear, module.get_submodule(name))  # a quantized module is a Linear
         tensors = {s: state.pop(f"{full}.{s}") for s in checkpoint_suffixes() if f"{full}.{s}" in state}
@@ -256,7 +256,7 @@ def _load_experts(
     prefix: str,
     name: str,
     module: torch.nn.Module,
-    scheme: Scheme,
+    qc: dict,
     state: dict[str, torch.Tensor],
     quantized: set[str],
     quantize_activations: bool,
@@ -264,8 +264,15 @@ def _load_experts(
 ) -> None:
     """Fill the fused experts module `name` of `model` (checkpoint names: prefix + name) from its per-expert
     checkpoint tensors (popped from `state` and, for quantized matrices, discarded from `quantized`); replace it
-    by a FakeQuantExperts if any matrix is quantized."""
+    by a FakeQuantExperts if any matrix is quantized (all of them in one scheme: one fused GEMM)."""
     shapes = {prefix + m: tuple(w.shape) for m, w in expert_matrices(name, module).items()}
+    schemes = {module_scheme(qc, m)[0] for m in shapes if m in quantized}
+    if len(schemes) > 1:
+        raise ValueError(
+            f"{model_dir}: the experts of {prefix + name} are quantized in {sorted(s.name for s in schemes)}; "
+            "one experts module takes one scheme"
+        )
+    scheme = schemes.pop() if schemes else get_scheme(qc["scheme"])
     num_experts = cast(torch.Tensor, module.gate_up_proj).shape[0]
     matrices, scales, flags = {}, {}, {}
     for matrix, shape in shapes.items():

@@ -17,9 +17,9 @@ from transformers import PretrainedConfig
 
 from quantkit.calibrate import SmoothQuantReport
 from quantkit.checkpoints import SAFETENSORS_DTYPES, CheckpointError, TensorHeaders
-from quantkit.formats.constants import WeightScales
-from quantkit.formats.experts import expert_matrices, fused_experts_modules
-from quantkit.formats.schemes import UNQUANTIZED, Scheme, scheme_for
+from quantkit.formats.constants import ActivationScale
+from quantkit.formats.experts import EXPERT_MATRIX, expert_matrices, fused_experts_modules
+from quantkit.formats.schemes import UNQUANTIZED, Scheme, get_scheme, scheme_for
 from quantkit.quantize.recipe import Recipe
 
 # SmoothQuant's factors beside the weights (torch.save; not *.safetensors, which vLLM and transformers would load
@@ -81,7 +81,10 @@ def smoothed_norm_keys(plan_smooth_modules: list[str], state: dict[str, torch.Te
 
 
 def quantization_config(recipe: Recipe, quantized: list[str], ignored: list[str]) -> dict:
-    """The `quantization_config` entry of config.json (the scheme's keys: `quantkit.formats.schemes`)."""
+    """The `quantization_config` entry of config.json (the scheme's keys: `quantkit.formats.schemes`); ValueError
+    when `module_schemes` split one experts module (fused: one GEMM, one scheme) or fused projections vLLM serves
+    as one layer (q/k/v, gate/up)."""
+    _check_one_scheme_per_fused_group(recipe, quantized)
     return {
         "quant_method": "quantkit",
         "recipe": recipe.name,
@@ -91,25 +94,46 @@ def quantization_config(recipe: Recipe, quantized: list[str], ignored: list[str]
         "ignored_modules": ignored,
         "smoothquant": None if recipe.smoothquant is None else vars(recipe.smoothquant),
         "weight_scales": str(recipe.weight_scales),
+        "module_schemes": {m: recipe.scheme_of(m) for m in quantized if recipe.scheme_of(m) != recipe.scheme},
     }
+
+
+_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one vLLM layer each
+
+
+def _check_one_scheme_per_fused_group(recipe: Recipe, quantized: list[str]) -> None:
+    """Every experts module, and every q/k/v and gate/up group, in one scheme (ValueError naming the split)."""
+    groups: dict[str, set[str]] = {}
+    for name in quantized:
+        expert = EXPERT_MATRIX.match(name)
+        parent, _, leaf = name.rpartition(".")
+        fused = next((g for g in _FUSED_GROUPS if leaf in g), None)
+        key = expert.group("experts") if expert else f"{parent}.{fused}" if fused else name
+        groups.setdefault(key, set()).add(recipe.scheme_of(name))
+    if split := {k: sorted(v) for k, v in groups.items() if len(v) > 1}:
+        first = next(iter(split))
+        raise ValueError(
+            f"recipe {recipe.name}: module_schemes gives {first} schemes {split[first]} ({len(split)} such groups); "
+            "vLLM serves an experts module, q/k/v and gate/up as one layer each: give them one scheme"
+        )
 
 
 def encode_matrices(
     state: dict[str, torch.Tensor],
     quantized: dict[str, torch.Tensor],
-    scheme: Scheme,
+    recipe: Recipe,
     input_amax: dict[str, torch.Tensor],
     desc: str,
     progress: bool = True,
-    weight_scales: str = WeightScales.MINMAX,
 ) -> None:
-    """Replace each quantized matrix's `<name>.weight` in `state` by the scheme's tensors (weight decode scales
-    chosen as `weight_scales` says; plus its static activation tensors where `input_amax` has the calibrated
-    max |x|, shape (1,)), in place."""
+    """Replace each quantized matrix's `<name>.weight` in `state` by its scheme's tensors (`recipe.scheme_of`, weight
+    decode scales as `recipe.weight_scales` says; plus its static activation tensors where `input_amax` has the
+    calibrated max |x|, shape (1,), and the scheme has a static mode), in place."""
     for name, weight in tqdm(quantized.items(), desc=desc, unit="matrix", disable=not (progress and quantized)):
+        scheme = get_scheme(recipe.scheme_of(name))
         state.pop(f"{name}.weight")
-        tensors = scheme.encode(weight.detach().contiguous(), name, weight_scales)
-        if name in input_amax:
+        tensors = scheme.encode(weight.detach().contiguous(), name, recipe.weight_scales)
+        if name in input_amax and ActivationScale.STATIC in scheme.activation_scales:
             tensors.update(scheme.static_activation_tensors(input_amax[name]))
         for suffix, tensor in tensors.items():
             state[f"{name}.{suffix}"] = tensor.contiguous()

@@ -17,6 +17,9 @@ A recipe names a scheme and what happens before it:
     ignore: ["re:.*\\.g_proj$"]  # added to DEFAULT_IGNORE; names or "re:<regex>" on module names
     weight_scales: mse           # minmax (default) | mse: each block's / group's decode scale searched for the
                                  # least squared weight error (MSE clipping, quantkit.formats.scale_search)
+    module_schemes:              # mixed precision by module: the first matching pattern's scheme (bf16: kept
+      - "re:.*\\.(self_attn|linear_attn)\\..*": fp8_block   # unquantized), else `scheme`; the same pattern
+                                 # syntax as `ignore`; expert matrices match as <experts>.<e>.<proj>
 
 Linear layers (and expert matrices `<experts>.<e>.<proj>`) whose names match the ignore list stay in the
 checkpoint's original precision. The default list (DEFAULT_IGNORE) keeps, per tensor:
@@ -87,6 +90,7 @@ _KEYS = {
     "calibration_data",
     "ignore",
     "weight_scales",
+    "module_schemes",
 }
 DEFAULT_EARLY_STOP = 0.02  # SmoothQuant: settled when the maxima moved < 2% (relative L2) in 2 batches
 
@@ -122,6 +126,7 @@ class Recipe:
     calibration_data: str | None = None  # a `quantkit.data` calibration source; None: the model's default
     ignore: tuple[str, ...] = field(default=DEFAULT_IGNORE)
     weight_scales: WeightScales = WeightScales.MINMAX  # min-max, or searched per block (MSE clipping)
+    module_schemes: tuple[tuple[str, str], ...] = ()  # (pattern, scheme) in order: mixed precision by module
 
     def calibration_source(self, model_type: str | None) -> str:
         """What this recipe's calibration reads for a model of `model_type` (`quantkit.data`)."""
@@ -133,14 +138,21 @@ class Recipe:
         return self.activation_scale == ActivationScale.STATIC
 
     def ignores(self, module_name: str) -> bool:
-        """Whether the Linear `module_name` stays unquantized."""
-        for pattern in self.ignore:
-            if pattern.startswith("re:"):
-                if re.fullmatch(pattern[3:], module_name):
-                    return True
-            elif module_name == pattern or module_name.endswith("." + pattern):
-                return True
-        return False
+        """Whether the Linear `module_name` stays unquantized: the ignore list names it, or `module_schemes`
+        assigns it bf16."""
+        return any(_matches(p, module_name) for p in self.ignore) or self.scheme_of(module_name) == UNQUANTIZED
+
+    def scheme_of(self, module_name: str) -> str:
+        """The scheme of the Linear (or expert matrix) `module_name`: the first `module_schemes` pattern that
+        matches it, else the recipe's `scheme`."""
+        return next((scheme for p, scheme in self.module_schemes if _matches(p, module_name)), self.scheme)
+
+
+def _matches(pattern: str, module_name: str) -> bool:
+    """A recipe pattern: "re:<regex>" (full match) or a module name, matching the name or a suffix after a dot."""
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], module_name) is not None
+    return module_name == pattern or module_name.endswith("." + pattern)
 
 
 def available_recipes() -> list[str]:
@@ -222,12 +234,13 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     ignore = data.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise ValueError(f"{source}: ignore must be a list of module names or 're:<regex>' strings")
-    for pattern in ignore:
+    module_schemes = _module_schemes(data.get("module_schemes"), backend, source)
+    for pattern in [*ignore, *(p for p, _ in module_schemes)]:
         if pattern.startswith("re:"):
             try:
                 re.compile(pattern[3:])
             except re.error as err:
-                raise ValueError(f"{source}: ignore pattern {pattern!r} is not a valid regex: {err}") from None
+                raise ValueError(f"{source}: pattern {pattern!r} is not a valid regex: {err}") from None
     weight_scales = data.get("weight_scales", WeightScales.MINMAX)
     if weight_scales not in list(WeightScales):
         raise ValueError(f"{source}: weight_scales {weight_scales!r} is not one of {[str(w) for w in WeightScales]}")
@@ -244,7 +257,25 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         calibration_data=calibration_data,
         ignore=DEFAULT_IGNORE + tuple(p for p in ignore if p not in DEFAULT_IGNORE),
         weight_scales=WeightScales(weight_scales),
+        module_schemes=module_schemes,
     )
+
+
+def _module_schemes(value: Any, backend: Backend, source: str) -> tuple[tuple[str, str], ...]:
+    """A recipe's `module_schemes` (a list of one-entry mappings {pattern: scheme}, in order) -> (pattern, scheme)
+    pairs; ValueError naming a bad entry or scheme."""
+    if value is None:
+        return ()
+    if backend != Backend.QUANTKIT:
+        raise ValueError(f"{source}: module_schemes applies to backend quantkit only")
+    if not isinstance(value, list) or not all(isinstance(e, dict) and len(e) == 1 for e in value):
+        raise ValueError(f"{source}: module_schemes must be a list of one-entry mappings {{pattern: scheme}}")
+    pairs = tuple((str(p), str(s)) for e in value for p, s in e.items())
+    allowed = BACKEND_SCHEMES[Backend.QUANTKIT]
+    for pattern, scheme in pairs:
+        if scheme not in allowed:
+            raise ValueError(f"{source}: module_schemes {pattern!r}: scheme {scheme!r} is not one of {list(allowed)}")
+    return pairs
 
 
 def _settings(cls, value, where: str):

@@ -343,9 +343,7 @@ class _StreamingJob:
             return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
         norm_keys = smoothed_norm_keys(self.smoothed, state)
         unquantized_to_source_dtype(state, list(matrices), self.source_headers, self.config, norm_keys)
-        encode_matrices(
-            state, matrices, self.scheme, amax, desc="", progress=False, weight_scales=self.recipe.weight_scales
-        )
+        encode_matrices(state, matrices, self.recipe, amax, desc="", progress=False)
         return state
 
     def write_outside(self, writer: ShardWriter, tied: dict[str, str]) -> None:

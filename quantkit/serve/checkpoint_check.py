@@ -22,7 +22,7 @@ from pathlib import Path
 
 from quantkit.checkpoints import CheckpointError, TensorHeaders, check_checkpoint_dir
 from quantkit.formats.experts import EXPERT_MATRIX, EXPERT_PROJECTIONS
-from quantkit.formats.schemes import checkpoint_suffixes, scheme_from_config
+from quantkit.formats.schemes import SCHEMES, checkpoint_suffixes, module_scheme, scheme_from_config
 
 # Suffixes of quantized tensors: quantkit's (but the plain `weight`) and the peers' (ModelOpt, compressed-tensors).
 QUANT_SUFFIXES = tuple(s for s in checkpoint_suffixes() if s != "weight") + (
@@ -64,7 +64,7 @@ def check_servable(model_dir: str | Path) -> dict | None:
 
 
 def _check_quantkit(model_dir: Path, qc: dict, headers: TensorHeaders) -> None:
-    scheme = scheme_from_config(qc, f"{model_dir}/config.json quantization_config")
+    scheme_from_config(qc, f"{model_dir}/config.json quantization_config")
     modules = qc["quantized_modules"]
     shapes: defaultdict[str, dict[str, tuple[int, ...]]] = defaultdict(dict)  # module -> {suffix: shape}
     for name, (_, shape) in headers.items():
@@ -72,7 +72,8 @@ def _check_quantkit(model_dir: Path, qc: dict, headers: TensorHeaders) -> None:
         if dot:
             shapes[module][suffix] = shape
     for module in modules:
-        for suffix, dtype in scheme.checkpoint_tensors(qc["activation_scale"]).items():
+        scheme, activation_scale = module_scheme(qc, module)
+        for suffix, dtype in scheme.checkpoint_tensors(activation_scale).items():
             got = headers.get(f"{module}.{suffix}")
             if got is None:
                 raise CheckpointError(
@@ -86,7 +87,8 @@ def _check_quantkit(model_dir: Path, qc: dict, headers: TensorHeaders) -> None:
         if problem:
             raise CheckpointError(f"{model_dir}: {problem}")
     listed = set(modules)
-    stray = sorted(m for m, suffixes in shapes.items() if scheme.marker in suffixes and m not in listed)
+    markers = {s.marker for s in SCHEMES.values()}
+    stray = sorted(m for m, suffixes in shapes.items() if markers & set(suffixes) and m not in listed)
     if stray:
         raise CheckpointError(
             f"{model_dir}: {stray[:3]} hold quantized tensors but are not in quantization_config.quantized_modules"

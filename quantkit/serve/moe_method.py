@@ -76,7 +76,7 @@ class QuantkitExperts:
     kernels do not implement)."""
 
     def __init__(self, config, prefix: str, tp_rank: int = 0, tp_size: int = 1) -> None:
-        self.scheme, self.activation_scale = config.scheme, config.activation_scale
+        self.scheme, self.activation_scale = config.experts_scheme(prefix)  # mixed precision: this layer's
         self.prefix, self.tp_rank, self.tp_size = prefix, tp_rank, tp_size
         self.kernel: Kernel | None = None  # chosen after loading (select_kernel)
         self.capture_dir = os.environ.get(CAPTURE_ENV)

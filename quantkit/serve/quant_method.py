@@ -47,7 +47,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from quantkit.formats.constants import ActivationScale
 from quantkit.formats.experts import EXPERT_MATRIX
-from quantkit.formats.schemes import LayerTensor, scheme_from_config
+from quantkit.formats.schemes import LayerTensor, Scheme, module_scheme, scheme_from_config
 from quantkit.serve.method_parts import CAPTURE_ENV, Kernel, copy_checkpoint_part, select_kernel
 from quantkit.serve.moe_method import QuantkitMoEMethod
 
@@ -63,6 +63,7 @@ class QuantkitQuantConfig(QuantizationConfig):
         self.scheme = scheme_from_config(config)
         self.activation_scale = config["activation_scale"]
         self.quantized_modules = set(config["quantized_modules"])
+        self.module_schemes: dict[str, str] = dict(config.get("module_schemes") or {})  # mixed precision by module
         self.recipe = config.get("recipe", "?")
         self.smoothquant = config.get("smoothquant")  # the recipe's SmoothQuant settings, None without it
 
@@ -95,6 +96,23 @@ class QuantkitQuantConfig(QuantizationConfig):
         """vLLM hands the model class's renames (checkpoint names -> its module names, e.g. Mixtral's
         mlp.experts -> block_sparse_moe.experts, `quantkit.serve.stock_names`): the quantized module names follow."""
         self.quantized_modules = set(hf_to_vllm_mapper.apply_list(sorted(self.quantized_modules)))
+        self.module_schemes = {hf_to_vllm_mapper.apply_list([m])[0]: s for m, s in self.module_schemes.items()}
+
+    def scheme_of(self, names: list[str], prefix: str) -> tuple[Scheme, str]:
+        """(scheme, activation scale) of the checkpoint modules `names` that vLLM serves as the layer `prefix`
+        (`module_scheme`); ValueError when they differ (one layer, one GEMM)."""
+        config = {
+            "scheme": self.scheme.name,
+            "activation_scale": self.activation_scale,
+            "module_schemes": self.module_schemes,
+        }
+        schemes = {module_scheme(config, n) for n in names}
+        if len(schemes) > 1:
+            raise ValueError(
+                f"{prefix}: vLLM serves {names} as one layer, but the checkpoint quantized them in "
+                f"{sorted(s.name for s, _ in schemes)}; one scheme per fused layer"
+            )
+        return schemes.pop()
 
     def _checkpoint_names(self, prefix: str) -> list[str]:
         """vLLM layer prefix -> the checkpoint's module names (a fused layer has one per shard)."""
@@ -118,13 +136,18 @@ class QuantkitQuantConfig(QuantizationConfig):
                 f"{prefix}: vLLM fuses {names} into one layer, but the checkpoint quantized only "
                 f"{[n for n, q in zip(names, quantized) if q]}; quantize all of them or none"
             )
-        return QuantkitLinearMethod(self, prefix)
+        return QuantkitLinearMethod(self, prefix, *self.scheme_of(names, prefix))
 
     def _experts_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """QuantkitMoEMethod when the checkpoint quantized this layer's experts, None (vLLM's unquantized method)
         when it kept them all in the source precision; the checker refuses partly quantized experts."""
 
         return QuantkitMoEMethod(self, layer.moe_config, prefix) if self.quantizes_experts(prefix) else None
+
+    def experts_scheme(self, prefix: str) -> tuple[Scheme, str]:
+        """(scheme, activation scale) of the quantized routed experts under `prefix` (all in one: `scheme_of`)."""
+        names = sorted(m for m in self.quantized_modules if EXPERT_MATRIX.match(m) and m.startswith(f"{prefix}."))
+        return self.scheme_of(names, prefix) if names else (self.scheme, self.activation_scale)
 
     def quantizes_experts(self, prefix: str) -> bool:
         """Whether the checkpoint quantized the routed experts under `prefix` (e.g. model.layers.0.mlp.experts)."""
@@ -134,9 +157,10 @@ class QuantkitQuantConfig(QuantizationConfig):
 class QuantkitLinearMethod(LinearMethodBase):
     """One quantized Linear (possibly fused); see the module docstring for its parameters."""
 
-    def __init__(self, config: QuantkitQuantConfig, prefix: str) -> None:
+    def __init__(self, config: QuantkitQuantConfig, prefix: str, scheme: Scheme, activation_scale: str) -> None:
         self.config = config
         self.prefix = prefix
+        self.scheme, self.activation_scale = scheme, activation_scale  # this layer's (mixed precision by module)
         self.kernel: Kernel | None = None  # chosen after loading (select_kernel)
         self.capture_dir = os.environ.get(CAPTURE_ENV)
         self.calls = 0
@@ -167,14 +191,14 @@ class QuantkitLinearMethod(LinearMethodBase):
             )
         layer.quantkit_shards = [n] if layer.quantkit_whole else list(output_partition_sizes)  # type: ignore[assignment]
         layer.quantkit_in_features = k  # type: ignore[assignment]
-        scheme = self.config.scheme
+        scheme = self.scheme
         if sharded_k and k % scheme.k_multiple:
             raise ValueError(
                 f"{self.prefix}: {scheme.name} under tensor parallelism needs in_features/tp ({k}) to be a "
                 f"multiple of {scheme.k_multiple}"
             )
         shards = len(cast(list[int], layer.quantkit_shards))
-        for spec in scheme.layer_tensors(n, k, shards, self.config.activation_scale):
+        for spec in scheme.layer_tensors(n, k, shards, self.activation_scale):
             self._add(layer, spec)
 
     def _add(self, layer: torch.nn.Module, spec: LayerTensor) -> None:
@@ -194,7 +218,7 @@ class QuantkitLinearMethod(LinearMethodBase):
                 rank_shard,
                 k_rank,
                 f"{prefix}.{name} (shard {shard_id})",
-                self.config.scheme.name,
+                self.scheme.name,
             )
 
         # vLLM's loading protocol: a weight_loader attribute on the Parameter (no such attribute in torch's stub)
@@ -206,7 +230,7 @@ class QuantkitLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """vLLM: keep one static input_global_scale (the fused shards' must agree), pick the kernel; torch-emulation
         decodes the weight once to float32 (N, K) `weight_dequantized`."""
-        if self.config.activation_scale == ActivationScale.STATIC:
+        if self.activation_scale == ActivationScale.STATIC:
             scales = cast(Parameter, layer.input_global_scale).data
             if not torch.all(scales == scales[0]):
                 raise ValueError(
@@ -216,7 +240,7 @@ class QuantkitLinearMethod(LinearMethodBase):
             layer.input_global_scale = Parameter(scales[:1].clone(), requires_grad=False)
         self.kernel = select_kernel(layer)
         if self.kernel == Kernel.TORCH_EMULATION:  # decode the weights once; activations are quantized per call
-            scheme = self.config.scheme
+            scheme = self.scheme
             weight = scheme.decode_layer(
                 {s: getattr(layer, s).data for s in scheme.tensors}, cast(int, layer.quantkit_in_features)
             )
@@ -226,8 +250,8 @@ class QuantkitLinearMethod(LinearMethodBase):
         logger.info(
             "quantkit: %s scheme=%s activations=%s kernel=%s",
             self.prefix,
-            self.config.scheme.name,
-            self.config.activation_scale,
+            self.scheme.name,
+            self.activation_scale,
             self.kernel,
         )
 
@@ -237,7 +261,7 @@ class QuantkitLinearMethod(LinearMethodBase):
         input_global_scale = getattr(layer, "input_global_scale", None)
         row_amax = _row_amax(layer, x, input_global_scale)
         if self.kernel == Kernel.TORCH_EMULATION:
-            xq = self.config.scheme.fake_quant_activation(x, input_global_scale, row_amax)
+            xq = self.scheme.fake_quant_activation(x, input_global_scale, row_amax)
             if self.capture_dir:
                 self._capture(layer, x, xq)
             weight = cast(Parameter, layer.weight_dequantized)
@@ -245,8 +269,8 @@ class QuantkitLinearMethod(LinearMethodBase):
             return out.to(x.dtype)
         from quantkit.kernels.schemes import quantized_linear  # Triton: imported where used
 
-        weights = [getattr(layer, s) for s in self.config.scheme.tensors]
-        return quantized_linear(self.config.scheme, x, weights, bias, input_global_scale, row_amax)
+        weights = [getattr(layer, s) for s in self.scheme.tensors]
+        return quantized_linear(self.scheme, x, weights, bias, input_global_scale, row_amax)
 
     def _capture(self, layer: torch.nn.Module, x: torch.Tensor, xq: torch.Tensor) -> None:
         """Save this call's input and quantized input (see the module docstring, "Parity capture")."""
