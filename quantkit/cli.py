@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as metadata
+import resource
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
@@ -125,9 +127,13 @@ def _quantize(args: argparse.Namespace) -> int:
             + (f", or fewer once the maxima settle (early stop {stop:g})" if stop is not None else ""),
             flush=True,
         )
+    started = time.perf_counter()
     out = quantize_checkpoint(args.model, recipe, args.out, overwrite=args.overwrite, streaming=args.streaming)
+    seconds = time.perf_counter() - started
     print(f"{args.recipe}: {out}")
     print(checkpoint_size_line(args.model, out))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+    print(f"cost: {seconds:.1f} s (calibration and quantization), peak RSS {peak:.2f} GiB (this process)")
     return 0
 
 

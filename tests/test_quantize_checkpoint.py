@@ -1,6 +1,7 @@
 """`quantkit quantize` writes checkpoints in docs/checkpoint-format.md; the fake-quant model reads them exactly."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,7 @@ def test_cli(source, tmp_path):
     out = subprocess.run([quantkit, "quantize", str(source), "w8a8_fp8_block", str(tmp_path / "q")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "q" / "model.safetensors").exists()
+    assert re.search(r"cost: \d+\.\d s \(calibration and quantization\), peak RSS \d+\.\d\d GiB", out.stdout), out.stdout
     # --calibration resizes SmoothQuant's set (the recipe's 4096 x 512 would take hours) and says so first
     out = subprocess.run([quantkit, "quantize", str(source), "w8a8_fp8_block_sq", str(tmp_path / "sq"), "--calibration",
                           "3", "16"], capture_output=True, text=True)
