@@ -23,11 +23,12 @@ PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
 
 def test_smoothquant_recipes_default_to_the_paper_count():
     sq = [name for name in available_recipes() if load_recipe(name).smoothquant is not None]
-    assert sorted(sq) == ["w4a4_nvfp4_sq", "w4a4_nvfp4_sq_mse", "w4a4_nvfp4_sq_noexperts", "w8a8_fp8_block_sq"]
+    assert sorted(sq) == ["w4a4_nvfp4_sq", "w4a4_nvfp4_sq_gptq", "w4a4_nvfp4_sq_mse", "w4a4_nvfp4_sq_noexperts", "w8a8_fp8_block_sq"]
     for name in sq:
-        assert calibration_sets(load_recipe(name)) == [  # a model of no known type: prose and code
+        assert calibration_sets(load_recipe(name))[0] == (  # a model of no known type: prose and code
             dict(use="smoothquant", source=describe_calibration_source("speeches+code"),
-                 num_sequences=PAPER_NUM_SEQUENCES, seq_len=512)]
+                 num_sequences=PAPER_NUM_SEQUENCES, seq_len=512))
+    assert [s["use"] for s in calibration_sets(load_recipe("w4a4_nvfp4_sq_gptq"))] == ["smoothquant", "gptq"]
     assert PAPER_NUM_SEQUENCES == 4096  # paper 000 App. A.4.2
     # recipes with dynamic activations and no SmoothQuant draw nothing; static scales draw their own set
     assert calibration_sets(load_recipe("bf16")) == calibration_sets(load_recipe("w4a4_nvfp4")) == []

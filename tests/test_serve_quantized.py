@@ -84,6 +84,7 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
     # logits, which the reference applies only with eager attention (quantkit.models.attention)
     "llama-nvfp4": ("llama", "w4a4_nvfp4", 1),
     "llama-nvfp4_mse": ("llama", "w4a4_nvfp4_mse", 1),  # searched weight scales (issue 31): only the stored scales differ
+    "qwen3-nvfp4_gptq": ("qwen3", "w4a4_nvfp4_gptq", 1),  # GPTQ rounding (issue 31): only the stored weights differ
     # mixed precision by module (issue 31): FP8 attention, NVFP4 MLP / routed experts, each layer its own scheme
     "llama-mixed": ("llama", "mixed_fp8_attn_nvfp4", 1),
     "qwen3_moe-mixed": ("qwen3_moe", "mixed_fp8_attn_nvfp4", 1),

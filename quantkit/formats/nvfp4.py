@@ -218,12 +218,17 @@ def dequantize_nvfp4(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torc
 
 
 def quantize_nvfp4_weight(
-    w: torch.Tensor, *, name: str | None = None, block_scale: torch.Tensor | None = None
+    w: torch.Tensor,
+    *,
+    name: str | None = None,
+    block_scale: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
 ) -> NVFP4Tensor:
-    """Weight (N, K) -> NVFP4Tensor with a per-tensor global decode scale amax(|w|) / 2688 and the given E4M3 block
-    decode scales (N, K_pad/16), else min-max ones."""
+    """Weight (N, K) -> NVFP4Tensor with the given per-tensor global decode scale (() or (1,), float32), else
+    amax(|w|) / 2688, and the given E4M3 block decode scales (N, K_pad/16), else min-max ones."""
     check_quantizable(w, "quantize_nvfp4_weight", name=name, ndim=2)
-    return _quantize_nvfp4(w, nvfp4_global_scale(w.float().abs().amax()), block_scale)
+    gs = nvfp4_global_scale(w.float().abs().amax()) if global_scale is None else global_scale.float().reshape(())
+    return _quantize_nvfp4(w, gs, block_scale)
 
 
 def quantize_nvfp4_activation(

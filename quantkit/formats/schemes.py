@@ -120,10 +120,15 @@ class Scheme(ABC):
 
     @abstractmethod
     def encode(
-        self, weight: torch.Tensor, name: str, weight_scales: str = WeightScales.MINMAX
+        self,
+        weight: torch.Tensor,
+        name: str,
+        weight_scales: str = WeightScales.MINMAX,
+        scales: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Weight (N, K) -> {tensor suffix: tensor} for the checkpoint (`name` labels errors); `weight_scales`: how
-        the decode scales are chosen (`WeightScales`: min-max, or searched, `quantkit.formats.scale_search`)."""
+        the decode scales are chosen (`WeightScales`: min-max, or searched, `quantkit.formats.scale_search`);
+        `scales`: decode scales already chosen (GPTQ's), under their tensor suffixes, used as given."""
 
     @abstractmethod
     def decode(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
@@ -176,12 +181,19 @@ class FP8BlockScheme(Scheme):
         return None
 
     def encode(
-        self, weight: torch.Tensor, name: str, weight_scales: str = WeightScales.MINMAX
+        self,
+        weight: torch.Tensor,
+        name: str,
+        weight_scales: str = WeightScales.MINMAX,
+        scales: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Weight (N, K) -> weight float8_e4m3fn (N, K) and weight_scale float32 (ceil(N/128), ceil(K/128)), the decode
-        scale of each 128x128 block (min-max, or searched: `weight_scales`)."""
-        quantize = quantize_fp8_block_mse if weight_scales == WeightScales.MSE else quantize_fp8_block
-        q, scale = quantize(weight, name=name)
+        scale of each 128x128 block (given in `scales`, else min-max or searched: `weight_scales`)."""
+        if scales is not None:
+            q, scale = quantize_fp8_block(weight, name=name, scale=scales["weight_scale"])
+        else:
+            quantize = quantize_fp8_block_mse if weight_scales == WeightScales.MSE else quantize_fp8_block
+            q, scale = quantize(weight, name=name)
         return {"weight": q, "weight_scale": scale}
 
     def decode(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
@@ -245,12 +257,22 @@ class NVFP4Scheme(Scheme):
         return None
 
     def encode(
-        self, weight: torch.Tensor, name: str, weight_scales: str = WeightScales.MINMAX
+        self,
+        weight: torch.Tensor,
+        name: str,
+        weight_scales: str = WeightScales.MINMAX,
+        scales: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Weight (N, K) -> weight_packed uint8 (N, K_pad/2), weight_scale float8_e4m3fn (N, K_pad/16) (min-max, or
-        searched: `weight_scales`) and weight_global_scale float32 (1,) decode scales (per tensor, amax / 2688)."""
-        quantize = quantize_nvfp4_weight_mse if weight_scales == WeightScales.MSE else quantize_nvfp4_weight
-        t = quantize(weight, name=name)
+        """Weight (N, K) -> weight_packed uint8 (N, K_pad/2), weight_scale float8_e4m3fn (N, K_pad/16) and
+        weight_global_scale float32 (1,) decode scales (given in `scales`, else min-max or searched:
+        `weight_scales`; the global one per tensor, amax / 2688)."""
+        if scales is not None:
+            t = quantize_nvfp4_weight(
+                weight, name=name, block_scale=scales["weight_scale"], global_scale=scales["weight_global_scale"]
+            )
+        else:
+            quantize = quantize_nvfp4_weight_mse if weight_scales == WeightScales.MSE else quantize_nvfp4_weight
+            t = quantize(weight, name=name)
         return {
             "weight_packed": t.packed,
             "weight_scale": t.block_scale,

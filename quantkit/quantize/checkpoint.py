@@ -25,6 +25,7 @@ from quantkit.calibrate.layers import skeleton_model
 from quantkit.calibrate.mappings import resolve_mappings
 from quantkit.checkpoints import check_checkpoint_dir
 from quantkit.data import calibration_windows
+from quantkit.formats.experts import EXPERT_MATRIX
 from quantkit.formats.schemes import scheme_for
 from quantkit.models.attention import load_reference_model
 from quantkit.quantize.llmcompressor_backend import quantize_with_llmcompressor
@@ -38,7 +39,14 @@ from quantkit.quantize.output import (
     unquantized_to_source_dtype,
     write_side_files,
 )
-from quantkit.quantize.recipe import Backend, CalibrationSettings, Recipe, SmoothQuantSettings, load_recipe
+from quantkit.quantize.recipe import (
+    Backend,
+    CalibrationSettings,
+    GPTQSettings,
+    Recipe,
+    SmoothQuantSettings,
+    load_recipe,
+)
 from quantkit.quantize.streaming import quantize_streaming
 
 # The peers' own code, one entry a backend: (model_dir, recipe, out_dir) -> the written checkpoint dir.
@@ -102,6 +110,10 @@ def quantize_checkpoint(
         )
     if recipe.backend in PEER_BACKENDS:
         return PEER_BACKENDS[recipe.backend](model_dir, recipe, out_dir)
+    if streaming and recipe.gptq is not None:
+        raise ValueError(f"recipe {recipe.name}: GPTQ runs on the whole-model path only; quantize with --no-streaming")
+    if streaming is None and recipe.gptq is not None:
+        streaming = False  # GPTQ: the whole-model path (it still holds one layer's Hessians at a time)
     if streaming is None:
         need, have = 2 * float32_bytes(model_dir), available_memory_bytes()
         streaming = need > have
@@ -132,6 +144,7 @@ def quantize_checkpoint(
     scheme = scheme_for(recipe.scheme)  # None: bf16, nothing quantized
     weights = quantizable_weights(model)
     quantized = {n: w for n, w in weights.items() if not recipe.ignores(n)} if scheme is not None else {}
+    gptq_scales = _gptq(model, tokenizer, recipe, set(quantized)) if recipe.gptq is not None else {}
     input_amax = {}
     if recipe.static_activations:  # compressed-tensors convention: one calibrated scale per tensor
         cal = recipe.calibration or CalibrationSettings()
@@ -149,7 +162,7 @@ def quantize_checkpoint(
         smoothed = [] if smoothquant_report is None else [m.smooth for m in smoothquant_report.mappings]
         _, source = check_checkpoint_dir(model_dir)
         unquantized_to_source_dtype(state, list(quantized), source, model.config, smoothed_norm_keys(smoothed, state))
-        encode_matrices(state, quantized, recipe, input_amax, f"quantize {recipe.name}")
+        encode_matrices(state, quantized, recipe, input_amax, f"quantize {recipe.name}", scales=gptq_scales)
     else:
         state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
 
@@ -160,3 +173,26 @@ def quantize_checkpoint(
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "quantkit_recipe": recipe.name})
         write_side_files(tmp, config, tokenizer, smoothquant_report)
     return out_dir
+
+
+def _gptq(model, tokenizer, recipe: Recipe, quantized: set[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """GPTQ every quantized Linear of the decoder layers in place (`quantkit.quantize.gptq.gptq_layers`) on the
+    recipe's calibration windows; their decode scales by module name. Routed experts keep round to nearest."""
+    from quantkit.quantize.gptq import gptq_layers
+
+    g = cast(GPTQSettings, recipe.gptq)
+    tokens = calibration_windows(
+        tokenizer,
+        g.num_sequences,
+        min(g.seq_len, model.config.max_position_embeddings),
+        recipe.calibration_source(model.config.model_type),
+    )
+    experts = sorted(n for n in quantized if EXPERT_MATRIX.match(n))
+    if experts:
+        logger.info(
+            "GPTQ: %d routed expert matrices keep round to nearest (per-expert Hessians: not implemented)", len(experts)
+        )
+    with torch.no_grad():
+        return gptq_layers(
+            model, tokens, lambda n: recipe.scheme_of(n) if n in quantized else None, g.block_size, g.dampening
+        )

@@ -125,14 +125,17 @@ def encode_matrices(
     input_amax: dict[str, torch.Tensor],
     desc: str,
     progress: bool = True,
+    scales: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> None:
     """Replace each quantized matrix's `<name>.weight` in `state` by its scheme's tensors (`recipe.scheme_of`, weight
-    decode scales as `recipe.weight_scales` says; plus its static activation tensors where `input_amax` has the
-    calibrated max |x|, shape (1,), and the scheme has a static mode), in place."""
+    decode scales as `recipe.weight_scales` says, or as `scales` gives them for that matrix (GPTQ's); plus its
+    static activation tensors where `input_amax` has the calibrated max |x|, shape (1,), and the scheme has a
+    static mode), in place."""
+    scales = scales or {}
     for name, weight in tqdm(quantized.items(), desc=desc, unit="matrix", disable=not (progress and quantized)):
         scheme = get_scheme(recipe.scheme_of(name))
         state.pop(f"{name}.weight")
-        tensors = scheme.encode(weight.detach().contiguous(), name, recipe.weight_scales)
+        tensors = scheme.encode(weight.detach().contiguous(), name, recipe.weight_scales, scales.get(name))
         if name in input_amax and ActivationScale.STATIC in scheme.activation_scales:
             tensors.update(scheme.static_activation_tensors(input_amax[name]))
         for suffix, tensor in tensors.items():

@@ -1,9 +1,10 @@
 """Which calibration set a recipe draws: resized by a study, recorded per results row (docs/calibration.md).
 
 A recipe calibrates on windows of `quantkit.data.calibration_windows` (source: the recipe's `calibration_data`,
-else the model's default, `quantkit.data.default_calibration_source`) for up to two uses:
+else the model's default, `quantkit.data.default_calibration_source`) for up to three uses:
 - "smoothquant": the per-channel maxima behind the smoothing factors (the recipe's `smoothquant` block;
   paper 000 App. A.4.2 uses 4096 sequences, so the SmoothQuant recipes default to 4096 x 512);
+- "gptq": the inputs behind GPTQ's Hessians (the recipe's `gptq` block, default 128 x 512);
 - "activation scales": static calibrated activation scales (quantkit's `activation_scale: static`,
   llmcompressor's NVFP4 preset, every modelopt preset; the recipe's `calibration` block, default
   `CalibrationSettings`).
@@ -38,6 +39,8 @@ def with_calibration(recipe: Recipe, num_sequences: int, seq_len: int) -> Recipe
     changes: dict[str, Any] = {}
     if recipe.smoothquant is not None:
         changes["smoothquant"] = dataclasses.replace(recipe.smoothquant, num_sequences=num_sequences, seq_len=seq_len)
+    if recipe.gptq is not None:
+        changes["gptq"] = dataclasses.replace(recipe.gptq, num_sequences=num_sequences, seq_len=seq_len)
     if _calibrates_scales(recipe):
         changes["calibration"] = CalibrationSettings(num_sequences=num_sequences, seq_len=seq_len)
     return dataclasses.replace(recipe, **changes) if changes else recipe
@@ -89,6 +92,8 @@ def calibration_sets(
     sets = []
     if recipe.smoothquant is not None:
         sets.append(("smoothquant", recipe.smoothquant.num_sequences, recipe.smoothquant.seq_len))
+    if recipe.gptq is not None:
+        sets.append(("gptq", recipe.gptq.num_sequences, recipe.gptq.seq_len))
     if _calibrates_scales(recipe):
         cal = recipe.calibration or CalibrationSettings()
         # llmcompressor's job takes T as given

@@ -17,6 +17,8 @@ A recipe names a scheme and what happens before it:
     ignore: ["re:.*\\.g_proj$"]  # added to DEFAULT_IGNORE; names or "re:<regex>" on module names
     weight_scales: mse           # minmax (default) | mse: each block's / group's decode scale searched for the
                                  # least squared weight error (MSE clipping, quantkit.formats.scale_search)
+    gptq: {num_sequences: 128, seq_len: 512, block_size: 128, dampening: 0.01}
+                                 # GPTQ rounding (quantkit.quantize.gptq), layer by layer; whole-model path
     module_schemes:              # mixed precision by module: the first matching pattern's scheme (bf16: kept
       - "re:.*\\.(self_attn|linear_attn)\\..*": fp8_block   # unquantized), else `scheme`; the same pattern
                                  # syntax as `ignore`; expert matrices match as <experts>.<e>.<proj>
@@ -91,6 +93,7 @@ _KEYS = {
     "ignore",
     "weight_scales",
     "module_schemes",
+    "gptq",
 }
 DEFAULT_EARLY_STOP = 0.02  # SmoothQuant: settled when the maxima moved < 2% (relative L2) in 2 batches
 
@@ -115,6 +118,16 @@ class CalibrationSettings:
 
 
 @dataclass(frozen=True)
+class GPTQSettings:
+    """GPTQ's calibration windows and its two knobs (`quantkit.quantize.gptq`)."""
+
+    num_sequences: int = 128
+    seq_len: int = 512
+    block_size: int = 128  # lazy-batch width (the paper's B)
+    dampening: float = 0.01  # of mean(diag H)
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     scheme: str
@@ -127,6 +140,7 @@ class Recipe:
     ignore: tuple[str, ...] = field(default=DEFAULT_IGNORE)
     weight_scales: WeightScales = WeightScales.MINMAX  # min-max, or searched per block (MSE clipping)
     module_schemes: tuple[tuple[str, str], ...] = ()  # (pattern, scheme) in order: mixed precision by module
+    gptq: GPTQSettings | None = None  # weight rounding by GPTQ instead of to nearest (whole-model path)
 
     def calibration_source(self, model_type: str | None) -> str:
         """What this recipe's calibration reads for a model of `model_type` (`quantkit.data`)."""
@@ -241,6 +255,11 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
                 re.compile(pattern[3:])
             except re.error as err:
                 raise ValueError(f"{source}: pattern {pattern!r} is not a valid regex: {err}") from None
+    gptq = _settings(GPTQSettings, data.get("gptq"), f"{source}: gptq")
+    if gptq is not None and (backend != Backend.QUANTKIT or scheme == UNQUANTIZED):
+        raise ValueError(f"{source}: gptq applies to quantkit's own quantized schemes only")
+    if gptq is not None and data.get("weight_scales", WeightScales.MINMAX) != WeightScales.MINMAX:
+        raise ValueError(f"{source}: gptq chooses its own scales (min-max per group as it goes): drop weight_scales")
     weight_scales = data.get("weight_scales", WeightScales.MINMAX)
     if weight_scales not in list(WeightScales):
         raise ValueError(f"{source}: weight_scales {weight_scales!r} is not one of {[str(w) for w in WeightScales]}")
@@ -258,6 +277,7 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         ignore=DEFAULT_IGNORE + tuple(p for p in ignore if p not in DEFAULT_IGNORE),
         weight_scales=WeightScales(weight_scales),
         module_schemes=module_schemes,
+        gptq=gptq,
     )
 
 
