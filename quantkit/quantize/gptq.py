@@ -153,14 +153,16 @@ def gptq_layers(
 
 
 def _layer_hessians(layer: nn.Module, i: int, stream, linears: dict[str, nn.Linear]) -> dict[str, torch.Tensor]:
-    """2 X^T X / tokens (float64, (K, K)) at the input of each of `linears` over the stream's windows at layer i."""
+    """2 X^T X / tokens (float64, (K, K)) at the input of each of `linears` over the stream's windows at layer i: each
+    batch's X^T X in float32 (relative error ~ sqrt(tokens) 2**-24, 4e-6 at 4096 tokens a batch: far below the
+    dampening), summed in float64."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
     def hook(name: str):
         def accumulate(_m: nn.Module, args: Sequence[torch.Tensor], _out: torch.Tensor) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-            sums[name] = sums.get(name, 0) + x.T @ x
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            sums[name] = sums.get(name, 0) + (x.T @ x).double()  # float32 products per batch, float64 across
             counts[name] = counts.get(name, 0) + x.shape[0]
 
         return accumulate
