@@ -114,7 +114,7 @@ class QuantkitQuantConfig(QuantizationConfig):
             )
         return schemes.pop()
 
-    def _checkpoint_names(self, prefix: str) -> list[str]:
+    def checkpoint_names(self, prefix: str) -> list[str]:
         """vLLM layer prefix -> the checkpoint's module names (a fused layer has one per shard)."""
         parent, _, leaf = prefix.rpartition(".")
         shards = self.packed_modules_mapping.get(leaf, [leaf])
@@ -127,7 +127,7 @@ class QuantkitQuantConfig(QuantizationConfig):
             return self._experts_method(layer, prefix)
         if not isinstance(layer, LinearBase):
             return None
-        names = self._checkpoint_names(prefix)
+        names = self.checkpoint_names(prefix)
         quantized = [n in self.quantized_modules for n in names]
         if not any(quantized):
             return UnquantizedLinearMethod()
@@ -136,7 +136,7 @@ class QuantkitQuantConfig(QuantizationConfig):
                 f"{prefix}: vLLM fuses {names} into one layer, but the checkpoint quantized only "
                 f"{[n for n, q in zip(names, quantized) if q]}; quantize all of them or none"
             )
-        return QuantkitLinearMethod(self, prefix, *self.scheme_of(names, prefix))
+        return QuantkitLinearMethod(self, prefix)
 
     def _experts_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """QuantkitMoEMethod when the checkpoint quantized this layer's experts, None (vLLM's unquantized method)
@@ -157,10 +157,11 @@ class QuantkitQuantConfig(QuantizationConfig):
 class QuantkitLinearMethod(LinearMethodBase):
     """One quantized Linear (possibly fused); see the module docstring for its parameters."""
 
-    def __init__(self, config: QuantkitQuantConfig, prefix: str, scheme: Scheme, activation_scale: str) -> None:
+    def __init__(self, config: QuantkitQuantConfig, prefix: str) -> None:
         self.config = config
         self.prefix = prefix
-        self.scheme, self.activation_scale = scheme, activation_scale  # this layer's (mixed precision by module)
+        # this layer's scheme (mixed precision by module: `module_schemes`; fused shards must agree)
+        self.scheme, self.activation_scale = config.scheme_of(config.checkpoint_names(prefix), prefix)
         self.kernel: Kernel | None = None  # chosen after loading (select_kernel)
         self.capture_dir = os.environ.get(CAPTURE_ENV)
         self.calls = 0
