@@ -20,7 +20,10 @@ residual stream reaches ~2.5e4, its down_proj inputs ~3e3). Two steps:
              tests/test_kernels_gemm.py (err/tol <= 1; natively the FP8 tensor-core accumulation term too);
            - informational: ||y - y0|| / ||y0||, y0 = the unquantized product of the bf16 operands (float32):
              what the format costs on real data;
-           - on CUDA: times (triton.testing.do_bench medians) of our quantizer, our GEMM and torch's bf16 mm.
+           - on CUDA: times (triton.testing.do_bench medians) of our quantizer, our GEMM and torch's bf16 mm;
+           - --online-hadamard: each down_proj once more as a rotated checkpoint serves it (proj "down_proj+H"):
+             x and w's rows through `quantkit.formats.hadamard.block_hadamard` first (the device's transform of x
+             bit-equal to the CPU's), rel err still against the unrotated product, and the transform's time.
            Without CUDA the kernels run through the Triton interpreter (`--quick`: the layer with the
            largest max |x|, M = 16).
            Writes <out>/trained_kernels_<device>_<date>[_quick].{json,md}, prints a summary table last and
@@ -85,6 +88,7 @@ import bench_gemm  # noqa: E402  (benchmarks/ is sys.path[0]: err/tol's conventi
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from quantkit.formats.hadamard import block_hadamard, online_block  # noqa: E402
 from quantkit.formats.schemes import FP8_BLOCK, SCHEMES, Scheme  # noqa: E402
 from quantkit.kernels.schemes import KERNELS  # noqa: E402
 
@@ -225,31 +229,42 @@ def err_over_tol(y: torch.Tensor, x_deq: torch.Tensor, w_deq: torch.Tensor, fp8_
     return float(((y.float() - ref).abs() / tol.clamp_min(torch.finfo(torch.float32).tiny)).max())
 
 
-def check_case(scheme: Scheme, x: torch.Tensor, w: torch.Tensor, device: torch.device) -> dict:
-    """x (M, K) bf16 and w (N, K) bf16 on the CPU -> one result row (see the module docstring)."""
+def check_case(scheme: Scheme, x: torch.Tensor, w: torch.Tensor, device: torch.device, hadamard: int = 0) -> dict:
+    """x (M, K) bf16 and w (N, K) bf16 on the CPU -> one result row (see the module docstring). hadamard > 0: the
+    rotated checkpoint's online transform with that block (`quantkit.formats.hadamard.block_hadamard`) applied to x
+    (on the device: its bits must equal the CPU's, `hadamard_mismatches`) and to w's rows (float32) first; y0 stays
+    the unrotated product (x H (w H)^T = x w^T)."""
     kernels, native = KERNELS[scheme.name], device.type == "cuda"
+    xd = x.to(device)
+    y0 = x.float() @ w.float().T
+    row: dict = {}
+    if hadamard:
+        x, w = block_hadamard(x, hadamard), block_hadamard(w, hadamard)
+        xd = block_hadamard(xd, hadamard)
+        row["hadamard_mismatches"] = mismatches((xd,), (x,))
     encoded = scheme.encode(w, "trained")
     weight = [t.to(device) for t in encoded.values()]  # `scheme.tensors` order
     w_deq = scheme.decode(encoded, w.shape[1])
-    xd = x.to(device)
     got = kernels.quantize(xd, None)
     want = scheme.quantize_activation(x)
     y = kernels.gemm(*got, *weight, None, out_dtype=torch.bfloat16).cpu()
-    y0 = x.float() @ w.float().T
-    row = {
+    row |= {
         "act_mismatches": mismatches(got, want),
         "act_elements": sum(t.numel() for t in want),
         "err_over_tol": err_over_tol(y, scheme.fake_quant_activation(x), w_deq, fp8_mma=native and scheme is FP8_BLOCK),
         "rel_err_vs_bf16": float((y.float() - y0).norm() / y0.norm().clamp_min(1e-30)),
     }
     if native:
-        wd = w.to(device)
+        wd = w.to(device, torch.bfloat16)
         row["quant_us"] = 1e3 * bench_gemm.time_ms(lambda: kernels.quantize(xd, None), True)
         gemm = lambda: kernels.gemm(*got, *weight, None, out_dtype=torch.bfloat16)  # noqa: E731
         row["gemm_us"] = 1e3 * bench_gemm.time_ms(gemm, True)
-        row["bf16_us"] = 1e3 * bench_gemm.time_ms(lambda: xd @ wd.T, True)
+        row["bf16_us"] = 1e3 * bench_gemm.time_ms(lambda: xd.to(torch.bfloat16) @ wd.T, True)
         row["gemm_vs_bf16"] = row["bf16_us"] / row["gemm_us"]
-    row["ok"] = row["act_mismatches"] == 0 and row["err_over_tol"] <= 1.0
+        if hadamard:
+            xb = x.to(device, torch.bfloat16)
+            row["hadamard_us"] = 1e3 * bench_gemm.time_ms(lambda: block_hadamard(xb, hadamard), True)
+    row["ok"] = row["act_mismatches"] == 0 and row["err_over_tol"] <= 1.0 and not row.get("hadamard_mismatches")
     return row
 
 
@@ -273,11 +288,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         " unquantized bf16 operands' product (informational); times: " + meta["timing"],
         "",
         "| model | layer | proj | M | N | K | max\\|x\\| | scheme | act mism | err/tol | rel err "
-        "| quant us | gemm us | bf16 us | gemm vs bf16 | ok |",
-        "|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| quant us | gemm us | bf16 us | Hadamard us | gemm vs bf16 | ok |",
+        "|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        t = [f"{r[c]:.1f}" if c in r else "-" for c in ("quant_us", "gemm_us", "bf16_us")]
+        t = [f"{r[c]:.1f}" if c in r else "-" for c in ("quant_us", "gemm_us", "bf16_us", "hadamard_us")]
         vs = f"{r['gemm_vs_bf16']:.2f}x" if "gemm_vs_bf16" in r else "-"
         lines.append(f"| {r['model']} | {r['layer']} | {r['proj']} | {r['M']} | {r['N']} | {r['K']} "
                      f"| {r['x_absmax']:.4g} | {r['scheme']} | {r['act_mismatches']} | {r['err_over_tol']:.3f} "
@@ -324,12 +339,13 @@ def check(args: argparse.Namespace) -> int:
                 x = x_all[:m].contiguous()
                 print(f"{info['model']} layer {e['layer']} {e['proj']} M={m} N={e['N']} K={e['K']}",
                       file=sys.stderr, flush=True)
-                for scheme in SCHEMES.values():
-                    row = {"model": info["model"], "layer": e["layer"], "proj": e["proj"], "M": m, "N": e["N"],
-                           "K": e["K"], "x_absmax": float(x.float().abs().max()), "w_absmax": e["w_absmax"],
-                           "scheme": scheme.name}
+                blocks = [0, online_block(e["K"])] if args.online_hadamard and e["proj"] == "down_proj" else [0]
+                for scheme, block in ((s, b) for s in SCHEMES.values() for b in blocks):
+                    row = {"model": info["model"], "layer": e["layer"], "proj": e["proj"] + ("+H" if block else ""),
+                           "M": m, "N": e["N"], "K": e["K"], "x_absmax": float(x.float().abs().max()),
+                           "w_absmax": e["w_absmax"], "scheme": scheme.name}
                     with torch.inference_mode():
-                        rows.append({**row, **check_case(scheme, x, w, device)})
+                        rows.append({**row, **check_case(scheme, x, w, device, block)})
             bench_gemm.write_results(args.out, "trained_kernels", meta, rows, markdown(meta, rows), final=False)
     bench_gemm.write_results(args.out, "trained_kernels", meta, rows, markdown(meta, rows))
     failed = [r for r in rows if not r["ok"]]
@@ -355,6 +371,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     k.add_argument("--m", type=int, nargs="+", default=[16, 0], help="token counts (first M rows; 0: all)")
     k.add_argument("--quick", action="store_true",
                    help=f"the recorded layer with the largest max |x|, M = {QUICK_TOKENS} (the only mode without CUDA)")
+    k.add_argument("--online-hadamard", action="store_true",
+                   help="also each down_proj with a rotated checkpoint's online block Hadamard (proj 'down_proj+H')")
     return p.parse_args(argv)
 
 

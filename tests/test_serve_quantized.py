@@ -87,6 +87,10 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
     "qwen3-nvfp4_gptq": ("qwen3", "w4a4_nvfp4_gptq", 1),  # GPTQ rounding (issue 31): only the stored weights differ
     # mixed precision by module (issue 31): FP8 attention, NVFP4 MLP / routed experts, each layer its own scheme
     "llama-mixed": ("llama", "mixed_fp8_attn_nvfp4", 1),
+    # rotation (issue 31): rotated weights, untied lm_head, the online Hadamard at each down_proj's input; tp 2 slices
+    # down_proj's input by whole Hadamard blocks
+    "llama-nvfp4_rot": ("llama", "w4a4_nvfp4_rot", 1),
+    "qwen3-fp8_block_rot-tp2": ("qwen3", "w8a8_fp8_block_rot", 2),
     "qwen3_moe-mixed": ("qwen3_moe", "mixed_fp8_attn_nvfp4", 1),
     "phi3-fp8_block": ("phi3", "w8a8_fp8_block", 1),
     "mixtral-nvfp4": ("mixtral", "w4a4_nvfp4", 1),
@@ -198,7 +202,7 @@ class HeldCodes:
 
     def _forward(self, module: FakeQuantLinear, prefix: str):
         def forward(x: torch.Tensor) -> torch.Tensor:
-            xq = self.held(prefix, x, module.scheme, module.input_global_scale)
+            xq = self.held(prefix, module.quantizer_input(x), module.scheme, module.input_global_scale)
             return torch.nn.functional.linear(xq, module.weight, module.bias).to(x.dtype)
 
         return forward

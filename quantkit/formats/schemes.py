@@ -391,7 +391,20 @@ def scheme_from_config(qc: dict, where: str = "quantization_config") -> Scheme:
         raise CheckpointError(f"{where}: module_schemes {bad} name schemes not in {list(SCHEMES)}")
     if unlisted := sorted(set(overrides) - set(qc["quantized_modules"])):
         raise CheckpointError(f"{where}: module_schemes names {unlisted[:3]}, which are not quantized_modules")
+    online = online_hadamard_blocks(qc)
+    if unlisted := sorted(set(online) - set(qc["quantized_modules"])):
+        raise CheckpointError(
+            f"{where}: rotation.online_hadamard names {unlisted[:3]}, which are not quantized_modules"
+        )
+    if bad := {m: b for m, b in online.items() if not isinstance(b, int) or b <= 0 or b & (b - 1)}:
+        raise CheckpointError(f"{where}: rotation.online_hadamard blocks {bad} are not powers of two")
     return scheme
+
+
+def online_hadamard_blocks(qc: dict) -> dict[str, int]:
+    """{module: block} of a quantization_config's rotation (`quantkit.quantize.rotation`): the modules whose input
+    is transformed by `quantkit.formats.hadamard.block_hadamard` before it is quantized; {} without rotation."""
+    return dict((qc.get("rotation") or {}).get("online_hadamard") or {})
 
 
 def module_scheme(qc: dict, module: str) -> tuple[Scheme, str]:

@@ -44,9 +44,11 @@ from quantkit.quantize.recipe import (
     CalibrationSettings,
     GPTQSettings,
     Recipe,
+    RotationSettings,
     SmoothQuantSettings,
     load_recipe,
 )
+from quantkit.quantize.rotation import RotationReport, rotate_model
 from quantkit.quantize.streaming import quantize_streaming
 
 # The peers' own code, one entry a backend: (model_dir, recipe, out_dir) -> the written checkpoint dir.
@@ -110,10 +112,14 @@ def quantize_checkpoint(
         )
     if recipe.backend in PEER_BACKENDS:
         return PEER_BACKENDS[recipe.backend](model_dir, recipe, out_dir)
-    if streaming and recipe.gptq is not None:
-        raise ValueError(f"recipe {recipe.name}: GPTQ runs on the whole-model path only; quantize with --no-streaming")
-    if streaming is None and recipe.gptq is not None:
-        streaming = False  # GPTQ: the whole-model path (it still holds one layer's Hessians at a time)
+    whole_only = [k for k, v in (("GPTQ", recipe.gptq), ("rotation", recipe.rotation)) if v is not None]
+    if streaming and whole_only:
+        raise ValueError(
+            f"recipe {recipe.name}: {' and '.join(whole_only)} run on the whole-model path only; "
+            "quantize with --no-streaming"
+        )
+    if streaming is None and whole_only:
+        streaming = False  # GPTQ / rotation: the whole-model path (GPTQ still holds one layer's Hessians at a time)
     if streaming is None:
         need, have = 2 * float32_bytes(model_dir), available_memory_bytes()
         streaming = need > have
@@ -128,6 +134,7 @@ def quantize_checkpoint(
         refuse_unmappable_early(model_dir, recipe)
     model = load_reference_model(model_dir, torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rotation = _rotate(model, tokenizer, recipe) if recipe.rotation is not None else None
     smoothquant_report = None
     if recipe.smoothquant is not None:  # folds into the float32 weights; verified function-preserving
         sq = recipe.smoothquant
@@ -144,6 +151,11 @@ def quantize_checkpoint(
     scheme = scheme_for(recipe.scheme)  # None: bf16, nothing quantized
     weights = quantizable_weights(model)
     quantized = {n: w for n, w in weights.items() if not recipe.ignores(n)} if scheme is not None else {}
+    if rotation is not None and (unquantized := sorted(set(rotation.online_hadamard) - set(quantized))):
+        raise ValueError(
+            f"recipe {recipe.name}: rotation's online Hadamard needs {unquantized[0]} quantized (the transform "
+            "runs in the quantized layer); drop it from the ignore list / bf16 module_schemes, or rotation.online"
+        )
     gptq_scales = _gptq(model, tokenizer, recipe, set(quantized)) if recipe.gptq is not None else {}
     input_amax = {}
     if recipe.static_activations:  # compressed-tensors convention: one calibrated scale per tensor
@@ -169,10 +181,25 @@ def quantize_checkpoint(
     config = output_config(
         model.config, type(model).__name__, recipe, list(quantized), [n for n in weights if n not in quantized]
     )
+    if rotation is not None:
+        config["quantization_config"]["rotation"] = rotation.to_dict()
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "quantkit_recipe": recipe.name})
         write_side_files(tmp, config, tokenizer, smoothquant_report)
     return out_dir
+
+
+def _rotate(model, tokenizer, recipe: Recipe) -> RotationReport:
+    """Rotate the float32 model in place (`quantkit.quantize.rotation`), its function checked on 2 calibration
+    windows of up to 128 tokens."""
+    settings = cast(RotationSettings, recipe.rotation)
+    verify = calibration_windows(
+        tokenizer,
+        2,
+        min(128, model.config.max_position_embeddings),
+        recipe.calibration_source(model.config.model_type),
+    )
+    return rotate_model(model, settings.seed, settings.online, verify, settings.online_block)
 
 
 def _gptq(model, tokenizer, recipe: Recipe, quantized: set[str]) -> dict[str, dict[str, torch.Tensor]]:

@@ -21,12 +21,21 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import quantkit.models  # noqa: F401
 from quantkit.checkpoints import read_state
 from quantkit.formats.experts import expert_matrices, fuse_expert_matrices, fused_experts_modules
-from quantkit.formats.schemes import Scheme, checkpoint_suffixes, get_scheme, module_scheme, scheme_from_config
+from quantkit.formats.hadamard import block_hadamard
+from quantkit.formats.schemes import (
+    Scheme,
+    checkpoint_suffixes,
+    get_scheme,
+    module_scheme,
+    online_hadamard_blocks,
+    scheme_from_config,
+)
 from quantkit.models.attention import reference_attention
 
 
 class FakeQuantLinear(torch.nn.Module):
-    """y = fake_quant(x) @ W_decoded^T + b, in float32, cast to the input dtype."""
+    """y = fake_quant(x) @ W_decoded^T + b, in float32, cast to the input dtype; a rotated checkpoint's online
+    Hadamard block (`online_hadamard`) transforms x first (`block_hadamard`, float32)."""
 
     # buffers (register_buffer)
     weight: torch.Tensor
@@ -40,10 +49,12 @@ class FakeQuantLinear(torch.nn.Module):
         bias: torch.Tensor | None,
         input_global_scale: torch.Tensor | None,
         quantize_activations: bool = True,
+        online_hadamard: int | None = None,
     ) -> None:
         super().__init__()
         self.scheme = scheme
         self.quantize_activations = quantize_activations
+        self.online_hadamard = online_hadamard
         self.register_buffer("weight", weight.float())
         self.register_buffer("bias", None if bias is None else bias.float())
         self.register_buffer("input_global_scale", input_global_scale)
@@ -51,8 +62,14 @@ class FakeQuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., K) -> (..., N) in x's dtype: fake-quantized x (float32 x when quantize_activations is off) times the
         decoded weight, + bias, in float32."""
-        xq = self.scheme.fake_quant_activation(x, self.input_global_scale) if self.quantize_activations else x.float()
+        h = self.quantizer_input(x)
+        xq = self.scheme.fake_quant_activation(h, self.input_global_scale) if self.quantize_activations else h.float()
         return torch.nn.functional.linear(xq, self.weight, self.bias).to(x.dtype)
+
+    def quantizer_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the activation quantizer reads it: x (I (x) H_b) in float32 where the checkpoint's rotation puts an
+        online Hadamard of block b here, else x itself."""
+        return x if self.online_hadamard is None else block_hadamard(x, self.online_hadamard)
 
 
 class FakeQuantExperts(torch.nn.Module):
@@ -234,6 +251,7 @@ def install_fake_quant(
         if only is not None and prefix + name not in only:
             continue
         _load_experts(module, prefix, name, experts, qc, state, quantized, quantize_activations, model_dir)
+    online = online_hadamard_blocks(qc)
     for full in sorted(quantized):
         scheme = module_scheme(qc, full)[0]
         name = full[len(prefix) :]
@@ -245,7 +263,9 @@ def install_fake_quant(
                 f"{model_dir}: {full} decodes to {tuple(weight.shape)}, the model expects {tuple(linear.weight.shape)}"
             )
         bias = state.pop(f"{full}.bias", None)
-        fake = FakeQuantLinear(scheme, weight, bias, tensors.get("input_global_scale"), quantize_activations)
+        fake = FakeQuantLinear(
+            scheme, weight, bias, tensors.get("input_global_scale"), quantize_activations, online.get(full)
+        )
         parent, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent), child, fake)
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}

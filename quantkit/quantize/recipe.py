@@ -19,6 +19,10 @@ A recipe names a scheme and what happens before it:
                                  # least squared weight error (MSE clipping, quantkit.formats.scale_search)
     gptq: {num_sequences: 128, seq_len: 512, block_size: 128, dampening: 0.01}
                                  # GPTQ rounding (quantkit.quantize.gptq), layer by layer; whole-model path
+    rotation: {seed: 0, online: true, online_block: null}  # QuaRot rotation before everything else
+                                 # (quantkit.quantize.rotation): residual stream rotated offline; online: block
+                                 # Hadamard at dense down_proj inputs (online_block: its block, null = the largest
+                                 # power of two dividing K; serving with TP t needs t x block | K); whole-model path
     module_schemes:              # mixed precision by module: the first matching pattern's scheme (bf16: kept
       - "re:.*\\.(self_attn|linear_attn)\\..*": fp8_block   # unquantized), else `scheme`; the same pattern
                                  # syntax as `ignore`; expert matrices match as <experts>.<e>.<proj>
@@ -94,6 +98,7 @@ _KEYS = {
     "weight_scales",
     "module_schemes",
     "gptq",
+    "rotation",
 }
 DEFAULT_EARLY_STOP = 0.02  # SmoothQuant: settled when the maxima moved < 2% (relative L2) in 2 batches
 
@@ -128,6 +133,16 @@ class GPTQSettings:
 
 
 @dataclass(frozen=True)
+class RotationSettings:
+    """The residual rotation's seed and whether dense down_projs get the online Hadamard
+    (`quantkit.quantize.rotation`)."""
+
+    seed: int = 0
+    online: bool = True
+    online_block: int | None = None  # None: the largest power of two dividing K (`online_block`), at most 4096
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     scheme: str
@@ -141,6 +156,7 @@ class Recipe:
     weight_scales: WeightScales = WeightScales.MINMAX  # min-max, or searched per block (MSE clipping)
     module_schemes: tuple[tuple[str, str], ...] = ()  # (pattern, scheme) in order: mixed precision by module
     gptq: GPTQSettings | None = None  # weight rounding by GPTQ instead of to nearest (whole-model path)
+    rotation: RotationSettings | None = None  # QuaRot rotation, before SmoothQuant and GPTQ (whole-model path)
 
     def calibration_source(self, model_type: str | None) -> str:
         """What this recipe's calibration reads for a model of `model_type` (`quantkit.data`)."""
@@ -260,6 +276,7 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         raise ValueError(f"{source}: gptq applies to quantkit's own quantized schemes only")
     if gptq is not None and data.get("weight_scales", WeightScales.MINMAX) != WeightScales.MINMAX:
         raise ValueError(f"{source}: gptq chooses its own scales (min-max per group as it goes): drop weight_scales")
+    rotation = _rotation(data.get("rotation"), backend, scheme, source)
     weight_scales = data.get("weight_scales", WeightScales.MINMAX)
     if weight_scales not in list(WeightScales):
         raise ValueError(f"{source}: weight_scales {weight_scales!r} is not one of {[str(w) for w in WeightScales]}")
@@ -278,7 +295,30 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         weight_scales=WeightScales(weight_scales),
         module_schemes=module_schemes,
         gptq=gptq,
+        rotation=rotation,
     )
+
+
+def _rotation(value: Any, backend: Backend, scheme: str, source: str) -> RotationSettings | None:
+    """A recipe's `rotation` mapping -> RotationSettings; ValueError naming a bad key or value."""
+    if value is None:
+        return None
+    if backend != Backend.QUANTKIT or scheme == UNQUANTIZED:
+        raise ValueError(f"{source}: rotation applies to quantkit's own quantized schemes only")
+    if not isinstance(value, dict) or set(value) - {"seed", "online", "online_block"}:
+        raise ValueError(
+            f"{source}: rotation must be a mapping with keys seed (integer), online (true/false) and online_block "
+            "(a power of two)"
+        )
+    settings = RotationSettings(**value)
+    if not isinstance(settings.seed, int) or isinstance(settings.seed, bool) or settings.seed < 0:
+        raise ValueError(f"{source}: rotation.seed must be an integer >= 0, got {settings.seed!r}")
+    if not isinstance(settings.online, bool):
+        raise ValueError(f"{source}: rotation.online must be true or false, got {settings.online!r}")
+    block = settings.online_block
+    if block is not None and (type(block) is not int or block < 1 or block & (block - 1)):
+        raise ValueError(f"{source}: rotation.online_block must be a power of two, got {block!r}")
+    return settings
 
 
 def _module_schemes(value: Any, backend: Backend, source: str) -> tuple[tuple[str, str], ...]:

@@ -47,7 +47,8 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from quantkit.formats.constants import ActivationScale
 from quantkit.formats.experts import EXPERT_MATRIX
-from quantkit.formats.schemes import LayerTensor, Scheme, module_scheme, scheme_from_config
+from quantkit.formats.hadamard import block_hadamard
+from quantkit.formats.schemes import LayerTensor, Scheme, module_scheme, online_hadamard_blocks, scheme_from_config
 from quantkit.serve.method_parts import CAPTURE_ENV, Kernel, copy_checkpoint_part, select_kernel
 from quantkit.serve.moe_method import QuantkitMoEMethod
 
@@ -64,6 +65,7 @@ class QuantkitQuantConfig(QuantizationConfig):
         self.activation_scale = config["activation_scale"]
         self.quantized_modules = set(config["quantized_modules"])
         self.module_schemes: dict[str, str] = dict(config.get("module_schemes") or {})  # mixed precision by module
+        self.online_hadamard = online_hadamard_blocks(config)  # rotated checkpoints: {module: Hadamard block}
         self.recipe = config.get("recipe", "?")
         self.smoothquant = config.get("smoothquant")  # the recipe's SmoothQuant settings, None without it
 
@@ -97,6 +99,7 @@ class QuantkitQuantConfig(QuantizationConfig):
         mlp.experts -> block_sparse_moe.experts, `quantkit.serve.stock_names`): the quantized module names follow."""
         self.quantized_modules = set(hf_to_vllm_mapper.apply_list(sorted(self.quantized_modules)))
         self.module_schemes = {hf_to_vllm_mapper.apply_list([m])[0]: s for m, s in self.module_schemes.items()}
+        self.online_hadamard = {hf_to_vllm_mapper.apply_list([m])[0]: b for m, b in self.online_hadamard.items()}
 
     def scheme_of(self, names: list[str], prefix: str) -> tuple[Scheme, str]:
         """(scheme, activation scale) of the checkpoint modules `names` that vLLM serves as the layer `prefix`
@@ -162,6 +165,7 @@ class QuantkitLinearMethod(LinearMethodBase):
         self.prefix = prefix
         # this layer's scheme (mixed precision by module: `module_schemes`; fused shards must agree)
         self.scheme, self.activation_scale = config.scheme_of(config.checkpoint_names(prefix), prefix)
+        self.online_hadamard = config.online_hadamard.get(prefix)  # a rotated down_proj: its input's Hadamard block
         self.kernel: Kernel | None = None  # chosen after loading (select_kernel)
         self.capture_dir = os.environ.get(CAPTURE_ENV)
         self.calls = 0
@@ -197,6 +201,11 @@ class QuantkitLinearMethod(LinearMethodBase):
             raise ValueError(
                 f"{self.prefix}: {scheme.name} under tensor parallelism needs in_features/tp ({k}) to be a "
                 f"multiple of {scheme.k_multiple}"
+            )
+        if self.online_hadamard is not None and k % self.online_hadamard:
+            raise ValueError(
+                f"{self.prefix}: the online Hadamard block {self.online_hadamard} must divide this rank's "
+                f"in_features ({k}): serve with a tensor-parallel size that keeps whole blocks per rank"
             )
         shards = len(cast(list[int], layer.quantkit_shards))
         for spec in scheme.layer_tensors(n, k, shards, self.activation_scale):
@@ -257,8 +266,11 @@ class QuantkitLinearMethod(LinearMethodBase):
         )
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x (..., K) -> (..., N) in x's dtype: activations quantized per token (or static), then the chosen kernel's
-        GEMM, + bias."""
+        """x (..., K) -> (..., N) in x's dtype: a rotated checkpoint's online Hadamard (float32), activations
+        quantized per token (or static), then the chosen kernel's GEMM, + bias."""
+        dtype = x.dtype
+        if self.online_hadamard is not None:  # per rank: blocks never straddle a TP slice (create_weights)
+            x = block_hadamard(x, self.online_hadamard)
         input_global_scale = getattr(layer, "input_global_scale", None)
         row_amax = _row_amax(layer, x, input_global_scale)
         if self.kernel == Kernel.TORCH_EMULATION:
@@ -267,11 +279,11 @@ class QuantkitLinearMethod(LinearMethodBase):
                 self._capture(layer, x, xq)
             weight = cast(Parameter, layer.weight_dequantized)
             out = torch.nn.functional.linear(xq, weight, None if bias is None else bias.float())
-            return out.to(x.dtype)
+            return out.to(dtype)
         from quantkit.kernels.schemes import quantized_linear  # Triton: imported where used
 
         weights = [getattr(layer, s) for s in self.scheme.tensors]
-        return quantized_linear(self.scheme, x, weights, bias, input_global_scale, row_amax)
+        return quantized_linear(self.scheme, x, weights, bias, input_global_scale, row_amax).to(dtype)
 
     def _capture(self, layer: torch.nn.Module, x: torch.Tensor, xq: torch.Tensor) -> None:
         """Save this call's input and quantized input (see the module docstring, "Parity capture")."""

@@ -1,0 +1,201 @@
+"""Rotation (QuaRot, Ashkboos et al. 2024): remove activation outliers by rotating the residual stream, folded
+offline into the weights, plus an online block Hadamard at each dense down_proj's input.
+
+An RMSNorm without mean subtraction commutes with an orthogonal Q once its weight is moved out:
+RMSNorm(x Q) = RMSNorm(x) Q. So, on the float32 model, in place:
+1. each norm feeding the residual's readers gets its scale folded into them (reader columns x w, norm weight 1;
+   a (1 + w) norm: x (1 + w), w = 0), the final norm likewise into lm_head;
+2. every reader of the residual stream (q/k/v/g, gate/up, Gated DeltaNet in_proj_*, router, fused experts'
+   gate_up, lm_head) has W <- W Q; every writer (o_proj, down_proj, out_proj, fused experts' down) W <- Q^T W and
+   its bias b <- Q^T b; the embedding E <- E Q. Tied embeddings are untied (lm_head = E diag(w) Q differs from E Q);
+3. each dense down_proj (`mlp.down_proj`, a shared expert's) has W <- W (I (x) H_b) and a forward pre-hook
+   x <- x (I (x) H_b) (`quantkit.formats.hadamard.block_hadamard`), the transform the checkpoint records under
+   `online_hadamard` and the fake-quant reference and vLLM method apply before quantizing that input.
+Q is `residual_rotation(hidden, seed)`, float64; each weight is rotated in float64 and rounded once to float32.
+The logits of a few windows before and after must agree within `TOLERANCE` of the logit scale, or
+FunctionPreservationError (the caller discards the model).
+
+What rotation composes with (docs/rotation.md): SmoothQuant, GPTQ, MSE scales, mixed precision (a rotated
+down_proj must be quantized: its online transform lives in the quantized method). Variant flags acting inside the
+token mixer (gated attention, V-scale, head-wise RMSNorm, sinks) commute with it; those acting per channel on the
+residual stream do not (PreAffine's pre_scale, GatedNorm's gate, DyT): refused by name.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from quantkit.calibrate.layers import decoder_stack
+from quantkit.calibrate.mappings import ARCHITECTURES, OFFSET_NORMS, LayerPart, input_weight
+from quantkit.calibrate.smoothquant import FunctionPreservationError
+from quantkit.errors import QuantkitError
+from quantkit.formats.experts import is_fused_experts
+from quantkit.formats.hadamard import block_hadamard, online_block, residual_rotation
+from quantkit.models.modeling import QuantkitNorm
+from quantkit.models.modeling_hybrid import QuantkitHybridNorm
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+# max |logit change| / max |logit| allowed: float32 weights rotated in float64 and rounded once (relative 2**-24
+# each), through ~20 matmuls a layer: far below 1e-3, the bound SmoothQuant's float32 check uses.
+TOLERANCE = 1e-3
+DENSE_DOWN = ("mlp.down_proj", "mlp.shared_expert.down_proj")  # layer-relative: the online Hadamard's modules
+
+
+class RotationError(QuantkitError, ValueError):
+    """The model cannot be rotated (an architecture or norm rotation does not commute with); names the module."""
+
+
+@dataclass(frozen=True)
+class RotationReport:
+    """What `rotate_model` did: the seed of Q, the online blocks by module name, the function check's figures."""
+
+    seed: int
+    online_hadamard: dict[str, int]
+    max_logit_change: float
+    logit_scale: float
+
+    def to_dict(self) -> dict:
+        return {
+            "seed": self.seed,
+            "online_hadamard": self.online_hadamard,
+            "max_logit_change": self.max_logit_change,
+            "logit_scale": self.logit_scale,
+        }
+
+
+@torch.no_grad()
+def rotate_model(
+    model: PreTrainedModel, seed: int, online: bool, verify_tokens: torch.Tensor, block: int | None = None
+) -> RotationReport:
+    """Rotate the float32 causal LM `model` in place (module docstring); verify_tokens (B, T) for the function
+    check. online: also the online Hadamard on each dense down_proj (weights folded, pre-hook installed), of
+    `block` (a power of two dividing its in_features; None: `online_block(in_features)`).
+    RotationError for an architecture or norm it cannot rotate; FunctionPreservationError if the logits moved."""
+    architecture = type(model).__name__
+    family = ARCHITECTURES.get(architecture)
+    if family is None:
+        raise RotationError(f"rotation: {architecture} is not a registered decoder; known: {sorted(ARCHITECTURES)}")
+    stack_name, layers = decoder_stack(model)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    final_norm = cast(nn.Module, model.get_submodule(stack_name.rsplit(".", 1)[0] + ".norm"))
+    if head is None or head.bias is not None:
+        raise RotationError(f"rotation: {architecture} needs an lm_head without bias")
+    was_training = model.training
+    model.eval()
+    reference = model(verify_tokens).logits.float()
+
+    q = residual_rotation(embed.weight.shape[1], seed)
+    if head.weight is embed.weight:  # tied: lm_head becomes E diag(w) Q, the embedding E Q
+        head.weight = nn.Parameter(head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
+    _rotate_in(embed.weight, q)
+    _fold_norm_into(final_norm, [head], "final norm")
+    _rotate_in(head.weight, q)
+    online_blocks: dict[str, int] = {}
+    for i, layer in enumerate(layers):
+        prefix = f"{stack_name}.{i}."
+        for part in _parts(layer, family.slots):
+            readers = [m for m in (_find(layer, p) for p in part.norm.consumers) if m is not None]
+            _fold_norm_into(cast(nn.Module, layer.get_submodule(part.norm.norm)), readers, prefix + part.norm.norm)
+            for reader in readers:
+                _rotate_in(input_weight(reader), q)
+            writers = [m for m in (_find(layer, p) for p in part.unsmoothed) if m is not None]
+            writers += [r for r in readers if is_fused_experts(r)]
+            for writer in writers:
+                _rotate_out(writer, q)
+        if online:
+            for path in DENSE_DOWN:
+                down = _find(layer, path + "?")
+                if isinstance(down, nn.Linear):
+                    b = online_block(down.in_features) if block is None else block
+                    if down.in_features % b:
+                        raise RotationError(
+                            f"rotation: online_block {b} does not divide {prefix + path}'s {down.in_features} inputs"
+                        )
+                    online_blocks[prefix + path] = b
+                    down.weight.copy_(block_hadamard(down.weight, b))
+                    down.register_forward_pre_hook(_online_hook(b))
+    after = model(verify_tokens).logits.float()
+    model.train(was_training)
+    change, scale = (after - reference).abs().max().item(), reference.abs().max().item()
+    if not change <= TOLERANCE * scale:
+        raise FunctionPreservationError(
+            f"rotation changed the logits of {architecture}: max |logit change| {change:.4g} of the logit scale "
+            f"{scale:.4g}, above {TOLERANCE} of it; the rotated model is discarded"
+        )
+    logger.info("rotation: %s rotated (seed %d), max |logit change| %.3g of %.3g", architecture, seed, change, scale)
+    return RotationReport(seed, online_blocks, change, scale)
+
+
+def _parts(layer: nn.Module, slots: tuple[tuple[LayerPart, ...], ...]) -> list[LayerPart]:
+    """The LayerPart of each slot that applies to `layer` (the first whose `when` holds)."""
+    return [next(p for p in slot if p.when is None or p.when(layer)) for slot in slots]
+
+
+def _find(layer: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at `path` ("?" suffix: None when absent)."""
+    try:
+        return layer.get_submodule(path.removesuffix("?"))
+    except AttributeError:
+        if path.endswith("?"):
+            return None
+        raise RotationError(f"rotation: the decoder layer has no {path}") from None
+
+
+def _fold_norm_into(norm: nn.Module, readers: list[nn.Module], where: str) -> None:
+    """Move the norm's scale (w, or 1 + w for an offset norm) into its readers' input columns; the norm's scale
+    becomes 1. RotationError for a norm that does not commute with a rotation."""
+    offset = isinstance(norm, (*OFFSET_NORMS, QuantkitHybridNorm))
+    if isinstance(norm, (QuantkitNorm, QuantkitHybridNorm)):
+        flags = [f for f in ("pre_scale", "gate_down", "bias", "alpha") if hasattr(norm, f)]
+        if flags or getattr(norm, "norm_type", "rmsnorm") != "rmsnorm":
+            raise RotationError(
+                f"rotation: {where} has {flags or [norm.norm_type]} (PreAffine / GatedNorm / DyT act per channel on "
+                "the residual stream and do not commute with its rotation)"
+            )
+    elif not offset and type(norm).__name__.endswith("LayerNorm"):
+        raise RotationError(f"rotation: {where} is a {type(norm).__name__} (mean subtraction; RMSNorm only)")
+    weight = cast(torch.Tensor, getattr(norm, "weight", None))
+    if weight is None or weight.dim() != 1 or getattr(norm, "bias", None) is not None:
+        raise RotationError(f"rotation: {where} ({type(norm).__name__}) is not an RMSNorm with a weight")
+    scale = (1.0 + weight.double()) if offset else weight.double()
+    for reader in readers:
+        w = input_weight(reader)
+        w.copy_((w.double() * scale).to(w.dtype))
+    weight.fill_(0.0 if offset else 1.0)
+
+
+def _rotate_in(weight: torch.Tensor, q: torch.Tensor) -> None:
+    """A reader's input weight (..., hidden) <- weight Q (float64, rounded once)."""
+    weight.copy_((weight.double() @ q).to(weight.dtype))
+
+
+def _rotate_out(writer: nn.Module, q: torch.Tensor) -> None:
+    """A writer's output side <- Q^T: Linear (hidden, K) weight and bias, fused experts' down_proj (E, hidden, I)."""
+    if isinstance(writer, nn.Linear):
+        writer.weight.copy_((q.T @ writer.weight.double()).to(writer.weight.dtype))
+        if writer.bias is not None:
+            writer.bias.copy_((writer.bias.double() @ q).to(writer.bias.dtype))
+    elif is_fused_experts(writer):
+        down = cast(torch.Tensor, writer.down_proj)
+        down.copy_((q.T @ down.double()).to(down.dtype))
+    else:
+        raise RotationError(f"rotation: {type(writer).__name__} writes the residual stream; no rotation known for it")
+
+
+def _online_hook(block: int):
+    """A forward pre-hook replacing a Linear's input x by x (I (x) H_block), in x's dtype."""
+
+    def transform(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return (block_hadamard(args[0], block).to(args[0].dtype), *args[1:])
+
+    return transform

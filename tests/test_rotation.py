@@ -1,0 +1,157 @@
+"""Rotation (QuaRot; `quantkit.formats.hadamard`, `quantkit.quantize.rotation`, recipe key `rotation`; issue 31 item 2).
+
+Asserted, with the reason each bound holds:
+- Q = residual_rotation(n, seed) is orthogonal: QR in float64 is backward stable, so |Q Q^T - I| <= c n u64 (u64 =
+  2**-53; c = 10 leaves room for the QR's constant), and the Kronecker factor with the scaled Hadamard matrix
+  (entries +-2**-a/2, exact in float64 for even a, one rounding for odd a) adds one rounding per product.
+- block_hadamard equals the dense product x (I (x) H_b) in float64 within the butterfly's rounding: log2(b) levels
+  of float32 additions, each rounding relative u32 = 2**-24 of a partial sum bounded by the block's sum of |x|,
+  plus one rounding for the input cast and one for the final scale: |err| <= (log2 b + 2) u32 sum|x_block| / sqrt b
+  (the Wilkinson summation bound). Rows are transformed independently (elementwise operations only), so the
+  result's bits do not depend on the leading shape: what lets the reference and every served path agree bit for
+  bit.
+- rotate_model preserves the function: its own check raises above TOLERANCE; here we also check that the model
+  was in fact rotated (embedding = E Q exactly as computed in float64 and rounded once; every folded norm's weight
+  is 1, or 0 for a (1 + w) norm), that tied embeddings were untied, and that the logits agree within TOLERANCE.
+- The checkpoint names each down_proj's block; the fake-quant reference applies the transform; the checker refuses
+  a config naming an unquantized module; unsupported norms, architectures, streaming and an online transform on an
+  unquantized down_proj are refused by name. vLLM parity: tests/test_serve_quantized.py cases *_rot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from quantkit.formats.hadamard import block_hadamard, hadamard_matrix, online_block, residual_rotation
+from quantkit.models.attention import load_reference_model
+from quantkit.models.tiny import build_tiny_checkpoint, build_tiny_stock_checkpoint
+from quantkit.models.tiny_hybrid import build_tiny_hybrid_checkpoint
+from quantkit.quantize.checkpoint import quantize_checkpoint
+from quantkit.quantize.recipe import parse_recipe
+from quantkit.quantize.rotation import TOLERANCE, RotationError, rotate_model
+
+U32, U64 = 2.0**-24, 2.0**-53
+
+
+@pytest.mark.parametrize("n", [64, 192, 576, 896])
+def test_residual_rotation_is_orthogonal_seeded_and_mixes_every_channel(n):
+    q = residual_rotation(n, seed=0)
+    assert (q @ q.T - torch.eye(n, dtype=torch.float64)).abs().max() <= 10 * n * U64
+    power = n & -n
+    assert q.abs().max() <= 1 / math.sqrt(power) + U64  # |O_m| <= 1: an outlier channel is spread over all
+    assert (q != 0).all()  # every channel into every other (Q's factors have no zero entry, almost surely)
+    assert torch.equal(q, residual_rotation(n, seed=0)) and not torch.equal(q, residual_rotation(n, seed=1))
+
+
+@pytest.mark.parametrize("k,block", [(1536, 512), (4864, 256), (208, 16)])
+def test_block_hadamard_is_the_dense_product_within_the_butterflys_rounding(k, block):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, k, generator=gen) * torch.logspace(0, 3, k)[torch.randperm(k, generator=gen)]  # outliers
+    assert online_block(k) == block
+    ref = (x.double().view(6, k // block, block) @ hadamard_matrix(block)).view(6, k)
+    y = block_hadamard(x, block)
+    sums = x.double().abs().view(6, k // block, block).sum(-1, keepdim=True).expand(6, k // block, block)
+    bound = (math.log2(block) + 2) * U32 * sums.reshape(6, k) / math.sqrt(block)
+    assert y.dtype == torch.float32 and ((y.double() - ref).abs() <= bound).all()
+    assert torch.equal(block_hadamard(x.view(2, 3, k), block).view(6, k), y)  # rows independent: bit-equal
+    assert torch.equal(block_hadamard(x[3:], block), y[3:])
+    with pytest.raises(ValueError, match="power of two dividing"):
+        block_hadamard(x, 3)
+    with pytest.raises(ValueError, match="power of two dividing"):
+        block_hadamard(x, 2 * k)
+
+
+MODELS = {
+    "llama": lambda d: build_tiny_stock_checkpoint(d, "llama", seed=0),
+    "qwen3": lambda d: build_tiny_stock_checkpoint(d, "qwen3", seed=0),
+    "zoo_ga": lambda d: build_tiny_checkpoint(d, seed=0, attn_output_gate="headwise"),
+    "hybrid": lambda d: build_tiny_hybrid_checkpoint(d, seed=0),  # Gated DeltaNet, MoE, (1 + w) norms
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_rotation_rotates_and_preserves_the_function(name, tmp_path):
+    model = load_reference_model(MODELS[name](tmp_path / name), torch.float32)
+    embed = model.get_input_embeddings().weight.detach().clone()
+    model.get_output_embeddings().weight = model.get_input_embeddings().weight  # tie: rotation must untie
+    model.config.tie_word_embeddings = True
+    tokens = torch.randint(0, embed.shape[0], (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(tokens).logits
+    report = rotate_model(model, seed=3, online=True, verify_tokens=tokens)
+    q = residual_rotation(embed.shape[1], 3)
+    assert torch.equal(model.get_input_embeddings().weight, (embed.double() @ q).float())
+    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+    assert model.config.tie_word_embeddings is False
+    norms = [m for n, m in model.named_modules() if n.endswith(("input_layernorm", "post_attention_layernorm"))]
+    offset = name == "hybrid"  # (1 + w) norms
+    assert norms and all(torch.all(m.weight == (0.0 if offset else 1.0)) for m in norms)
+    downs = [n for n, m in model.named_modules() if n.endswith("down_proj") and isinstance(m, torch.nn.Linear)]
+    assert sorted(report.online_hadamard) == sorted(d for d in downs if ".experts." not in d)
+    with torch.no_grad():
+        after = model(tokens).logits
+    assert (after - before).abs().max() <= TOLERANCE * before.abs().max()
+    assert report.max_logit_change <= TOLERANCE * report.logit_scale
+
+
+def test_a_rotated_checkpoint_records_and_applies_the_online_transform(tmp_path):
+    from quantkit.checkpoints import CheckpointError
+    from quantkit.formats.schemes import scheme_from_config
+    from quantkit.quantize.fake_quant import FakeQuantLinear, load_fake_quant_model
+    from quantkit.serve.checkpoint_check import check_servable
+
+    source = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
+    out = quantize_checkpoint(source, "w4a4_nvfp4_rot", tmp_path / "q", streaming=False)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    online = qc["rotation"]["online_hadamard"]
+    assert online == {f"model.layers.{i}.mlp.down_proj": 512 for i in range(2)}
+    assert qc["rotation"]["max_logit_change"] <= TOLERANCE * qc["rotation"]["logit_scale"]
+    check_servable(out)
+    model = load_fake_quant_model(out)
+    fakes = {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
+    assert {n for n, m in fakes.items() if m.online_hadamard} == set(online)
+    down = fakes["model.layers.0.mlp.down_proj"]
+    x = torch.randn(3, down.weight.shape[1])
+    expected = torch.nn.functional.linear(down.scheme.fake_quant_activation(block_hadamard(x, 512)), down.weight)
+    assert torch.equal(down(x), expected)
+    with pytest.raises(CheckpointError, match="rotation.online_hadamard names"):
+        scheme_from_config({**qc, "rotation": {"online_hadamard": {"lm_head": 512}}})
+    with pytest.raises(CheckpointError, match="not powers of two"):
+        scheme_from_config({**qc, "rotation": {"online_hadamard": {"model.layers.0.mlp.down_proj": 24}}})
+
+
+def test_what_rotation_cannot_do_is_refused_by_name(tmp_path):
+    tokens = torch.randint(0, 500, (1, 8))
+    for flags, what in [(dict(pre_affine=True), "pre_scale"), (dict(gated_norm_rank=8), "gate_down")]:
+        model = load_reference_model(build_tiny_checkpoint(tmp_path / what, seed=0, **flags), torch.float32)
+        with pytest.raises(RotationError, match=what):
+            rotate_model(model, 0, True, tokens)
+    mixtral = load_reference_model(build_tiny_stock_checkpoint(tmp_path / "mixtral", "mixtral", seed=0), torch.float32)
+    with pytest.raises(RotationError, match="MixtralForCausalLM is not a registered decoder"):
+        rotate_model(mixtral, 0, True, tokens)
+    llama = load_reference_model(build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0), torch.float32)
+    with pytest.raises(RotationError, match="online_block 1024 does not divide"):
+        rotate_model(llama, 0, True, tokens, block=1024)
+
+    source = tmp_path / "llama"
+    with pytest.raises(ValueError, match="rotation run on the whole-model path only"):
+        quantize_checkpoint(source, "w4a4_nvfp4_rot", tmp_path / "s", streaming=True)
+    bf16_down = parse_recipe(
+        {"name": "x", "scheme": "nvfp4", "rotation": {}, "module_schemes": [{"down_proj": "bf16"}]}
+    )
+    with pytest.raises(ValueError, match="online Hadamard needs model.layers.0.mlp.down_proj quantized"):
+        quantize_checkpoint(source, bf16_down, tmp_path / "b", streaming=False)
+    for bad, message in [
+        ({"seed": -1}, "rotation.seed must be an integer >= 0"),
+        ({"online": "yes"}, "rotation.online must be true or false"),
+        ({"online_block": 24}, "rotation.online_block must be a power of two"),
+        ({"angle": 3}, "rotation must be a mapping with keys"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_recipe({"name": "x", "scheme": "nvfp4", "rotation": bad})
+    with pytest.raises(ValueError, match="rotation applies to quantkit's own quantized schemes only"):
+        parse_recipe({"name": "x", "scheme": "bf16", "rotation": {}})
