@@ -110,3 +110,44 @@ def test_a_gptq_recipe_writes_its_weights_exactly_and_names_what_it_cannot_do(tm
     with pytest.raises(ValueError, match="gptq applies to quantkit's own quantized schemes only"):
         parse_recipe({"name": "x", "scheme": "bf16", "gptq": {}})
     assert [s["use"] for s in calibration_sets(load_recipe("w4a4_nvfp4_gptq"))] == ["gptq"]
+
+
+def test_routed_experts_get_per_expert_hessians_and_are_stored_exactly(tmp_path):
+    """Routed experts (Qwen3-MoE, 4 experts top-2): each expert matrix gets GPTQ with its own Hessian from the tokens
+    routed to it (gate/up: the block input, down: act(gate) * up), so the checkpoint decodes to GPTQ's weights, which
+    differ from round to nearest; the experts' gate_proj and up_proj share their Hessian (one input). Asserted on the
+    fused model: every expert matrix changed from RTN and is on the grid (encode with GPTQ's scales is exact, tested
+    above), and `_layer_hessians` on one layer yields a Hessian per expert matrix reached, gate = up."""
+    from quantkit.calibrate.layers import decoder_stack, embed_stream
+    from quantkit.formats.experts import expert_matrices, fused_experts_modules
+    from quantkit.models.tiny import build_tiny_stock_checkpoint
+    from quantkit.quantize.checkpoint import quantize_checkpoint
+    from quantkit.quantize.fake_quant import FakeQuantExperts, load_fake_quant_model
+    from quantkit.quantize.gptq import _layer_hessians
+    from transformers import AutoModelForCausalLM
+
+    source = build_tiny_stock_checkpoint(tmp_path / "moe", "qwen3_moe", seed=0)
+    recipe = tmp_path / "gptq_small.yaml"
+    recipe.write_text("name: gptq_small\nscheme: nvfp4\ngptq: {num_sequences: 8, seq_len: 32}\n")
+    gptq_model = load_fake_quant_model(quantize_checkpoint(source, str(recipe), tmp_path / "g"))
+    rtn_model = load_fake_quant_model(quantize_checkpoint(source, "w4a4_nvfp4", tmp_path / "r"))
+    experts = {n: m for n, m in gptq_model.named_modules() if isinstance(m, FakeQuantExperts)}
+    assert experts
+    for name, module in experts.items():
+        rtn = expert_matrices(name, rtn_model.get_submodule(name))
+        changed = [m for m, w in expert_matrices(name, module).items() if not torch.equal(w, rtn[m])]
+        assert len(changed) == len(rtn), (name, sorted(set(rtn) - set(changed))[:3])
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    stack, layers = decoder_stack(model)
+    tokens = torch.randint(0, 500, (4, 32), generator=torch.Generator().manual_seed(0))
+    stream = embed_stream(model, layers, "test", tokens, None, 4)
+    fused = {f"{stack}.0.{n}": m for n, m in fused_experts_modules(layers[0]).items()}
+    with torch.no_grad():
+        hessians = _layer_hessians(layers[0], 0, stream, {}, fused)
+    (name, module), = fused.items()
+    reached = {m for m in expert_matrices(name, module) if m in hessians}
+    assert len(reached) == len(expert_matrices(name, module))  # 128 tokens x top-2 over 4 experts reach all
+    for e in range(4):
+        assert torch.equal(hessians[f"{name}.{e}.gate_proj"], hessians[f"{name}.{e}.up_proj"])
+        assert hessians[f"{name}.{e}.down_proj"].shape[0] == module.down_proj.shape[2]

@@ -138,7 +138,7 @@ def test_what_rotation_cannot_do_is_refused_by_name(tmp_path):
         rotate_model(llama, 0, True, tokens, block=1024)
 
     source = tmp_path / "llama"
-    with pytest.raises(ValueError, match="rotation run on the whole-model path only"):
+    with pytest.raises(ValueError, match="rotation runs on the whole-model path only"):
         quantize_checkpoint(source, "w4a4_nvfp4_rot", tmp_path / "s", streaming=True)
     bf16_down = parse_recipe(
         {"name": "x", "scheme": "nvfp4", "rotation": {}, "module_schemes": [{"down_proj": "bf16"}]}
@@ -155,3 +155,42 @@ def test_what_rotation_cannot_do_is_refused_by_name(tmp_path):
             parse_recipe({"name": "x", "scheme": "nvfp4", "rotation": bad})
     with pytest.raises(ValueError, match="rotation applies to quantkit's own quantized schemes only"):
         parse_recipe({"name": "x", "scheme": "bf16", "rotation": {}})
+
+
+def test_quality_reads_a_rotated_tied_checkpoint_as_the_whole_models_do(tmp_path):
+    """`quality` on a rotated checkpoint of a tied-embedding model: the quantized stream starts from the checkpoint's
+    own rotated embeddings and ends at its untied head, so its layer-by-layer KL equals the whole models' (source vs
+    `load_fake_quant_model`). Bound as tests/test_quantize_checkpoint.py::test_layerwise_quality_equals_the_whole_models
+    derives it: |dKL| <= 2 delta (1 + max|log p - log q|), delta = (4L + 1) K u max|logit| (float32 summation order
+    of batches of different size). Rotated layers have no SNR (their inputs are not the reference's)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from quantkit.data import heldout_windows
+    from quantkit.quantize.fake_quant import load_fake_quant_model
+    from quantkit.quantize.quality import quality
+
+    source = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
+    state = load_file(str(source / "model.safetensors"))
+    del state["lm_head.weight"]  # tied: the embedding is the head
+    save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    out = quantize_checkpoint(source, "w4a4_nvfp4_rot", tmp_path / "q", streaming=False)
+    assert "lm_head.weight" in load_file(str(out / "model.safetensors"))  # untied by the rotation
+    tokens = heldout_windows(AutoTokenizer.from_pretrained(source), 10, 64)
+    layerwise = quality(source, out, tokens)
+    assert layerwise["layer_snr_db"] == {} and layerwise["min_snr_db"] is None
+
+    reference = load_reference_model(source, torch.float32)
+    quantized = load_fake_quant_model(out)
+    with torch.no_grad():
+        a = torch.cat([reference(w).logits for w in tokens.split(1)])
+        b = torch.cat([quantized(w).logits for w in tokens.split(1)])
+    p, q = torch.log_softmax(a.double(), -1), torch.log_softmax(b.double(), -1)
+    whole_kl = (p.exp() * (p - q)).sum(-1).mean().item()
+    c = reference.config
+    delta = (4 * c.num_hidden_layers + 1) * max(c.intermediate_size, c.hidden_size) * 2**-24 * a.abs().max().item()
+    bound = 2 * delta * (1 + (p - q).abs().max().item())
+    assert abs(layerwise["kl"] - whole_kl) <= bound, (layerwise["kl"], whole_kl, bound)
+    assert bound < layerwise["kl"] / 2

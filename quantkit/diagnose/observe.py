@@ -39,7 +39,7 @@ from quantkit.errors import NonFiniteStatisticsError
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import get_scheme
 from quantkit.quantize.recipe import Recipe
-from quantkit.quantize.routed_experts import projection_outputs, routed_expert_passes
+from quantkit.quantize.routed_experts import experts_call, projection_outputs, routed_expert_passes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -344,8 +344,7 @@ class DiagnosticsObserver:
         """
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
-            names = ("hidden_states", "top_k_index", "top_k_weights")  # transformers' experts signature
-            hidden, top_k_index, top_k_weights = (*args, *(kwargs[k] for k in names[len(args) :]))
+            hidden, top_k_index, top_k_weights = experts_call(args, kwargs)
             index = top_k_index.reshape(-1, top_k_index.shape[-1])
             _check_finite(hidden, f"input of {name}")
             experts, two_i, h_dim = cast(torch.Tensor, module.gate_up_proj).shape

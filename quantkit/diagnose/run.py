@@ -81,10 +81,10 @@ def resolve_recipes(names: Sequence[str]) -> list[Recipe]:
                 f"recipe {recipe.name!r} (backend {recipe.backend}, scheme {recipe.scheme}): diagnose "
                 f"emulates quantkit's schemes ({', '.join(SCHEMES)}) only"
             )
-        if recipe.smoothquant is not None:
+        if recipe.smoothquant is not None or recipe.rotation is not None:
             raise ValueError(
-                f"recipe {recipe.name!r} applies SmoothQuant first; diagnose measures the checkpoint as "
-                "it is: use the recipe without SmoothQuant (e.g. w4a4_nvfp4)"
+                f"recipe {recipe.name!r} applies {'SmoothQuant' if recipe.smoothquant else 'rotation'} first; "
+                "diagnose measures the checkpoint as it is: use the recipe without it (e.g. w4a4_nvfp4)"
             )
         recipes.append(recipe)
     return recipes

@@ -25,7 +25,6 @@ from quantkit.calibrate.layers import skeleton_model
 from quantkit.calibrate.mappings import resolve_mappings
 from quantkit.checkpoints import check_checkpoint_dir
 from quantkit.data import calibration_windows
-from quantkit.formats.experts import EXPERT_MATRIX
 from quantkit.formats.schemes import scheme_for
 from quantkit.models.attention import load_reference_model
 from quantkit.quantize.llmcompressor_backend import quantize_with_llmcompressor
@@ -115,7 +114,8 @@ def quantize_checkpoint(
     whole_only = [k for k, v in (("GPTQ", recipe.gptq), ("rotation", recipe.rotation)) if v is not None]
     if streaming and whole_only:
         raise ValueError(
-            f"recipe {recipe.name}: {' and '.join(whole_only)} run on the whole-model path only; "
+            f"recipe {recipe.name}: {' and '.join(whole_only)} {'run' if len(whole_only) > 1 else 'runs'} on the "
+            "whole-model path only; "
             "quantize with --no-streaming"
         )
     if streaming is None and whole_only:
@@ -203,8 +203,8 @@ def _rotate(model, tokenizer, recipe: Recipe) -> RotationReport:
 
 
 def _gptq(model, tokenizer, recipe: Recipe, quantized: set[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """GPTQ every quantized Linear of the decoder layers in place (`quantkit.quantize.gptq.gptq_layers`) on the
-    recipe's calibration windows; their decode scales by module name. Routed experts keep round to nearest."""
+    """GPTQ every quantized Linear and routed expert matrix of the decoder layers in place
+    (`quantkit.quantize.gptq.gptq_layers`) on the recipe's calibration windows; their decode scales by name."""
     from quantkit.quantize.gptq import gptq_layers
 
     g = cast(GPTQSettings, recipe.gptq)
@@ -214,11 +214,6 @@ def _gptq(model, tokenizer, recipe: Recipe, quantized: set[str]) -> dict[str, di
         min(g.seq_len, model.config.max_position_embeddings),
         recipe.calibration_source(model.config.model_type),
     )
-    experts = sorted(n for n in quantized if EXPERT_MATRIX.match(n))
-    if experts:
-        logger.info(
-            "GPTQ: %d routed expert matrices keep round to nearest (per-expert Hessians: not implemented)", len(experts)
-        )
     with torch.no_grad():
         return gptq_layers(
             model, tokens, lambda n: recipe.scheme_of(n) if n in quantized else None, g.block_size, g.dampening

@@ -17,8 +17,10 @@ With H = I (uncorrelated unit inputs) no error is spread and GPTQ is round to ne
 for bit (tests/test_gptq.py). Layer by layer (`gptq_layers`): the calibration windows run through the model one
 decoder layer at a time; a layer's Hessians come from its inputs as the already quantized layers before it produce
 them (the paper's sequential order), then its linears are quantized and the windows continue through the
-quantized layer. Routed experts (fused) keep round to nearest: their per-expert Hessians need the routed tokens
-per expert (not implemented; said in the run's log).
+quantized layer. Routed experts (fused modules, `quantkit.formats.experts`) get one Hessian per expert and input:
+gate_proj and up_proj of expert e share H from the tokens the router sends to e, down_proj has its own from
+act(gate) * up on those tokens (`quantkit.quantize.routed_experts`); an expert no calibration token reaches keeps
+round to nearest (no scales returned for it).
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ from tqdm import tqdm
 
 from quantkit.calibrate.layers import advance_stream, decoder_stack, embed_stream
 from quantkit.formats.constants import FP8_WEIGHT_BLOCK, NVFP4_GROUP
+from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.fp8 import fp8_scale_from_amax, to_e4m3
 from quantkit.formats.nvfp4 import e2m1_to_float, nvfp4_block_scales, nvfp4_global_scale, round_to_e2m1
+from quantkit.quantize.routed_experts import experts_call, routed_expert_passes
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +133,11 @@ def gptq_layers(
     batch_size: int = 8,
     progress: bool = True,
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """GPTQ every quantized nn.Linear inside the decoder layers of the float32 `model`, layer by layer on the
-    calibration windows `tokens` (N, T) (module docstring); each weight is replaced in place by its dequantized
-    GPTQ weight. scheme_of(name): the module's scheme name, None for a Linear that stays unquantized. Returns
-    {module name: its decode scales} for `Scheme.encode(..., scales=...)`. One layer's Hessians at a time."""
+    """GPTQ every quantized nn.Linear and routed expert matrix inside the decoder layers of the float32 `model`,
+    layer by layer on the calibration windows `tokens` (N, T) (module docstring); each weight is replaced in place
+    by its dequantized GPTQ weight. scheme_of(name): the module's (or expert matrix's `<experts>.<e>.<proj>`)
+    scheme name, None where it stays unquantized. Returns {name: its decode scales} for
+    `Scheme.encode(..., scales=...)`. One layer's Hessians at a time."""
     stack_name, layers = decoder_stack(model)
     device = next(model.parameters()).device
     stream = embed_stream(model, layers, "gptq", tokens.to(device), None, batch_size)
@@ -142,32 +147,55 @@ def gptq_layers(
         linears = {
             prefix + n: m for n, m in layers[i].named_modules() if isinstance(m, nn.Linear) and scheme_of(prefix + n)
         }
-        hessians = _layer_hessians(layers[i], i, stream, linears)
-        for name, linear in linears.items():
-            q, s = gptq_quantize(linear.weight, hessians.pop(name), str(scheme_of(name)), block_size, dampening)
+        experts = {prefix + n: m for n, m in fused_experts_modules(layers[i]).items()}
+        hessians = _layer_hessians(layers[i], i, stream, linears, experts)
+        weights = {n: m.weight for n, m in linears.items()}
+        for name, module in experts.items():
+            weights.update({m: w for m, w in expert_matrices(name, module).items() if scheme_of(m)})
+        for name, weight in weights.items():
+            hessian = hessians.pop(name, None)
+            if hessian is None:  # an expert no calibration token reached: round to nearest at encode
+                continue
+            q, s = gptq_quantize(weight, hessian, str(scheme_of(name)), block_size, dampening)
             with torch.no_grad():
-                linear.weight.copy_(q.to(linear.weight.dtype))
+                weight.copy_(q.to(weight.dtype))
             scales[name] = s
         advance_stream(stream, layers[i], i)  # the windows continue through the quantized layer
     return scales
 
 
-def _layer_hessians(layer: nn.Module, i: int, stream, linears: dict[str, nn.Linear]) -> dict[str, torch.Tensor]:
-    """2 X^T X / tokens (float64, (K, K)) at the input of each of `linears` over the stream's windows at layer i: each
+def _layer_hessians(
+    layer: nn.Module, i: int, stream, linears: dict[str, nn.Linear], experts: dict[str, nn.Module]
+) -> dict[str, torch.Tensor]:
+    """2 X^T X / tokens (float64, (K, K)) at the input of each of `linears`, and of each routed expert matrix of the
+    fused `experts` modules (on the tokens routed to that expert), over the stream's windows at layer i: each
     batch's X^T X in float32 (relative error ~ sqrt(tokens) 2**-24, 4e-6 at 4096 tokens a batch: far below the
-    dampening), summed in float64."""
+    dampening), summed in float64. Expert matrices no token reached have none."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
+    def add(name: str, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        sums[name] = sums.get(name, 0) + (x.T @ x).double()  # float32 products per batch, float64 across
+        counts[name] = counts.get(name, 0) + x.shape[0]
+
     def hook(name: str):
         def accumulate(_m: nn.Module, args: Sequence[torch.Tensor], _out: torch.Tensor) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            sums[name] = sums.get(name, 0) + (x.T @ x).double()  # float32 products per batch, float64 across
-            counts[name] = counts.get(name, 0) + x.shape[0]
+            add(name, args[0])
+
+        return accumulate
+
+    def experts_hook(name: str):
+        def accumulate(module: nn.Module, args: tuple, kwargs: dict, _out: torch.Tensor) -> None:
+            hidden, top_k_index, _ = experts_call(args, kwargs)
+            for p in routed_expert_passes(module, hidden, top_k_index):
+                add(f"{name}.{p.expert}.gate_proj", p.x)
+                add(f"{name}.{p.expert}.down_proj", p.h)
 
         return accumulate
 
     handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    handles += [m.register_forward_hook(experts_hook(n), with_kwargs=True) for n, m in experts.items()]
     try:
         with torch.no_grad():
             for b in range(len(stream.chunks)):
@@ -178,4 +206,7 @@ def _layer_hessians(layer: nn.Module, i: int, stream, linears: dict[str, nn.Line
     missing = sorted(set(linears) - set(sums))
     if missing:
         raise RuntimeError(f"GPTQ: these linears were never called in the forward pass: {missing[:3]}")
-    return {n: 2 * sums[n] / counts[n] for n in linears}
+    hessians = {n: 2 * s / counts[n] for n, s in sums.items()}
+    for name in [n for n in hessians if n.endswith(".gate_proj") and n not in linears]:  # one input, one Hessian
+        hessians[name.removesuffix("gate_proj") + "up_proj"] = hessians[name]
+    return hessians

@@ -13,6 +13,9 @@
   in (`smoothquant_factors.pt`; function-preserving, so KL is unaffected), so that x and W match W_q.
 - Whole-model KL(ref || quantized) of the next-token distributions, mean over held-out tokens (nats;
   `quantkit.metrics.kl_divergence`, float64).
+- Rotated checkpoints (`quantkit.quantize.rotation`): the quantized stream starts from the checkpoint's own (rotated)
+  embeddings and ends at its own head; their layers read rotated inputs that no unrotated reference layer sees, so
+  they have KL only (no layer SNR).
 
 Both models run one decoder layer at a time (`quantkit.calibrate.layers`), so memory does not grow with depth.
 
@@ -57,7 +60,12 @@ from quantkit.formats.schemes import checkpoint_suffixes
 from quantkit.metrics import energy, kl_divergence, snr_db
 from quantkit.quantize.fake_quant import FakeQuantExperts, install_fake_quant, read_quantization_config
 from quantkit.quantize.output import read_smoothquant_factors
-from quantkit.quantize.routed_experts import projection_outputs, routed_expert_passes, summarize_expert_snr
+from quantkit.quantize.routed_experts import (
+    experts_call,
+    projection_outputs,
+    routed_expert_passes,
+    summarize_expert_snr,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -90,12 +98,19 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     before_head, head_keys = outside_keys(reference)
     head = head_name(reference)
     load_outside(reference, source, before_head, tied)
-    streams = [embed_stream(reference, ref_layers, name, tokens, None) for name in ("reference", "quantized")]
+    rotated = bool(qc.get("rotation"))
+    streams = [embed_stream(reference, ref_layers, "reference", tokens, None)]
+    if rotated:  # its own rotated embeddings (and every other tensor before the layers)
+        _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=before_head)
+        streams.append(embed_stream(quantized, decoder_stack(quantized)[1], "quantized", tokens, None))
+        quantized.get_input_embeddings().to("meta")
+    else:
+        streams.append(embed_stream(reference, ref_layers, "quantized", tokens, None))
     reference.get_input_embeddings().to("meta")
 
     signal: dict[str, float] = {}
     noise: dict[str, float] = {}
-    _layers(reference, quantized, source, packed, qc, streams, signal, noise)
+    _layers(reference, quantized, source, packed, qc, streams, signal, noise, snr=not rotated)
     # compared in the stored dtype before the reference's float32 head is loaded: the peak holds one head copy
     shared_head = head is not None and _same_unquantized(source, packed, f"{head}.weight", tied, qc)
     load_outside(reference, source, head_keys, tied)
@@ -106,7 +121,9 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     elif head is not None:
         _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=head_keys, tied=tied)
     modules = dict(reference.named_modules())
-    outside_quantized = [n for n in qc["quantized_modules"] if not n.startswith(f"{stack}.") and n in modules]
+    outside_quantized = [
+        n for n in qc["quantized_modules"] if not n.startswith(f"{stack}.") and n in modules and not rotated
+    ]
     with _snr_hooks(reference, quantized, outside_quantized, set(qc["quantized_modules"]), signal, noise):
         per_window = _head_kl(reference, quantized, streams)
     snr = {n: snr_db(signal[n], noise[n]) for n in signal}  # expert matrices: those some token reached
@@ -115,8 +132,8 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
         "kl": sum(per_window) / len(per_window),  # every window has T positions: the mean over all of them
         "kl_per_window": per_window,
         "layer_snr_db": snr,
-        "min_snr_db": min(snr.values()),
-        "mean_snr_db": sum(snr.values()) / len(snr),
+        "min_snr_db": min(snr.values()) if snr else None,  # None: a rotated checkpoint (KL only)
+        "mean_snr_db": sum(snr.values()) / len(snr) if snr else None,
         "expert_snr_db": summarize_expert_snr(snr),
     }
 
@@ -130,9 +147,10 @@ def _layers(
     streams: list[Stream],
     signal: dict[str, float],
     noise: dict[str, float],
+    snr: bool = True,
 ) -> None:
     """The two streams through the decoder layers, one layer of each model in memory at a time, with the SNR
-    hooks on the reference's quantized modules (signal / noise accumulate per module name)."""
+    hooks on the reference's quantized modules (signal / noise accumulate per module name; none when not snr)."""
     stack, ref_layers = decoder_stack(reference)
     _, q_layers = decoder_stack(quantized)
     mappings: Sequence[SmoothMapping] = []
@@ -152,9 +170,8 @@ def _layers(
             if m.smooth.startswith(prefix):
                 fold_mapping(reference, m, factors[m.smooth])
         _load_fake_quant(quantized, q_layers[i], prefix, packed, qc, packed.model_dir)
-        with _snr_hooks(
-            reference, quantized, [n for n in quantized_set if n.startswith(prefix)], quantized_set, signal, noise
-        ):
+        hooked = [n for n in quantized_set if n.startswith(prefix)] if snr else []
+        with _snr_hooks(reference, quantized, hooked, quantized_set, signal, noise):
             advance_stream(streams[0], ref_layer, i)
         advance_stream(streams[1], q_layers[i], i)
         ref_layer.to("meta")
@@ -281,10 +298,9 @@ def _experts_snr_hook(
     """Forward hook on the reference's fused experts `name`: per routed expert and quantized matrix, add
     sum y^2 and sum (y - y_q)^2 (y on the reference's input, y_q = fq(input) W_q^T as `q_experts` computes)."""
     decoded = expert_matrices(name, q_experts)  # "<name>.<e>.<proj>" -> the checkpoint's decoded matrix
-    arg_names = ("hidden_states", "top_k_index", "top_k_weights")  # transformers' experts signature
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict, _output: torch.Tensor) -> None:
-        hidden, top_k_index = (*args, *(kwargs[k] for k in arg_names[len(args) :]))[:2]
+        hidden, top_k_index, _ = experts_call(args, kwargs)
         for p in routed_expert_passes(module, hidden, top_k_index):
             for proj, (x, y) in projection_outputs(p).items():
                 matrix = f"{name}.{p.expert}.{proj}"
@@ -316,6 +332,9 @@ def quality_table(
         "|---|---|---|---|---|",
     ]
     for r in rows:
+        if not r["layer_snr_db"]:  # rotated: KL only
+            lines.append(f"| {r['recipe']} | {r['kl']:.2e} | - | - | - (rotated: layer inputs differ) |")
+            continue
         worst = min(r["layer_snr_db"], key=r["layer_snr_db"].get)
         lines.append(f"| {r['recipe']} | {r['kl']:.2e} | {r['min_snr_db']:.1f} | {r['mean_snr_db']:.1f} | {worst} |")
     if any(r["expert_snr_db"] for r in rows):  # MoE: one row per recipe and experts module

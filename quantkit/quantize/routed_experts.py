@@ -27,6 +27,15 @@ from torch import nn
 
 from quantkit.formats.experts import EXPERT_MATRIX, EXPERT_PROJECTIONS
 
+EXPERTS_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")  # transformers' fused experts' forward
+
+
+def experts_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden_states, top_k_index, top_k_weights) of a call of a fused experts module, as a forward hook registered
+    with_kwargs=True receives it (each argument positional or by keyword)."""
+    hidden, index, weights = (*args, *(kwargs[k] for k in EXPERTS_ARGUMENTS[len(args) :]))[:3]
+    return hidden, index, weights
+
 
 @dataclass
 class ExpertPass:
