@@ -83,6 +83,7 @@ CASES = {
     "stock-fp8_block": ("stock", "w8a8_fp8_block"),
     "stock-nvfp4": ("stock", "w4a4_nvfp4"),
     "stock-mixed": ("stock", "mixed_fp8_attn_nvfp4"),  # FP8 attention + linear attention, NVFP4 experts (issue 31)
+    "stock-nvfp4_rot": ("stock", "w4a4_nvfp4_rot"),  # rotation (issue 31): the shared expert's down_proj online
     # tensor parallel 2 (vLLM's CPU backend runs it; FP8's 128-wide blocks cannot split the tiny model's 128-wide
     # expert / shared-expert intermediate, NVFP4's 16-wide groups can): every shard, the experts' down inputs
     # all-reduced for their per-token scale, joined back by served_activations
