@@ -334,8 +334,13 @@ class Study:
         from quantkit.diagnose.run import diagnose, write_diagnostics
         from quantkit.quantize.recipe import load_recipe
 
-        def diagnosed(rec: Recipe) -> bool:  # quantkit's own quantized schemes, without SmoothQuant
-            return rec.backend == Backend.QUANTKIT and rec.scheme != UNQUANTIZED and rec.smoothquant is None
+        def diagnosed(rec: Recipe) -> bool:  # quantkit's own quantized schemes, without SmoothQuant or rotation
+            return (
+                rec.backend == Backend.QUANTKIT
+                and rec.scheme != UNQUANTIZED
+                and rec.smoothquant is None
+                and rec.rotation is None
+            )
 
         recipes = [r for r in self.spec.recipes if diagnosed(load_recipe(r))]
         result = diagnose(self._source(label), recipes=recipes, progress=False, **self.spec.diagnose)
@@ -608,8 +613,10 @@ def _precision(recipe: str) -> str:
     label = "/".join([label, *mixed])  # mixed precision by module: e.g. W4A4/W8A8
     return (
         label
+        + ("+Rot" if r.rotation else "")
         + ("+SQ" if r.smoothquant else "")
         + ("+MSE" if r.weight_scales == WeightScales.MSE else "")
+        + ("+GPTQ" if r.gptq else "")
         + (" (static)" if r.static_activations else "")
     )
 

@@ -66,6 +66,20 @@ def test_the_trained_model_study_loads():
     assert spec.eval["allow_code"] and suite.tasks(allow_code=True) == ["qk_humaneval_instruct"] and suite.chat_template
 
 
+def test_the_method_comparison_study_loads_with_one_label_per_method():
+    """pipelines/methods.yaml (issue 31 item 5): every method's recipe on the coder, the study's calibration sizing
+    SmoothQuant's and GPTQ's windows alike, and a distinct row label per method (the report's precision column)."""
+    from quantkit.pipelines.study import _precision
+
+    spec = load_spec(PIPELINES / "methods.yaml")
+    study = Study(spec)
+    sq_gptq = study.recipe("w4a4_nvfp4_sq_gptq")
+    assert (sq_gptq.smoothquant.num_sequences, sq_gptq.gptq.num_sequences, sq_gptq.gptq.seq_len) == (32, 32, 256)
+    labels = [_precision(r) for r in spec.recipes]
+    assert labels == ["BF16", "W4A4", "W4A4+MSE", "W4A4+GPTQ", "W4A4+SQ", "W4A4+SQ+GPTQ", "W4A4+Rot", "W4A4+Rot+GPTQ",
+                      "W4A4/W8A8"]
+
+
 @pytest.mark.parametrize("calibration, message", [
     ({"num_sequences": 256}, "num_sequences and seq_len together"),
     ({"num_sequences": 256, "seq_len": 1}, "seq_len >= 2"),
