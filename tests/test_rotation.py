@@ -36,6 +36,8 @@ from quantkit.quantize.rotation import TOLERANCE, RotationError, rotate_model
 
 U32, U64 = 2.0**-24, 2.0**-53
 
+pytestmark = pytest.mark.cpu_isa  # float32 forwards and folds: run again with AVX2 kernels forced (README, "Tests")
+
 
 @pytest.mark.parametrize("n", [64, 192, 576, 896])
 def test_residual_rotation_is_orthogonal_seeded_and_mixes_every_channel(n):
