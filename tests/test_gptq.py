@@ -22,6 +22,14 @@ from quantkit.formats.schemes import SCHEMES
 from quantkit.quantize.gptq import _Grid, gptq_quantize
 
 
+def state_of(model_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from quantkit.checkpoints import weight_files
+
+    return {k: v for f in weight_files(model_dir) for k, v in load_file(str(f)).items()}
+
+
 def correlated_inputs(tokens: int, k: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     basis = torch.randn(8, k, generator=gen)
@@ -82,8 +90,9 @@ def test_gptq_lowers_the_output_error_on_correlated_inputs(scheme):
 
 def test_a_gptq_recipe_writes_its_weights_exactly_and_names_what_it_cannot_do(tmp_path):
     """The checkpoint of a GPTQ recipe decodes to the model's GPTQ weights (on the grid: encode with GPTQ's scales
-    is exact, asserted above) and differs from round to nearest; the streaming path and peer combinations are
-    refused by name; the calibration set is recorded."""
+    is exact, asserted above) and differs from round to nearest; the streaming path (one layer at a time) writes
+    the same bytes (the same float32 operations on the same batches); peer combinations are refused by name; the
+    calibration set is recorded."""
     import json
 
     from quantkit.checkpoints import weight_files
@@ -103,8 +112,10 @@ def test_a_gptq_recipe_writes_its_weights_exactly_and_names_what_it_cannot_do(tm
     linears = {n: m for n, m in gptq_model.named_modules() if isinstance(m, FakeQuantLinear)}
     assert linears and all(not torch.equal(m.weight, rtn_model.get_submodule(n).weight) for n, m in linears.items())
     assert len(list(weight_files(out))) == 1
-    with pytest.raises(ValueError, match="GPTQ runs on the whole-model path only"):
-        quantize_checkpoint(source, str(recipe), tmp_path / "s", streaming=True)
+    streamed = quantize_checkpoint(source, str(recipe), tmp_path / "s", streaming=True)  # the same bytes
+    whole, stream = state_of(out), state_of(streamed)
+    assert whole.keys() == stream.keys()
+    assert all(torch.equal(v.view(torch.uint8), stream[k].view(torch.uint8)) for k, v in whole.items())
     with pytest.raises(ValueError, match="gptq chooses its own scales"):
         parse_recipe({"name": "x", "scheme": "nvfp4", "gptq": {}, "weight_scales": "mse"})
     with pytest.raises(ValueError, match="gptq applies to quantkit's own quantized schemes only"):
@@ -117,7 +128,8 @@ def test_routed_experts_get_per_expert_hessians_and_are_stored_exactly(tmp_path)
     routed to it (gate/up: the block input, down: act(gate) * up), so the checkpoint decodes to GPTQ's weights, which
     differ from round to nearest; the experts' gate_proj and up_proj share their Hessian (one input). Asserted on the
     fused model: every expert matrix changed from RTN and is on the grid (encode with GPTQ's scales is exact, tested
-    above), and `_layer_hessians` on one layer yields a Hessian per expert matrix reached, gate = up."""
+    above), and `_layer_hessians` on one layer yields a Hessian per expert matrix reached, gate = up. The streaming
+    path writes the same bytes."""
     from quantkit.calibrate.layers import decoder_stack, embed_stream
     from quantkit.formats.experts import expert_matrices, fused_experts_modules
     from quantkit.models.tiny import build_tiny_stock_checkpoint
@@ -129,7 +141,10 @@ def test_routed_experts_get_per_expert_hessians_and_are_stored_exactly(tmp_path)
     source = build_tiny_stock_checkpoint(tmp_path / "moe", "qwen3_moe", seed=0)
     recipe = tmp_path / "gptq_small.yaml"
     recipe.write_text("name: gptq_small\nscheme: nvfp4\ngptq: {num_sequences: 8, seq_len: 32}\n")
-    gptq_model = load_fake_quant_model(quantize_checkpoint(source, str(recipe), tmp_path / "g"))
+    out = quantize_checkpoint(source, str(recipe), tmp_path / "g", streaming=False)
+    streamed = state_of(quantize_checkpoint(source, str(recipe), tmp_path / "s", streaming=True))
+    assert all(torch.equal(v.view(torch.uint8), streamed[k].view(torch.uint8)) for k, v in state_of(out).items())
+    gptq_model = load_fake_quant_model(out)
     rtn_model = load_fake_quant_model(quantize_checkpoint(source, "w4a4_nvfp4", tmp_path / "r"))
     experts = {n: m for n, m in gptq_model.named_modules() if isinstance(m, FakeQuantExperts)}
     assert experts

@@ -111,15 +111,13 @@ def quantize_checkpoint(
         )
     if recipe.backend in PEER_BACKENDS:
         return PEER_BACKENDS[recipe.backend](model_dir, recipe, out_dir)
-    whole_only = [k for k, v in (("GPTQ", recipe.gptq), ("rotation", recipe.rotation)) if v is not None]
-    if streaming and whole_only:
+    if streaming and recipe.rotation is not None:
         raise ValueError(
-            f"recipe {recipe.name}: {' and '.join(whole_only)} {'run' if len(whole_only) > 1 else 'runs'} on the "
-            "whole-model path only; "
-            "quantize with --no-streaming"
+            f"recipe {recipe.name}: rotation runs on the whole-model path only (the residual rotation spans every "
+            "layer, the embeddings and the head); quantize with --no-streaming"
         )
-    if streaming is None and whole_only:
-        streaming = False  # GPTQ / rotation: the whole-model path (GPTQ still holds one layer's Hessians at a time)
+    if streaming is None and recipe.rotation is not None:
+        streaming = False
     if streaming is None:
         need, have = 2 * float32_bytes(model_dir), available_memory_bytes()
         streaming = need > have

@@ -14,7 +14,8 @@ amax(|W|) / 2688 of the weight before GPTQ, fixed for the whole matrix. The resu
 (every value code x scale) and those scales, which `Scheme.encode(..., scales=...)` writes exactly.
 
 With H = I (uncorrelated unit inputs) no error is spread and GPTQ is round to nearest with min-max scales, bit
-for bit (tests/test_gptq.py). Layer by layer (`gptq_layers`): the calibration windows run through the model one
+for bit (tests/test_gptq.py). Layer by layer (`gptq_layers` on a whole model, `gptq_layer` per layer for the
+streaming path, which runs the same operations on the same batches): the calibration windows run through the model one
 decoder layer at a time; a layer's Hessians come from its inputs as the already quantized layers before it produce
 them (the paper's sequential order), then its linears are quantized and the windows continue through the
 quantized layer. Routed experts (fused modules, `quantkit.formats.experts`) get one Hessian per expert and input:
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from quantkit.calibrate.layers import advance_stream, decoder_stack, embed_stream
+from quantkit.calibrate.layers import BATCH_SIZE, Stream, advance_stream, decoder_stack, embed_stream
 from quantkit.formats.constants import FP8_WEIGHT_BLOCK, NVFP4_GROUP
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.fp8 import fp8_scale_from_amax, to_e4m3
@@ -130,42 +131,56 @@ def gptq_layers(
     scheme_of: Callable[[str], str | None],
     block_size: int = DEFAULT_BLOCK_SIZE,
     dampening: float = DEFAULT_DAMPENING,
-    batch_size: int = 8,
+    batch_size: int = BATCH_SIZE,
     progress: bool = True,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """GPTQ every quantized nn.Linear and routed expert matrix inside the decoder layers of the float32 `model`,
-    layer by layer on the calibration windows `tokens` (N, T) (module docstring); each weight is replaced in place
-    by its dequantized GPTQ weight. scheme_of(name): the module's (or expert matrix's `<experts>.<e>.<proj>`)
-    scheme name, None where it stays unquantized. Returns {name: its decode scales} for
+    layer by layer on the calibration windows `tokens` (N, T) (module docstring; `gptq_layer`); each weight is
+    replaced in place by its dequantized GPTQ weight. Returns {name: its decode scales} for
     `Scheme.encode(..., scales=...)`. One layer's Hessians at a time."""
     stack_name, layers = decoder_stack(model)
     device = next(model.parameters()).device
     stream = embed_stream(model, layers, "gptq", tokens.to(device), None, batch_size)
     scales: dict[str, dict[str, torch.Tensor]] = {}
     for i in tqdm(range(len(layers)), desc="GPTQ", unit="layer", disable=not progress):
-        prefix = f"{stack_name}.{i}."
-        linears = {
-            prefix + n: m for n, m in layers[i].named_modules() if isinstance(m, nn.Linear) and scheme_of(prefix + n)
-        }
-        experts = {prefix + n: m for n, m in fused_experts_modules(layers[i]).items()}
-        hessians = _layer_hessians(layers[i], i, stream, linears, experts)
-        weights = {n: m.weight for n, m in linears.items()}
-        for name, module in experts.items():
-            weights.update({m: w for m, w in expert_matrices(name, module).items() if scheme_of(m)})
-        for name, weight in weights.items():
-            hessian = hessians.pop(name, None)
-            if hessian is None:  # an expert no calibration token reached: round to nearest at encode
-                continue
-            q, s = gptq_quantize(weight, hessian, str(scheme_of(name)), block_size, dampening)
-            with torch.no_grad():
-                weight.copy_(q.to(weight.dtype))
-            scales[name] = s
+        scales |= gptq_layer(layers[i], f"{stack_name}.{i}.", i, stream, scheme_of, block_size, dampening)
         advance_stream(stream, layers[i], i)  # the windows continue through the quantized layer
     return scales
 
 
+def gptq_layer(
+    layer: nn.Module,
+    prefix: str,
+    i: int,
+    stream: Stream,
+    scheme_of: Callable[[str], str | None],
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    dampening: float = DEFAULT_DAMPENING,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """GPTQ decoder layer i (module names `prefix` + ...) in place on the stream's hidden states at its input (the
+    caller advances the stream through it afterwards): its Hessians, then each quantized Linear and routed expert
+    matrix (scheme_of(name): its scheme name, None where it stays unquantized). Returns {name: decode scales}; an
+    expert matrix no calibration token reached is left for round to nearest (absent)."""
+    linears = {prefix + n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear) and scheme_of(prefix + n)}
+    experts = {prefix + n: m for n, m in fused_experts_modules(layer).items()}
+    hessians = _layer_hessians(layer, i, stream, linears, experts)
+    weights = {n: m.weight for n, m in linears.items()}
+    for name, module in experts.items():
+        weights.update({m: w for m, w in expert_matrices(name, module).items() if scheme_of(m)})
+    scales: dict[str, dict[str, torch.Tensor]] = {}
+    for name, weight in weights.items():
+        hessian = hessians.pop(name, None)
+        if hessian is None:  # an expert no calibration token reached: round to nearest at encode
+            continue
+        q, s = gptq_quantize(weight, hessian, str(scheme_of(name)), block_size, dampening)
+        with torch.no_grad():
+            weight.copy_(q.to(weight.dtype))
+        scales[name] = s
+    return scales
+
+
 def _layer_hessians(
-    layer: nn.Module, i: int, stream, linears: dict[str, nn.Linear], experts: dict[str, nn.Module]
+    layer: nn.Module, i: int, stream: Stream, linears: dict[str, nn.Linear], experts: dict[str, nn.Module]
 ) -> dict[str, torch.Tensor]:
     """2 X^T X / tokens (float64, (K, K)) at the input of each of `linears`, and of each routed expert matrix of the
     fused `experts` modules (on the tokens routed to that expert), over the stream's windows at layer i: each

@@ -18,7 +18,7 @@ A recipe names a scheme and what happens before it:
     weight_scales: mse           # minmax (default) | mse: each block's / group's decode scale searched for the
                                  # least squared weight error (MSE clipping, quantkit.formats.scale_search)
     gptq: {num_sequences: 128, seq_len: 512, block_size: 128, dampening: 0.01}
-                                 # GPTQ rounding (quantkit.quantize.gptq), layer by layer; whole-model path
+                                 # GPTQ rounding (quantkit.quantize.gptq), layer by layer (streaming too)
     rotation: {seed: 0, online: true, online_block: null}  # QuaRot rotation before everything else
                                  # (quantkit.quantize.rotation): residual stream rotated offline; online: block
                                  # Hadamard at dense down_proj inputs (online_block: its block, null = the largest
@@ -155,7 +155,7 @@ class Recipe:
     ignore: tuple[str, ...] = field(default=DEFAULT_IGNORE)
     weight_scales: WeightScales = WeightScales.MINMAX  # min-max, or searched per block (MSE clipping)
     module_schemes: tuple[tuple[str, str], ...] = ()  # (pattern, scheme) in order: mixed precision by module
-    gptq: GPTQSettings | None = None  # weight rounding by GPTQ instead of to nearest (whole-model path)
+    gptq: GPTQSettings | None = None  # weight rounding by GPTQ instead of to nearest
     rotation: RotationSettings | None = None  # QuaRot rotation, before SmoothQuant and GPTQ (whole-model path)
 
     def calibration_source(self, model_type: str | None) -> str:

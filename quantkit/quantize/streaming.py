@@ -18,6 +18,8 @@ runs calibration through the whole model: ~8 bytes a parameter (a 24.6B model: ~
      - `ref`: the verification windows (the first 4) through the unsmoothed layer;
      then the layer's factors are computed and folded (`quantkit.calibrate.smoothquant`'s functions), and
      - `smoothed`: the verification windows through the FOLDED layer;
+     - `gptq`: GPTQ's windows through the folded layer, their Hessians first (`quantkit.quantize.gptq.gptq_layer`:
+       the layer's weights become GPTQ's), then through the GPTQ'd layer, as the whole-model path orders them;
      - `static`: the static-scale windows through the folded (or, without SmoothQuant, the plain) layer with the
        hooks on its quantized matrices (all-experts mode for routed experts, as the whole-model path);
    the layer's tensors are encoded and written, and the layer goes back to the meta device.
@@ -92,6 +94,7 @@ from quantkit.calibrate.stats import ChannelMaxObserver
 from quantkit.checkpoints import SAFETENSORS_DTYPES, tensor_headers
 from quantkit.data import calibration_windows
 from quantkit.formats.schemes import Scheme, scheme_for
+from quantkit.quantize.gptq import gptq_layer
 from quantkit.quantize.output import (
     checkpoint_state,
     encode_matrices,
@@ -101,7 +104,7 @@ from quantkit.quantize.output import (
     unquantized_to_source_dtype,
     write_side_files,
 )
-from quantkit.quantize.recipe import CalibrationSettings, Recipe, SmoothQuantSettings
+from quantkit.quantize.recipe import CalibrationSettings, GPTQSettings, Recipe, SmoothQuantSettings
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +219,7 @@ def quantize_streaming(
             job.write_outside(writer, tied)
             # the forward up to the first layer needs all but the head; the head is loaded again for the check
             before_head, head_keys = outside_keys(job.skeleton)
-            if job.sq is not None or job.static_tokens is not None:
+            if job.sq is not None or job.static_tokens is not None or job.gptq_tokens is not None:
                 load_outside(job.skeleton, job.reader, before_head, tied)
             streams = job.open_streams(spill_root, spill_bytes)
             calibrated: list[LayerFactors] = []
@@ -273,6 +276,7 @@ class _StreamingJob:
     per_layer: list[tuple[SmoothMapping, ...]] | None
     sq_tokens: torch.Tensor | None
     static_tokens: torch.Tensor | None
+    gptq_tokens: torch.Tensor | None
     source_headers: dict[str, tuple[str, tuple[int, ...]]]
     smoothed: list[str]
 
@@ -308,6 +312,10 @@ class _StreamingJob:
         sq_tokens = None
         if sq is not None:
             sq_tokens = calibration_tokens(source, tokenizer, sq.num_sequences, sq.seq_len, max_positions)
+        gptq_tokens = None
+        if recipe.gptq is not None:  # the same windows as the whole-model path (`quantkit.quantize.checkpoint._gptq`)
+            g = recipe.gptq
+            gptq_tokens = calibration_windows(tokenizer, g.num_sequences, min(g.seq_len, max_positions), source)
         return cls(
             model_dir=model_dir,
             recipe=recipe,
@@ -325,6 +333,7 @@ class _StreamingJob:
             per_layer=per_layer,
             sq_tokens=sq_tokens,
             static_tokens=static_tokens,
+            gptq_tokens=gptq_tokens,
             source_headers=tensor_headers(model_dir),
             smoothed=[] if plan is None else [m.smooth for m in plan.mappings],
         )
@@ -335,15 +344,19 @@ class _StreamingJob:
         return self.recipe.smoothquant
 
     def finish_state(
-        self, state: dict[str, torch.Tensor], matrices: dict[str, torch.Tensor], amax: dict[str, torch.Tensor]
+        self,
+        state: dict[str, torch.Tensor],
+        matrices: dict[str, torch.Tensor],
+        amax: dict[str, torch.Tensor],
+        scales: dict[str, dict[str, torch.Tensor]] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """A module's checkpoint tensors: `matrices` encoded with the scheme (`amax`: their static input amax),
-        the rest in the source dtype (bf16 for the bf16 recipe)."""
+        """A module's checkpoint tensors: `matrices` encoded with the scheme (`amax`: their static input amax;
+        `scales`: GPTQ's decode scales by matrix), the rest in the source dtype (bf16 for the bf16 recipe)."""
         if self.scheme is None:
             return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
         norm_keys = smoothed_norm_keys(self.smoothed, state)
         unquantized_to_source_dtype(state, list(matrices), self.source_headers, self.config, norm_keys)
-        encode_matrices(state, matrices, self.recipe, amax, desc="", progress=False)
+        encode_matrices(state, matrices, self.recipe, amax, desc="", progress=False, scales=scales)
         return state
 
     def write_outside(self, writer: ShardWriter, tied: dict[str, str]) -> None:
@@ -361,12 +374,17 @@ class _StreamingJob:
 
     def open_streams(self, spill_root: Path, spill_bytes: int) -> dict[str, Stream]:
         """The calibration streams: "sq" (SmoothQuant's statistics), "ref" and "smoothed" (the function check's
-        unsmoothed and smoothed passes over the first DEFAULT_VERIFY_SEQUENCES windows), "static" (static
-        activation scales); a stream above `spill_bytes` of hidden states lives under `spill_root`."""
+        unsmoothed and smoothed passes over the first DEFAULT_VERIFY_SEQUENCES windows), "gptq" (GPTQ's Hessians),
+        "static" (static activation scales); a stream above `spill_bytes` of hidden states lives under `spill_root`."""
         streams: dict[str, Stream] = {}
         spill: dict[str, Path | None] = {}
         ref_tokens = None if self.sq_tokens is None else self.sq_tokens[:DEFAULT_VERIFY_SEQUENCES]
-        for name, tokens in (("sq", self.sq_tokens), ("ref", ref_tokens), ("static", self.static_tokens)):
+        for name, tokens in (
+            ("sq", self.sq_tokens),
+            ("ref", ref_tokens),
+            ("gptq", self.gptq_tokens),
+            ("static", self.static_tokens),
+        ):
             if tokens is None:
                 continue
             big = tokens.numel() * self.config.hidden_size * 4 > spill_bytes
@@ -398,6 +416,16 @@ class _StreamingJob:
         embeddings = self.skeleton.get_input_embeddings()
         if i == 0 and embeddings is not None:  # every stream is embedded now: the (vocabulary-sized) table is
             embeddings.to("meta")  # not needed again
+        gptq_scales = {}
+        if self.gptq_tokens is not None:  # as the whole-model path: after SmoothQuant's fold, before static scales
+            g = cast(GPTQSettings, self.recipe.gptq)
+            quantized_here = set(self.quantized)
+
+            def scheme_of(name: str) -> str | None:
+                return self.recipe.scheme_of(name) if name in quantized_here else None
+
+            gptq_scales = gptq_layer(layer, prefix, i, streams["gptq"], scheme_of, g.block_size, g.dampening)
+            advance_stream(streams["gptq"], layer, i)
         amax = {}
         if self.static_tokens is not None:
             names = [n for n in self.quantized if n.startswith(prefix)]
@@ -410,7 +438,7 @@ class _StreamingJob:
         quantized = set(self.quantized)
         state = {prefix + k: v for k, v in checkpoint_state(layer).items()}
         matrices = {prefix + k: v for k, v in quantizable_weights(layer).items() if prefix + k in quantized}
-        for key, tensor in self.finish_state(state, matrices, amax).items():
+        for key, tensor in self.finish_state(state, matrices, amax, gptq_scales).items():
             writer.add(key, tensor)
         del state, matrices
         layer.to("meta")
