@@ -130,8 +130,10 @@ def test_what_rotation_cannot_do_is_refused_by_name(tmp_path):
     tokens = torch.randint(0, 500, (1, 8))
     for flags, what in [(dict(pre_affine=True), "pre_scale"), (dict(gated_norm_rank=8), "gate_down")]:
         model = load_reference_model(build_tiny_checkpoint(tmp_path / what, seed=0, **flags), torch.float32)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(RotationError, match=what):
             rotate_model(model, 0, True, tokens)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # refused before any change
     mixtral = load_reference_model(build_tiny_stock_checkpoint(tmp_path / "mixtral", "mixtral", seed=0), torch.float32)
     with pytest.raises(RotationError, match="MixtralForCausalLM is not a registered decoder"):
         rotate_model(mixtral, 0, True, tokens)

@@ -89,6 +89,10 @@ def rotate_model(
     final_norm = cast(nn.Module, model.get_submodule(stack_name.rsplit(".", 1)[0] + ".norm"))
     if head is None or head.bias is not None:
         raise RotationError(f"rotation: {architecture} needs an lm_head without bias")
+    _check_norm(final_norm, "final norm")  # every norm before any weight changes: a refusal leaves the model as it was
+    for i, layer in enumerate(layers):
+        for part in _parts(layer, family.slots):
+            _check_norm(cast(nn.Module, layer.get_submodule(part.norm.norm)), f"{stack_name}.{i}.{part.norm.norm}")
     was_training = model.training
     model.eval()
     reference = model(verify_tokens).logits.float()
@@ -153,7 +157,18 @@ def _find(layer: nn.Module, path: str) -> nn.Module | None:
 
 def _fold_norm_into(norm: nn.Module, readers: list[nn.Module], where: str) -> None:
     """Move the norm's scale (w, or 1 + w for an offset norm) into its readers' input columns; the norm's scale
-    becomes 1. RotationError for a norm that does not commute with a rotation."""
+    becomes 1. RotationError for a norm that does not commute with a rotation (`_check_norm`)."""
+    offset = _check_norm(norm, where)
+    weight = cast(torch.Tensor, norm.weight)
+    scale = (1.0 + weight.double()) if offset else weight.double()
+    for reader in readers:
+        w = input_weight(reader)
+        w.copy_((w.double() * scale).to(w.dtype))
+    weight.fill_(0.0 if offset else 1.0)
+
+
+def _check_norm(norm: nn.Module, where: str) -> bool:
+    """Whether `norm` is a (1 + w) RMSNorm (else a plain one, y = w x_hat); RotationError for any other norm."""
     offset = isinstance(norm, (*OFFSET_NORMS, QuantkitHybridNorm))
     if isinstance(norm, (QuantkitNorm, QuantkitHybridNorm)):
         flags = [f for f in ("pre_scale", "gate_down", "bias", "alpha") if hasattr(norm, f)]
@@ -164,14 +179,10 @@ def _fold_norm_into(norm: nn.Module, readers: list[nn.Module], where: str) -> No
             )
     elif not offset and type(norm).__name__.endswith("LayerNorm"):
         raise RotationError(f"rotation: {where} is a {type(norm).__name__} (mean subtraction; RMSNorm only)")
-    weight = cast(torch.Tensor, getattr(norm, "weight", None))
-    if weight is None or weight.dim() != 1 or getattr(norm, "bias", None) is not None:
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or getattr(norm, "bias", None) is not None:
         raise RotationError(f"rotation: {where} ({type(norm).__name__}) is not an RMSNorm with a weight")
-    scale = (1.0 + weight.double()) if offset else weight.double()
-    for reader in readers:
-        w = input_weight(reader)
-        w.copy_((w.double() * scale).to(w.dtype))
-    weight.fill_(0.0 if offset else 1.0)
+    return offset
 
 
 def _rotate_in(weight: torch.Tensor, q: torch.Tensor) -> None:
