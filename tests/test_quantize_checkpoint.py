@@ -148,6 +148,20 @@ def test_quality_table(source, tmp_path):
     assert fp8_sq["min_snr_db"] > 20 and abs(fp8_sq["mean_snr_db"] - fp8["mean_snr_db"]) < 6
 
 
+def whole_model_kl(reference, quantized, tokens) -> tuple[torch.Tensor, float]:
+    """(each window's mean KL(reference || quantized), float64 (N,); the bound on its difference from `quality`'s
+    layer-by-layer figure): the two whole float32 models one window at a time, and |dKL| <= 2 delta (1 + max|log p -
+    log q|), delta = (4L + 1) K u max|logit| (test_layerwise_quality_equals_the_whole_models derives it)."""
+    with torch.no_grad():
+        a = torch.cat([reference(w).logits for w in tokens.split(1)])
+        b = torch.cat([quantized(w).logits for w in tokens.split(1)])
+    p, q = torch.log_softmax(a.double(), -1), torch.log_softmax(b.double(), -1)
+    config = reference.config
+    k = max(config.intermediate_size, config.hidden_size, config.num_attention_heads * config.head_dim)
+    delta = (4 * config.num_hidden_layers + 1) * k * 2**-24 * a.abs().max().item()
+    return (p.exp() * (p - q)).sum(-1).mean(-1), 2 * delta * (1 + (p - q).abs().max().item())
+
+
 def test_layerwise_quality_equals_the_whole_models(source, tmp_path):
     """`quality` runs one layer of each model at a time; its KL and SNRs equal those of the two whole models (the
     float32 source with the checkpoint's SmoothQuant factors folded in, and `load_fake_quant_model`) up to float32
@@ -173,19 +187,10 @@ def test_layerwise_quality_equals_the_whole_models(source, tmp_path):
     factors = read_smoothquant_factors(out)
     for m in resolve_mappings(reference).mappings:
         fold_mapping(reference, m, factors[m.smooth])
-    quantized = load_fake_quant_model(out)
-    with torch.no_grad():
-        a = torch.cat([reference(w).logits for w in tokens.split(1)])
-        b = torch.cat([quantized(w).logits for w in tokens.split(1)])
-    p, q = torch.log_softmax(a.double(), -1), torch.log_softmax(b.double(), -1)
-    whole_kl = (p.exp() * (p - q)).sum(-1).mean().item()
-    config = reference.config
-    k = max(config.intermediate_size, config.hidden_size, config.num_attention_heads * config.head_dim)
-    delta = (4 * config.num_hidden_layers + 1) * k * 2**-24 * a.abs().max().item()
-    bound = 2 * delta * (1 + (p - q).abs().max().item())
+    whole_per_window, bound = whole_model_kl(reference, load_fake_quant_model(out), tokens)
+    whole_kl = whole_per_window.mean().item()  # every window has T positions: the mean over all of them
     assert abs(layerwise["kl"] - whole_kl) <= bound, (layerwise["kl"], whole_kl, bound)
     assert bound < layerwise["kl"] / 2  # the bound is well below the effect measured: a wrong layer would show
-    whole_per_window = (p.exp() * (p - q)).sum(-1).mean(-1)  # each window's mean, the same bound per window
     assert len(layerwise["kl_per_window"]) == len(tokens)
     assert all(abs(x - y) <= bound for x, y in zip(layerwise["kl_per_window"], whole_per_window.tolist()))
     assert set(layerwise["layer_snr_db"]) == set(json.loads((out / "config.json").read_text())["quantization_config"]["quantized_modules"])

@@ -173,6 +173,7 @@ def test_quality_reads_a_rotated_tied_checkpoint_as_the_whole_models_do(tmp_path
     from quantkit.data import heldout_windows
     from quantkit.quantize.fake_quant import load_fake_quant_model
     from quantkit.quantize.quality import quality
+    from test_quantize_checkpoint import whole_model_kl
 
     source = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
     state = load_file(str(source / "model.safetensors"))
@@ -186,15 +187,7 @@ def test_quality_reads_a_rotated_tied_checkpoint_as_the_whole_models_do(tmp_path
     layerwise = quality(source, out, tokens)
     assert layerwise["layer_snr_db"] == {} and layerwise["min_snr_db"] is None
 
-    reference = load_reference_model(source, torch.float32)
-    quantized = load_fake_quant_model(out)
-    with torch.no_grad():
-        a = torch.cat([reference(w).logits for w in tokens.split(1)])
-        b = torch.cat([quantized(w).logits for w in tokens.split(1)])
-    p, q = torch.log_softmax(a.double(), -1), torch.log_softmax(b.double(), -1)
-    whole_kl = (p.exp() * (p - q)).sum(-1).mean().item()
-    c = reference.config
-    delta = (4 * c.num_hidden_layers + 1) * max(c.intermediate_size, c.hidden_size) * 2**-24 * a.abs().max().item()
-    bound = 2 * delta * (1 + (p - q).abs().max().item())
+    per_window, bound = whole_model_kl(load_reference_model(source, torch.float32), load_fake_quant_model(out), tokens)
+    whole_kl = per_window.mean().item()
     assert abs(layerwise["kl"] - whole_kl) <= bound, (layerwise["kl"], whole_kl, bound)
     assert bound < layerwise["kl"] / 2
