@@ -23,7 +23,10 @@ residual stream reaches ~2.5e4, its down_proj inputs ~3e3). Two steps:
            - on CUDA: times (triton.testing.do_bench medians) of our quantizer, our GEMM and torch's bf16 mm;
            - --online-hadamard: each down_proj once more as a rotated checkpoint serves it (proj "down_proj+H"):
              x and w's rows through `quantkit.formats.hadamard.block_hadamard` first (the device's transform of x
-             bit-equal to the CPU's), rel err still against the unrotated product, and the transform's time.
+             bit-equal to the CPU's), rel err still against the unrotated product, and the transform's time;
+             the fused quantizer (Hadamard inside the kernel, `quantize(x, hadamard=b)`, what serving runs)
+             bit-exact with the reference on the transformed x, and its time ("fused us") against the torch
+             transform + quantizer ("Hadamard us" + "quant us").
            Without CUDA the kernels run through the Triton interpreter (`--quick`: the layer with the
            largest max |x|, M = 16).
            Writes <out>/trained_kernels_<device>_<date>[_quick].{json,md}, prints a summary table last and
@@ -235,7 +238,7 @@ def check_case(scheme: Scheme, x: torch.Tensor, w: torch.Tensor, device: torch.d
     (on the device: its bits must equal the CPU's, `hadamard_mismatches`) and to w's rows (float32) first; y0 stays
     the unrotated product (x H (w H)^T = x w^T)."""
     kernels, native = KERNELS[scheme.name], device.type == "cuda"
-    xd = x.to(device)
+    xd = x_raw = x.to(device)
     y0 = x.float() @ w.float().T
     row: dict = {}
     if hadamard:
@@ -248,6 +251,9 @@ def check_case(scheme: Scheme, x: torch.Tensor, w: torch.Tensor, device: torch.d
     got = kernels.quantize(xd, None)
     want = scheme.quantize_activation(x)
     y = kernels.gemm(*got, *weight, None, out_dtype=torch.bfloat16).cpu()
+    if hadamard:
+        fused = kernels.quantize(x_raw, None, hadamard=hadamard)
+        row["fused_mismatches"] = mismatches(fused, want)
     row |= {
         "act_mismatches": mismatches(got, want),
         "act_elements": sum(t.numel() for t in want),
@@ -264,7 +270,13 @@ def check_case(scheme: Scheme, x: torch.Tensor, w: torch.Tensor, device: torch.d
         if hadamard:
             xb = x.to(device, torch.bfloat16)
             row["hadamard_us"] = 1e3 * bench_gemm.time_ms(lambda: block_hadamard(xb, hadamard), True)
-    row["ok"] = row["act_mismatches"] == 0 and row["err_over_tol"] <= 1.0 and not row.get("hadamard_mismatches")
+            row["fused_us"] = 1e3 * bench_gemm.time_ms(lambda: kernels.quantize(xb, None, hadamard=hadamard), True)
+    row["ok"] = (
+        row["act_mismatches"] == 0
+        and row["err_over_tol"] <= 1.0
+        and not row.get("hadamard_mismatches")
+        and not row.get("fused_mismatches")
+    )
     return row
 
 
@@ -282,20 +294,22 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"- date: {meta['date']}; torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}",
         f"- command: `{meta['command']}`",
         f"- data: {', '.join(meta['data'])}",
-        "- act mism: activation elements whose bits differ between the Triton quantizer and the reference (must be 0);"
+        "- act mism: activation elements whose bits differ between the Triton quantizer (and, on down_proj+H rows, the"
+        " fused Hadamard quantizer) and the reference (must be 0);"
         " err/tol: GEMM vs the dequantized float32 product, bound of tests/test_kernels_gemm.py"
         f"{' + FP8 MMA term' if meta['fp8_mma_term'] else ''} (<= 1); rel err: ||y - y0|| / ||y0||, y0 the"
         " unquantized bf16 operands' product (informational); times: " + meta["timing"],
         "",
         "| model | layer | proj | M | N | K | max\\|x\\| | scheme | act mism | err/tol | rel err "
-        "| quant us | gemm us | bf16 us | Hadamard us | gemm vs bf16 | ok |",
-        "|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| quant us | gemm us | bf16 us | Hadamard us | fused us | gemm vs bf16 | ok |",
+        "|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        t = [f"{r[c]:.1f}" if c in r else "-" for c in ("quant_us", "gemm_us", "bf16_us", "hadamard_us")]
+        t = [f"{r[c]:.1f}" if c in r else "-" for c in ("quant_us", "gemm_us", "bf16_us", "hadamard_us", "fused_us")]
         vs = f"{r['gemm_vs_bf16']:.2f}x" if "gemm_vs_bf16" in r else "-"
         lines.append(f"| {r['model']} | {r['layer']} | {r['proj']} | {r['M']} | {r['N']} | {r['K']} "
-                     f"| {r['x_absmax']:.4g} | {r['scheme']} | {r['act_mismatches']} | {r['err_over_tol']:.3f} "
+                     f"| {r['x_absmax']:.4g} | {r['scheme']} | {r['act_mismatches'] + r.get('fused_mismatches', 0)} "
+                     f"| {r['err_over_tol']:.3f} "
                      f"| {r['rel_err_vs_bf16']:.4f} "
                      f"| {' | '.join(t)} | {vs} | {'yes' if r['ok'] else '**NO**'} |")
     return "\n".join(lines) + "\n"
@@ -313,7 +327,8 @@ def summary(rows: list[dict]) -> str:
         speed = [r["gemm_vs_bf16"] for r in rs if "gemm_vs_bf16" in r]
         geo = f"{math.exp(sum(map(math.log, speed)) / len(speed)):.2f}x" if speed else "-"
         lines.append(f"{model} | {layer} | {scheme} | {m} | {max(r['x_absmax'] for r in rs):.4g} "
-                     f"| {sum(r['act_mismatches'] for r in rs)} | {max(r['err_over_tol'] for r in rs):.3f} "
+                     f"| {sum(r['act_mismatches'] + r.get('fused_mismatches', 0) for r in rs)} "
+                     f"| {max(r['err_over_tol'] for r in rs):.3f} "
                      f"| {min(r['rel_err_vs_bf16'] for r in rs):.4f}-{max(r['rel_err_vs_bf16'] for r in rs):.4f} "
                      f"| {geo} | {'yes' if all(r['ok'] for r in rs) else 'NO'}")
     return "\n".join(lines)

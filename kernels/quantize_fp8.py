@@ -1,8 +1,10 @@
 """Fused FP8 E4M3 per-token activation quantizer (Triton), bit-exact with
 `quantkit.formats.quantize_fp8_per_token`.
 
-`quantize_fp8_per_token(x)`: x (M, K) float32/bfloat16/float16 -> (q (M, K) float8_e4m3fn,
-scale (M, 1) float32). One program quantizes BLOCK_M rows in two sweeps over K: the row amax, then
+`quantize_fp8_per_token(x, hadamard=0)`: x (M, K) float32/bfloat16/float16 -> (q (M, K) float8_e4m3fn,
+scale (M, 1) float32) of x, or of x's online block Hadamard transform (`hadamard` > 0: a rotated checkpoint's
+down_proj input, `quantkit.kernels.hadamard`; the transform is applied to each tile as it is loaded, in both
+sweeps). One program quantizes BLOCK_M rows in two sweeps over K: the row amax, then
 ``q = e4m3(x / scale)`` with the DECODE scale ``scale = amax / 448`` (1.0 for an all-zero row or one
 whose scale underflows), all in float32 with correctly rounded division (`tl.div_rn`), RNE and
 saturation at +-448 by integer ops (`quantkit.kernels.fp_codes.e4m3_code`); -0.0 stays 0x80.
@@ -17,6 +19,7 @@ import triton.language as tl
 from quantkit.formats.constants import F8E4M3_DTYPE
 from quantkit.formats.fp8 import check_quantizable
 from quantkit.kernels.fp_codes import E4M3_MAX, e4m3_code
+from quantkit.kernels.hadamard import check_hadamard, hadamard_scale, hadamard_tile
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -41,14 +44,48 @@ def check_tile(fn: str, name: str, value: int, least: int = 1) -> None:
         raise ValueError(f"{fn}: {name} must be a power of two >= {least}, got {value!r}")
 
 
+HADAMARD_TILE_ELEMENTS = 8192  # a transformed tile's elements at most (BLOCK_M x BLOCK_K), held in registers
+
+
+def quantizer_tile(fn: str, hadamard: int, k: int, block_m: int, block_k: int) -> tuple[int, int]:
+    """The (BLOCK_M, BLOCK_K) tile of a quantizer sweep: block_k widened to the online Hadamard block when that
+    is larger (a tile holds whole blocks), block_m then cut to keep HADAMARD_TILE_ELEMENTS; `hadamard` checked
+    against K (0: no transform, the tile unchanged)."""
+    if not hadamard:
+        return block_m, block_k
+    check_hadamard(fn, hadamard, k)
+    block_k = max(block_k, hadamard)
+    return max(1, min(block_m, HADAMARD_TILE_ELEMENTS // block_k)), block_k
+
+
 @triton.jit
-def row_absmax(x_rows, row_ok, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def load_rows(x_rows, row_ok, k0, K, BLOCK_K: tl.constexpr, HADAMARD: tl.constexpr, HADAMARD_SCALE: tl.constexpr):
+    """float32 (BLOCK_M, BLOCK_K) tile of the rows x_rows ((BLOCK_M, 1) pointers to their first elements),
+    columns k0 ..; zeros outside the rows (not row_ok) and beyond K. HADAMARD > 0 (dividing BLOCK_K and K, so a
+    tile holds whole blocks): through the online block Hadamard (`quantkit.kernels.hadamard`)."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)
+    if HADAMARD:
+        x = hadamard_tile(x, HADAMARD, HADAMARD_SCALE)
+    return x
+
+
+@triton.jit
+def row_absmax(
+    x_rows,
+    row_ok,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HADAMARD: tl.constexpr = 0,
+    HADAMARD_SCALE: tl.constexpr = 1.0,
+):
     """max |x| (float32, (BLOCK_M,)) of the rows x_rows ((BLOCK_M, 1) pointers to their first elements) over
-    K elements, BLOCK_K a step; rows outside (not row_ok) give 0."""
+    K elements (through the online Hadamard when HADAMARD > 0, see `load_rows`), BLOCK_K a step; rows outside
+    (not row_ok) give 0."""
     amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)
+        x = load_rows(x_rows, row_ok, k0, K, BLOCK_K, HADAMARD, HADAMARD_SCALE)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
     return amax
 
@@ -64,38 +101,53 @@ def _quantize_fp8_per_token_kernel(
     stride_qm,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HADAMARD: tl.constexpr,
+    HADAMARD_SCALE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qm
-    amax = row_absmax(x_rows, row_ok, K, BLOCK_M, BLOCK_K)
+    amax = row_absmax(x_rows, row_ok, K, BLOCK_M, BLOCK_K, HADAMARD, HADAMARD_SCALE)
     scale = tl.div_rn(amax, tl.full((BLOCK_M,), E4M3_MAX, tl.float32))
     scale = tl.where(scale > 0, scale, 1.0)
     tl.store(scale_ptr + rows, scale, mask=row_ok)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (cols[None, :] < K)
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = load_rows(x_rows, row_ok, k0, K, BLOCK_K, HADAMARD, HADAMARD_SCALE)
         y = tl.div_rn(x, tl.broadcast_to(scale[:, None], (BLOCK_M, BLOCK_K)))
         tl.store(q_rows + cols[None, :], e4m3_code(y).to(tl.uint8), mask=mask)
 
 
 def quantize_fp8_per_token(
-    x: torch.Tensor, *, block_m: int = 16, block_k: int = 512
+    x: torch.Tensor, *, hadamard: int = 0, block_m: int = 16, block_k: int = 512
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) float32/bfloat16/float16 -> (q float8_e4m3fn (M, K), decode scale float32 (M, 1)).
 
-    block_m, block_k: the tile one program handles per step (powers of two); they change speed only.
+    hadamard > 0 (a power of two dividing K): quantize x's online block Hadamard transform instead, bit-exact
+    with quantizing `quantkit.formats.hadamard.block_hadamard(x, hadamard)`. block_m, block_k: the tile one
+    program handles per step (powers of two; block_k widened to the Hadamard block); they change speed only.
     """
     check_activation("quantize_fp8_per_token", x)
     check_tile("quantize_fp8_per_token", "block_m", block_m)
     check_tile("quantize_fp8_per_token", "block_k", block_k)
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, k = x.shape
+    block_m, block_k = quantizer_tile("quantize_fp8_per_token", hadamard, k, block_m, block_k)
     q = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     _quantize_fp8_per_token_kernel[(triton.cdiv(m, block_m),)](
-        x, q, scale, m, k, x.stride(0), q.stride(0), BLOCK_M=block_m, BLOCK_K=block_k
+        x,
+        q,
+        scale,
+        m,
+        k,
+        x.stride(0),
+        q.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        HADAMARD=hadamard,
+        HADAMARD_SCALE=hadamard_scale(hadamard) if hadamard else 1.0,
     )
     return q.view(F8E4M3_DTYPE), scale

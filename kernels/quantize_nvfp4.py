@@ -1,8 +1,10 @@
 """Fused NVFP4 activation quantizer (Triton), bit-exact with `quantkit.formats.quantize_nvfp4_activation`.
 
-`quantize_nvfp4_per_token(x, global_scale=None)`: x (M, K) float32/bfloat16/float16 ->
+`quantize_nvfp4_per_token(x, global_scale=None, hadamard=0)`: x (M, K) float32/bfloat16/float16 ->
 (packed uint8 (M, Kp/2), block_scale float8_e4m3fn (M, Kp/16), global float32 (M, 1)), Kp = K rounded
-up to a multiple of 16 (zero padded). All scales are DECODE scales:
+up to a multiple of 16 (zero padded); with `hadamard` > 0 the same of x's online block Hadamard transform (a
+rotated checkpoint's down_proj input, `quantkit.kernels.hadamard`), applied to each tile as it is loaded.
+All scales are DECODE scales:
 ``x ~= e2m1(code) * float(block_scale) * global``.
 
 - global: per token (``global_scale=None``, mode "per_token"): ``row_amax / 2688``, 1.0 for an all-zero
@@ -15,7 +17,8 @@ up to a multiple of 16 (zero padded). All scales are DECODE scales:
 
 One program handles BLOCK_M rows: a sweep over K for the row amax (per-token mode only), then a sweep
 that loads the even and odd elements of BLOCK_K / 16 groups as two (BLOCK_M, groups, 8) tiles, so that
-the group amax is a reduction over the last axis and the two nibbles of a byte sit at the same index.
+the group amax is a reduction over the last axis and the two nibbles of a byte sit at the same index
+(with the Hadamard: one contiguous tile, transformed, then split into its even and odd elements).
 Division is correctly rounded (`tl.div_rn`); E4M3 and E2M1 rounding by integer ops (`fp_codes`).
 """
 
@@ -27,7 +30,8 @@ import triton.language as tl
 
 from quantkit.formats.constants import F4E2M1_MAX, F8E4M3_DTYPE, NVFP4_GLOBAL_DIVISOR, NVFP4_GROUP
 from quantkit.kernels.fp_codes import E4M3_MAX, E4M3_MIN_SUBNORMAL, e2m1_code, e4m3_code, e4m3_positive_value
-from quantkit.kernels.quantize_fp8 import check_activation, check_tile, row_absmax
+from quantkit.kernels.hadamard import hadamard_scale
+from quantkit.kernels.quantize_fp8 import check_activation, check_tile, load_rows, quantizer_tile, row_absmax
 
 _E2M1_MAX = tl.constexpr(F4E2M1_MAX)
 _GLOBAL_DIVISOR = tl.constexpr(NVFP4_GLOBAL_DIVISOR)
@@ -52,6 +56,8 @@ def _quantize_nvfp4_kernel(
     STATIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HADAMARD: tl.constexpr,
+    HADAMARD_SCALE: tl.constexpr,
 ):
     GROUPS: tl.constexpr = BLOCK_K // _GROUP
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -60,7 +66,7 @@ def _quantize_nvfp4_kernel(
     if STATIC:
         gs = tl.load(static_global_ptr + rows * stride_static, mask=row_ok, other=1.0)  # stride 0: one number
     else:
-        amax = row_absmax(x_ptr + rows64[:, None] * stride_xm, row_ok, K, BLOCK_M, BLOCK_K)
+        amax = row_absmax(x_ptr + rows64[:, None] * stride_xm, row_ok, K, BLOCK_M, BLOCK_K, HADAMARD, HADAMARD_SCALE)
         gs = tl.div_rn(amax, tl.full((BLOCK_M,), _GLOBAL_DIVISOR, tl.float32))
         gs = tl.where(gs > 0, gs, 1.0)
     tl.store(global_ptr + rows, gs, mask=row_ok)
@@ -72,9 +78,13 @@ def _quantize_nvfp4_kernel(
     x_rows = x_ptr + rows64[:, None, None] * stride_xm
     gs2 = tl.broadcast_to(gs[:, None], (BLOCK_M, GROUPS))
     for k0 in range(0, K_PAD, BLOCK_K):
-        even = k0 + group * _GROUP + pair * 2
-        x_even = tl.load(x_rows + even, mask=row3 & (even < K), other=0.0).to(tl.float32)
-        x_odd = tl.load(x_rows + even + 1, mask=row3 & (even + 1 < K), other=0.0).to(tl.float32)
+        if HADAMARD:  # K is a multiple of HADAMARD, itself dividing BLOCK_K: whole tiles
+            x = load_rows(x_ptr + rows64[:, None] * stride_xm, row_ok, k0, K, BLOCK_K, HADAMARD, HADAMARD_SCALE)
+            x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, GROUPS, _PAIRS, 2)))
+        else:
+            even = k0 + group * _GROUP + pair * 2
+            x_even = tl.load(x_rows + even, mask=row3 & (even < K), other=0.0).to(tl.float32)
+            x_odd = tl.load(x_rows + even + 1, mask=row3 & (even + 1 < K), other=0.0).to(tl.float32)
         group_amax = tl.maximum(tl.max(tl.abs(x_even), axis=2), tl.max(tl.abs(x_odd), axis=2))
         scale = tl.div_rn(group_amax, _E2M1_MAX * gs2)
         scale = tl.where(scale == 0, 1.0, scale)
@@ -124,6 +134,7 @@ def quantize_nvfp4_per_token(
     x: torch.Tensor,
     global_scale: torch.Tensor | float | None = None,
     *,
+    hadamard: int = 0,
     block_m: int = 16,
     block_k: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,8 +142,10 @@ def quantize_nvfp4_per_token(
 
     global_scale None: per-token second stage row_amax / 2688; else the static calibrated DECODE scale
     (a number or a one-element tensor), used for every row, or a float32 (M,) tensor: one per row (values
-    unchecked). block_m, block_k (powers of two, block_k a multiple of 16): the tile of one program step;
-    they change speed only.
+    unchecked). hadamard > 0 (a power of two dividing K): quantize x's online block Hadamard transform instead,
+    bit-exact with quantizing `quantkit.formats.hadamard.block_hadamard(x, hadamard)`. block_m, block_k (powers
+    of two, block_k a multiple of 16, widened to the Hadamard block): the tile of one program step; they change
+    speed only.
     """
     check_activation("quantize_nvfp4_per_token", x)
     check_tile("quantize_nvfp4_per_token", "block_m", block_m)
@@ -143,6 +156,7 @@ def quantize_nvfp4_per_token(
         _static_global(global_scale, m, x.device) if global_scale is not None else torch.empty(1, device=x.device)
     )
     x = x if x.stride(-1) == 1 else x.contiguous()
+    block_m, block_k = quantizer_tile("quantize_nvfp4_per_token", hadamard, k, block_m, block_k)
     k_pad = triton.cdiv(k, NVFP4_GROUP) * NVFP4_GROUP
     packed = torch.empty((m, k_pad // 2), dtype=torch.uint8, device=x.device)
     block_scale = torch.empty((m, k_pad // NVFP4_GROUP), dtype=torch.uint8, device=x.device)
@@ -163,5 +177,7 @@ def quantize_nvfp4_per_token(
         STATIC=static,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
+        HADAMARD=hadamard,
+        HADAMARD_SCALE=hadamard_scale(hadamard) if hadamard else 1.0,
     )
     return packed, block_scale.view(F8E4M3_DTYPE), global_out

@@ -1,8 +1,9 @@
 """The kernels of each scheme of `quantkit.formats.schemes`, keyed by scheme name: what serves a quantized
 Linear on CUDA (`quantkit.serve.quant_method`). A scheme's entry holds
 
-    quantize(x (M, K), input_global_scale or None) -> its activation operands, bit-exact with
-                                                      `Scheme.quantize_activation`
+    quantize(x (M, K), input_global_scale or None, *, hadamard=0) -> its activation operands, bit-exact with
+                                                      `Scheme.quantize_activation` (of x's online block
+                                                      Hadamard transform when hadamard > 0)
     gemm(*activation operands, *weight tensors (in `Scheme.tensors` order), bias, out_dtype=...) -> (M, N)
     grouped_gemm(*activation operands, *stacked weight tensors, expert_offsets, row_index=..., out_dtype=...)
                                                    -> (S, N)  (`quantkit.kernels.grouped_gemm`)
@@ -43,15 +44,20 @@ from quantkit.kernels.quantize_nvfp4 import quantize_nvfp4_per_token
 class SchemeKernels:
     """A scheme's fused activation quantizer, GEMM and grouped GEMM (signatures in the module docstring)."""
 
-    quantize: Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, ...]]
+    quantize: Callable[..., tuple[torch.Tensor, ...]]
     gemm: Callable[..., torch.Tensor]
     grouped_gemm: Callable[..., torch.Tensor]
 
 
+def _quantize_fp8(
+    x: torch.Tensor, _input_global_scale: torch.Tensor | None, *, hadamard: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 scheme's quantizer in the common signature (per token only: no input scale to use)."""
+    return quantize_fp8_per_token(x, hadamard=hadamard)
+
+
 KERNELS: dict[str, SchemeKernels] = {
-    FP8_BLOCK.name: SchemeKernels(
-        lambda x, _input_global_scale: quantize_fp8_per_token(x), fp8_block_gemm, fp8_block_grouped_gemm
-    ),
+    FP8_BLOCK.name: SchemeKernels(_quantize_fp8, fp8_block_gemm, fp8_block_grouped_gemm),
     NVFP4.name: SchemeKernels(quantize_nvfp4_per_token, nvfp4_gemm, nvfp4_grouped_gemm),
 }
 
@@ -63,15 +69,21 @@ def quantized_linear(
     bias: torch.Tensor | None,
     input_global_scale: torch.Tensor | None = None,
     row_amax: torch.Tensor | None = None,
+    hadamard: int = 0,
 ) -> torch.Tensor:
     """y (..., N) = quantize(x) @ W^T (+ bias) in x's dtype, x (..., K), `weights` in `scheme.tensors` order.
 
     row_amax (..., 1): the whole row's max |x| when x is a tensor-parallel slice of K; the activations are then
-    quantized by the reference (`scheme.quantize_activation`, pure torch), else by the fused kernel."""
+    quantized by the reference (`scheme.quantize_activation`, pure torch), else by the fused kernel.
+    hadamard > 0: a rotated down_proj's online block Hadamard, applied to x inside the fused quantizer
+    (`quantkit.kernels.hadamard`; the weights are stored transformed); not with row_amax (the caller
+    transforms a TP slice itself)."""
     kernels = KERNELS[scheme.name]
     x2 = x.reshape(-1, x.shape[-1])
     if row_amax is None:
-        activation = kernels.quantize(x2, input_global_scale)
+        activation = kernels.quantize(x2, input_global_scale, hadamard=hadamard)
+    elif hadamard:
+        raise ValueError("quantized_linear: transform a tensor-parallel slice before quantizing it (row_amax)")
     else:
         activation = scheme.quantize_activation(x2, row_amax=row_amax.reshape(-1, 1))
     out = kernels.gemm(*activation, *weights, bias, out_dtype=x.dtype)

@@ -20,7 +20,7 @@ import json, re
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from quantkit.kernels import fp8_gemm, gemm_tiles, nvfp4_gemm, quantize_fp8, quantize_nvfp4
+from quantkit.kernels import fp8_gemm, gemm_tiles, hadamard, nvfp4_gemm, quantize_fp8, quantize_nvfp4
 
 ALIGNED = {"M", "N", "K", "K_PAD", "K_BYTES"}
 
@@ -41,12 +41,27 @@ def summary(text):
             "wgmma": "wgmma.mma_async" in text, "cp_async": "cp.async" in text}
 
 out = {}
+NO_HADAMARD = {"HADAMARD": 0, "HADAMARD_SCALE": 1.0}
 for static in (False, True):
     out[f"quantize_nvfp4 static={static}"] = summary(ptx(
         quantize_nvfp4._quantize_nvfp4_kernel, {"x_ptr": "*bf16", "packed_ptr": "*u8", "block_scale_ptr": "*u8",
-        "global_ptr": "*fp32", "static_global_ptr": "*fp32"}, {"STATIC": static, "BLOCK_M": 16, "BLOCK_K": 256}))
+        "global_ptr": "*fp32", "static_global_ptr": "*fp32"},
+        {"STATIC": static, "BLOCK_M": 16, "BLOCK_K": 256, **NO_HADAMARD}))
 out["quantize_fp8"] = summary(ptx(quantize_fp8._quantize_fp8_per_token_kernel,
-    {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp32"}, {"BLOCK_M": 16, "BLOCK_K": 512}))
+    {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp32"}, {"BLOCK_M": 16, "BLOCK_K": 512, **NO_HADAMARD}))
+# the online Hadamard fused in (rotated down_proj inputs): a small block and Llama-3-8B's 2048 (tiles as the
+# wrappers choose them, `quantize_fp8.quantizer_tile`)
+for block in (128, 2048):
+    block_m, block_k = quantize_fp8.quantizer_tile("compile", block, block, 16, 256)
+    out[f"quantize_nvfp4 hadamard={block}"] = summary(ptx(
+        quantize_nvfp4._quantize_nvfp4_kernel, {"x_ptr": "*bf16", "packed_ptr": "*u8", "block_scale_ptr": "*u8",
+        "global_ptr": "*fp32", "static_global_ptr": "*fp32"},
+        {"STATIC": False, "BLOCK_M": block_m, "BLOCK_K": block_k, "HADAMARD": block,
+         "HADAMARD_SCALE": hadamard.hadamard_scale(block)}))
+    block_m, block_k = quantize_fp8.quantizer_tile("compile", block, block, 16, 512)
+    out[f"quantize_fp8 hadamard={block}"] = summary(ptx(quantize_fp8._quantize_fp8_per_token_kernel,
+        {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp32"},
+        {"BLOCK_M": block_m, "BLOCK_K": block_k, "HADAMARD": block, "HADAMARD_SCALE": hadamard.hadamard_scale(block)}))
 for m in (1, 4096):
     out[f"fp8_gemm M={m}"] = summary(ptx(fp8_gemm._fp8_block_gemm_kernel,
         {"x_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
@@ -75,13 +90,14 @@ def sm90_ptx():
 
 
 def test_quantizers_divide_with_ieee_rounding_on_hopper(sm90_ptx):
-    for name in ("quantize_fp8", "quantize_nvfp4 static=False", "quantize_nvfp4 static=True"):
+    for name in [n for n in sm90_ptx if n.startswith("quantize_")]:
         assert sm90_ptx[name]["divisions"] == ["div.rn.f32"], (name, sm90_ptx[name])
 
 
 def test_every_kernel_compiles_for_hopper(sm90_ptx):
     assert sorted(sm90_ptx) == sorted(
         ["quantize_fp8", "quantize_nvfp4 static=False", "quantize_nvfp4 static=True"]
+        + [f"quantize_{q} hadamard={b}" for q in ("fp8", "nvfp4") for b in (128, 2048)]  # online Hadamard fused
         + [f"{gemm} M={m}" for gemm in ("fp8_gemm", "nvfp4_gemm") for m in (1, 4096)]  # decode and prefill tiles
         + ["nvfp4_dequantize", "nvfp4_dequantized_gemm M=4096"]  # NVFP4's dequantize-first path (M > 64)
     )

@@ -22,10 +22,12 @@ from quantkit.formats import (
 )
 from quantkit.formats.constants import E2M1_BOUNDS, F8E4M3_DTYPE
 from quantkit.formats.fp8 import to_e4m3
+from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.nvfp4 import e2m1_to_float, round_to_e2m1
 from quantkit.kernels import quantize_fp8 as kfp8
 from quantkit.kernels import quantize_nvfp4 as knvfp4
 from quantkit.kernels.fp_codes import e2m1_code, e2m1_value, e4m3_code, e4m3_positive_value
+from quantkit.kernels.hadamard import hadamard_scale, hadamard_tile
 
 # --- the device functions --------------------------------------------------------------------------------
 
@@ -130,12 +132,13 @@ def test_fp8_per_token_zero_rows_and_tiles():
 # --- NVFP4 ----------------------------------------------------------------------------------------------
 
 
-def _nvfp4_equal(x: torch.Tensor, global_scale=None, **tiles) -> None:
-    packed, block_scale, global_ = knvfp4.quantize_nvfp4_per_token(x, global_scale, **tiles)
+def _nvfp4_equal(x: torch.Tensor, global_scale=None, hadamard: int = 0, **tiles) -> None:
+    packed, block_scale, global_ = knvfp4.quantize_nvfp4_per_token(x, global_scale, hadamard=hadamard, **tiles)
+    xt = block_hadamard(x, hadamard) if hadamard else x
     if global_scale is None:
-        want = quantize_nvfp4_activation(x, "per_token")
+        want = quantize_nvfp4_activation(xt, "per_token")
     else:
-        want = quantize_nvfp4_activation(x, "static", global_scale)
+        want = quantize_nvfp4_activation(xt, "static", global_scale)
     k_pad = -(-x.shape[1] // 16) * 16
     assert packed.dtype == torch.uint8 and packed.shape == (x.shape[0], k_pad // 2)
     assert block_scale.dtype == F8E4M3_DTYPE and block_scale.shape == (x.shape[0], k_pad // 16)
@@ -242,3 +245,62 @@ def test_nvfp4_refuses_bad_static_scales_and_short_tiles():
         knvfp4.quantize_nvfp4_per_token(x, torch.ones(2, 1))
     with pytest.raises(ValueError, match="block_k must be a power of two >= 16"):
         knvfp4.quantize_nvfp4_per_token(x, block_k=8)  # a tile holds whole groups
+
+
+# --- the online Hadamard inside the quantizers (a rotated checkpoint's down_proj input) ------------------
+
+
+@triton.jit
+def _hadamard_kernel(x_ptr, y_ptr, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HADAMARD: tl.constexpr,
+                     SCALE: tl.constexpr):
+    rows = tl.arange(0, BLOCK_M)[:, None] * K
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)[None, :]
+        y = hadamard_tile(tl.load(x_ptr + rows + cols).to(tl.float32), HADAMARD, SCALE)
+        tl.store(y_ptr + rows + cols, y)
+
+
+@pytest.mark.parametrize("block", [1, 2, 16, 128, 512])
+def test_hadamard_tile_is_the_reference_butterfly_bit_for_bit(block):
+    """The tile transform takes each element through the same float32 additions in the same order as
+    `block_hadamard` and one multiply by the same float32 1/sqrt(block): equal bits, also with several blocks
+    to a tile (BLOCK_K = 4 blocks) and for inputs whose sums round (float32 values of 24 significant bits)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 8 * block, generator=g) * torch.logspace(-3, 3, 8 * block)
+    y = torch.empty_like(x)
+    _hadamard_kernel[(1,)](x, y, x.shape[1], BLOCK_M=4, BLOCK_K=4 * block, HADAMARD=block,
+                           SCALE=hadamard_scale(block))
+    assert torch.equal(y, block_hadamard(x, block))
+
+
+def _hadamard_quantizer_cases() -> list[tuple[torch.Tensor, int]]:
+    """(x, block): heavy-tailed rows (channel scales over six decades, one massive channel), zeros and -0.0,
+    an all-zero row; M not a multiple of block_m; blocks below a NVFP4 group (2, 8), a tile's width (32..128)
+    and above it (1024 > block_k)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(19, 2048, generator=g) * torch.logspace(-3, 3, 2048)[torch.randperm(2048, generator=g)]
+    x[:, 5] = 3e3  # a massive activation channel (SmolLM2's down_proj inputs reach 3e3)
+    x[0] = 0.0
+    x[1, :64] = -0.0
+    return [(x[:, :96], 2), (x[:, :96], 8), (x[:5, :384], 32), (x, 128), (x[:7], 1024)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantizers_with_online_hadamard_bit_exact(dtype):
+    """quantize(x, hadamard=b) == quantize_reference(block_hadamard(x, b)), every byte and scale: the kernel's
+    transform has the reference's bits (test above), after which both quantize the same float32 values."""
+    for x, block in _hadamard_quantizer_cases():
+        x = x.to(dtype)
+        q, scale = kfp8.quantize_fp8_per_token(x, hadamard=block, block_m=8, block_k=64)
+        want_q, want_scale = quantize_fp8_per_token(block_hadamard(x, block))
+        assert torch.equal(_u8(q), _u8(want_q)) and torch.equal(scale, want_scale), (dtype, block)
+        for global_scale in (None, 0.05):
+            _nvfp4_equal(x, global_scale, hadamard=block, block_m=8, block_k=64)
+
+
+@pytest.mark.parametrize("block", [0.5, 3, 48, 8192])
+def test_quantizers_refuse_bad_hadamard_blocks(block):
+    x = torch.randn(2, 96)
+    for fn in (kfp8.quantize_fp8_per_token, knvfp4.quantize_nvfp4_per_token):
+        with pytest.raises(ValueError, match=r"[hH]adamard"):
+            fn(x, hadamard=block)

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.schemes import SCHEMES
 from quantkit.kernels.expert_sort import sort_by_expert
 from quantkit.serve.moe_method import QuantkitExperts, QuantkitGLUExpertsMethod
@@ -28,9 +29,11 @@ from quantkit.serve.quant_method import QuantkitLinearMethod, QuantkitQuantConfi
 N, K = 136, 200  # neither a multiple of 128 nor (K) of the NVFP4 K tile
 
 
-def _layer(scheme, activation_scale, kernel, weight, monkeypatch):
-    config = QuantkitQuantConfig({"format_version": 1, "scheme": scheme, "activation_scale": activation_scale,
-                                  "quantized_modules": ["proj"]})
+def _layer(scheme, activation_scale, kernel, weight, monkeypatch, hadamard=0):
+    qc = {"format_version": 1, "scheme": scheme, "activation_scale": activation_scale, "quantized_modules": ["proj"]}
+    if hadamard:  # a rotated checkpoint's down_proj: its input through the online block Hadamard
+        qc["rotation"] = {"online_hadamard": {"proj": hadamard}}
+    config = QuantkitQuantConfig(qc)
     method = QuantkitLinearMethod(config, "proj")
     layer = torch.nn.Module()
     method.create_weights(layer, K, [N], K, N, torch.float32)
@@ -46,19 +49,22 @@ def _layer(scheme, activation_scale, kernel, weight, monkeypatch):
     return method, layer
 
 
+@pytest.mark.parametrize("hadamard", [0, 8])  # 8: K = 200's online block (a rotated down_proj)
 @pytest.mark.parametrize("scheme, activation_scale", [("fp8_block", "per_token"), ("nvfp4", "per_token"), ("nvfp4", "static")])
-def test_triton_path_equals_torch_emulation(scheme, activation_scale, monkeypatch):
+def test_triton_path_equals_torch_emulation(scheme, activation_scale, hadamard, monkeypatch):
+    """hadamard: emulation transforms x by the torch butterfly, the Triton path inside its fused quantizer; both
+    then quantize the same bits (tests/test_kernels_quantize.py), so the bound below is unchanged."""
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(N, K, generator=g) * 0.05
     x = torch.randn(2, 3, K, generator=g) * torch.tensor([0.1, 1.0, 30.0])[:, None]
     bias = torch.randn(N, generator=g)
-    emulation, emulation_layer = _layer(scheme, activation_scale, "torch", weight, monkeypatch)
-    triton, triton_layer = _layer(scheme, activation_scale, "triton", weight, monkeypatch)
+    emulation, emulation_layer = _layer(scheme, activation_scale, "torch", weight, monkeypatch, hadamard)
+    triton, triton_layer = _layer(scheme, activation_scale, "triton", weight, monkeypatch, hadamard)
     want = emulation.apply(emulation_layer, x, bias)
     got = triton.apply(triton_layer, x, bias)
     assert got.shape == want.shape == (2, 3, N) and got.dtype == torch.float32
     static = emulation_layer.input_global_scale if activation_scale == "static" else None
-    xq = SCHEMES[scheme].fake_quant_activation(x, static)
+    xq = SCHEMES[scheme].fake_quant_activation(block_hadamard(x, hadamard) if hadamard else x, static)
     summed = xq.abs() @ emulation_layer.weight_dequantized.abs().T + bias.abs()
     tol = (K + 1) * 2.0**-21 * summed  # see the module docstring
     assert bool(((got - want).abs() <= tol).all()), f"max err/tol {((got - want).abs() / tol).max():.3g}"

@@ -267,11 +267,14 @@ class QuantkitLinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (..., K) -> (..., N) in x's dtype: a rotated checkpoint's online Hadamard (float32), activations
-        quantized per token (or static), then the chosen kernel's GEMM, + bias."""
+        quantized per token (or static), then the chosen kernel's GEMM, + bias. The Triton kernels fuse the
+        Hadamard into the activation quantizer (bit-exact with the torch butterfly) unless x is a TP slice of
+        a per-token row (its whole-row amax needs the transformed slice first)."""
         dtype = x.dtype
-        if self.online_hadamard is not None:  # per rank: blocks never straddle a TP slice (create_weights)
-            x = block_hadamard(x, self.online_hadamard)
         input_global_scale = getattr(layer, "input_global_scale", None)
+        hadamard = self.online_hadamard or 0  # per rank: blocks never straddle a TP slice (create_weights)
+        if hadamard and (self.kernel == Kernel.TORCH_EMULATION or _is_row_slice(layer, input_global_scale)):
+            x, hadamard = block_hadamard(x, hadamard), 0
         row_amax = _row_amax(layer, x, input_global_scale)
         if self.kernel == Kernel.TORCH_EMULATION:
             xq = self.scheme.fake_quant_activation(x, input_global_scale, row_amax)
@@ -283,7 +286,7 @@ class QuantkitLinearMethod(LinearMethodBase):
         from quantkit.kernels.schemes import quantized_linear  # Triton: imported where used
 
         weights = [getattr(layer, s) for s in self.scheme.tensors]
-        return quantized_linear(self.scheme, x, weights, bias, input_global_scale, row_amax).to(dtype)
+        return quantized_linear(self.scheme, x, weights, bias, input_global_scale, row_amax, hadamard).to(dtype)
 
     def _capture(self, layer: torch.nn.Module, x: torch.Tensor, xq: torch.Tensor) -> None:
         """Save this call's input and quantized input (see the module docstring, "Parity capture")."""
@@ -294,10 +297,15 @@ class QuantkitLinearMethod(LinearMethodBase):
         self.calls += 1
 
 
+def _is_row_slice(layer: torch.nn.Module, input_global_scale: torch.Tensor | None) -> bool:
+    """True where x is this rank's slice of K of a per-token quantized row (a row-parallel layer under TP)."""
+    return input_global_scale is None and isinstance(layer, RowParallelLinear) and layer.tp_size > 1
+
+
 def _row_amax(layer: torch.nn.Module, x: torch.Tensor, input_global_scale: torch.Tensor | None) -> torch.Tensor | None:
     """Per-token amax over the WHOLE input row for a row-parallel layer under TP (each rank holds a slice
     of K), so that per-token scales equal the unsharded model's; None where x is the whole row."""
-    if input_global_scale is not None or not isinstance(layer, RowParallelLinear) or layer.tp_size == 1:
+    if not _is_row_slice(layer, input_global_scale):
         return None
     amax = x.float().abs().amax(dim=-1, keepdim=True)
     torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group)
