@@ -47,10 +47,19 @@ def check_tile(fn: str, name: str, value: int, least: int = 1) -> None:
 HADAMARD_TILE_ELEMENTS = 8192  # a transformed tile's elements at most (BLOCK_M x BLOCK_K), held in registers
 
 
-def quantizer_tile(fn: str, hadamard: int, k: int, block_m: int, block_k: int) -> tuple[int, int]:
-    """The (BLOCK_M, BLOCK_K) tile of a quantizer sweep: block_k widened to the online Hadamard block when that
-    is larger (a tile holds whole blocks), block_m then cut to keep HADAMARD_TILE_ELEMENTS; `hadamard` checked
-    against K (0: no transform, the tile unchanged)."""
+PROGRAMS = 128  # the programs a quantizer launch aims at when M is small (about one per SM of an H100)
+
+
+def quantizer_tile(fn: str, m: int, k: int, block_m: int | None, block_k: int, hadamard: int) -> tuple[int, int]:
+    """The (BLOCK_M, BLOCK_K) tile of a quantizer sweep over x (m, k). block_m None: chosen by M, at most 16 rows a
+    program and at least ~PROGRAMS programs while rows last (M = 16: one row a program; an H100 ran the
+    one-program (16, 14336) quantize 2-3x slower than four programs of 4 rows); else checked (a power of two).
+    block_k widened to the online Hadamard block when that is larger (a tile holds whole blocks), block_m then cut
+    to keep HADAMARD_TILE_ELEMENTS; `hadamard` checked against K (0: no transform)."""
+    if block_m is None:
+        block_m = min(16, 1 << (max(1, m // PROGRAMS).bit_length() - 1))
+    check_tile(fn, "block_m", block_m)
+    check_tile(fn, "block_k", block_k)
     if not hadamard:
         return block_m, block_k
     check_hadamard(fn, hadamard, k)
@@ -121,20 +130,19 @@ def _quantize_fp8_per_token_kernel(
 
 
 def quantize_fp8_per_token(
-    x: torch.Tensor, *, hadamard: int = 0, block_m: int = 16, block_k: int = 512
+    x: torch.Tensor, *, hadamard: int = 0, block_m: int | None = None, block_k: int = 512
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) float32/bfloat16/float16 -> (q float8_e4m3fn (M, K), decode scale float32 (M, 1)).
 
     hadamard > 0 (a power of two dividing K): quantize x's online block Hadamard transform instead, bit-exact
     with quantizing `quantkit.formats.hadamard.block_hadamard(x, hadamard)`. block_m, block_k: the tile one
-    program handles per step (powers of two; block_k widened to the Hadamard block); they change speed only.
+    program handles per step (powers of two; block_m None: chosen by M, `quantizer_tile`; block_k widened to the
+    Hadamard block); they change speed only.
     """
     check_activation("quantize_fp8_per_token", x)
-    check_tile("quantize_fp8_per_token", "block_m", block_m)
-    check_tile("quantize_fp8_per_token", "block_k", block_k)
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, k = x.shape
-    block_m, block_k = quantizer_tile("quantize_fp8_per_token", hadamard, k, block_m, block_k)
+    block_m, block_k = quantizer_tile("quantize_fp8_per_token", m, k, block_m, block_k, hadamard)
     q = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     _quantize_fp8_per_token_kernel[(triton.cdiv(m, block_m),)](

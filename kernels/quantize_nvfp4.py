@@ -135,7 +135,7 @@ def quantize_nvfp4_per_token(
     global_scale: torch.Tensor | float | None = None,
     *,
     hadamard: int = 0,
-    block_m: int = 16,
+    block_m: int | None = None,
     block_k: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (M, K) -> (packed uint8 (M, Kp/2), block_scale float8_e4m3fn (M, Kp/16), global float32 (M, 1)).
@@ -144,11 +144,10 @@ def quantize_nvfp4_per_token(
     (a number or a one-element tensor), used for every row, or a float32 (M,) tensor: one per row (values
     unchecked). hadamard > 0 (a power of two dividing K): quantize x's online block Hadamard transform instead,
     bit-exact with quantizing `quantkit.formats.hadamard.block_hadamard(x, hadamard)`. block_m, block_k (powers
-    of two, block_k a multiple of 16, widened to the Hadamard block): the tile of one program step; they change
-    speed only.
+    of two, block_k a multiple of 16, widened to the Hadamard block; block_m None: chosen by M,
+    `quantize_fp8.quantizer_tile`): the tile of one program step; they change speed only.
     """
     check_activation("quantize_nvfp4_per_token", x)
-    check_tile("quantize_nvfp4_per_token", "block_m", block_m)
     check_tile("quantize_nvfp4_per_token", "block_k", block_k, least=NVFP4_GROUP)
     static = global_scale is not None
     m, k = x.shape
@@ -156,7 +155,7 @@ def quantize_nvfp4_per_token(
         _static_global(global_scale, m, x.device) if global_scale is not None else torch.empty(1, device=x.device)
     )
     x = x if x.stride(-1) == 1 else x.contiguous()
-    block_m, block_k = quantizer_tile("quantize_nvfp4_per_token", hadamard, k, block_m, block_k)
+    block_m, block_k = quantizer_tile("quantize_nvfp4_per_token", m, k, block_m, block_k, hadamard)
     k_pad = triton.cdiv(k, NVFP4_GROUP) * NVFP4_GROUP
     packed = torch.empty((m, k_pad // 2), dtype=torch.uint8, device=x.device)
     block_scale = torch.empty((m, k_pad // NVFP4_GROUP), dtype=torch.uint8, device=x.device)

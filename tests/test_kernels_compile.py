@@ -52,13 +52,13 @@ out["quantize_fp8"] = summary(ptx(quantize_fp8._quantize_fp8_per_token_kernel,
 # the online Hadamard fused in (rotated down_proj inputs): a small block and Llama-3-8B's 2048 (tiles as the
 # wrappers choose them, `quantize_fp8.quantizer_tile`)
 for block in (128, 2048):
-    block_m, block_k = quantize_fp8.quantizer_tile("compile", block, block, 16, 256)
+    block_m, block_k = quantize_fp8.quantizer_tile("compile", 4096, block, 16, 256, block)
     out[f"quantize_nvfp4 hadamard={block}"] = summary(ptx(
         quantize_nvfp4._quantize_nvfp4_kernel, {"x_ptr": "*bf16", "packed_ptr": "*u8", "block_scale_ptr": "*u8",
         "global_ptr": "*fp32", "static_global_ptr": "*fp32"},
         {"STATIC": False, "BLOCK_M": block_m, "BLOCK_K": block_k, "HADAMARD": block,
          "HADAMARD_SCALE": hadamard.hadamard_scale(block)}))
-    block_m, block_k = quantize_fp8.quantizer_tile("compile", block, block, 16, 512)
+    block_m, block_k = quantize_fp8.quantizer_tile("compile", 4096, block, 16, 512, block)
     out[f"quantize_fp8 hadamard={block}"] = summary(ptx(quantize_fp8._quantize_fp8_per_token_kernel,
         {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp32"},
         {"BLOCK_M": block_m, "BLOCK_K": block_k, "HADAMARD": block, "HADAMARD_SCALE": hadamard.hadamard_scale(block)}))
