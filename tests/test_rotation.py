@@ -142,8 +142,9 @@ def test_what_rotation_cannot_do_is_refused_by_name(tmp_path):
         rotate_model(llama, 0, True, tokens, block=1024)
 
     source = tmp_path / "llama"
-    with pytest.raises(ValueError, match="rotation runs on the whole-model path only"):
-        quantize_checkpoint(source, "w4a4_nvfp4_rot", tmp_path / "s", streaming=True)
+    with pytest.raises(RotationError, match="pre_scale"):  # streaming: refused on the skeleton, nothing written
+        quantize_checkpoint(tmp_path / "pre_scale", "w4a4_nvfp4_rot", tmp_path / "s", streaming=True)
+    assert not (tmp_path / "s").exists()
     bf16_down = parse_recipe(
         {"name": "x", "scheme": "nvfp4", "rotation": {}, "module_schemes": [{"down_proj": "bf16"}]}
     )

@@ -15,6 +15,7 @@ in float32 (~1/16 of the model here) plus its encoded tensors and must pass.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -35,7 +36,8 @@ from quantkit.models.modeling import QuantkitNorm
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import load_fake_quant_model
 from quantkit.quantize.provenance import with_calibration
-from quantkit.quantize.recipe import load_recipe
+from quantkit.quantize.recipe import RotationSettings, load_recipe
+from quantkit.quantize.rotation import TOLERANCE as ROTATION_TOLERANCE
 from quantkit.quantize.streaming import quantize_streaming
 from quantkit.serve.checkpoint_check import check_servable
 from test_benchmarks import run_benchmark
@@ -52,12 +54,22 @@ def _bench():
 
 
 def assert_same_checkpoint(whole: Path, streamed: Path) -> None:
+    """Every tensor's bytes equal; config.json, smoothquant.json, tokenizer.json equal -- but for a rotated
+    checkpoint's function-check figures (rotation.max_logit_change, logit_scale), which each path measures its own
+    way (whole forwards; hidden states layer by layer): each must be within the rotation's tolerance."""
     a, b = read_state(whole), read_state(streamed)
     assert set(a) == set(b)
     for name in a:
         assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
         assert torch.equal(a[name].reshape(-1).view(torch.uint8), b[name].reshape(-1).view(torch.uint8)), name
-    for side in ("config.json", "smoothquant.json", "tokenizer.json"):
+    configs = [json.loads((d / "config.json").read_text()) for d in (whole, streamed)]
+    for config in configs:
+        check = config.get("quantization_config", {}).get("rotation")
+        if check is not None:
+            change, scale = check.pop("max_logit_change"), check.pop("logit_scale")
+            assert change <= ROTATION_TOLERANCE * scale, check
+    assert configs[0] == configs[1]
+    for side in ("smoothquant.json", "tokenizer.json"):
         assert (whole / side).exists() == (streamed / side).exists(), side
         if (whole / side).exists():
             assert (whole / side).read_text() == (streamed / side).read_text(), side
@@ -111,6 +123,48 @@ def test_hybrid_moe_streaming_is_bit_identical(hybrid, tmp_path, recipe_name):
     streamed = quantize_streaming(hybrid, recipe, tmp_path / "stream", max_shard_bytes=2**20)
     assert_same_checkpoint(whole, streamed)
     assert check_servable(streamed)
+
+
+@pytest.fixture(scope="module")
+def tied_llama(tmp_path_factory):
+    """A tiny stock Llama with tied embeddings (rotation unties them)."""
+    from quantkit.models.tiny import build_tiny_stock_checkpoint
+
+    source = build_tiny_stock_checkpoint(tmp_path_factory.mktemp("llama") / "m", "llama", seed=0)
+    state = load_file(str(source / "model.safetensors"))
+    del state["lm_head.weight"]
+    save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    return source
+
+
+@pytest.mark.parametrize("model,recipe_name", [
+    ("gated", "w4a4_nvfp4_rot"),  # the zoo's dense family: gated attention, sinks (no GatedNorm: not rotatable)
+    ("gated", "w8a8_fp8_block_rot"),  # online block 128
+    ("tied", "w4a4_nvfp4_rot_gptq"),  # untied embeddings, GPTQ on the rotated layers
+    ("tied", "w4a4_nvfp4_sq+rot"),  # SmoothQuant on the rotated layers, its check through the rotated head
+    ("hybrid", "w4a4_nvfp4_rot"),  # Gated DeltaNet, router and experts rotated, the shared expert's online Hadamard
+])
+def test_rotation_streaming_is_bit_identical(model, recipe_name, hybrid, tied_llama, tmp_path):
+    """Rotation layer by layer: the outside modules rotated in memory first, each layer rotated as it is loaded
+    (the same float64 products as the whole-model path, in the same order), so the same bytes."""
+    if model == "gated":
+        from quantkit.models.tiny import build_tiny_checkpoint
+
+        source = build_tiny_checkpoint(tmp_path / "m", attn_output_gate="headwise", attention_sink=True)
+    else:
+        source = hybrid if model == "hybrid" else tied_llama
+    if recipe_name == "w4a4_nvfp4_sq+rot":
+        recipe = dataclasses.replace(load_recipe("w4a4_nvfp4_sq"), name=recipe_name, rotation=RotationSettings())
+    else:
+        recipe = load_recipe(recipe_name)
+    recipe = with_calibration(recipe, 10, 32)
+    whole = quantize_checkpoint(source, recipe, tmp_path / "whole", streaming=False)
+    streamed = quantize_streaming(source, recipe, tmp_path / "stream", max_shard_bytes=2**20)
+    assert_same_checkpoint(whole, streamed)
+    rotation = json.loads((streamed / "config.json").read_text())["quantization_config"]["rotation"]
+    assert rotation["online_hadamard"] and check_servable(streamed)
 
 
 def test_early_stop_ends_the_windows_in_both_paths(dense, tmp_path):

@@ -111,13 +111,6 @@ def quantize_checkpoint(
         )
     if recipe.backend in PEER_BACKENDS:
         return PEER_BACKENDS[recipe.backend](model_dir, recipe, out_dir)
-    if streaming and recipe.rotation is not None:
-        raise ValueError(
-            f"recipe {recipe.name}: rotation runs on the whole-model path only (the residual rotation spans every "
-            "layer, the embeddings and the head); quantize with --no-streaming"
-        )
-    if streaming is None and recipe.rotation is not None:
-        streaming = False
     if streaming is None:
         need, have = 2 * float32_bytes(model_dir), available_memory_bytes()
         streaming = need > have

@@ -156,7 +156,7 @@ class Recipe:
     weight_scales: WeightScales = WeightScales.MINMAX  # min-max, or searched per block (MSE clipping)
     module_schemes: tuple[tuple[str, str], ...] = ()  # (pattern, scheme) in order: mixed precision by module
     gptq: GPTQSettings | None = None  # weight rounding by GPTQ instead of to nearest
-    rotation: RotationSettings | None = None  # QuaRot rotation, before SmoothQuant and GPTQ (whole-model path)
+    rotation: RotationSettings | None = None  # QuaRot rotation, before SmoothQuant and GPTQ
 
     def calibration_source(self, model_type: str | None) -> str:
         """What this recipe's calibration reads for a model of `model_type` (`quantkit.data`)."""

@@ -72,14 +72,24 @@ class RotationReport:
         }
 
 
-@torch.no_grad()
-def rotate_model(
-    model: PreTrainedModel, seed: int, online: bool, verify_tokens: torch.Tensor, block: int | None = None
-) -> RotationReport:
-    """Rotate the float32 causal LM `model` in place (module docstring); verify_tokens (B, T) for the function
-    check. online: also the online Hadamard on each dense down_proj (weights folded, pre-hook installed), of
-    `block` (a power of two dividing its in_features; None: `online_block(in_features)`).
-    RotationError for an architecture or norm it cannot rotate; FunctionPreservationError if the logits moved."""
+@dataclass(frozen=True)
+class RotationPlan:
+    """What a rotation changes, resolved and checked before any weight changes (`plan_rotation`): the decoder
+    stack (`stack_name`, `layers`), each layer's norm/reader/writer parts, the modules outside the layers, and the
+    online Hadamard block of each dense down_proj (by module name; {} without the online transform)."""
+
+    stack_name: str
+    layers: nn.ModuleList
+    slots: tuple[tuple[LayerPart, ...], ...]
+    embed: nn.Module
+    head: nn.Module
+    final_norm: nn.Module
+    online_hadamard: dict[str, int]
+
+
+def plan_rotation(model: PreTrainedModel, online: bool, block: int | None = None) -> RotationPlan:
+    """Check that `model` can be rotated (architecture, head, every norm, the online blocks) and say how; works on
+    a model on the meta device (the streaming path's skeleton). RotationError naming the first problem."""
     architecture = type(model).__name__
     family = ARCHITECTURES.get(architecture)
     if family is None:
@@ -89,55 +99,92 @@ def rotate_model(
     final_norm = cast(nn.Module, model.get_submodule(stack_name.rsplit(".", 1)[0] + ".norm"))
     if head is None or head.bias is not None:
         raise RotationError(f"rotation: {architecture} needs an lm_head without bias")
-    _check_norm(final_norm, "final norm")  # every norm before any weight changes: a refusal leaves the model as it was
-    for i, layer in enumerate(layers):
-        for part in _parts(layer, family.slots):
-            _check_norm(cast(nn.Module, layer.get_submodule(part.norm.norm)), f"{stack_name}.{i}.{part.norm.norm}")
-    was_training = model.training
-    model.eval()
-    reference = model(verify_tokens).logits.float()
-
-    q = residual_rotation(embed.weight.shape[1], seed)
-    if head.weight is embed.weight:  # tied: lm_head becomes E diag(w) Q, the embedding E Q
-        head.weight = nn.Parameter(head.weight.detach().clone())
-        model.config.tie_word_embeddings = False
-    _rotate_in(embed.weight, q)
-    _fold_norm_into(final_norm, [head], "final norm")
-    _rotate_in(head.weight, q)
+    _check_norm(final_norm, "final norm")
     online_blocks: dict[str, int] = {}
     for i, layer in enumerate(layers):
         prefix = f"{stack_name}.{i}."
         for part in _parts(layer, family.slots):
-            readers = [m for m in (_find(layer, p) for p in part.norm.consumers) if m is not None]
-            _fold_norm_into(cast(nn.Module, layer.get_submodule(part.norm.norm)), readers, prefix + part.norm.norm)
-            for reader in readers:
-                _rotate_in(input_weight(reader), q)
-            writers = [m for m in (_find(layer, p) for p in part.unsmoothed) if m is not None]
-            writers += [r for r in readers if is_fused_experts(r)]
-            for writer in writers:
-                _rotate_out(writer, q)
-        if online:
-            for path in DENSE_DOWN:
-                down = _find(layer, path + "?")
-                if isinstance(down, nn.Linear):
-                    b = online_block(down.in_features) if block is None else block
-                    if down.in_features % b:
-                        raise RotationError(
-                            f"rotation: online_block {b} does not divide {prefix + path}'s {down.in_features} inputs"
-                        )
-                    online_blocks[prefix + path] = b
-                    down.weight.copy_(block_hadamard(down.weight, b))
-                    down.register_forward_pre_hook(_online_hook(b))
+            _check_norm(cast(nn.Module, layer.get_submodule(part.norm.norm)), prefix + part.norm.norm)
+        for path in DENSE_DOWN if online else ():
+            down = _find(layer, path + "?")
+            if isinstance(down, nn.Linear):
+                b = online_block(down.in_features) if block is None else block
+                if down.in_features % b:
+                    raise RotationError(
+                        f"rotation: online_block {b} does not divide {prefix + path}'s {down.in_features} inputs"
+                    )
+                online_blocks[prefix + path] = b
+    return RotationPlan(stack_name, layers, family.slots, embed, head, final_norm, online_blocks)
+
+
+@torch.no_grad()
+def rotate_outside(model: PreTrainedModel, plan: RotationPlan, q: torch.Tensor) -> None:
+    """Rotate the modules outside the decoder layers in place: E <- E Q, the final norm folded into lm_head,
+    lm_head <- lm_head Q; tied embeddings untied first (config.tie_word_embeddings becomes False)."""
+    head, embed = plan.head, plan.embed
+    if head.weight is embed.weight:  # tied: lm_head becomes E diag(w) Q, the embedding E Q
+        head.weight = nn.Parameter(cast(torch.Tensor, head.weight).detach().clone())
+        model.config.tie_word_embeddings = False
+    _rotate_in(cast(torch.Tensor, embed.weight), q)
+    _fold_norm_into(plan.final_norm, [head], "final norm")
+    _rotate_in(cast(torch.Tensor, head.weight), q)
+
+
+@torch.no_grad()
+def rotate_layer(plan: RotationPlan, i: int, q: torch.Tensor) -> None:
+    """Rotate decoder layer i in place (float32 weights loaded): its norms folded into their readers, readers
+    W <- W Q, writers W <- Q^T W, and each dense down_proj of `plan.online_hadamard` W <- W (I (x) H_b) with the
+    forward pre-hook that transforms its input."""
+    layer, prefix = plan.layers[i], f"{plan.stack_name}.{i}."
+    for part in _parts(layer, plan.slots):
+        readers = [m for m in (_find(layer, p) for p in part.norm.consumers) if m is not None]
+        _fold_norm_into(cast(nn.Module, layer.get_submodule(part.norm.norm)), readers, prefix + part.norm.norm)
+        for reader in readers:
+            _rotate_in(input_weight(reader), q)
+        writers = [m for m in (_find(layer, p) for p in part.unsmoothed) if m is not None]
+        writers += [r for r in readers if is_fused_experts(r)]
+        for writer in writers:
+            _rotate_out(writer, q)
+    for path in DENSE_DOWN:
+        if (b := plan.online_hadamard.get(prefix + path)) is not None:
+            down = cast(nn.Linear, layer.get_submodule(path))
+            down.weight.copy_(block_hadamard(down.weight, b))
+            down.register_forward_pre_hook(_online_hook(b))
+
+
+@torch.no_grad()
+def rotate_model(
+    model: PreTrainedModel, seed: int, online: bool, verify_tokens: torch.Tensor, block: int | None = None
+) -> RotationReport:
+    """Rotate the float32 causal LM `model` in place (module docstring); verify_tokens (B, T) for the function
+    check. online: also the online Hadamard on each dense down_proj (weights folded, pre-hook installed), of
+    `block` (a power of two dividing its in_features; None: `online_block(in_features)`).
+    RotationError for an architecture or norm it cannot rotate; FunctionPreservationError if the logits moved."""
+    plan = plan_rotation(model, online, block)  # every check before any weight changes: a refusal leaves the model
+    was_training = model.training
+    model.eval()
+    reference = model(verify_tokens).logits.float()
+    q = residual_rotation(cast(torch.Tensor, plan.embed.weight).shape[1], seed)
+    rotate_outside(model, plan, q)
+    for i in range(len(plan.layers)):
+        rotate_layer(plan, i, q)
     after = model(verify_tokens).logits.float()
     model.train(was_training)
     change, scale = (after - reference).abs().max().item(), reference.abs().max().item()
+    check_rotation_preserved(type(model).__name__, change, scale)
+    logger.info(
+        "rotation: %s rotated (seed %d), max |logit change| %.3g of %.3g", type(model).__name__, seed, change, scale
+    )
+    return RotationReport(seed, plan.online_hadamard, change, scale)
+
+
+def check_rotation_preserved(architecture: str, change: float, scale: float) -> None:
+    """FunctionPreservationError unless max |logit change| <= TOLERANCE x the logit scale (NaN fails)."""
     if not change <= TOLERANCE * scale:
         raise FunctionPreservationError(
             f"rotation changed the logits of {architecture}: max |logit change| {change:.4g} of the logit scale "
             f"{scale:.4g}, above {TOLERANCE} of it; the rotated model is discarded"
         )
-    logger.info("rotation: %s rotated (seed %d), max |logit change| %.3g of %.3g", architecture, seed, change, scale)
-    return RotationReport(seed, online_blocks, change, scale)
 
 
 def _parts(layer: nn.Module, slots: tuple[tuple[LayerPart, ...], ...]) -> list[LayerPart]:

@@ -11,8 +11,9 @@ runs calibration through the whole model: ~8 bytes a parameter (a 24.6B model: ~
 3. With SmoothQuant and/or static scales, the calibration windows are embedded by the skeleton's own forward, with
    each decoder layer's `forward` replaced by a recorder that keeps the keyword arguments the model passes it
    (position embeddings, the mask of its layer type) and stops after the last layer. Then, layer by layer:
-   the layer is materialized from the checkpoint in float32; the hidden states of each calibration stream go
-   through it (in memory, or spilled to files with torch.save when a stream is larger than `spill_bytes`):
+   the layer is materialized from the checkpoint in float32 (and, for rotation recipes, rotated: see 4.); the
+   hidden states of each calibration stream go through it (in memory, or spilled to files with torch.save when a
+   stream is larger than `spill_bytes`):
      - `sq`: the SmoothQuant windows through the UNSMOOTHED layer, with the statistics hooks of
        `quantkit.calibrate.stats` on the layer's consumers (the whole-model path also calibrates unsmoothed);
      - `ref`: the verification windows (the first 4) through the unsmoothed layer;
@@ -25,6 +26,11 @@ runs calibration through the whole model: ~8 bytes a parameter (a 24.6B model: ~
    the layer's tensors are encoded and written, and the layer goes back to the meta device.
    At the end the skeleton's forward (layers replaced by the carried hidden states) gives the logits of `ref`
    and `smoothed`: the function-preservation check of `smooth_model`, same tolerance, same error.
+4. Rotation (`quantkit.quantize.rotation`, checked on the skeleton before anything is read): the parameters
+   outside the layers are loaded, the check windows embedded unrotated (stream `unrotated`), then embeddings,
+   final norm and lm_head rotated in memory (kept there for the checks) and written; each layer is rotated right
+   after it is materialized, `unrotated` passing it before and `rotated` after. At the end the rotated head's
+   logits of `rotated` must match those of `unrotated` times Q (`verify_rotation`).
 
 Same bytes: every layer runs the same float32 operations on the same batches (batch size 8, as `smooth_model` and
 `channel_max`) with the same arguments as inside the whole model, so the statistics, factors, folds, encodings
@@ -37,7 +43,8 @@ Peak memory: the largest of (a) one non-layer module in float32 and its written 
 float32 while the calibration windows are embedded (then released: `_embed` runs before the first layer), (c) one
 decoder layer in float32 (plus its encoded tensors) and the calibration hidden states of the streams (N x T x hidden
 x 4 bytes each, twice while a layer runs; one batch when spilled), (d) the lm_head in float32 and HEAD_POSITIONS
-positions of logits for the function-preservation check (`quantkit.calibrate.layers`): independent of depth
+positions of logits for the function-preservation check (`quantkit.calibrate.layers`); with rotation, the float32
+embeddings and lm_head for the whole run and a float64 copy of one while it is rotated: independent of depth
 (benchmarks/bench_quantize_memory.py; benchmarks/bench_trained.py on the trained models).
 """
 
@@ -88,11 +95,13 @@ from quantkit.calibrate.smoothquant import (
     fold_layer,
     layer_factors,
     layer_mappings,
+    logit_change,
     smoothquant_report,
 )
 from quantkit.calibrate.stats import ChannelMaxObserver
 from quantkit.checkpoints import SAFETENSORS_DTYPES, tensor_headers
 from quantkit.data import calibration_windows
+from quantkit.formats.hadamard import residual_rotation
 from quantkit.formats.schemes import Scheme, scheme_for
 from quantkit.quantize.gptq import gptq_layer
 from quantkit.quantize.output import (
@@ -104,7 +113,15 @@ from quantkit.quantize.output import (
     unquantized_to_source_dtype,
     write_side_files,
 )
-from quantkit.quantize.recipe import CalibrationSettings, GPTQSettings, Recipe, SmoothQuantSettings
+from quantkit.quantize.recipe import CalibrationSettings, GPTQSettings, Recipe, RotationSettings, SmoothQuantSettings
+from quantkit.quantize.rotation import (
+    RotationPlan,
+    RotationReport,
+    check_rotation_preserved,
+    plan_rotation,
+    rotate_layer,
+    rotate_outside,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -216,18 +233,31 @@ def quantize_streaming(
         with atomic_dir(out_dir, overwrite=overwrite) as tmp:
             writer = ShardWriter(tmp, max_shard_bytes, metadata)
             tied = tied_partners(job.skeleton)
-            job.write_outside(writer, tied)
             # the forward up to the first layer needs all but the head; the head is loaded again for the check
             before_head, head_keys = outside_keys(job.skeleton)
-            if job.sq is not None or job.static_tokens is not None or job.gptq_tokens is not None:
-                load_outside(job.skeleton, job.reader, before_head, tied)
+            unrotated = None
+            if job.rotation is not None:  # outside rotated in memory (the head kept for the check), then written
+                load_outside(job.skeleton, job.reader, before_head + head_keys, tied)
+                unrotated = embed_stream(job.skeleton, job.layers, "unrotated", job.rotation_tokens, None)
+                rotate_outside(job.skeleton, job.rotation, job.rotation_q)
+                job.config.tie_word_embeddings = False
+                job.write_outside(writer, tied, loaded=True)
+            else:
+                job.write_outside(writer, tied)
+                if job.sq is not None or job.static_tokens is not None or job.gptq_tokens is not None:
+                    load_outside(job.skeleton, job.reader, before_head, tied)
             streams = job.open_streams(spill_root, spill_bytes)
+            if unrotated is not None:
+                streams["unrotated"] = unrotated
+                streams["rotated"] = embed_stream(job.skeleton, job.layers, "rotated", job.rotation_tokens, None)
             calibrated: list[LayerFactors] = []
             for i in tqdm(range(len(job.layers)), desc=f"quantize {recipe.name} (streaming)", unit="layer"):
                 job.quantize_layer(i, streams, writer, calibrated)
+            rotation = None if job.rotation is None else job.verify_rotation(streams["unrotated"], streams["rotated"])
             report = None
             if job.sq is not None:
-                load_outside(job.skeleton, job.reader, head_keys, tied)
+                if job.rotation is None:  # a rotated head is in memory already
+                    load_outside(job.skeleton, job.reader, head_keys, tied)
                 report = _verify(
                     job.skeleton,
                     job.layers,
@@ -247,6 +277,8 @@ def quantize_streaming(
                 job.quantized,
                 [n for n in job.weights if n not in quantized],
             )
+            if rotation is not None:
+                config_out["quantization_config"]["rotation"] = rotation.to_dict()
             write_side_files(tmp, config_out, job.tokenizer, report)
     finally:
         shutil.rmtree(spill_root, ignore_errors=True)
@@ -258,7 +290,8 @@ class _StreamingJob:
     """What `quantize_streaming` works from, resolved before any weight is read: the model on the meta device
     (`skeleton`, its decoder `layers` under `stack_name`), the Linears to quantize (`quantized`; `outside` those
     outside the decoder layers), the SmoothQuant mappings (`plan`, `per_layer`) and the calibration windows
-    (`sq_tokens` for SmoothQuant's statistics, `static_tokens` for static activation scales; (N, T) int64)."""
+    (`sq_tokens` for SmoothQuant's statistics, `static_tokens` for static activation scales; (N, T) int64), and for
+    rotation recipes the plan (`rotation`), the residual rotation `rotation_q` and the check's `rotation_tokens`."""
 
     model_dir: Path
     recipe: Recipe
@@ -279,6 +312,9 @@ class _StreamingJob:
     gptq_tokens: torch.Tensor | None
     source_headers: dict[str, tuple[str, tuple[int, ...]]]
     smoothed: list[str]
+    rotation: RotationPlan | None
+    rotation_q: torch.Tensor
+    rotation_tokens: torch.Tensor
 
     @classmethod
     def resolve(cls, model_dir: Path, recipe: Recipe) -> _StreamingJob:
@@ -316,6 +352,19 @@ class _StreamingJob:
         if recipe.gptq is not None:  # the same windows as the whole-model path (`quantkit.quantize.checkpoint._gptq`)
             g = recipe.gptq
             gptq_tokens = calibration_windows(tokenizer, g.num_sequences, min(g.seq_len, max_positions), source)
+        rotation, rotation_q, rotation_tokens = None, torch.empty(0), torch.empty(0, dtype=torch.long)
+        if recipe.rotation is not None:  # checked on the skeleton: a refusal before anything is read or written
+            settings = recipe.rotation
+            rotation = plan_rotation(skeleton, settings.online, settings.online_block)
+            if unquantized := sorted(set(rotation.online_hadamard) - set(quantized)):
+                raise ValueError(
+                    f"recipe {recipe.name}: rotation's online Hadamard needs {unquantized[0]} quantized (the "
+                    "transform runs in the quantized layer); drop it from the ignore list / bf16 module_schemes, "
+                    "or rotation.online"
+                )
+            rotation_q = residual_rotation(config.hidden_size, settings.seed)
+            # the whole-model path's check windows (`quantkit.quantize.checkpoint._rotate`)
+            rotation_tokens = calibration_windows(tokenizer, 2, min(128, max_positions), source)
         return cls(
             model_dir=model_dir,
             recipe=recipe,
@@ -336,6 +385,9 @@ class _StreamingJob:
             gptq_tokens=gptq_tokens,
             source_headers=tensor_headers(model_dir),
             smoothed=[] if plan is None else [m.smooth for m in plan.mappings],
+            rotation=rotation,
+            rotation_q=rotation_q,
+            rotation_tokens=rotation_tokens,
         )
 
     @property
@@ -359,14 +411,19 @@ class _StreamingJob:
         encode_matrices(state, matrices, self.recipe, amax, desc="", progress=False, scales=scales)
         return state
 
-    def write_outside(self, writer: ShardWriter, tied: dict[str, str]) -> None:
-        """The parameters outside the decoder layers, written one module at a time."""
+    def write_outside(self, writer: ShardWriter, tied: dict[str, str], loaded: bool = False) -> None:
+        """The parameters outside the decoder layers, written one module at a time: read from the checkpoint, or
+        (`loaded`) the skeleton's own, already in memory (a rotation changed them)."""
         owners: dict[str, list[str]] = {}
-        for key in self.skeleton.state_dict(keep_vars=True):
+        current = self.skeleton.state_dict(keep_vars=True)
+        for key in current:
             if not key.startswith(f"{self.stack_name}."):
                 owners.setdefault(key.rpartition(".")[0], []).append(key)
         for keys in owners.values():
-            state = outside_state(self.reader, keys, tied, self.model_dir)
+            if loaded:
+                state = {k: current[k].detach().clone() for k in keys}
+            else:
+                state = outside_state(self.reader, keys, tied, self.model_dir)
             matrices = {n: state[f"{n}.weight"] for n in self.outside if f"{n}.weight" in state}
             for key, tensor in self.finish_state(state, matrices, {}).items():
                 writer.add(key, tensor)
@@ -404,6 +461,10 @@ class _StreamingJob:
         layer = self.layers[i]
         materialize(layer, source_tensors(self.reader, layer, prefix, self.model_dir), f"{self.model_dir} layer {i}")
         layer.eval()
+        if self.rotation is not None:  # first, as the whole-model path rotates before anything else
+            advance_stream(streams["unrotated"], layer, i)
+            rotate_layer(self.rotation, i, self.rotation_q)
+            advance_stream(streams["rotated"], layer, i)
         if self.sq is not None:  # the statistics' stream passes layer i unsmoothed, the reference too
             mappings = cast(list[tuple[SmoothMapping, ...]], self.per_layer)[i]  # set with sq
             early_stop = self.sq.early_stop_rule()
@@ -442,6 +503,22 @@ class _StreamingJob:
             writer.add(key, tensor)
         del state, matrices
         layer.to("meta")
+
+    @torch.no_grad()
+    def verify_rotation(self, unrotated: Stream, rotated: Stream) -> RotationReport:
+        """Rotation's function check, layer by layer: the rotated model's logits (its rotated final norm and head,
+        in memory) of the rotated windows' last hidden states against those of the unrotated ones times Q, which
+        are the source model's logits in exact arithmetic; within `quantkit.quantize.rotation.TOLERANCE` of the
+        logit scale, else FunctionPreservationError (nothing written). The figures differ from the whole-model
+        path's (that one compares whole forwards), the weights do not."""
+        q = self.rotation_q
+        expected = [(unrotated.hidden[b].double() @ q).float() for b in range(len(unrotated.hidden))]
+        architecture = type(self.skeleton).__name__
+        change, scale = logit_change(self.skeleton, self.layers, expected, rotated.hidden, architecture)
+        check_rotation_preserved(architecture, change, scale)
+        settings = cast(RotationSettings, self.recipe.rotation)
+        plan = cast(RotationPlan, self.rotation)
+        return RotationReport(settings.seed, plan.online_hadamard, change, scale)
 
 
 def _verify(
