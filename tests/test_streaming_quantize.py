@@ -167,6 +167,25 @@ def test_rotation_streaming_is_bit_identical(model, recipe_name, hybrid, tied_ll
     assert rotation["online_hadamard"] and check_servable(streamed)
 
 
+def test_streams_hold_no_autograd_graph(dense, tmp_path, monkeypatch):
+    """A stream's hidden states carry no autograd graph. The layers' parameters require grad (as loaded), so a
+    forward outside no_grad made every output keep its layer's weights alive after `layer.to("meta")`: RSS grew by
+    about a layer per layer (SmolLM2-135M, w4a4_nvfp4_sq: 630 MB after layer 0, 2451 MB after layer 29; fixed: 735)."""
+    from quantkit.quantize import streaming
+
+    grads = []
+    advance = streaming.advance_stream
+
+    def spy(stream, layer, i, *args, **kwargs):
+        advance(stream, layer, i, *args, **kwargs)
+        assert any(p.requires_grad for p in layer.parameters())  # what made the graph possible
+        grads.extend(stream.hidden[b].requires_grad for b in range(len(stream.hidden)))
+
+    monkeypatch.setattr(streaming, "advance_stream", spy)
+    quantize_streaming(dense, with_calibration(load_recipe("w4a4_nvfp4_sq"), 4, 32), tmp_path / "s")
+    assert grads and not any(grads)
+
+
 def test_early_stop_ends_the_windows_in_both_paths(dense, tmp_path):
     """SmoothQuant's early stop (`stats.EarlyStop`: >= 32 windows, 2 batches under the tolerance) ends the windows
     at the same batch on the whole-model and streaming paths (bit-identical checkpoints and smoothquant.json);

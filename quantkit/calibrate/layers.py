@@ -225,6 +225,7 @@ def embed_stream(
     return stream
 
 
+@torch.no_grad()  # forward only: outside no_grad each output would keep the layer's weights alive through autograd
 def advance_stream(
     stream: Stream,
     layer: nn.Module,
