@@ -24,6 +24,7 @@ residual stream do not (PreAffine's pre_scale, GatedNorm's gate, DyT): refused b
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -209,8 +210,7 @@ def _fold_norm_into(norm: nn.Module, readers: list[nn.Module], where: str) -> No
     weight = cast(torch.Tensor, norm.weight)
     scale = (1.0 + weight.double()) if offset else weight.double()
     for reader in readers:
-        w = input_weight(reader)
-        w.copy_((w.double() * scale).to(w.dtype))
+        _in_float64(input_weight(reader), lambda w: w * scale)
     weight.fill_(0.0 if offset else 1.0)
 
 
@@ -232,9 +232,20 @@ def _check_norm(norm: nn.Module, where: str) -> bool:
     return offset
 
 
+ROTATE_ROWS = 4096  # rows of a weight rotated at a time: the float64 copies of a 152k-row embedding stay ~30 MB
+
+
+def _in_float64(weight: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """weight (..., K) <- fn(weight in float64, (rows, K)) rounded once to its dtype, ROTATE_ROWS rows at a time."""
+    rows = weight.view(-1, weight.shape[-1])
+    for start in range(0, rows.shape[0], ROTATE_ROWS):
+        chunk = rows[start : start + ROTATE_ROWS]
+        chunk.copy_(fn(chunk.double()).to(weight.dtype))
+
+
 def _rotate_in(weight: torch.Tensor, q: torch.Tensor) -> None:
     """A reader's input weight (..., hidden) <- weight Q (float64, rounded once)."""
-    weight.copy_((weight.double() @ q).to(weight.dtype))
+    _in_float64(weight, lambda w: w @ q)
 
 
 def _rotate_out(writer: nn.Module, q: torch.Tensor) -> None:
