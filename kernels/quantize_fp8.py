@@ -20,6 +20,7 @@ from quantkit.formats.constants import F8E4M3_DTYPE
 from quantkit.formats.fp8 import check_quantizable
 from quantkit.kernels.fp_codes import E4M3_MAX, e4m3_code
 from quantkit.kernels.hadamard import check_hadamard, hadamard_scale, hadamard_tile
+from quantkit.kernels.interpreter_quirks import interpreting
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -56,8 +57,8 @@ def quantizer_tile(fn: str, m: int, k: int, block_m: int | None, block_k: int, h
     one-program (16, 14336) quantize 2-3x slower than four programs of 4 rows); else checked (a power of two).
     block_k widened to the online Hadamard block when that is larger (a tile holds whole blocks), block_m then cut
     to keep HADAMARD_TILE_ELEMENTS; `hadamard` checked against K (0: no transform)."""
-    if block_m is None:
-        block_m = min(16, 1 << (max(1, m // PROGRAMS).bit_length() - 1))
+    if block_m is None:  # the interpreter (CI) pays per program, not per row: 16 there
+        block_m = 16 if interpreting() else min(16, 1 << (max(1, m // PROGRAMS).bit_length() - 1))
     check_tile(fn, "block_m", block_m)
     check_tile(fn, "block_k", block_k)
     if not hadamard:
