@@ -47,7 +47,7 @@ from quantkit.quantize.recipe import (
     SmoothQuantSettings,
     load_recipe,
 )
-from quantkit.quantize.rotation import RotationReport, rotate_model
+from quantkit.quantize.rotation import RotationReport, check_online_quantized, rotate_model
 from quantkit.quantize.streaming import quantize_streaming
 
 # The peers' own code, one entry a backend: (model_dir, recipe, out_dir) -> the written checkpoint dir.
@@ -142,11 +142,8 @@ def quantize_checkpoint(
     scheme = scheme_for(recipe.scheme)  # None: bf16, nothing quantized
     weights = quantizable_weights(model)
     quantized = {n: w for n, w in weights.items() if not recipe.ignores(n)} if scheme is not None else {}
-    if rotation is not None and (unquantized := sorted(set(rotation.online_hadamard) - set(quantized))):
-        raise ValueError(
-            f"recipe {recipe.name}: rotation's online Hadamard needs {unquantized[0]} quantized (the transform "
-            "runs in the quantized layer); drop it from the ignore list / bf16 module_schemes, or rotation.online"
-        )
+    if rotation is not None:
+        check_online_quantized(recipe.name, rotation.online_hadamard, quantized)
     gptq_scales = _gptq(model, tokenizer, recipe, set(quantized)) if recipe.gptq is not None else {}
     input_amax = {}
     if recipe.static_activations:  # compressed-tensors convention: one calibrated scale per tensor

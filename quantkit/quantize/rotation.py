@@ -24,7 +24,7 @@ residual stream do not (PreAffine's pre_scale, GatedNorm's gate, DyT): refused b
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -177,6 +177,16 @@ def rotate_model(
         "rotation: %s rotated (seed %d), max |logit change| %.3g of %.3g", type(model).__name__, seed, change, scale
     )
     return RotationReport(seed, plan.online_hadamard, change, scale)
+
+
+def check_online_quantized(recipe: str, online_hadamard: dict[str, int], quantized: Iterable[str]) -> None:
+    """ValueError naming the first module with an online Hadamard that the recipe leaves unquantized (the
+    transform runs inside the quantized layer's method)."""
+    if unquantized := sorted(set(online_hadamard) - set(quantized)):
+        raise ValueError(
+            f"recipe {recipe}: rotation's online Hadamard needs {unquantized[0]} quantized (the transform runs in "
+            "the quantized layer); drop it from the ignore list / bf16 module_schemes, or rotation.online"
+        )
 
 
 def check_rotation_preserved(architecture: str, change: float, scale: float) -> None:

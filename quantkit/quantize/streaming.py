@@ -117,6 +117,7 @@ from quantkit.quantize.recipe import CalibrationSettings, GPTQSettings, Recipe, 
 from quantkit.quantize.rotation import (
     RotationPlan,
     RotationReport,
+    check_online_quantized,
     check_rotation_preserved,
     plan_rotation,
     rotate_layer,
@@ -356,12 +357,7 @@ class _StreamingJob:
         if recipe.rotation is not None:  # checked on the skeleton: a refusal before anything is read or written
             settings = recipe.rotation
             rotation = plan_rotation(skeleton, settings.online, settings.online_block)
-            if unquantized := sorted(set(rotation.online_hadamard) - set(quantized)):
-                raise ValueError(
-                    f"recipe {recipe.name}: rotation's online Hadamard needs {unquantized[0]} quantized (the "
-                    "transform runs in the quantized layer); drop it from the ignore list / bf16 module_schemes, "
-                    "or rotation.online"
-                )
+            check_online_quantized(recipe.name, rotation.online_hadamard, quantized)
             rotation_q = residual_rotation(config.hidden_size, settings.seed)
             # the whole-model path's check windows (`quantkit.quantize.checkpoint._rotate`)
             rotation_tokens = calibration_windows(tokenizer, 2, min(128, max_positions), source)
