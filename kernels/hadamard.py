@@ -12,27 +12,25 @@ order as in the reference, and no multiply-add can fuse (adds only, one multiply
 
 from __future__ import annotations
 
-import math
-
 import triton
 import triton.language as tl
 
-from quantkit.formats.hadamard import MAX_ONLINE_BLOCK
+from quantkit.formats.hadamard import MAX_ONLINE_BLOCK, check_online_block, hadamard_scale
+
+__all__ = ["check_hadamard", "hadamard_scale", "hadamard_tile"]
 
 _MAX_STAGES = tl.constexpr(MAX_ONLINE_BLOCK.bit_length() - 1)  # log2 of the largest online block
 
 
-def hadamard_scale(block: int) -> float:
-    """1/sqrt(block) as the reference multiplies by it (a Python float; float32 on the device, as in torch)."""
-    return 1.0 / math.sqrt(block)
-
-
 def check_hadamard(fn: str, hadamard: int, k: int) -> None:
-    """The online block must be a power of two dividing K, at most MAX_ONLINE_BLOCK (ValueError naming `fn`)."""
-    if not isinstance(hadamard, int) or hadamard < 1 or hadamard & (hadamard - 1) or hadamard > MAX_ONLINE_BLOCK:
-        raise ValueError(f"{fn}: hadamard must be a power of two <= {MAX_ONLINE_BLOCK}, got {hadamard!r}")
-    if k % hadamard:
-        raise ValueError(f"{fn}: the online Hadamard block {hadamard} must divide K = {k}")
+    """The online block must be a power of two dividing K (`check_online_block`) and at most MAX_ONLINE_BLOCK, the
+    butterfly's stage count here (ValueError naming `fn`)."""
+    try:
+        check_online_block(hadamard, k)
+    except ValueError as err:
+        raise ValueError(f"{fn}: {err}") from None
+    if hadamard > MAX_ONLINE_BLOCK:
+        raise ValueError(f"{fn}: online Hadamard block {hadamard} is above {MAX_ONLINE_BLOCK}")
 
 
 @triton.jit

@@ -26,13 +26,24 @@ def online_block(k: int) -> int:
     return min(k & -k, MAX_ONLINE_BLOCK)
 
 
+def hadamard_scale(block: int) -> float:
+    """1/sqrt(block): the butterfly's final scale (a Python float; torch and Triton multiply float32 by it rounded
+    to float32, so the reference and the fused quantizers use the same number)."""
+    return 1.0 / math.sqrt(block)
+
+
+def check_online_block(block: int, k: int) -> None:
+    """ValueError unless `block` is a power of two dividing the input width k."""
+    if not isinstance(block, int) or block <= 0 or block & (block - 1) or k % block:
+        raise ValueError(f"online Hadamard: block {block!r} must be a power of two dividing the input width {k}")
+
+
 def block_hadamard(x: torch.Tensor, block: int) -> torch.Tensor:
     """x (..., K) -> x (I_{K/block} (x) H_block), float32 (computed in float32 from x's values): the fast
     Walsh-Hadamard transform, log2(block) butterfly passes, then the 1/sqrt(block) scale. block: a power of two
     dividing K. The reference and every served path call this function, so they agree bit for bit."""
     k = x.shape[-1]
-    if block <= 0 or block & (block - 1) or k % block:
-        raise ValueError(f"online Hadamard: block {block} must be a power of two dividing the input width {k}")
+    check_online_block(block, k)
     lead = x.shape[:-1]
     y = x.float().reshape(-1, k // block, block)
     h = 1
@@ -41,7 +52,7 @@ def block_hadamard(x: torch.Tensor, block: int) -> torch.Tensor:
         a, b = pairs[:, :, :, 0], pairs[:, :, :, 1]
         y = torch.stack((a + b, a - b), dim=3).reshape(y.shape)
         h *= 2
-    return (y * (1.0 / math.sqrt(block))).reshape(*lead, k)
+    return (y * hadamard_scale(block)).reshape(*lead, k)
 
 
 def hadamard_matrix(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
