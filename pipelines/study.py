@@ -10,6 +10,7 @@ Spec (YAML, see pipelines/default.yaml):
     zoo: {size: tiny, dir: zoo}      # where zoo:<preset> checkpoints are built (cached)
     recipes: [bf16, w8a8_fp8_block, w4a4_nvfp4, w4a4_nvfp4_sq]   # bf16 is every model's baseline
     eval: {suite: mini, backend: vllm, limit: null, allow_code: false, seed: 1234, dtype: bfloat16}
+                                     # + suites: {label: suite}: a model's own suite instead of `suite`
     kl: {num_sequences: 16, seq_len: 128, source: vllm, top_k: null}   # source: vllm (default with the vLLM
                                      # backend: the eval engines' prompt logprobs) | transformers (float32 reference);
                                      # top_k: null = full vocabulary, k = top-k lower bound (evals/degradation.py)
@@ -70,7 +71,9 @@ logger = logging.getLogger(__name__)
 
 BASELINE = "bf16"
 SPEC_KEYS = {"name", "models", "zoo", "recipes", "eval", "kl", "diagnose", "calibration", "parallel", "runs_dir"}
-EVAL_DEFAULTS = dict(suite="mini", backend="vllm", limit=None, allow_code=False, seed=1234, dtype="bfloat16")
+EVAL_DEFAULTS = dict(
+    suite="mini", suites=None, backend="vllm", limit=None, allow_code=False, seed=1234, dtype="bfloat16"
+)
 KL_DEFAULTS = dict(num_sequences=16, seq_len=128, source=None, top_k=None)  # source None: vllm with the vllm backend
 KL_SOURCES = ("vllm", "transformers")
 
@@ -136,6 +139,7 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     spec.eval = {**EVAL_DEFAULTS, **(data.get("eval") or {})}
     if unknown := sorted(set(spec.eval) - set(EVAL_DEFAULTS)):
         raise ValueError(f"{path}: unknown eval key(s) {unknown}; known: {sorted(EVAL_DEFAULTS)}")
+    spec.eval["suites"] = _model_suites(path, spec.eval["suites"], spec.models)
     spec.kl = {**KL_DEFAULTS, **(data.get("kl") or {})}
     if unknown := sorted(set(spec.kl) - set(KL_DEFAULTS)):
         raise ValueError(f"{path}: unknown kl key(s) {unknown}; known: {sorted(KL_DEFAULTS)}")
@@ -152,9 +156,27 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
         raise ValueError(f"{path}: kl.top_k must be null (full vocabulary) or a positive integer, not {top_k!r}")
     if model is not None:
         label = model.split(":", 1)[1] if model.startswith(("zoo:", "model:")) else Path(model.rstrip("/")).name
+        suites = spec.eval["suites"]
+        own = [suites[k] for k, source in spec.models.items() if source == model and k in suites]
         spec.models = {label: model}
         spec.name = f"{spec.name}-{label}"
+        spec.eval["suites"] = {label: own[0]} if own else {}  # a model of the spec keeps its own suite
     return spec
+
+
+def _model_suites(path: Path, suites: Any, models: dict[str, str]) -> dict[str, str]:
+    """eval.suites checked: a mapping of model label -> suite name or YAML path, each suite loadable."""
+    from quantkit.evals.suite import load_suite
+
+    if suites is None:
+        return {}
+    if not isinstance(suites, dict):
+        raise ValueError(f"{path}: eval.suites must map model labels to suites, e.g. {{smollm: commonsense}}")
+    if unknown := sorted(set(suites) - set(models)):
+        raise ValueError(f"{path}: eval.suites names model(s) {unknown} that are not in models {sorted(models)}")
+    for suite in suites.values():
+        load_suite(suite)  # an unknown suite fails here, before any work
+    return dict(suites)
 
 
 def _atomic_json(path: Path, data: Any) -> None:
@@ -347,6 +369,10 @@ class Study:
         with atomic_dir(self.diagnostics_dir(label), overwrite=True) as tmp:
             write_diagnostics(result, tmp)
 
+    def suite(self, label: str) -> str:
+        """The eval suite of model `label`: its own from eval.suites, else eval.suite."""
+        return (self.spec.eval.get("suites") or {}).get(label, self.spec.eval["suite"])
+
     def recipe(self, name: str) -> Recipe:
         """The recipe `name` as this study applies it: the spec's `calibration` settings applied."""
         from quantkit.quantize.provenance import apply_calibration
@@ -379,7 +405,7 @@ class Study:
         with atomic_dir(out, overwrite=True) as tmp:  # a killed eval leaves only a temp dir, never a half `out`
             results = evaluate(
                 checkpoint,
-                suite=e["suite"],
+                suite=self.suite(label),
                 backend=e["backend"],
                 out_dir=tmp,
                 limit=e["limit"],
@@ -542,7 +568,7 @@ def study_results(study: Study) -> dict[str, Any]:
     from quantkit.checkpoints import checkpoint_size
     from quantkit.quantize.provenance import checkpoint_calibration
 
-    rows, suite, pending = [], None, []
+    rows, suites, pending = [], {}, []
     for label in study.spec.models:
         outliers = _outliers(study, label)
         for recipe in study.spec.recipes:
@@ -555,7 +581,7 @@ def study_results(study: Study) -> dict[str, Any]:
                 json.loads((study.checkpoint_dir(label, BASELINE) / "config.json").read_text())
             )
             ev = json.loads(study._artifact_file("eval", label, recipe).read_text())
-            suite = ev["suite"]
+            suites[ev["suite"]["name"]] = str(ev["suite"]["version"])
             scores = {b: 100 * v["score"] for b, v in ev["benchmarks"].items() if not math.isnan(v["score"])}
             row = dict(
                 variant=label,
@@ -575,17 +601,17 @@ def study_results(study: Study) -> dict[str, Any]:
                     flips={b: v["flip_rate"] for b, v in bench.items() if b in scores},
                     kl=deg["kl"]["mean"],
                 )
-            if outliers:
-                row["outliers"] = outliers
+            figures = {**(outliers or {}), **_smoothed_inputs(study.checkpoint_dir(label, recipe))}
+            if figures:
+                row["outliers"] = figures
             rows.append(row)
     if not rows:
         raise ValueError(f"no row of study {study.spec.name!r} is measured yet (pending: {', '.join(pending)})")
-    measured_suite = cast(dict[str, Any], suite)  # set with every measured row
     return dict(
         schema_version=1,
         study=study.spec.name,
-        suite=measured_suite["name"],
-        suite_version=str(measured_suite["version"]),
+        suite="+".join(suites),  # the models' suites, in order of first use ("code+commonsense")
+        suite_version="+".join(suites.values()),
         created=_now(),
         rows=rows,
         meta=dict(timings=timing_summary(study.timings), pending=pending),
@@ -639,6 +665,20 @@ def _outliers(study: Study, label: str) -> dict[str, float] | None:
     summary = json.loads(path.read_text())["summary"]
     return {
         k: summary[k] for k in OUTLIER_FIGURES if isinstance(summary.get(k), (int, float)) and math.isfinite(summary[k])
+    }
+
+
+def _smoothed_inputs(checkpoint_dir: Path) -> dict[str, float]:
+    """A SmoothQuant checkpoint's own outlier figures: max |X| over the inputs of the linears it smoothed, before
+    and after the fold (on its calibration windows; smoothquant.json). {} for a checkpoint without SmoothQuant.
+    Inputs it left alone (down_proj, unless the recipe smooths up -> down) keep the source's figures."""
+    path = checkpoint_dir / "smoothquant.json"
+    mappings = json.loads(path.read_text())["mappings"] if path.exists() else []
+    if not mappings:
+        return {}
+    return {
+        "smoothed_input_max_before": max(m["act_max_before"] for m in mappings),
+        "smoothed_input_max_after": max(m["act_max_after"] for m in mappings),
     }
 
 

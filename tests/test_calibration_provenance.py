@@ -6,6 +6,8 @@ of SmoothQuant calibration (~5 s on 2 cores); everything else reads YAML."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
 def test_smoothquant_recipes_default_to_the_paper_count():
     sq = [name for name in available_recipes() if load_recipe(name).smoothquant is not None]
     assert sorted(sq) == ["mixed_fp8_attn_nvfp4_sq_gptq", "w4a4_nvfp4_sq", "w4a4_nvfp4_sq_gptq", "w4a4_nvfp4_sq_mse",
-                          "w4a4_nvfp4_sq_noexperts", "w8a8_fp8_block_sq"]
+                          "w4a4_nvfp4_sq_noexperts", "w4a4_nvfp4_sq_updown", "w8a8_fp8_block_sq"]
     for name in sq:
         assert calibration_sets(load_recipe(name))[0] == (  # a model of no known type: prose and code
             dict(use="smoothquant", source=describe_calibration_source("speeches+code"),
@@ -103,3 +105,20 @@ def test_the_row_records_the_set_the_checkpoint_was_made_with(tiny_checkpoint, t
     # read from the checkpoint's smoothquant.json, not the recipe: the paper-count recipe still reads 4 x 32
     assert checkpoint_calibration(load_recipe("w4a4_nvfp4_sq"), out) == [
         dict(use="smoothquant", source=describe_calibration_source("speeches"), num_sequences=4, seq_len=32)]
+
+
+def test_a_smoothquant_row_shows_its_own_outlier_figures(tiny_checkpoint, tmp_path):
+    """The study's SQ rows carry max |X| over the smoothed linears' inputs before and after the fold, read from the
+    checkpoint's smoothquant.json; a checkpoint without SmoothQuant adds none (its row keeps the source's)."""
+    from quantkit.pipelines.study import _smoothed_inputs
+    from quantkit.quantize.checkpoint import quantize_checkpoint
+
+    sq = quantize_checkpoint(tiny_checkpoint, with_calibration(load_recipe("w4a4_nvfp4_sq"), 4, 32), tmp_path / "sq",
+                             streaming=False)
+    mappings = json.loads((sq / "smoothquant.json").read_text())["mappings"]
+    figures = _smoothed_inputs(sq)
+    assert figures == {"smoothed_input_max_before": max(m["act_max_before"] for m in mappings),
+                       "smoothed_input_max_after": max(m["act_max_after"] for m in mappings)}
+    assert all(math.isfinite(v) and v > 0 for v in figures.values())
+    plain = quantize_checkpoint(tiny_checkpoint, load_recipe("w4a4_nvfp4"), tmp_path / "plain", streaming=False)
+    assert _smoothed_inputs(plain) == {}

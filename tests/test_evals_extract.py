@@ -10,7 +10,8 @@ from quantkit.evals.scoring import final_number, normalize_math, numbers_match
 
 COUNTS = {"mmlu": 282, **{f"mmmlu_{lang}": 285 for lang in ex.MMMLU_LANGUAGES}, "gsm8k": 100,
           **{f"mgsm_{lang}": 100 for lang in ("en", "de", "fr", "ja", "ru", "zh")},
-          "mgsm_sw": 96, "mgsm_te": 93, "mgsm_th": 94, "humaneval": 164, "mbpp": 3, "math": 4, "cruxeval": 4}
+          "mgsm_sw": 96, "mgsm_te": 93, "mgsm_th": 94, "humaneval": 164, "mbpp": 3, "math": 4, "cruxeval": 4,
+          "arc_easy": 2376, "piqa": 1838}
 
 
 def test_extract_counts_idempotent_and_replaces_atomically(tmp_path, monkeypatch):

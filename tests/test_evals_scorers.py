@@ -42,16 +42,21 @@ class ReferenceLM(LM):
         raise NotImplementedError("no rolling log-likelihood task in the suite")
 
 
+def _tasks(suite: str):
+    extract()  # idempotent: a no-op after `make setup`
+    tasks = load_suite(suite).tasks(allow_code=True)
+    return tasks, TaskManager(include_path=[str(p) for p in TASK_CONFIGS["mini"]], include_defaults=False)
+
+
 @pytest.fixture(scope="module")
 def mini_tasks():
-    extract()  # idempotent: a no-op after `make setup`
-    suite = load_suite("mini")
-    return suite.tasks(allow_code=True), TaskManager(include_path=[str(p) for p in TASK_CONFIGS["mini"]], include_defaults=False)
+    return _tasks("mini")
 
 
+@pytest.mark.parametrize("suite, items", [("mini", 3435), ("commonsense", 2376 + 1838)])
 @pytest.mark.parametrize("gold, expected", [(True, 1.0), (False, 0.0)])
-def test_reference_answers_score_one_and_wrong_answers_zero(mini_tasks, gold, expected, monkeypatch):
-    tasks, task_manager = mini_tasks
+def test_reference_answers_score_one_and_wrong_answers_zero(suite, items, gold, expected, monkeypatch):
+    tasks, task_manager = _tasks(suite)
     monkeypatch.setenv(ALLOW_ENV, "1")
     out = lm_eval.simple_evaluate(model=ReferenceLM(gold), tasks=tasks, task_manager=task_manager,
                                   confirm_run_unsafe_code=True, bootstrap_iters=0, log_samples=False)
@@ -61,7 +66,7 @@ def test_reference_answers_score_one_and_wrong_answers_zero(mini_tasks, gold, ex
         (key,) = [k for k in result if "," in k and "_stderr" not in k]
         scores[task] = result[key]
     assert scores == {task: expected for task in tasks}
-    assert sum(out["n-samples"][t]["effective"] for t in tasks) == 3435
+    assert sum(out["n-samples"][t]["effective"] for t in tasks) == items
 
 
 def test_code_tasks_refuse_without_opt_in(mini_tasks, monkeypatch):

@@ -177,3 +177,26 @@ def test_study_spec_kl_keys(tmp_path):
                          ("parallel: {data_parallel_size: 2}", "data_parallel_size 1")):
         with pytest.raises(ValueError, match=message):
             spec(bad + "\n")
+
+
+def test_study_spec_suite_per_model(tmp_path):
+    """eval.suites gives a model its own suite (pipelines/real.yaml: SmolLM2 on commonsense, the coder on code);
+    labels and suites are checked on load; --model keeps a spec model's own suite, else the default one."""
+    from quantkit.pipelines.study import Study, load_spec
+
+    path = tmp_path / "spec.yaml"
+
+    def spec(suites: str, model: str | None = None):
+        path.write_text(f"name: s\nmodels: {{a: zoo:ga, b: zoo:gatednorm}}\nrecipes: [bf16]\n"
+                        f"eval: {{suite: code, suites: {suites}}}\n")
+        return load_spec(path, model)
+
+    study = Study(spec("{b: commonsense}"))
+    assert (study.suite("a"), study.suite("b")) == ("code", "commonsense")
+    assert Study(spec("null")).suite("b") == "code"
+    assert Study(spec("{b: commonsense}", model="zoo:gatednorm")).suite("gatednorm") == "commonsense"
+    assert Study(spec("{b: commonsense}", model="zoo:dyt")).suite("dyt") == "code"
+    for bad, message in (("{c: commonsense}", r"names model\(s\) \['c'\]"), ("{b: nope}", "unknown suite 'nope'"),
+                         ("[commonsense]", "must map model labels to suites")):
+        with pytest.raises(ValueError, match=message):
+            spec(bad)

@@ -54,6 +54,8 @@ from quantkit.formats.constants import NVFP4_GROUP
 from quantkit.models.tiny import build_tiny_checkpoint, build_tiny_stock_checkpoint
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import FakeQuantExperts, FakeQuantLinear, load_fake_quant_model
+from quantkit.quantize.provenance import with_calibration
+from quantkit.quantize.recipe import load_recipe
 from quantkit.serve.offline import generate, omp_bind_per_rank
 from quantkit.serve.method_parts import CAPTURE_ENV
 
@@ -87,6 +89,8 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
     "qwen3-nvfp4_gptq": ("qwen3", "w4a4_nvfp4_gptq", 1),  # GPTQ rounding (issue 31): only the stored weights differ
     # mixed precision by module (issue 31): FP8 attention, NVFP4 MLP / routed experts, each layer its own scheme
     "llama-mixed": ("llama", "mixed_fp8_attn_nvfp4", 1),
+    # SmoothQuant with up_proj -> down_proj smoothed too (issue 31): only the stored weights differ (8 x 64 windows)
+    "llama-nvfp4_sq_updown": ("llama", "w4a4_nvfp4_sq_updown", 1),
     # rotation (issue 31): rotated weights, untied lm_head, the online Hadamard at each down_proj's input; tp 2 slices
     # down_proj's input by whole Hadamard blocks
     "llama-nvfp4_rot": ("llama", "w4a4_nvfp4_rot", 1),
@@ -223,7 +227,10 @@ def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch)
     if tp > 1 and (omp_bind_per_rank(tp) is None or torch.cuda.is_available()):
         pytest.skip(f"tensor parallelism {tp} on CPU needs {tp} cores")
     source = sources[architecture]
-    quantized = quantize_checkpoint(source, recipe, tmp_path / recipe)
+    settings = load_recipe(recipe)
+    if settings.smoothquant is not None:
+        settings = with_calibration(settings, 8, 64)
+    quantized = quantize_checkpoint(source, settings, tmp_path / recipe)
     tok = AutoTokenizer.from_pretrained(quantized)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     capture = tmp_path / "capture"
@@ -400,7 +407,7 @@ def test_peer_checkpoints_served_on_cpu(recipe, kernel, sources, tmp_path, capfd
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     from transformers import AutoModelForCausalLM
 
-    from quantkit.quantize.recipe import load_recipe, parse_recipe
+    from quantkit.quantize.recipe import parse_recipe
 
     settings = {k: v for k, v in vars(load_recipe(recipe)).items() if k in ("name", "scheme", "backend")}
     quantized = quantize_checkpoint(sources["variant"], parse_recipe({**settings, "calibration": {"num_sequences": 4, "seq_len": 64}}),

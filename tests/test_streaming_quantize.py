@@ -92,7 +92,7 @@ def hybrid(tmp_path_factory):
 
 # 12 windows: a full batch of 8 and a partial one; spill 0: every stream on disk; 1 MiB shards: several
 DENSE = [("bf16", None), ("w8a8_fp8_block", None), ("w4a4_nvfp4", None), ("w4a4_nvfp4_static", 0),
-         ("w8a8_fp8_block_sq", None), ("w4a4_nvfp4_sq", 0)]
+         ("w8a8_fp8_block_sq", None), ("w4a4_nvfp4_sq", 0), ("w4a4_nvfp4_sq_updown", None)]
 
 
 @pytest.mark.parametrize("recipe_name,spill", DENSE)
@@ -114,7 +114,8 @@ def test_dense_streaming_is_bit_identical(dense, tmp_path, recipe_name, spill):
         assert torch.equal(load_fake_quant_model(streamed)(IDS).logits, load_fake_quant_model(whole)(IDS).logits)
 
 
-@pytest.mark.parametrize("recipe_name", ["w8a8_fp8_block", "w4a4_nvfp4_static", "w4a4_nvfp4_sq", "w4a4_nvfp4_sq_noexperts"])
+@pytest.mark.parametrize("recipe_name", ["w8a8_fp8_block", "w4a4_nvfp4_static", "w4a4_nvfp4_sq", "w4a4_nvfp4_sq_noexperts",
+                                         "w4a4_nvfp4_sq_updown"])
 def test_hybrid_moe_streaming_is_bit_identical(hybrid, tmp_path, recipe_name):
     """Gated DeltaNet + softmax layers, routed experts fused in the model and per-expert in the checkpoint (all-experts
     statistics for the static scales, the MoE norm smoothed into router, experts and shared expert)."""

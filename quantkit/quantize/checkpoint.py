@@ -82,7 +82,7 @@ def refuse_unmappable_early(model_dir: Path, recipe: Recipe) -> None:
     after loading it: SmoothQuantMappingError."""
     resolve_mappings(
         skeleton_model(AutoConfig.from_pretrained(model_dir)),
-        experts=cast(SmoothQuantSettings, recipe.smoothquant).experts,  # SmoothQuant recipes only (the caller checks)
+        **cast(SmoothQuantSettings, recipe.smoothquant).mapping_flags(),  # SmoothQuant recipes only (the caller checks)
     )
 
 
@@ -136,8 +136,10 @@ def quantize_checkpoint(
             alpha=sq.alpha,
             num_sequences=sq.num_sequences,
             seq_len=sq.seq_len,
-            experts=sq.experts,
             early_stop=sq.early_stop_rule(),
+            include_v_o=sq.include_v_o,
+            include_up_down=sq.include_up_down,
+            experts=sq.experts,
         )
     scheme = scheme_for(recipe.scheme)  # None: bf16, nothing quantized
     weights = quantizable_weights(model)

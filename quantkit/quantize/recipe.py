@@ -110,10 +110,16 @@ class SmoothQuantSettings:
     seq_len: int = DEFAULT_SEQ_LEN
     experts: bool = True  # MoE models: smooth the MoE layers' norms into router, experts, shared expert
     early_stop: float | None = DEFAULT_EARLY_STOP  # EarlyStop.tolerance; None: use every window
+    include_v_o: bool = False  # also smooth v_proj -> o_proj where attention is linear in v
+    include_up_down: bool = False  # also smooth up_proj -> down_proj (down_proj's inputs hold the largest outliers)
 
     def early_stop_rule(self) -> EarlyStop | None:
         """The statistics' early stop (`quantkit.calibrate.stats.EarlyStop`), None when off."""
         return None if self.early_stop is None else EarlyStop(self.early_stop)
+
+    def mapping_flags(self) -> dict[str, bool]:
+        """The keyword arguments of `quantkit.calibrate.mappings.resolve_mappings` these settings ask for."""
+        return dict(include_v_o=self.include_v_o, include_up_down=self.include_up_down, experts=self.experts)
 
 
 @dataclass(frozen=True)

@@ -338,7 +338,7 @@ class _StreamingJob:
                 "not calibrated by the streaming path; use the whole-model path (--no-streaming)"
             )
         sq = recipe.smoothquant
-        plan = resolve_mappings(skeleton, experts=sq.experts) if sq is not None else None
+        plan = resolve_mappings(skeleton, **sq.mapping_flags()) if sq is not None else None
         per_layer = layer_mappings(plan, stack_name, len(layers)) if plan is not None else None
         max_positions = config.max_position_embeddings
         source = recipe.calibration_source(config.model_type)

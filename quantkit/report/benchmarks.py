@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-GROUPS = ("Knowledge", "STEM", "Code", "Multilingual", "Other")
+GROUPS = ("Knowledge", "STEM", "Code", "Multilingual", "Commonsense", "Other")
 OTHER = "Other"
 
 
@@ -24,7 +24,7 @@ class Benchmark:
     aliases: tuple[str, ...] = ()
 
 
-# Paper 000's Table 2 columns, plus the offline mini-suite's own (MMLU, HumanEval), each in its group.
+# Paper 000's Table 2 columns, plus the offline suites' own (MMLU, HumanEval, ARC-E, PIQA), each in its group.
 BENCHMARKS = (
     Benchmark("mmlu", "Knowledge", "MMLU"),
     Benchmark("mmlu_r", "Knowledge", "MMLU-R", ("mmlu_redux", "mmlu_redux_generative")),
@@ -39,6 +39,8 @@ BENCHMARKS = (
     Benchmark("humaneval", "Code", "HumanEval"),
     Benchmark("mmmlu", "Multilingual", "MMMLU"),
     Benchmark("mgsm", "Multilingual", "MGSM"),
+    Benchmark("arc_e", "Commonsense", "ARC-E", ("arc_easy",)),  # the commonsense suite (small trained models)
+    Benchmark("piqa", "Commonsense", "PIQA"),
 )
 
 
