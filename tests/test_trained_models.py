@@ -240,3 +240,24 @@ def test_smoothquant_norms_stay_float32_in_the_checkpoint_and_in_vllm(fetched, t
     assert all(served["layers"][i].dtype == torch.float32 and torch.equal(served["layers"][i], smoothed[i])
                for i in range(layers))
     assert served["final"].dtype == torch.bfloat16
+
+
+def test_bf16_answers_the_commonsense_suite_above_chance(fetched, tmp_path):
+    """The suite pipelines/real.yaml gives SmolLM2 (it solves no HumanEval problem and answers MMLU at chance):
+    the model as shipped, served by vLLM, answers the first 200 ARC-Easy (4 choices) and PIQA (2 choices) items
+    above chance. Bound: chance p0 plus 3.3 binomial standard deviations of an n-item score at chance,
+    p0 + 3.3 sqrt(p0 (1 - p0) / n) (a chance-level model exceeds it with probability < 5e-4): ARC-E 0.351,
+    PIQA 0.617. The scores are deterministic (greedy log-likelihoods of a fixed model); measured 2026-11-26:
+    ARC-E 0.515, PIQA 0.655 (7 items above the PIQA bound; summation order between CPU ISAs moves an item only
+    when two answers' log-likelihoods tie within rounding)."""
+    from quantkit.evals.suite import evaluate
+
+    _, source = fetched
+    n = 200
+    results = evaluate(source, suite="commonsense", backend="vllm", out_dir=tmp_path / "eval", limit=n,
+                       dtype="bfloat16")
+    print({b: v["score"] for b, v in results["benchmarks"].items()})
+    for benchmark, chance in (("ARC-E", 0.25), ("PIQA", 0.5)):
+        scored = results["benchmarks"][benchmark]
+        assert scored["n"] == n
+        assert scored["score"] > chance + 3.3 * math.sqrt(chance * (1 - chance) / n), (benchmark, scored)
