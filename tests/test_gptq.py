@@ -2,7 +2,8 @@
 
 Asserted and why each cannot fail by chance:
 - Uncorrelated inputs (H = I): no error is spread (chol(H^-1) is diagonal), so GPTQ is round to nearest with
-  min-max scales: its dequantized weight and scales equal `decode(encode(w))` and `encode`'s scales bit for bit.
+  min-max scales (searched scales with `search_scales`: the same search on the same group, MSE clipping): its
+  dequantized weight and scales equal `decode(encode(w))` and `encode`'s scales bit for bit.
 - The lazy blocks are Algorithm 1 regrouped: run in float64, GPTQ with blocks of 128 and the textbook column loop
   without lazy blocks (the reference below) give the same codes. They differ by float64 summation order, ~1e-15
   relative, so a value would have to lie within ~1e-15 of a rounding midpoint to round differently: probability
@@ -18,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quantkit.formats.constants import WeightScales
 from quantkit.formats.schemes import SCHEMES
 from quantkit.quantize.gptq import _Grid, gptq_quantize
 
@@ -36,7 +38,8 @@ def correlated_inputs(tokens: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(tokens, 8, generator=gen) @ basis + 0.05 * torch.randn(tokens, k, generator=gen)
 
 
-def reference_gptq(w: torch.Tensor, h: torch.Tensor, scheme: str, dampening: float = 0.01) -> torch.Tensor:
+def reference_gptq(w: torch.Tensor, h: torch.Tensor, scheme: str, dampening: float = 0.01,
+                   search_scales: bool = False) -> torch.Tensor:
     """Algorithm 1 column by column, no lazy blocks, float64 (the module's dead-channel and dampening rules)."""
     w, h = w.double().clone(), h.double().clone()
     k = w.shape[1]
@@ -45,7 +48,7 @@ def reference_gptq(w: torch.Tensor, h: torch.Tensor, scheme: str, dampening: flo
     w[:, dead] = 0.0
     h += dampening * torch.diag(h).mean() * torch.eye(k, dtype=torch.float64)
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    grid, q = _Grid(scheme, w), torch.zeros_like(w)
+    grid, q = _Grid(scheme, w, search_scales), torch.zeros_like(w)
     for j in range(k):
         grid.start_group(j, w)
         q[:, j] = grid.quantize_column(j, w[:, j])
@@ -53,25 +56,31 @@ def reference_gptq(w: torch.Tensor, h: torch.Tensor, scheme: str, dampening: flo
     return q
 
 
+@pytest.mark.parametrize("search_scales", [False, True])
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_uncorrelated_inputs_give_round_to_nearest(scheme):
+def test_uncorrelated_inputs_give_round_to_nearest(scheme, search_scales):
+    """K = 272: two full FP8 blocks and a short one, 17 NVFP4 groups; min-max scales or searched (MSE) ones."""
     w = torch.randn(160, 272, generator=torch.Generator().manual_seed(1)) * 0.02
-    q, scales = gptq_quantize(w, torch.eye(272), scheme)
+    w[::7, ::5] *= 8  # a few large values: the search then picks other scales than min-max in some groups
+    q, scales = gptq_quantize(w, torch.eye(272), scheme, search_scales=search_scales)
     s = SCHEMES[scheme]
-    rtn = s.encode(w, "w")
+    rtn = s.encode(w, "w", weight_scales=WeightScales.MSE if search_scales else WeightScales.MINMAX)
+    if search_scales:  # the case is not vacuous: the searched scales differ from min-max ones
+        assert not torch.equal(rtn["weight_scale"].float(), s.encode(w, "w")["weight_scale"].float())
     assert torch.equal(q, s.decode(rtn, 272))
     for suffix, tensor in scales.items():
         assert torch.equal(tensor.view(torch.uint8), rtn[suffix].view(torch.uint8)), suffix
 
 
+@pytest.mark.parametrize("search_scales", [False, True])
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_lazy_blocks_equal_the_column_loop_and_the_checkpoint_stores_q(scheme):
+def test_lazy_blocks_equal_the_column_loop_and_the_checkpoint_stores_q(scheme, search_scales):
     x = correlated_inputs(512, 272).double()
     w = torch.randn(72, 272, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 0.02
     h = 2 * x.T @ x / x.shape[0]
-    q, scales = gptq_quantize(w, h, scheme)
-    assert torch.equal(q, reference_gptq(w, h, scheme))
-    q32, scales32 = gptq_quantize(w.float(), h, scheme)
+    q, scales = gptq_quantize(w, h, scheme, search_scales=search_scales)
+    assert torch.equal(q, reference_gptq(w, h, scheme, search_scales=search_scales))
+    q32, scales32 = gptq_quantize(w.float(), h, scheme, search_scales=search_scales)
     s = SCHEMES[scheme]
     assert torch.equal(s.decode(s.encode(q32, "w", scales=scales32), 272), q32)
 
@@ -116,8 +125,7 @@ def test_a_gptq_recipe_writes_its_weights_exactly_and_names_what_it_cannot_do(tm
     whole, stream = state_of(out), state_of(streamed)
     assert whole.keys() == stream.keys()
     assert all(torch.equal(v.view(torch.uint8), stream[k].view(torch.uint8)) for k, v in whole.items())
-    with pytest.raises(ValueError, match="gptq chooses its own scales"):
-        parse_recipe({"name": "x", "scheme": "nvfp4", "gptq": {}, "weight_scales": "mse"})
+    assert parse_recipe({"name": "x", "scheme": "nvfp4", "gptq": {}, "weight_scales": "mse"}).weight_scales == "mse"
     with pytest.raises(ValueError, match="gptq applies to quantkit's own quantized schemes only"):
         parse_recipe({"name": "x", "scheme": "bf16", "gptq": {}})
     assert [s["use"] for s in calibration_sets(load_recipe("w4a4_nvfp4_gptq"))] == ["gptq"]

@@ -25,6 +25,7 @@ from quantkit.calibrate.layers import skeleton_model
 from quantkit.calibrate.mappings import resolve_mappings
 from quantkit.checkpoints import check_checkpoint_dir
 from quantkit.data import calibration_windows
+from quantkit.formats.constants import WeightScales
 from quantkit.formats.schemes import scheme_for
 from quantkit.models.attention import load_reference_model
 from quantkit.quantize.llmcompressor_backend import quantize_with_llmcompressor
@@ -206,5 +207,10 @@ def _gptq(model, tokenizer, recipe: Recipe, quantized: set[str]) -> dict[str, di
     )
     with torch.no_grad():
         return gptq_layers(
-            model, tokens, lambda n: recipe.scheme_of(n) if n in quantized else None, g.block_size, g.dampening
+            model,
+            tokens,
+            lambda n: recipe.scheme_of(n) if n in quantized else None,
+            g.block_size,
+            g.dampening,
+            search_scales=recipe.weight_scales == WeightScales.MSE,
         )

@@ -8,20 +8,23 @@ the reference implementation does). Columns are quantized left to right; each co
 the Cholesky factor's diagonal, is spread over the columns not yet quantized (U = chol(H^-1) upper), in lazy
 blocks of `block_size` columns. Scales (DECODE scales, value = code x scale) are chosen where a scale group
 starts, from the weights as updated so far (min-max of the group, as round to nearest would: GPTQ's
-"static_groups false"): an FP8 128x128 block's scale when its first column is reached, over its 128 rows; an
-NVFP4 group's E4M3 scale per row when the group's first column is reached; NVFP4's per-tensor second stage is
-amax(|W|) / 2688 of the weight before GPTQ, fixed for the whole matrix. The result is the dequantized weight
-(every value code x scale) and those scales, which `Scheme.encode(..., scales=...)` writes exactly.
+"static_groups false"; with `search_scales`, the scale of `quantkit.formats.scale_search` that minimises the
+group's squared error, as llm-compressor's GPTQ with an MSE observer): an FP8 128x128 block's scale when its first
+column is reached, over its 128 rows; an NVFP4 group's E4M3 scale per row when the group's first column is
+reached; NVFP4's per-tensor second stage is amax(|W|) / 2688 of the weight before GPTQ, fixed for the whole
+matrix. The result is the dequantized weight (every value code x scale) and those scales, which
+`Scheme.encode(..., scales=...)` writes exactly.
 
-With H = I (uncorrelated unit inputs) no error is spread and GPTQ is round to nearest with min-max scales, bit
-for bit (tests/test_gptq.py). Layer by layer (`gptq_layers` on a whole model, `gptq_layer` per layer for the
-streaming path, which runs the same operations on the same batches): the calibration windows run through the model one
-decoder layer at a time; a layer's Hessians come from its inputs as the already quantized layers before it produce
-them (the paper's sequential order), then its linears are quantized and the windows continue through the
-quantized layer. Routed experts (fused modules, `quantkit.formats.experts`) get one Hessian per expert and input:
-gate_proj and up_proj of expert e share H from the tokens the router sends to e, down_proj has its own from
-act(gate) * up on those tokens (`quantkit.quantize.routed_experts`); an expert no calibration token reaches keeps
-round to nearest (no scales returned for it).
+With H = I (uncorrelated unit inputs) no error is spread and GPTQ is round to nearest with min-max scales (with
+searched scales: round to nearest with the searched scales), bit for bit (tests/test_gptq.py). Layer by layer
+(`gptq_layers` on a whole model, `gptq_layer` per layer for the streaming path, which runs the same operations on
+the same batches): the calibration windows run through the model one decoder layer at a time; a layer's Hessians
+come from its inputs as the already quantized layers before it produce them (the paper's sequential order), then its
+linears are quantized and the windows continue through the quantized layer. Routed experts (fused modules,
+`quantkit.formats.experts`) get one Hessian per expert and input: gate_proj and up_proj of expert e share H from the
+tokens the router sends to e, down_proj has its own from act(gate) * up on those tokens
+(`quantkit.quantize.routed_experts`); an expert no calibration token reaches keeps round to nearest (no scales
+returned for it).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from quantkit.formats.constants import FP8_WEIGHT_BLOCK, NVFP4_GROUP
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.fp8 import fp8_scale_from_amax, to_e4m3
 from quantkit.formats.nvfp4 import e2m1_to_float, nvfp4_block_scales, nvfp4_global_scale, round_to_e2m1
+from quantkit.formats.scale_search import fp8_block_scales_mse, nvfp4_block_scales_mse
 from quantkit.quantize.routed_experts import experts_call, routed_expert_passes
 
 logger = logging.getLogger(__name__)
@@ -52,11 +56,12 @@ def gptq_quantize(
     scheme: str,
     block_size: int = DEFAULT_BLOCK_SIZE,
     dampening: float = DEFAULT_DAMPENING,
+    search_scales: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GPTQ of `weight` (N, K) with the Hessian `hessian` (K, K) = 2 X^T X / tokens on the grid of `scheme`
-    ("fp8_block" | "nvfp4"): (dequantized weight (N, K), float64 for a float64 `weight` else float32, its decode
-    scales: fp8_block {"weight_scale": float32 (ceil(N/128), ceil(K/128))}, nvfp4 {"weight_scale": float8_e4m3fn
-    (N, ceil(K/16)), "weight_global_scale": float32 (1,)})."""
+    ("fp8_block" | "nvfp4"), each group's scale min-max or searched (`search_scales`): (dequantized weight (N, K),
+    float64 for a float64 `weight` else float32, its decode scales: fp8_block {"weight_scale": float32 (ceil(N/128),
+    ceil(K/128))}, nvfp4 {"weight_scale": float8_e4m3fn (N, ceil(K/16)), "weight_global_scale": float32 (1,)})."""
     dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32  # float64: the tests' reference
     w = weight.detach().to(dtype).clone()
     n, k = w.shape
@@ -66,7 +71,7 @@ def gptq_quantize(
     w[:, dead] = 0.0
     h += dampening * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).to(dtype)
-    grid = _Grid(scheme, w)
+    grid = _Grid(scheme, w, search_scales)
     q = torch.zeros_like(w)
     for start in range(0, k, block_size):
         stop = min(start + block_size, k)
@@ -84,10 +89,10 @@ def gptq_quantize(
 class _Grid:
     """The scheme's scale groups along K and its column quantizer (module docstring)."""
 
-    def __init__(self, scheme: str, w: torch.Tensor) -> None:
+    def __init__(self, scheme: str, w: torch.Tensor, search_scales: bool = False) -> None:
         if scheme not in ("fp8_block", "nvfp4"):
             raise ValueError(f"GPTQ: unknown scheme {scheme!r}; expected fp8_block or nvfp4")
-        self.scheme, (n, k) = scheme, w.shape
+        self.scheme, self.search_scales, (n, k) = scheme, search_scales, w.shape
         self.group = FP8_WEIGHT_BLOCK if scheme == "fp8_block" else NVFP4_GROUP
         groups = -(-k // self.group)
         if scheme == "fp8_block":
@@ -98,18 +103,25 @@ class _Grid:
         self.row_scale = torch.ones(n)  # decode scale of each row in the current group
 
     def start_group(self, j: int, w: torch.Tensor) -> None:
-        """At a group's first column: its scales from the weights as updated so far (min-max)."""
+        """At a group's first column: its scales from the weights as updated so far (min-max, or searched)."""
         if j % self.group:
             return
-        cols = w[:, j : j + self.group].abs().amax(dim=1)  # (N,)
-        g = j // self.group
+        group = w[:, j : j + self.group]  # (N, <= group); searched: a short last group padded with exact zeros
+        g, n = j // self.group, group.shape[0]
         if self.scheme == "fp8_block":
-            n = cols.numel()
-            rows = torch.nn.functional.pad(cols, (0, -n % FP8_WEIGHT_BLOCK)).view(-1, FP8_WEIGHT_BLOCK).amax(dim=1)
-            self.block_scales[:, g] = fp8_scale_from_amax(rows)
+            if self.search_scales:
+                self.block_scales[:, g] = fp8_block_scales_mse(group.float())[:, 0]
+            else:
+                cols = group.abs().amax(dim=1)
+                rows = torch.nn.functional.pad(cols, (0, -n % FP8_WEIGHT_BLOCK)).view(-1, FP8_WEIGHT_BLOCK).amax(dim=1)
+                self.block_scales[:, g] = fp8_scale_from_amax(rows)
             self.row_scale = self.block_scales[:, g].repeat_interleave(FP8_WEIGHT_BLOCK)[:n]
         else:
-            self.group_scales[:, g] = nvfp4_block_scales(cols, self.global_scale)
+            if self.search_scales:
+                padded = torch.nn.functional.pad(group.float(), (0, self.group - group.shape[1]))
+                self.group_scales[:, g] = nvfp4_block_scales_mse(padded[:, None, :], self.global_scale)[:, 0]
+            else:
+                self.group_scales[:, g] = nvfp4_block_scales(group.abs().amax(dim=1), self.global_scale)
             self.row_scale = self.group_scales[:, g].float() * self.global_scale
 
     def quantize_column(self, j: int, column: torch.Tensor) -> torch.Tensor:
@@ -133,6 +145,7 @@ def gptq_layers(
     dampening: float = DEFAULT_DAMPENING,
     batch_size: int = BATCH_SIZE,
     progress: bool = True,
+    search_scales: bool = False,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """GPTQ every quantized nn.Linear and routed expert matrix inside the decoder layers of the float32 `model`,
     layer by layer on the calibration windows `tokens` (N, T) (module docstring; `gptq_layer`); each weight is
@@ -143,7 +156,8 @@ def gptq_layers(
     stream = embed_stream(model, layers, "gptq", tokens.to(device), None, batch_size)
     scales: dict[str, dict[str, torch.Tensor]] = {}
     for i in tqdm(range(len(layers)), desc="GPTQ", unit="layer", disable=not progress):
-        scales |= gptq_layer(layers[i], f"{stack_name}.{i}.", i, stream, scheme_of, block_size, dampening)
+        prefix = f"{stack_name}.{i}."
+        scales |= gptq_layer(layers[i], prefix, i, stream, scheme_of, block_size, dampening, search_scales)
         advance_stream(stream, layers[i], i)  # the windows continue through the quantized layer
     return scales
 
@@ -156,6 +170,7 @@ def gptq_layer(
     scheme_of: Callable[[str], str | None],
     block_size: int = DEFAULT_BLOCK_SIZE,
     dampening: float = DEFAULT_DAMPENING,
+    search_scales: bool = False,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """GPTQ decoder layer i (module names `prefix` + ...) in place on the stream's hidden states at its input (the
     caller advances the stream through it afterwards): its Hessians, then each quantized Linear and routed expert
@@ -172,7 +187,7 @@ def gptq_layer(
         hessian = hessians.pop(name, None)
         if hessian is None:  # an expert no calibration token reached: round to nearest at encode
             continue
-        q, s = gptq_quantize(weight, hessian, str(scheme_of(name)), block_size, dampening)
+        q, s = gptq_quantize(weight, hessian, str(scheme_of(name)), block_size, dampening, search_scales)
         with torch.no_grad():
             weight.copy_(q.to(weight.dtype))
         scales[name] = s

@@ -16,7 +16,8 @@ A recipe names a scheme and what happens before it:
     calibration_data: speeches+code  # optional: what calibration reads (quantkit.data; default: fits the model)
     ignore: ["re:.*\\.g_proj$"]  # added to DEFAULT_IGNORE; names or "re:<regex>" on module names
     weight_scales: mse           # minmax (default) | mse: each block's / group's decode scale searched for the
-                                 # least squared weight error (MSE clipping, quantkit.formats.scale_search)
+                                 # least squared weight error (MSE clipping, quantkit.formats.scale_search);
+                                 # with gptq, each group's scale searched as GPTQ reaches it
     gptq: {num_sequences: 128, seq_len: 512, block_size: 128, dampening: 0.01}
                                  # GPTQ rounding (quantkit.quantize.gptq), layer by layer (streaming too)
     rotation: {seed: 0, online: true, online_block: null}  # QuaRot rotation before everything else
@@ -280,8 +281,6 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     gptq = _settings(GPTQSettings, data.get("gptq"), f"{source}: gptq")
     if gptq is not None and (backend != Backend.QUANTKIT or scheme == UNQUANTIZED):
         raise ValueError(f"{source}: gptq applies to quantkit's own quantized schemes only")
-    if gptq is not None and data.get("weight_scales", WeightScales.MINMAX) != WeightScales.MINMAX:
-        raise ValueError(f"{source}: gptq chooses its own scales (min-max per group as it goes): drop weight_scales")
     rotation = _rotation(data.get("rotation"), backend, scheme, source)
     weight_scales = data.get("weight_scales", WeightScales.MINMAX)
     if weight_scales not in list(WeightScales):

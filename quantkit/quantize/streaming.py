@@ -101,6 +101,7 @@ from quantkit.calibrate.smoothquant import (
 from quantkit.calibrate.stats import ChannelMaxObserver
 from quantkit.checkpoints import SAFETENSORS_DTYPES, tensor_headers
 from quantkit.data import calibration_windows
+from quantkit.formats.constants import WeightScales
 from quantkit.formats.hadamard import residual_rotation
 from quantkit.formats.schemes import Scheme, scheme_for
 from quantkit.quantize.gptq import gptq_layer
@@ -481,7 +482,8 @@ class _StreamingJob:
             def scheme_of(name: str) -> str | None:
                 return self.recipe.scheme_of(name) if name in quantized_here else None
 
-            gptq_scales = gptq_layer(layer, prefix, i, streams["gptq"], scheme_of, g.block_size, g.dampening)
+            search = self.recipe.weight_scales == WeightScales.MSE
+            gptq_scales = gptq_layer(layer, prefix, i, streams["gptq"], scheme_of, g.block_size, g.dampening, search)
             advance_stream(streams["gptq"], layer, i)
         amax = {}
         if self.static_tokens is not None:
