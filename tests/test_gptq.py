@@ -174,3 +174,21 @@ def test_routed_experts_get_per_expert_hessians_and_are_stored_exactly(tmp_path)
     for e in range(4):
         assert torch.equal(hessians[f"{name}.{e}.gate_proj"], hessians[f"{name}.{e}.up_proj"])
         assert hessians[f"{name}.{e}.down_proj"].shape[0] == module.down_proj.shape[2]
+
+
+def test_gptq_with_searched_scales_streams_the_same_bytes(tmp_path):
+    """`weight_scales: mse` + `gptq`: the whole-model and streaming paths pass the search to GPTQ alike (the same
+    float32 operations on the same batches, so the same bytes), and the searched scales are not min-max GPTQ's."""
+    from quantkit.models.tiny import build_tiny_stock_checkpoint
+    from quantkit.quantize.checkpoint import quantize_checkpoint
+
+    source = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
+    for name, extra in (("gptq_mse", "weight_scales: mse\n"), ("gptq_minmax", "")):
+        (tmp_path / f"{name}.yaml").write_text(f"name: {name}\nscheme: nvfp4\n{extra}gptq: {{num_sequences: 8, seq_len: 32}}\n")
+    whole = state_of(quantize_checkpoint(source, str(tmp_path / "gptq_mse.yaml"), tmp_path / "w", streaming=False))
+    stream = state_of(quantize_checkpoint(source, str(tmp_path / "gptq_mse.yaml"), tmp_path / "s", streaming=True))
+    minmax = state_of(quantize_checkpoint(source, str(tmp_path / "gptq_minmax.yaml"), tmp_path / "m", streaming=False))
+    assert whole.keys() == stream.keys() == minmax.keys()
+    assert all(torch.equal(v.view(torch.uint8), stream[k].view(torch.uint8)) for k, v in whole.items())
+    scales = [k for k in whole if k.endswith(".weight_scale")]
+    assert scales and any(not torch.equal(whole[k].view(torch.uint8), minmax[k].view(torch.uint8)) for k in scales)
