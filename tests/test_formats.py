@@ -33,8 +33,8 @@ from quantkit.formats import (
     quantize_nvfp4_weight,
     unpack_fp4,
 )
-from quantkit.formats.constants import E2M1_POSITIVE_VALUES, F8E4M3_MIN_NORMAL, F8E4M3_MIN_SUBNORMAL
-from quantkit.formats.nvfp4 import e2m1_to_float, round_to_e2m1
+from quantkit.formats.constants import E2M1_BOUNDS, E2M1_POSITIVE_VALUES, F8E4M3_MIN_NORMAL, F8E4M3_MIN_SUBNORMAL
+from quantkit.formats.nvfp4 import e2m1_round, e2m1_to_float, round_to_e2m1
 
 pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
 
@@ -198,13 +198,30 @@ def test_e2m1_rounding_matches_brute_force(y):
     assert torch.equal(round_to_e2m1(y).long(), _e2m1_reference(y))
 
 
+def test_e2m1_round_equals_the_codes_decoded_bit_for_bit():
+    """`e2m1_round` (no codes) = `e2m1_to_float(round_to_e2m1(y))` on every float32 bit pattern of |y| in [0, 8]
+    sampled every 2**8 ulps, each rounding midpoint and its float32 neighbours, +-0, huge values and both signs:
+    equal bits (int32 views), so the signed zeros match too. Exact arithmetic on both sides: no tolerance."""
+    patterns = torch.arange(0, int(torch.tensor(8.0).view(torch.int32)) + 1, 256, dtype=torch.int32).view(torch.float32)
+    mids = torch.tensor(E2M1_BOUNDS + (2.0, 4.0, 6.0))
+    neighbours = torch.cat((mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)))
+    y = torch.cat((patterns, neighbours, torch.tensor([0.0, 1e30, 3.4e38, 7.0])))
+    y = torch.cat((y, -y))
+    got, expected = e2m1_round(y), e2m1_to_float(round_to_e2m1(y))
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
 def test_e2m1_ties_to_even_and_saturation():
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
     assert e2m1_to_float(round_to_e2m1(mids)).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
     assert e2m1_to_float(round_to_e2m1(-mids)).tolist() == [-0.0, -1.0, -1.0, -2.0, -2.0, -4.0, -4.0]
     # just off the midpoints
     assert e2m1_to_float(round_to_e2m1(torch.tensor([0.2501, 2.4999, 5.0001, 7.0, 1e30]))).tolist() == [
-        0.5, 2.0, 6.0, 6.0, 6.0
+        0.5,
+        2.0,
+        6.0,
+        6.0,
+        6.0,
     ]
     # sign bit: set exactly for y < 0 (a negative that rounds to zero is -0, code 8); +0.0 and -0.0 give 0
     assert round_to_e2m1(torch.tensor([0.0, -0.0, -0.1, 0.1])).tolist() == [0, 0, 8, 0]
@@ -359,8 +376,13 @@ def test_nvfp4_static_activation_mode_saturates_beyond_calibrated_amax():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize(
     "fn",
-    [quantize_fp8_block, quantize_fp8_per_token, quantize_nvfp4_weight, quantize_nvfp4_activation,
-     lambda x, name: quantize_nvfp4(x, 1.0, name=name)],
+    [
+        quantize_fp8_block,
+        quantize_fp8_per_token,
+        quantize_nvfp4_weight,
+        quantize_nvfp4_activation,
+        lambda x, name: quantize_nvfp4(x, 1.0, name=name),
+    ],
 )
 def test_non_finite_inputs_refused(fn, bad):
     x = torch.ones(4, 32)
@@ -375,7 +397,6 @@ def test_activation_fake_quant_equals_dequantize_of_quantize_bit_for_bit(mode):
     dequantize(quantize(x)) minus the pack/unpack round trip: equal bit for bit, signed zeros included, on inputs
     with exact rounding ties (E2M1_BOUNDS x the group scale), zeros, -0.0, a padded last group and 10 decades of
     row magnitudes."""
-    from quantkit.formats.constants import E2M1_BOUNDS
     from quantkit.formats.nvfp4 import fake_quant_nvfp4_activation
 
     generator = torch.Generator().manual_seed(0)

@@ -27,12 +27,11 @@ from quantkit.formats.constants import F8E4M3_DTYPE, FP8_WEIGHT_BLOCK
 from quantkit.formats.fp8 import fp8_scale_from_amax, quantize_fp8_block, to_blocks, to_e4m3
 from quantkit.formats.nvfp4 import (
     NVFP4Tensor,
-    e2m1_to_float,
+    e2m1_round,
     nvfp4_block_scales,
     nvfp4_global_scale,
     nvfp4_groups,
     quantize_nvfp4_weight,
-    round_to_e2m1,
 )
 
 FP8_CLIP_GRID = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0 .. 0.5
@@ -78,7 +77,7 @@ def nvfp4_block_scales_mse(groups: torch.Tensor, global_scale: torch.Tensor) -> 
 def _nvfp4_group_error(groups: torch.Tensor, codes: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """Squared error per group (..., G) of groups (..., G, 16) under the E4M3 block-scale codes (..., G) (int)."""
     scale = (codes.to(torch.uint8).view(F8E4M3_DTYPE).float() * global_scale).unsqueeze(-1)
-    decoded = e2m1_to_float(round_to_e2m1(groups / scale)) * scale
+    decoded = e2m1_round(groups / scale) * scale
     return (decoded - groups).pow(2).sum(dim=-1)
 
 

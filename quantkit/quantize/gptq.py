@@ -40,7 +40,7 @@ from quantkit.calibrate.layers import BATCH_SIZE, Stream, advance_stream, decode
 from quantkit.formats.constants import FP8_WEIGHT_BLOCK, NVFP4_GROUP
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.fp8 import fp8_scale_from_amax, to_e4m3
-from quantkit.formats.nvfp4 import e2m1_to_float, nvfp4_block_scales, nvfp4_global_scale, round_to_e2m1
+from quantkit.formats.nvfp4 import e2m1_round, nvfp4_block_scales, nvfp4_global_scale
 from quantkit.formats.scale_search import fp8_block_scales_mse, nvfp4_block_scales_mse
 from quantkit.quantize.routed_experts import experts_call, routed_expert_passes
 
@@ -128,7 +128,7 @@ class _Grid:
         """Round a column (N,) to the grid at the current group's scales; dequantized float32 (N,)."""
         if self.scheme == "fp8_block":
             return to_e4m3(column / self.row_scale).float() * self.row_scale
-        return e2m1_to_float(round_to_e2m1(column / self.row_scale)) * self.row_scale
+        return e2m1_round(column / self.row_scale) * self.row_scale
 
     def scales(self) -> dict[str, torch.Tensor]:
         """The decode scales chosen, under their checkpoint tensor names."""
