@@ -151,7 +151,8 @@ def e2m1_round(y: torch.Tensor) -> torch.Tensor:
     a = y.abs().clamp_(max=F4E2M1_MAX)
     biased_exponent = (a.view(torch.int32) >> 23).clamp_(127, 129)  # 2**0 .. 2**2; smaller (and 0) -> 127
     c = biased_exponent.add_(22).bitwise_left_shift_(23).view(torch.float32)  # 2**(e - 1) * 2**23
-    return (a + c).sub_(c).copysign_(y + 0.0)
+    a.add_(c).sub_(c)  # in place: two float32 temporaries in all, not five (they cost as much as the arithmetic)
+    return a.copysign_(torch.add(y, 0.0, out=c))
 
 
 def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
