@@ -1,6 +1,6 @@
 """`make bench` (benchmarks/bench_gemm.py, bench_grouped_gemm.py) and benchmarks/bench_serve.py run on this machine and
 write JSON + markdown (GEMMs on CPU: --quick through the interpreter, kernels within tolerance; serving: a tiny
-checkpoint, two recipes)."""
+checkpoint, two recipes); benchmarks/fake_quant_cost.py checks its bits and prints its figures."""
 
 import json
 import subprocess
@@ -108,3 +108,12 @@ def test_full_tile_sweep_refuses_without_a_gpu():
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tune_tiles.py")], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2 and "--quick" in run.stderr
+
+
+def test_fake_quant_cost_checks_its_bits_and_prints_every_shape():
+    """benchmarks/fake_quant_cost.py (one repeat: ~2 s) exits 0 only if `e2m1_round` equals the codes path bit for bit
+    on every shape it times; it prints one line of figures per (tokens, K)."""
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fake_quant_cost.py"), "--repeats", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert sum("e2m1_round" in line and "fake-quant" in line for line in run.stdout.splitlines()) == 6
