@@ -144,7 +144,8 @@ def e2m1_round(y: torch.Tensor) -> torch.Tensor:
     c = step * 2**23 makes the float32 ulp equal the step, so (|y| + c) - c is |y| rounded to a multiple of the step,
     ties to the even multiple (float32 round to nearest even) = the even mantissa. The step comes from |y|'s
     exponent bits (2**(e - 1), e clamped to 0..2); saturate at 6; the sign of y + 0.0 (-0.0 -> +0, as the codes).
-    ~3.5x faster on CPU than the codes' 7 comparisons and table lookup (every emulated activation goes through it).
+    3-8x faster on CPU than the codes' 7 comparisons and table lookup (benchmarks/fake_quant_cost.py; every emulated
+    activation goes through it).
     Other dtypes (GPTQ's float64 columns) take the codes' path: the rounding decision is made in y's own precision."""
     if y.dtype != torch.float32:
         return e2m1_to_float(round_to_e2m1(y))
