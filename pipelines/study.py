@@ -641,6 +641,7 @@ def _precision(recipe: str) -> str:
         label
         + ("+Rot" if r.rotation else "")
         + ("+SQ" if r.smoothquant else "")
+        + ("(search)" if r.smoothquant and r.smoothquant.search_alpha else "")
         + ("+MSE" if r.weight_scales == WeightScales.MSE else "")
         + ("+GPTQ" if r.gptq else "")
         + (" (static)" if r.static_activations else "")

@@ -26,7 +26,7 @@ PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
 def test_smoothquant_recipes_default_to_the_paper_count():
     sq = [name for name in available_recipes() if load_recipe(name).smoothquant is not None]
     assert sorted(sq) == ["mixed_fp8_attn_nvfp4_sq_gptq", "mixed_fp8_attn_nvfp4_sq_gptq_mse", "w4a4_nvfp4_sq", "w4a4_nvfp4_sq_gptq", "w4a4_nvfp4_sq_mse",
-                          "w4a4_nvfp4_sq_noexperts", "w4a4_nvfp4_sq_updown", "w4a4_nvfp4_sq_updown_gptq_mse",
+                          "w4a4_nvfp4_sq_noexperts", "w4a4_nvfp4_sq_search", "w4a4_nvfp4_sq_updown", "w4a4_nvfp4_sq_updown_gptq_mse",
                           "w8a8_fp8_block_sq"]
     for name in sq:
         assert calibration_sets(load_recipe(name))[0] == (  # a model of no known type: prose and code
@@ -82,6 +82,22 @@ def test_the_method_comparison_study_loads_with_one_label_per_method():
     labels = [_precision(r) for r in spec.recipes]
     assert labels == ["BF16", "W4A4", "W4A4+MSE", "W4A4+GPTQ", "W4A4+SQ", "W4A4+SQ+GPTQ", "W4A4+Rot", "W4A4+Rot+GPTQ",
                       "W4A4/W8A8"]
+
+
+def test_the_smollm_method_comparison_is_the_affordable_one_with_one_label_per_method():
+    """pipelines/methods-smollm.yaml: SmolLM2 on ARC-Easy / PIQA (above chance, by log-likelihood: no code executed),
+    the same calibration sizing as methods.yaml, an item limit that keeps it near an hour on 2 cores, and a distinct
+    row label per method."""
+    from quantkit.pipelines.study import _precision
+
+    spec = load_spec(PIPELINES / "methods-smollm.yaml")
+    study = Study(spec)
+    assert set(spec.models.values()) == {"model:smollm2-135m-instruct"}
+    assert spec.eval["suite"] == "commonsense" and spec.eval["limit"] == 300 and not spec.eval.get("allow_code")
+    best = study.recipe("w4a4_nvfp4_sq_updown_gptq_mse")
+    assert (best.smoothquant.num_sequences, best.gptq.num_sequences, best.smoothquant.include_up_down) == (32, 32, True)
+    labels = [_precision(r) for r in spec.recipes]
+    assert len(set(labels)) == len(labels) and labels[0] == "BF16"
 
 
 @pytest.mark.parametrize("calibration, message", [

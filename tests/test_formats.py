@@ -411,6 +411,29 @@ def test_activation_fake_quant_equals_dequantize_of_quantize_bit_for_bit(mode):
         assert torch.equal(got, expected) and torch.equal(got.signbit(), expected.signbit())
 
 
+def test_weight_fake_quant_equals_dequantize_of_quantize_bit_for_bit():
+    """`fake_quant_nvfp4_weight` (SmoothQuant's alpha search) is dequantize(quantize_nvfp4_weight(w)) minus the
+    pack/unpack round trip: equal bit for bit, signed zeros included, on weights with exact rounding ties, zeros,
+    -0.0, a padded last group and rows 10 decades apart (the per-tensor scale then sends small rows' groups to
+    E4M3's subnormal scales); the scheme's `fake_quant_weight` is the same, and FP8 block's default is
+    decode(encode(w))."""
+    from quantkit.formats.nvfp4 import fake_quant_nvfp4_weight
+    from quantkit.formats.schemes import get_scheme
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        w = torch.randn(7, 45, generator=generator) * 10 ** (torch.rand(7, 1, generator=generator) * 10 - 6)
+        w[0, :16] = torch.tensor((*E2M1_BOUNDS, *(-b for b in E2M1_BOUNDS), 6.0, -6.0)) * w[0].abs().max()
+        w[1, :7] = 0.0
+        w[2, 3] = -0.0
+        expected = dequantize_nvfp4(quantize_nvfp4_weight(w))
+        got = fake_quant_nvfp4_weight(w)
+        assert torch.equal(got, expected) and torch.equal(got.signbit(), expected.signbit())
+        assert torch.equal(get_scheme("nvfp4").fake_quant_weight(w, "w"), expected)
+        fp8 = get_scheme("fp8_block")
+        assert torch.equal(fp8.fake_quant_weight(w, "w"), fp8.decode(fp8.encode(w, "w"), 45))
+
+
 def test_finite_inputs_whose_sum_overflows_are_quantized():
     """The finiteness check sums the input (NaN and Inf reach any sum) and counts exactly only when that sum is not
     finite: finite values near float32's maximum whose sum overflows to Inf must still quantize."""

@@ -34,12 +34,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Protocol, cast
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from quantkit.calibrate.alpha_search import AlphaSearch, RowSampler, choose_alpha
 from quantkit.calibrate.layers import (
     BATCH_SIZE,
     HEAD_POSITIONS,
@@ -91,6 +93,7 @@ class MappingReport:
     smooth: str
     consumers: tuple[str, ...]
     channels: int
+    alpha: float  # the migration strength of this mapping's factors (searched or the recipe's)
     scale_min: float
     scale_median: float
     scale_max: float
@@ -117,6 +120,8 @@ class SmoothQuantReport:
     windows_per_layer: list[int] = field(default_factory=list)
     last_change: list[float] = field(default_factory=list)  # per layer: the last batch's relative L2 change
     scales: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # smoothing layer -> s (float32)
+    alpha_grid: list[float] | None = None  # the searched alphas (`alpha_search`); None: `alpha` everywhere
+    alpha_errors: dict[str, list[float]] = field(default_factory=dict)  # searched mapping -> error per grid alpha
 
     def to_dict(self) -> dict:
         """JSON-serializable (scales summarized per mapping, tensors left out)."""
@@ -127,11 +132,11 @@ class SmoothQuantReport:
     def summary(self) -> str:
         """A Markdown table: one row per mapping, then the function-preservation check."""
         rows = [
-            "| mapping | channels | s min / median / max | max|X| before -> after | max|W| before -> after |",
-            "|---|---|---|---|---|",
+            "| mapping | alpha | channels | s min / median / max | max|X| before -> after | max|W| before -> after |",
+            "|---|---|---|---|---|---|",
         ]
         rows += [
-            f"| {m.name} | {m.channels} | {m.scale_min:.3g} / {m.scale_median:.3g} / {m.scale_max:.3g} | "
+            f"| {m.name} | {m.alpha:g} | {m.channels} | {m.scale_min:.3g} / {m.scale_median:.3g} / {m.scale_max:.3g} | "
             f"{m.act_max_before:.4g} -> {m.act_max_after:.4g} | {m.weight_max_before:.4g} -> {m.weight_max_after:.4g} |"
             for m in self.mappings
         ]
@@ -143,7 +148,7 @@ class SmoothQuantReport:
             f"{self.early_stop:g}: the first layer's maxima settled)"
         )
         rows.append(
-            f"{self.architecture}, alpha={self.alpha}, {used}; "
+            f"{self.architecture}, alpha={self.alpha if self.alpha_grid is None else 'searched per mapping'}, {used}; "
             f"max |logit change| {self.max_logit_change:.3g} (logit scale {self.logit_scale:.3g}, relative "
             f"{self.relative_logit_change:.3g} <= tolerance {self.tolerance:.3g})"
         )
@@ -189,10 +194,16 @@ def _weight_col_max(model: nn.Module, mapping: SmoothMapping) -> torch.Tensor:
 
 
 def mapping_report(
-    model: nn.Module, mapping: SmoothMapping, scale: torch.Tensor, act_max: torch.Tensor, weight_max: torch.Tensor
+    model: nn.Module,
+    mapping: SmoothMapping,
+    scale: torch.Tensor,
+    act_max: torch.Tensor,
+    weight_max: torch.Tensor,
+    alpha: float,
 ) -> MappingReport:
     """The report of one folded mapping: `scale` (channels,) its smoothing scale, `act_max` / `weight_max`
-    (channels,) the activation and consumer-weight maxima before the fold; `model` holds the folded weights."""
+    (channels,) the activation and consumer-weight maxima before the fold, `alpha` its migration strength;
+    `model` holds the folded weights."""
     w_after = _to_smoothing_channels(mapping, _weight_col_max(model, mapping).to(act_max.device), len(scale))
     return MappingReport(
         name=mapping.name,
@@ -200,6 +211,7 @@ def mapping_report(
         smooth=mapping.smooth,
         consumers=mapping.consumers,
         channels=len(scale),
+        alpha=alpha,
         scale_min=scale.min().item(),
         scale_median=scale.median().item(),
         scale_max=scale.max().item(),
@@ -327,6 +339,8 @@ class LayerFactors:
     factors: list[tuple[SmoothMapping, torch.Tensor, torch.Tensor, torch.Tensor]]
     windows: int
     last_change: float
+    alphas: dict[str, float]  # mapping name -> the alpha its factors were computed with
+    alpha_errors: dict[str, list[float]] = field(default_factory=dict)  # searched mappings: error per grid alpha
     reports: list[MappingReport] = field(default_factory=list)  # filled by `fold_layer`
 
 
@@ -334,7 +348,9 @@ def fold_layer(model: nn.Module, calibrated: LayerFactors) -> None:
     """Fold one layer's factors into `model` and record each mapping's report (it reads the folded weights)."""
     for m, s, _, _ in calibrated.factors:
         fold_mapping(model, m, s)
-    calibrated.reports = [mapping_report(model, m, s, x, w) for m, s, x, w in calibrated.factors]
+    calibrated.reports = [
+        mapping_report(model, m, s, x, w, calibrated.alphas[m.name]) for m, s, x, w in calibrated.factors
+    ]
 
 
 @torch.no_grad()
@@ -347,13 +363,21 @@ def layer_factors(
     alpha: float,
     power_of_two: bool = False,
     early_stop: EarlyStop | None = None,
+    search: AlphaSearch | None = None,
 ) -> LayerFactors:
     """Carry `stream` through decoder layer i (unsmoothed) while observing the per-channel maxima at the inputs of
     `mappings`' consumers, and compute each mapping's factors (`smoothing_factors`). With `early_stop` the
-    stream ends at the batch where the maxima settled (for every later layer too). Nothing is folded here.
+    stream ends at the batch where the maxima settled (for every later layer too). With `search`, each mapping
+    whose quantized consumers are all Linear modules gets the alpha of least quantized output error
+    (`quantkit.calibrate.alpha_search`), the others `alpha`. Nothing is folded here.
     Raises NonFiniteStatisticsError, SmoothQuantMappingError (consumers of one mapping read different inputs)."""
     consumers = [c for m in mappings for c in m.consumers]
-    with ChannelMaxObserver(model, consumers) as observer:
+    searched = [m for m in mappings if search is not None and _searchable(model, m)]
+    sample_at = [m.consumers[0] for m in searched]
+    with (
+        ChannelMaxObserver(model, consumers) as observer,
+        RowSampler(model, sample_at, search.max_rows if search else 0) as sampler,
+    ):
         settling = Settling(observer, early_stop)
         advance_stream(stream, layer, i, stop_after=lambda b: settling.after_batch(len(stream.chunks[b])))
     missing = [n for n in observer.names if n not in observer.maxima]
@@ -362,13 +386,36 @@ def layer_factors(
     sub_plan = MappingPlan("", tuple(mappings), ())
     _check_finite(sub_plan, observer.maxima)
     _check_shared_input(sub_plan, observer.maxima)
-    factors = []
+    factors, alphas, errors = [], {}, {}
     for m in mappings:
         channels = _smoothing_channels(model, m)
         x = _to_smoothing_channels(m, observer.maxima[m.consumers[0]], channels)
         w = _to_smoothing_channels(m, _weight_col_max(model, m).to(x.device), channels)
-        factors.append((m, smoothing_factors(x, w, alpha, power_of_two), x, w))
-    return LayerFactors(factors, settling.windows, settling.change[-1] if settling.change else 0.0)
+        alphas[m.name] = alpha
+        if m in searched:
+            rows = sampler.rows[m.consumers[0]]
+            quantized = [
+                (c, input_weight(model.get_submodule(c)).detach()) for c in m.consumers if c not in m.fold_only
+            ]
+            alphas[m.name], errors[m.name] = choose_alpha(
+                cast(AlphaSearch, search),
+                rows,
+                quantized,
+                m.channel_index(rows.shape[-1], rows.device),
+                partial(smoothing_factors, x, w, power_of_two=power_of_two),
+            )
+        factors.append((m, smoothing_factors(x, w, alphas[m.name], power_of_two), x, w))
+    return LayerFactors(factors, settling.windows, settling.change[-1] if settling.change else 0.0, alphas, errors)
+
+
+def _searchable(model: nn.Module, mapping: SmoothMapping) -> bool:
+    """Whether the alpha search can measure `mapping`: every quantized consumer a Linear (not a fused experts
+    matrix: a MoE norm keeps the recipe's alpha)."""
+    try:
+        modules = [model.get_submodule(c) for c in mapping.consumers if c not in mapping.fold_only]
+    except AttributeError:
+        return False
+    return bool(modules) and all(isinstance(mod, nn.Linear) for mod in modules)
 
 
 @torch.no_grad()
@@ -433,6 +480,7 @@ def smoothquant_report(
     scale: float,
     tolerance: float,
     early_stop: EarlyStop | None,
+    alpha_grid: Sequence[float] | None = None,
 ) -> SmoothQuantReport:
     """The report of a finished smoothing: each folded layer's mapping reports (`fold_layer`), the
     function-preservation figures, and the windows each layer's statistics saw."""
@@ -453,6 +501,8 @@ def smoothquant_report(
         windows_per_layer=[c.windows for c in calibrated],
         last_change=[c.last_change for c in calibrated],
         scales={m.smooth: s.cpu() for layer in calibrated for m, s, _, _ in layer.factors},
+        alpha_grid=None if alpha_grid is None else list(alpha_grid),
+        alpha_errors={name: e for layer in calibrated for name, e in layer.alpha_errors.items()},
     )
 
 
@@ -495,6 +545,7 @@ def smooth_model(
     verify_tokens: torch.Tensor | None = None,
     progress: bool = True,
     early_stop: EarlyStop | None = None,
+    search: AlphaSearch | None = None,
 ) -> SmoothQuantReport:
     """Smooth `model` in place and verify that it still computes the same function.
 
@@ -506,9 +557,10 @@ def smooth_model(
     `quantkit.calibrate.mappings`; v->o is refused where it is not function-preserving). experts: smooth MoE
     layers' post_attention_layernorm into router, experts, shared expert and its gate (False: leave those
     norms unsmoothed, as peers do; no effect on dense models). power_of_two:
-    round factors to powers of two (bit-exact folding in bf16). tolerance: max |logit change| / max |logit|
-    allowed (default 1e-3; 5e-2 for bf16/fp16 parameters unless power_of_two), checked on `verify_tokens`
-    (default: the first 4 calibration sequences).
+    round factors to powers of two (bit-exact folding in bf16). search: choose each mapping's alpha by the
+    quantized output error (`quantkit.calibrate.alpha_search`; `alpha` stays the fallback for MoE norms).
+    tolerance: max |logit change| / max |logit| allowed (default 1e-3; 5e-2 for bf16/fp16 parameters unless
+    power_of_two), checked on `verify_tokens` (default: the first 4 calibration sequences).
 
     Raises SmoothQuantMappingError (structure), NonFiniteStatisticsError (NaN/Inf calibration statistics or
     logits, model untouched), FunctionPreservationError (logits changed; folds undone, up to rounding).
@@ -540,7 +592,9 @@ def smooth_model(
         reference = _final_hidden(model, layers, verify, batch_size)
         stream = embed_stream(model, layers, "smoothquant", tokens.to(device), None, batch_size, lazy=True)
         for i in tqdm(range(len(layers)), desc="SmoothQuant calibration", unit="layer", disable=not progress):
-            calibrated.append(layer_factors(model, layers[i], i, stream, per_layer[i], alpha, power_of_two, early_stop))
+            calibrated.append(
+                layer_factors(model, layers[i], i, stream, per_layer[i], alpha, power_of_two, early_stop, search)
+            )
         del stream
         folded = calibrated  # every factor from the unsmoothed model; nothing folded before all are in
         for layer in folded:
@@ -554,6 +608,7 @@ def smooth_model(
     finally:
         model.train(was_training)
 
-    report = smoothquant_report(plan, alpha, tokens, calibrated, change, scale, tolerance, early_stop)
+    grid = None if search is None else search.grid
+    report = smoothquant_report(plan, alpha, tokens, calibrated, change, scale, tolerance, early_stop, grid)
     logger.info("SmoothQuant done:\n%s", report.summary())
     return report

@@ -250,6 +250,14 @@ def quantize_nvfp4_weight(
     return _quantize_nvfp4(w, gs, block_scale)
 
 
+def fake_quant_nvfp4_weight(w: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
+    """`dequantize_nvfp4(quantize_nvfp4_weight(w))` with min-max scales, float32 (N, K), equal bit for bit, without
+    packing the codes and unpacking them again (SmoothQuant's alpha search quantizes each weight once an alpha)."""
+    check_quantizable(w, "quantize_nvfp4_weight", name=name, ndim=2)
+    scaled, _, scale = _scaled_groups(w, nvfp4_global_scale(w.float().abs().amax()))
+    return (e2m1_round(scaled) * scale).flatten(-2)[..., : w.shape[-1]]
+
+
 def quantize_nvfp4_activation(
     x: torch.Tensor,
     mode: str = ActivationScale.PER_TOKEN,

@@ -46,6 +46,7 @@ from quantkit.formats.nvfp4 import (
     NVFP4Tensor,
     dequantize_nvfp4,
     fake_quant_nvfp4_activation,
+    fake_quant_nvfp4_weight,
     nvfp4_global_scale,
     quantize_nvfp4_activation,
     quantize_nvfp4_weight,
@@ -133,6 +134,10 @@ class Scheme(ABC):
     @abstractmethod
     def decode(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
         """Checkpoint tensors of one Linear -> float32 weight (N, K)."""
+
+    def fake_quant_weight(self, weight: torch.Tensor, name: str) -> torch.Tensor:
+        """decode(encode(weight)) with min-max scales: weight (N, K) -> float32 (N, K) as served."""
+        return self.decode(self.encode(weight, name), weight.shape[1])
 
     def static_activation_tensors(self, amax: torch.Tensor) -> dict[str, torch.Tensor]:
         """Calibrated max |x| of a Linear's input, shape (1,) -> its static activation tensors."""
@@ -289,6 +294,10 @@ class NVFP4Scheme(Scheme):
                 in_features,
             )
         )
+
+    def fake_quant_weight(self, weight: torch.Tensor, name: str) -> torch.Tensor:
+        """decode(encode(weight)) with min-max scales, equal bit for bit, without the packing round trip."""
+        return fake_quant_nvfp4_weight(weight, name=name)
 
     def static_activation_tensors(self, amax: torch.Tensor) -> dict[str, torch.Tensor]:
         """input_global_scale: float32 (1,) decode scale amax / 2688 (1.0 where amax is 0)."""

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoTokenizer
 import quantkit.models  # noqa: F401  (registers model_type "quantkit")
 from quantkit.atomic import atomic_dir
 from quantkit.calibrate import channel_max, smooth_model
+from quantkit.calibrate.alpha_search import AlphaSearch
 from quantkit.calibrate.layers import skeleton_model
 from quantkit.calibrate.mappings import resolve_mappings
 from quantkit.checkpoints import check_checkpoint_dir
@@ -28,6 +29,7 @@ from quantkit.data import calibration_windows
 from quantkit.formats.constants import WeightScales
 from quantkit.formats.schemes import scheme_for
 from quantkit.models.attention import load_reference_model
+from quantkit.quantize.fake_quant import quantized_product
 from quantkit.quantize.llmcompressor_backend import quantize_with_llmcompressor
 from quantkit.quantize.modelopt_backend import quantize_with_modelopt
 from quantkit.quantize.output import (
@@ -141,6 +143,7 @@ def quantize_checkpoint(
             include_v_o=sq.include_v_o,
             include_up_down=sq.include_up_down,
             experts=sq.experts,
+            search=AlphaSearch(quantized_product(recipe)) if sq.search_alpha else None,
         )
     scheme = scheme_for(recipe.scheme)  # None: bf16, nothing quantized
     weights = quantizable_weights(model)

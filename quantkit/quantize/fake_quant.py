@@ -19,6 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import quantkit.models  # noqa: F401
+from quantkit.calibrate.alpha_search import QuantizedProduct
 from quantkit.checkpoints import read_state
 from quantkit.formats.experts import expert_matrices, fuse_expert_matrices, fused_experts_modules
 from quantkit.formats.hadamard import block_hadamard
@@ -28,9 +29,11 @@ from quantkit.formats.schemes import (
     get_scheme,
     module_scheme,
     online_hadamard_blocks,
+    scheme_for,
     scheme_from_config,
 )
 from quantkit.models.attention import reference_attention
+from quantkit.quantize.recipe import Recipe
 
 
 class FakeQuantLinear(torch.nn.Module):
@@ -188,6 +191,22 @@ def routed_experts_forward(
     # index_put_, not index_add_: the latter's 2-thread CPU kernel took ~50 ms a call (vs 20 us) on a busy machine
     out.index_put_((token_idx,), y * top_k_weights[token_idx, slot, None].float(), accumulate=True)
     return out
+
+
+def quantized_product(recipe: Recipe) -> QuantizedProduct:
+    """What serving computes for the recipe's Linear `name`, for SmoothQuant's alpha search
+    (`quantkit.calibrate.alpha_search`): x (rows, K) and weight (N, K) float32 -> fake_quant(x) @
+    fake_quant_weight(weight)^T, (rows, N) float32, with the module's scheme (`Recipe.scheme_of`), min-max weight
+    scales and per-token activation scales (a static-scale recipe's scale is calibrated after smoothing: per token
+    stands in); x @ weight^T for a module the recipe keeps unquantized."""
+
+    def product(name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        scheme = None if recipe.ignores(name) else scheme_for(recipe.scheme_of(name))
+        if scheme is None:
+            return x @ weight.T
+        return scheme.fake_quant_activation(x) @ scheme.fake_quant_weight(weight, name).T
+
+    return product
 
 
 def read_quantization_config(model_dir: str | Path) -> dict:

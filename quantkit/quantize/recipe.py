@@ -11,7 +11,9 @@ A recipe names a scheme and what happens before it:
     smoothquant: {alpha: 0.5, num_sequences: 256, seq_len: 512, experts: true, early_stop: 0.02}
                                  # optional; experts: smooth MoE layers' norms into router/experts/shared
                                  # expert (false: as peers, skip); early_stop: stop the windows once the
-                                 # per-channel maxima settle (quantkit.calibrate.stats.EarlyStop; null: all)
+                                 # per-channel maxima settle (quantkit.calibrate.stats.EarlyStop; null: all);
+                                 # search_alpha: true picks each mapping's alpha from 0, 0.1, ..., 1 by the
+                                 # quantized output error (quantkit.calibrate.alpha_search; alpha: MoE norms')
     calibration: {num_sequences: 64, seq_len: 512}                # static activation scales only
     calibration_data: speeches+code  # optional: what calibration reads (quantkit.data; default: fits the model)
     ignore: ["re:.*\\.g_proj$"]  # added to DEFAULT_IGNORE; names or "re:<regex>" on module names
@@ -113,6 +115,7 @@ class SmoothQuantSettings:
     early_stop: float | None = DEFAULT_EARLY_STOP  # EarlyStop.tolerance; None: use every window
     include_v_o: bool = False  # also smooth v_proj -> o_proj where attention is linear in v
     include_up_down: bool = False  # also smooth up_proj -> down_proj (down_proj's inputs hold the largest outliers)
+    search_alpha: bool = False  # alpha per mapping by the quantized output error (quantkit.calibrate.alpha_search)
 
     def early_stop_rule(self) -> EarlyStop | None:
         """The statistics' early stop (`quantkit.calibrate.stats.EarlyStop`), None when off."""
@@ -252,8 +255,9 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     smoothquant = _settings(SmoothQuantSettings, data.get("smoothquant"), f"{source}: smoothquant")
     if smoothquant is not None and not 0.0 <= smoothquant.alpha <= 1.0:
         raise ValueError(f"{source}: smoothquant.alpha must be in [0, 1], got {smoothquant.alpha}")
-    if smoothquant is not None and not isinstance(smoothquant.experts, bool):
-        raise ValueError(f"{source}: smoothquant.experts must be true or false, got {smoothquant.experts!r}")
+    for flag in ("experts", "include_v_o", "include_up_down", "search_alpha"):
+        if smoothquant is not None and not isinstance(getattr(smoothquant, flag), bool):
+            raise ValueError(f"{source}: smoothquant.{flag} must be true or false, got {getattr(smoothquant, flag)!r}")
     if smoothquant is not None and scheme == UNQUANTIZED:
         raise ValueError(f"{source}: smoothquant with scheme bf16 changes nothing worth measuring")
     if (
@@ -282,6 +286,10 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     if gptq is not None and (backend != Backend.QUANTKIT or scheme == UNQUANTIZED):
         raise ValueError(f"{source}: gptq applies to quantkit's own quantized schemes only")
     rotation = _rotation(data.get("rotation"), backend, scheme, source)
+    if rotation is not None and smoothquant is not None and smoothquant.search_alpha:
+        raise ValueError(
+            f"{source}: smoothquant.search_alpha measures unrotated products; it does not compose with rotation"
+        )
     weight_scales = data.get("weight_scales", WeightScales.MINMAX)
     if weight_scales not in list(WeightScales):
         raise ValueError(f"{source}: weight_scales {weight_scales!r} is not one of {[str(w) for w in WeightScales]}")

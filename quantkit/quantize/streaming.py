@@ -68,6 +68,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 import quantkit.models  # noqa: F401  (registers quantkit's model types)
 from quantkit.atomic import atomic_dir
+from quantkit.calibrate.alpha_search import DEFAULT_GRID, AlphaSearch
 from quantkit.calibrate.layers import (
     LayerwiseError,
     Stream,
@@ -104,6 +105,7 @@ from quantkit.data import calibration_windows
 from quantkit.formats.constants import WeightScales
 from quantkit.formats.hadamard import residual_rotation
 from quantkit.formats.schemes import Scheme, scheme_for
+from quantkit.quantize.fake_quant import quantized_product
 from quantkit.quantize.gptq import gptq_layer
 from quantkit.quantize.output import (
     checkpoint_state,
@@ -466,7 +468,16 @@ class _StreamingJob:
             mappings = cast(list[tuple[SmoothMapping, ...]], self.per_layer)[i]  # set with sq
             early_stop = self.sq.early_stop_rule()
             calibrated.append(
-                layer_factors(self.skeleton, layer, i, streams["sq"], mappings, self.sq.alpha, early_stop=early_stop)
+                layer_factors(
+                    self.skeleton,
+                    layer,
+                    i,
+                    streams["sq"],
+                    mappings,
+                    self.sq.alpha,
+                    early_stop=early_stop,
+                    search=AlphaSearch(quantized_product(self.recipe)) if self.sq.search_alpha else None,
+                )
             )
             advance_stream(streams["ref"], layer, i)
             fold_layer(self.skeleton, calibrated[-1])
@@ -533,8 +544,9 @@ def _verify(
     change, scale = check_preserved(
         skeleton, layers, ref.hidden, smoothed.hidden, plan.architecture, DEFAULT_TOLERANCE, "nothing was written"
     )
+    grid = DEFAULT_GRID if sq.search_alpha else None
     report = smoothquant_report(
-        plan, sq.alpha, tokens, calibrated, change, scale, DEFAULT_TOLERANCE, sq.early_stop_rule()
+        plan, sq.alpha, tokens, calibrated, change, scale, DEFAULT_TOLERANCE, sq.early_stop_rule(), grid
     )
     logger.info("SmoothQuant done (streaming):\n%s", report.summary())
     return report
