@@ -25,7 +25,7 @@ PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
 
 def test_smoothquant_recipes_default_to_the_paper_count():
     sq = [name for name in available_recipes() if load_recipe(name).smoothquant is not None]
-    assert sorted(sq) == ["mixed_fp8_attn_nvfp4_sq_gptq", "mixed_fp8_attn_nvfp4_sq_gptq_mse", "w4a4_nvfp4_sq", "w4a4_nvfp4_sq_gptq", "w4a4_nvfp4_sq_mse",
+    assert sorted(sq) == ["mixed_fp8_attn_nvfp4_sq_gptq", "mixed_fp8_attn_nvfp4_sq_gptq_mse", "mixed_fp8_attn_nvfp4_sq_search_gptq_mse", "w4a4_nvfp4_sq", "w4a4_nvfp4_sq_gptq", "w4a4_nvfp4_sq_mse",
                           "w4a4_nvfp4_sq_noexperts", "w4a4_nvfp4_sq_search", "w4a4_nvfp4_sq_updown", "w4a4_nvfp4_sq_updown_gptq_mse",
                           "w8a8_fp8_block_sq"]
     for name in sq:
@@ -94,8 +94,8 @@ def test_the_smollm_method_comparison_is_the_affordable_one_with_one_label_per_m
     study = Study(spec)
     assert set(spec.models.values()) == {"model:smollm2-135m-instruct"}
     assert spec.eval["suite"] == "commonsense" and spec.eval["limit"] == 300 and not spec.eval.get("allow_code")
-    best = study.recipe("w4a4_nvfp4_sq_updown_gptq_mse")
-    assert (best.smoothquant.num_sequences, best.gptq.num_sequences, best.smoothquant.include_up_down) == (32, 32, True)
+    sq_gptq = study.recipe("w4a4_nvfp4_sq_gptq")
+    assert (sq_gptq.smoothquant.num_sequences, sq_gptq.gptq.num_sequences, sq_gptq.gptq.seq_len) == (32, 32, 256)
     labels = [_precision(r) for r in spec.recipes]
     assert len(set(labels)) == len(labels) and labels[0] == "BF16"
 
