@@ -12,7 +12,7 @@ A recipe names a scheme and what happens before it:
                                  # optional; experts: smooth MoE layers' norms into router/experts/shared
                                  # expert (false: as peers, skip); early_stop: stop the windows once the
                                  # per-channel maxima settle (quantkit.calibrate.stats.EarlyStop; null: all);
-                                 # search_alpha: true picks each mapping's alpha from 0, 0.1, ..., 1 by the
+                                 # search_alpha: true picks each mapping's alpha from 0.3, 0.4, ..., 0.9 by the
                                  # quantized output error (quantkit.calibrate.alpha_search; alpha: MoE norms')
     calibration: {num_sequences: 64, seq_len: 512}                # static activation scales only
     calibration_data: speeches+code  # optional: what calibration reads (quantkit.data; default: fits the model)
