@@ -385,7 +385,11 @@ class Study:
         from quantkit.quantize.checkpoint import quantize_checkpoint
 
         quantize_checkpoint(
-            self._source(label), self.recipe(recipe), self.checkpoint_dir(label, recipe), overwrite=True
+            self._source(label),
+            self.recipe(recipe),
+            self.checkpoint_dir(label, recipe),
+            overwrite=True,
+            statistics_cache=self.dir / "cache" / "smoothquant",  # the model's SQ rows share their statistics
         )
 
     def _eval(self, label: str, recipe: str) -> None:
@@ -644,6 +648,7 @@ def _precision(recipe: str) -> str:
         + ("(search)" if r.smoothquant and r.smoothquant.search_alpha else "")
         + ("+MSE" if r.weight_scales == WeightScales.MSE else "")
         + ("+GPTQ" if r.gptq else "")
+        + ("(act-order)" if r.gptq and r.gptq.act_order else "")
         + (" (static)" if r.static_activations else "")
     )
 

@@ -128,7 +128,14 @@ def _quantize(args: argparse.Namespace) -> int:
             flush=True,
         )
     started = time.perf_counter()
-    out = quantize_checkpoint(args.model, recipe, args.out, overwrite=args.overwrite, streaming=args.streaming)
+    out = quantize_checkpoint(
+        args.model,
+        recipe,
+        args.out,
+        overwrite=args.overwrite,
+        streaming=args.streaming,
+        statistics_cache=args.statistics_cache,
+    )
     seconds = time.perf_counter() - started
     print(f"{args.recipe}: {out}")
     print(checkpoint_size_line(args.model, out))
@@ -315,6 +322,13 @@ def _add_quantize_parser(sub: Subparsers) -> None:
         metavar="TOLERANCE",
         help="SmoothQuant: end the windows once the per-channel maxima moved by at most TOLERANCE "
         "(relative L2) in 2 batches of 8 (default 0.02; negative: use every window, as paper 000)",
+    )
+    quantize.add_argument(
+        "--statistics-cache",
+        metavar="DIR",
+        help="SmoothQuant: reuse the per-channel statistics an earlier quantization of this source on the same "
+        "windows kept in DIR, or keep them there (the same checkpoint either way; a study does this in its run "
+        "directory's cache/smoothquant)",
     )
     quantize.set_defaults(func=_quantize)
 

@@ -30,11 +30,13 @@ SmolLM2's): calibration, diagnostics, KL and serving see inputs that start the s
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
 import subprocess
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -157,9 +159,34 @@ def served_prefix(tokenizer: Any) -> list[int]:
     return ids[: len(ids) - len(bare)]
 
 
+STREAM_MEMO_ENTRIES = 4  # token streams a process remembers (`token_stream`)
+_streams: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
+
+
 def token_stream(texts: Sequence[str], tokenizer: Any) -> torch.Tensor:
-    """All texts tokenized (with the tokenizer's special tokens) and concatenated: a 1-D int64 tensor."""
-    return torch.tensor([i for text in texts for i in tokenizer(text)["input_ids"]], dtype=torch.long)
+    """All texts tokenized (each with the tokenizer's special tokens) and concatenated: a new 1-D int64 tensor.
+
+    One batch call (the Rust tokenizer encodes on all cores; the same ids as text by text). A process remembers the
+    last STREAM_MEMO_ENTRIES streams of a fast tokenizer, keyed by SHA-256 digests of the tokenizer's serialized
+    pipeline and of the texts: every quantization, diagnosis and KL window of a model draws from the same corpora
+    (the training speeches are 2.3M tokens for Qwen2.5, 5.9M for a byte-level tokenizer: 3-5 s to encode each time)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    key = None
+    if backend is not None:
+        texts_digest = hashlib.sha256()
+        for text in texts:
+            texts_digest.update(hashlib.sha256(text.encode("utf-8")).digest())
+        key = (hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest(), texts_digest.hexdigest())
+        if key in _streams:
+            _streams.move_to_end(key)
+            return _streams[key].clone()
+    ids = tokenizer(list(texts))["input_ids"] if texts else []
+    stream = torch.tensor([i for one in ids for i in one], dtype=torch.long)
+    if key is not None:
+        _streams[key] = stream.clone()
+        while len(_streams) > STREAM_MEMO_ENTRIES:
+            _streams.popitem(last=False)
+    return stream
 
 
 def windows(

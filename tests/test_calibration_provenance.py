@@ -25,7 +25,7 @@ PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
 
 def test_smoothquant_recipes_default_to_the_paper_count():
     sq = [name for name in available_recipes() if load_recipe(name).smoothquant is not None]
-    assert sorted(sq) == ["mixed_fp8_attn_nvfp4_sq_gptq", "mixed_fp8_attn_nvfp4_sq_gptq_mse", "mixed_fp8_attn_nvfp4_sq_search_gptq_mse", "w4a4_nvfp4_sq", "w4a4_nvfp4_sq_gptq", "w4a4_nvfp4_sq_mse",
+    assert sorted(sq) == ["mixed_fp8_attn_nvfp4_sq_gptq", "mixed_fp8_attn_nvfp4_sq_gptq_mse", "mixed_fp8_attn_nvfp4_sq_search_gptq_mse", "w4a4_nvfp4_sq", "w4a4_nvfp4_sq_gptq", "w4a4_nvfp4_sq_gptq_actorder", "w4a4_nvfp4_sq_mse",
                           "w4a4_nvfp4_sq_noexperts", "w4a4_nvfp4_sq_search", "w4a4_nvfp4_sq_updown", "w4a4_nvfp4_sq_updown_gptq_mse",
                           "w8a8_fp8_block_sq"]
     for name in sq:

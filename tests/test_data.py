@@ -37,6 +37,24 @@ def test_token_stream_concatenates_texts_each_with_its_bos(tiny_checkpoint):
     assert stream[0] == tok.bos_token_id
 
 
+def test_token_streams_are_remembered_per_tokenizer_and_texts(tiny_checkpoint, tmp_path):
+    """A second call with the same tokenizer and texts returns the remembered stream, equal to encoding text by
+    text, as a new tensor (writing into it changes nothing remembered); other texts, or a tokenizer that encodes
+    differently (no BOS), get their own stream."""
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    texts = ["Return the sum.", "A new list of items.", ""]
+    expected = [i for t in texts for i in tok(t)["input_ids"]]
+    first = data.token_stream(texts, tok)
+    first[:] = -1
+    second = data.token_stream(texts, tok)
+    assert second.tolist() == expected
+    assert data.token_stream(texts[:1], tok).tolist() == tok(texts[0])["input_ids"]
+    tok.save_pretrained(tmp_path)
+    no_bos = AutoTokenizer.from_pretrained(tmp_path, add_bos_token=False)
+    assert no_bos(texts[0])["input_ids"] == tok(texts[0])["input_ids"][1:]  # the edit took: no BOS now
+    assert data.token_stream(texts, no_bos).tolist() == [i for t in texts for i in no_bos(t)["input_ids"]]
+
+
 def test_windows_are_slices_with_bos_at_position_0():
     stream = torch.arange(100, 200)
     batch = data.windows(stream, [0, 7, 90], 10, -1)

@@ -39,20 +39,26 @@ def correlated_inputs(tokens: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 def reference_gptq(w: torch.Tensor, h: torch.Tensor, scheme: str, dampening: float = 0.01,
-                   search_scales: bool = False) -> torch.Tensor:
-    """Algorithm 1 column by column, no lazy blocks, float64 (the module's dead-channel and dampening rules)."""
+                   search_scales: bool = False, act_order: bool = False) -> torch.Tensor:
+    """Algorithm 1 column by column, no lazy blocks, float64 (the module's dead-channel and dampening rules). With
+    act_order: every group's scales first from the weights, then the columns in descending diag(H) order, each
+    rounded at its own group's scales, its error spread over the columns not yet quantized in that order."""
     w, h = w.double().clone(), h.double().clone()
     k = w.shape[1]
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     h += dampening * torch.diag(h).mean() * torch.eye(k, dtype=torch.float64)
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    grid, q = _Grid(scheme, w, search_scales), torch.zeros_like(w)
-    for j in range(k):
-        grid.start_group(j, w)
+    grid, q = _Grid(scheme, w, search_scales, static=act_order), torch.zeros_like(w)
+    order = sorted(range(k), key=lambda j: -float(h[j, j])) if act_order else list(range(k))
+    hp = h[order][:, order]
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hp)), upper=True)
+    for i, j in enumerate(order):
+        if not act_order:
+            grid.start_group(j, w)
         q[:, j] = grid.quantize_column(j, w[:, j])
-        w[:, j:] -= ((w[:, j] - q[:, j]) / u[j, j])[:, None] * u[j, j:][None, :]
+        rest = order[i:]
+        w[:, rest] -= ((w[:, j] - q[:, j]) / u[i, i])[:, None] * u[i, i:][None, :]
     return q
 
 
@@ -83,6 +89,38 @@ def test_lazy_blocks_equal_the_column_loop_and_the_checkpoint_stores_q(scheme, s
     q32, scales32 = gptq_quantize(w.float(), h, scheme, search_scales=search_scales)
     s = SCHEMES[scheme]
     assert torch.equal(s.decode(s.encode(q32, "w", scales=scales32), 272), q32)
+
+
+@pytest.mark.parametrize("search_scales", [False, True])
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_act_order_equals_the_column_loop_in_diag_order_and_keeps_the_layout(scheme, search_scales):
+    """Act-order GPTQ in lazy blocks equals the textbook loop over the columns in descending diag(H) order (float64,
+    same argument as above: ~1e-15 relative differences against rounding midpoints), its scales are those round
+    to nearest chooses for the unmodified weight (static groups, fixed before GPTQ), and the checkpoint stores it
+    exactly in the usual layout. Input energies differ per channel (scaled columns of X), so the order is not
+    the identity and the result differs from left-to-right GPTQ."""
+    x = correlated_inputs(512, 272).double() * torch.linspace(0.2, 3.0, 272, dtype=torch.float64)[torch.randperm(
+        272, generator=torch.Generator().manual_seed(4))]
+    w = torch.randn(72, 272, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 0.02
+    h = 2 * x.T @ x / x.shape[0]
+    q, scales = gptq_quantize(w, h, scheme, search_scales=search_scales, act_order=True)
+    assert torch.equal(q, reference_gptq(w, h, scheme, search_scales=search_scales, act_order=True))
+    assert not torch.equal(q, gptq_quantize(w, h, scheme, search_scales=search_scales)[0])
+    s = SCHEMES[scheme]
+    q32, scales32 = gptq_quantize(w.float(), h, scheme, search_scales=search_scales, act_order=True)
+    rtn = s.encode(w.float(), "w", weight_scales=WeightScales.MSE if search_scales else WeightScales.MINMAX)
+    for suffix, tensor in scales32.items():
+        assert torch.equal(tensor.view(torch.uint8), rtn[suffix].view(torch.uint8)), suffix
+    assert torch.equal(s.decode(s.encode(q32, "w", scales=scales32), 272), q32)
+
+
+def test_act_order_is_a_validated_recipe_key():
+    from quantkit.quantize.recipe import load_recipe, parse_recipe
+
+    assert load_recipe("w4a4_nvfp4_sq_gptq_actorder").gptq.act_order
+    assert not load_recipe("w4a4_nvfp4_sq_gptq").gptq.act_order
+    with pytest.raises(ValueError, match="gptq.act_order must be true or false"):
+        parse_recipe({"name": "x", "scheme": "nvfp4", "gptq": {"act_order": "yes"}}, "x.yaml")
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))

@@ -31,6 +31,7 @@ not counted: they stay unquantized).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -63,6 +64,7 @@ from quantkit.calibrate.mappings import (
     scale_,
 )
 from quantkit.calibrate.stats import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, ChannelMaxObserver, EarlyStop, Settling
+from quantkit.calibrate.stats_cache import CacheLocation, LayerStatistics, StatisticsCache
 from quantkit.data import calibration_windows, default_calibration_source
 from quantkit.errors import NonFiniteStatisticsError, QuantkitError
 
@@ -333,15 +335,23 @@ def layer_mappings(plan: MappingPlan, stack_name: str, num_layers: int) -> list[
 @dataclass
 class LayerFactors:
     """One decoder layer's SmoothQuant calibration: per mapping (mapping, s, max|X| and max|W| per smoothing
-    channel before the fold), the windows its statistics saw and the last batch's largest relative L2 change of
-    a maxima vector (`stats.Settling`)."""
+    channel before the fold), and the statistics they came from (`stats_cache.LayerStatistics`)."""
 
     factors: list[tuple[SmoothMapping, torch.Tensor, torch.Tensor, torch.Tensor]]
-    windows: int
-    last_change: float
+    statistics: LayerStatistics  # the maxima the factors came from (observed, or `stats_cache`'s)
     alphas: dict[str, float]  # mapping name -> the alpha its factors were computed with
     alpha_errors: dict[str, list[float]] = field(default_factory=dict)  # searched mappings: error per grid alpha
     reports: list[MappingReport] = field(default_factory=list)  # filled by `fold_layer`
+
+    @property
+    def windows(self) -> int:
+        """Calibration windows the layer's statistics saw."""
+        return self.statistics.windows
+
+    @property
+    def last_change(self) -> float:
+        """The last batch's largest relative L2 change of a maxima vector."""
+        return self.statistics.last_change
 
 
 def fold_layer(model: nn.Module, calibrated: LayerFactors) -> None:
@@ -358,54 +368,82 @@ def layer_factors(
     model: nn.Module,
     layer: nn.Module,
     i: int,
-    stream: Stream,
+    stream: Stream | None,
     mappings: Sequence[SmoothMapping],
     alpha: float,
     power_of_two: bool = False,
     early_stop: EarlyStop | None = None,
     search: AlphaSearch | None = None,
+    statistics: LayerStatistics | None = None,
 ) -> LayerFactors:
     """Carry `stream` through decoder layer i (unsmoothed) while observing the per-channel maxima at the inputs of
     `mappings`' consumers, and compute each mapping's factors (`smoothing_factors`). With `early_stop` the
     stream ends at the batch where the maxima settled (for every later layer too). With `search`, each mapping
     whose quantized consumers are all Linear modules gets the alpha of least quantized output error
-    (`quantkit.calibrate.alpha_search`), the others `alpha`. Nothing is folded here.
+    (`quantkit.calibrate.alpha_search`), the others `alpha`. With `statistics` (this layer's, from
+    `quantkit.calibrate.stats_cache`; not with `search`) nothing is observed and `stream` is not touched.
+    Nothing is folded here.
     Raises NonFiniteStatisticsError, SmoothQuantMappingError (consumers of one mapping read different inputs)."""
     consumers = [c for m in mappings for c in m.consumers]
     searched = [m for m in mappings if search is not None and _searchable(model, m)]
-    sample_at = [m.consumers[0] for m in searched]
-    with (
-        ChannelMaxObserver(model, consumers) as observer,
-        RowSampler(model, sample_at, search.max_rows if search else 0) as sampler,
-    ):
-        settling = Settling(observer, early_stop)
-        advance_stream(stream, layer, i, stop_after=lambda b: settling.after_batch(len(stream.chunks[b])))
-    missing = [n for n in observer.names if n not in observer.maxima]
+    rows: dict[str, torch.Tensor] = {}
+    if statistics is None:
+        if stream is None:
+            raise ValueError(f"layer {i}: SmoothQuant statistics need a calibration stream or cached statistics")
+        sample_at = [m.consumers[0] for m in searched]
+        with (
+            ChannelMaxObserver(model, consumers) as observer,
+            RowSampler(model, sample_at, search.max_rows if search else 0) as sampler,
+        ):
+            settling = Settling(observer, early_stop)
+            chunks = stream.chunks
+            advance_stream(stream, layer, i, stop_after=lambda b: settling.after_batch(len(chunks[b])))
+        last_change = settling.change[-1] if settling.change else 0.0
+        statistics, rows = LayerStatistics(observer.maxima, settling.windows, last_change), sampler.rows
+    elif searched:
+        raise ValueError("the alpha search samples rows during the statistics pass; cached statistics have none")
+    maxima = statistics.maxima
+    missing = [n for n in dict.fromkeys(consumers) if n not in maxima]
     if missing:
         raise RuntimeError(f"SmoothQuant calibration: these linears were never called in the forward pass: {missing}")
     sub_plan = MappingPlan("", tuple(mappings), ())
-    _check_finite(sub_plan, observer.maxima)
-    _check_shared_input(sub_plan, observer.maxima)
+    _check_finite(sub_plan, maxima)
+    _check_shared_input(sub_plan, maxima)
     factors, alphas, errors = [], {}, {}
     for m in mappings:
         channels = _smoothing_channels(model, m)
-        x = _to_smoothing_channels(m, observer.maxima[m.consumers[0]], channels)
+        x = _to_smoothing_channels(m, maxima[m.consumers[0]], channels)
         w = _to_smoothing_channels(m, _weight_col_max(model, m).to(x.device), channels)
         alphas[m.name] = alpha
         if m in searched:
-            rows = sampler.rows[m.consumers[0]]
             quantized = [
                 (c, input_weight(model.get_submodule(c)).detach()) for c in m.consumers if c not in m.fold_only
             ]
             alphas[m.name], errors[m.name] = choose_alpha(
                 cast(AlphaSearch, search),
-                rows,
+                rows[m.consumers[0]],
                 quantized,
-                m.channel_index(rows.shape[-1], rows.device),
+                m.channel_index(rows[m.consumers[0]].shape[-1], rows[m.consumers[0]].device),
                 partial(smoothing_factors, x, w, power_of_two=power_of_two),
             )
         factors.append((m, smoothing_factors(x, w, alphas[m.name], power_of_two), x, w))
-    return LayerFactors(factors, settling.windows, settling.change[-1] if settling.change else 0.0, alphas, errors)
+    return LayerFactors(factors, statistics, alphas, errors)
+
+
+def statistics_entry(
+    location: CacheLocation | None,
+    tokens: torch.Tensor,
+    per_layer: Sequence[Sequence[SmoothMapping]],
+    early_stop: EarlyStop | None,
+    batch_size: int,
+    search: AlphaSearch | None,
+) -> StatisticsCache | None:
+    """The statistics cache entry of this calibration (its key: `CacheLocation.entry`), None without a location or
+    with the alpha search (which needs the rows the statistics pass samples)."""
+    if location is None or search is not None:
+        return None
+    consumers = [list(dict.fromkeys(c for m in mappings for c in m.consumers)) for mappings in per_layer]
+    return location.entry(tokens, consumers, early_stop, batch_size)
 
 
 def _searchable(model: nn.Module, mapping: SmoothMapping) -> bool:
@@ -546,6 +584,7 @@ def smooth_model(
     progress: bool = True,
     early_stop: EarlyStop | None = None,
     search: AlphaSearch | None = None,
+    statistics_cache: CacheLocation | None = None,
 ) -> SmoothQuantReport:
     """Smooth `model` in place and verify that it still computes the same function.
 
@@ -559,6 +598,8 @@ def smooth_model(
     norms unsmoothed, as peers do; no effect on dense models). power_of_two:
     round factors to powers of two (bit-exact folding in bf16). search: choose each mapping's alpha by the
     quantized output error (`quantkit.calibrate.alpha_search`; `alpha` stays the fallback for MoE norms).
+    statistics_cache: read the per-channel maxima from there when an earlier run of the same source checkpoint,
+    windows and mappings left them, else keep them there (`quantkit.calibrate.stats_cache`; unused with search).
     tolerance: max |logit change| / max |logit| allowed (default 1e-3; 5e-2 for bf16/fp16 parameters unless
     power_of_two), checked on `verify_tokens` (default: the first 4 calibration sequences).
 
@@ -590,11 +631,21 @@ def smooth_model(
     folded: list[LayerFactors] = []
     try:
         reference = _final_hidden(model, layers, verify, batch_size)
+        cache = statistics_entry(statistics_cache, tokens, per_layer, early_stop, batch_size, search)
+        cached = None if cache is None else cache.load(len(layers))
         stream = embed_stream(model, layers, "smoothquant", tokens.to(device), None, batch_size, lazy=True)
-        for i in tqdm(range(len(layers)), desc="SmoothQuant calibration", unit="layer", disable=not progress):
-            calibrated.append(
-                layer_factors(model, layers[i], i, stream, per_layer[i], alpha, power_of_two, early_stop, search)
-            )
+        with contextlib.ExitStack() as keep:
+            recorder = keep.enter_context(cache.recording()) if cache is not None and cached is None else None
+            desc = "SmoothQuant calibration" + (" (cached statistics)" if cached else "")
+            for i in tqdm(range(len(layers)), desc=desc, unit="layer", disable=not progress):
+                statistics = None if cached is None else cached[i]
+                calibrated.append(
+                    layer_factors(
+                        model, layers[i], i, stream, per_layer[i], alpha, power_of_two, early_stop, search, statistics
+                    )
+                )
+                if recorder is not None:
+                    recorder.save(i, calibrated[-1].statistics)
         del stream
         folded = calibrated  # every factor from the unsmoothed model; nothing folded before all are in
         for layer in folded:

@@ -36,6 +36,7 @@ from torch import nn
 from quantkit.calibrate.mappings import layer_norms
 from quantkit.diagnose.stats import ChannelStats, Moments
 from quantkit.errors import NonFiniteStatisticsError
+from quantkit.formats.constants import WeightScales
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import get_scheme
 from quantkit.quantize.recipe import Recipe
@@ -331,7 +332,10 @@ class DiagnosticsObserver:
         if key not in self._quantized:
             w = weight.detach()
             s = get_scheme(scheme)
-            self._quantized[key] = s.decode(s.encode(w, name, weight_scales), w.shape[1]).to(w.device)
+            if weight_scales == WeightScales.MINMAX:  # the same bits without packing (NVFP4: 4x faster on CPU)
+                self._quantized[key] = s.fake_quant_weight(w, name).to(w.device)
+            else:
+                self._quantized[key] = s.decode(s.encode(w, name, weight_scales), w.shape[1]).to(w.device)
         return self._quantized[key]
 
     def _experts_hook(self, name: str):

@@ -24,6 +24,7 @@ from quantkit.calibrate import channel_max, smooth_model
 from quantkit.calibrate.alpha_search import AlphaSearch
 from quantkit.calibrate.layers import skeleton_model
 from quantkit.calibrate.mappings import resolve_mappings
+from quantkit.calibrate.stats_cache import CacheLocation
 from quantkit.checkpoints import check_checkpoint_dir
 from quantkit.data import calibration_windows
 from quantkit.formats.constants import WeightScales
@@ -89,6 +90,14 @@ def refuse_unmappable_early(model_dir: Path, recipe: Recipe) -> None:
     )
 
 
+def statistics_location(root: str | Path | None, model_dir: Path, recipe: Recipe) -> CacheLocation | None:
+    """Where `recipe`'s SmoothQuant statistics of `model_dir` may be cached: None without a root, without
+    SmoothQuant, or with rotation (its statistics are of the rotated model, not of `model_dir`'s)."""
+    if root is None or recipe.smoothquant is None or recipe.rotation is not None:
+        return None
+    return CacheLocation(Path(root), model_dir)
+
+
 def quantize_checkpoint(
     model_dir: str | Path,
     recipe: Recipe | str,
@@ -96,12 +105,16 @@ def quantize_checkpoint(
     *,
     overwrite: bool = False,
     streaming: bool | None = None,
+    statistics_cache: str | Path | None = None,
 ) -> Path:
     """Quantize the checkpoint in `model_dir` with `recipe`; write it atomically to `out_dir`.
 
     streaming: True runs `quantkit.quantize.streaming` (one decoder layer in memory, sharded output, the same
     tensors); False loads the whole model in float32 (one model.safetensors); None (default) streams when the
-    whole-model path would need more than the available memory (2 x the float32 size, `float32_bytes`)."""
+    whole-model path would need more than the available memory (2 x the float32 size, `float32_bytes`).
+    statistics_cache: a directory where SmoothQuant's statistics of this source are reused from an earlier
+    quantization on the same windows, or kept for a later one (`quantkit.calibrate.stats_cache`; the same bytes
+    either way)."""
     recipe = load_recipe(recipe) if isinstance(recipe, (str, Path)) else recipe
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_checkpoint_dir(model_dir)  # CheckpointError names a missing config, unreadable or truncated shards
@@ -121,8 +134,9 @@ def quantize_checkpoint(
             logger.info(
                 "quantize: the whole-model path needs ~%.1f GB, %.1f GB available: streaming", need / 1e9, have / 1e9
             )
+    cache = statistics_location(statistics_cache, model_dir, recipe)
     if streaming:
-        return quantize_streaming(model_dir, recipe, out_dir, overwrite=overwrite)
+        return quantize_streaming(model_dir, recipe, out_dir, overwrite=overwrite, statistics_cache=cache)
 
     if recipe.smoothquant is not None:
         refuse_unmappable_early(model_dir, recipe)
@@ -144,6 +158,7 @@ def quantize_checkpoint(
             include_up_down=sq.include_up_down,
             experts=sq.experts,
             search=AlphaSearch(quantized_product(recipe)) if sq.search_alpha else None,
+            statistics_cache=cache,
         )
     scheme = scheme_for(recipe.scheme)  # None: bf16, nothing quantized
     weights = quantizable_weights(model)
@@ -216,4 +231,5 @@ def _gptq(model, tokenizer, recipe: Recipe, quantized: set[str]) -> dict[str, di
             g.block_size,
             g.dampening,
             search_scales=recipe.weight_scales == WeightScales.MSE,
+            act_order=g.act_order,
         )

@@ -57,11 +57,17 @@ def gptq_quantize(
     block_size: int = DEFAULT_BLOCK_SIZE,
     dampening: float = DEFAULT_DAMPENING,
     search_scales: bool = False,
+    act_order: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GPTQ of `weight` (N, K) with the Hessian `hessian` (K, K) = 2 X^T X / tokens on the grid of `scheme`
     ("fp8_block" | "nvfp4"), each group's scale min-max or searched (`search_scales`): (dequantized weight (N, K),
     float64 for a float64 `weight` else float32, its decode scales: fp8_block {"weight_scale": float32 (ceil(N/128),
-    ceil(K/128))}, nvfp4 {"weight_scale": float8_e4m3fn (N, ceil(K/16)), "weight_global_scale": float32 (1,)})."""
+    ceil(K/128))}, nvfp4 {"weight_scale": float8_e4m3fn (N, ceil(K/16)), "weight_global_scale": float32 (1,)}).
+    act_order: quantize the columns in descending order of diag(H) (the inputs of largest energy first, whose
+    errors the later columns then absorb: the GPTQ authors' "act-order"), with every group's scales fixed
+    beforehand from the weights before GPTQ ("static groups": the groups stay contiguous runs of the original
+    columns, so the checkpoint layout and kernels are unchanged, no g_idx); else left to right, each group's
+    scales from the weights as updated when its first column is reached."""
     dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32  # float64: the tests' reference
     w = weight.detach().to(dtype).clone()
     n, k = w.shape
@@ -70,26 +76,33 @@ def gptq_quantize(
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     h += dampening * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
+    grid = _Grid(scheme, w, search_scales, static=act_order)
+    order = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else torch.arange(k)
+    if act_order:
+        w, h = w[:, order], h[order][:, order]
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).to(dtype)
-    grid = _Grid(scheme, w, search_scales)
     q = torch.zeros_like(w)
     for start in range(0, k, block_size):
         stop = min(start + block_size, k)
         errors = torch.zeros(n, stop - start, dtype=dtype)
         for j in range(start, stop):
-            grid.start_group(j, w)
-            q[:, j] = grid.quantize_column(j, w[:, j])
+            if not act_order:
+                grid.start_group(j, w)
+            q[:, j] = grid.quantize_column(int(order[j]), w[:, j])
             error = (w[:, j] - q[:, j]) / u[j, j]
             w[:, j:stop] -= error[:, None] * u[j, j:stop][None, :]
             errors[:, j - start] = error
         w[:, stop:] -= errors @ u[start:stop, stop:]
+    if act_order:
+        q = q[:, torch.argsort(order)]
     return q, grid.scales()
 
 
 class _Grid:
-    """The scheme's scale groups along K and its column quantizer (module docstring)."""
+    """The scheme's scale groups along K and its column quantizer (module docstring). `static`: every group's
+    scales set now from `w` (act-order), else each by `start_group` as GPTQ reaches it."""
 
-    def __init__(self, scheme: str, w: torch.Tensor, search_scales: bool = False) -> None:
+    def __init__(self, scheme: str, w: torch.Tensor, search_scales: bool = False, static: bool = False) -> None:
         if scheme not in ("fp8_block", "nvfp4"):
             raise ValueError(f"GPTQ: unknown scheme {scheme!r}; expected fp8_block or nvfp4")
         self.scheme, self.search_scales, (n, k) = scheme, search_scales, w.shape
@@ -100,10 +113,15 @@ class _Grid:
         else:
             self.global_scale = nvfp4_global_scale(w.abs().amax())
             self.group_scales = torch.ones(n, groups).to(torch.float8_e4m3fn)
-        self.row_scale = torch.ones(n)  # decode scale of each row in the current group
+        self.current = -1  # the group whose decode scale per row `row_scale` holds
+        self.row_scale = torch.ones(n)
+        if static:
+            for j in range(0, k, self.group):
+                self.start_group(j, w)
 
     def start_group(self, j: int, w: torch.Tensor) -> None:
-        """At a group's first column: its scales from the weights as updated so far (min-max, or searched)."""
+        """At a group's first column j (of `w`'s original column order): its scales from `w` (min-max, or
+        searched)."""
         if j % self.group:
             return
         group = w[:, j : j + self.group]  # (N, <= group); searched: a short last group padded with exact zeros
@@ -115,17 +133,23 @@ class _Grid:
                 cols = group.abs().amax(dim=1)
                 rows = torch.nn.functional.pad(cols, (0, -n % FP8_WEIGHT_BLOCK)).view(-1, FP8_WEIGHT_BLOCK).amax(dim=1)
                 self.block_scales[:, g] = fp8_scale_from_amax(rows)
-            self.row_scale = self.block_scales[:, g].repeat_interleave(FP8_WEIGHT_BLOCK)[:n]
         else:
             if self.search_scales:
                 padded = torch.nn.functional.pad(group.float(), (0, self.group - group.shape[1]))
                 self.group_scales[:, g] = nvfp4_block_scales_mse(padded[:, None, :], self.global_scale)[:, 0]
             else:
                 self.group_scales[:, g] = nvfp4_block_scales(group.abs().amax(dim=1), self.global_scale)
-            self.row_scale = self.group_scales[:, g].float() * self.global_scale
+        self.current = -1  # the group's scales changed: `quantize_column` reads them again
 
     def quantize_column(self, j: int, column: torch.Tensor) -> torch.Tensor:
-        """Round a column (N,) to the grid at the current group's scales; dequantized float32 (N,)."""
+        """Round original column j's values (N,) to the grid at its group's scales; dequantized float32 (N,)."""
+        g = j // self.group
+        if g != self.current:
+            if self.scheme == "fp8_block":
+                self.row_scale = self.block_scales[:, g].repeat_interleave(FP8_WEIGHT_BLOCK)[: column.shape[0]]
+            else:
+                self.row_scale = self.group_scales[:, g].float() * self.global_scale
+            self.current = g
         if self.scheme == "fp8_block":
             return to_e4m3(column / self.row_scale).float() * self.row_scale
         return e2m1_round(column / self.row_scale) * self.row_scale
@@ -146,6 +170,7 @@ def gptq_layers(
     batch_size: int = BATCH_SIZE,
     progress: bool = True,
     search_scales: bool = False,
+    act_order: bool = False,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """GPTQ every quantized nn.Linear and routed expert matrix inside the decoder layers of the float32 `model`,
     layer by layer on the calibration windows `tokens` (N, T) (module docstring; `gptq_layer`); each weight is
@@ -157,7 +182,7 @@ def gptq_layers(
     scales: dict[str, dict[str, torch.Tensor]] = {}
     for i in tqdm(range(len(layers)), desc="GPTQ", unit="layer", disable=not progress):
         prefix = f"{stack_name}.{i}."
-        scales |= gptq_layer(layers[i], prefix, i, stream, scheme_of, block_size, dampening, search_scales)
+        scales |= gptq_layer(layers[i], prefix, i, stream, scheme_of, block_size, dampening, search_scales, act_order)
         advance_stream(stream, layers[i], i)  # the windows continue through the quantized layer
     return scales
 
@@ -171,6 +196,7 @@ def gptq_layer(
     block_size: int = DEFAULT_BLOCK_SIZE,
     dampening: float = DEFAULT_DAMPENING,
     search_scales: bool = False,
+    act_order: bool = False,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """GPTQ decoder layer i (module names `prefix` + ...) in place on the stream's hidden states at its input (the
     caller advances the stream through it afterwards): its Hessians, then each quantized Linear and routed expert
@@ -187,7 +213,7 @@ def gptq_layer(
         hessian = hessians.pop(name, None)
         if hessian is None:  # an expert no calibration token reached: round to nearest at encode
             continue
-        q, s = gptq_quantize(weight, hessian, str(scheme_of(name)), block_size, dampening, search_scales)
+        q, s = gptq_quantize(weight, hessian, str(scheme_of(name)), block_size, dampening, search_scales, act_order)
         with torch.no_grad():
             weight.copy_(q.to(weight.dtype))
         scales[name] = s

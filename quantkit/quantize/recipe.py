@@ -20,8 +20,9 @@ A recipe names a scheme and what happens before it:
     weight_scales: mse           # minmax (default) | mse: each block's / group's decode scale searched for the
                                  # least squared weight error (MSE clipping, quantkit.formats.scale_search);
                                  # with gptq, each group's scale searched as GPTQ reaches it
-    gptq: {num_sequences: 128, seq_len: 512, block_size: 128, dampening: 0.01}
-                                 # GPTQ rounding (quantkit.quantize.gptq), layer by layer (streaming too)
+    gptq: {num_sequences: 128, seq_len: 512, block_size: 128, dampening: 0.01, act_order: false}
+                                 # GPTQ rounding (quantkit.quantize.gptq), layer by layer (streaming too);
+                                 # act_order: columns by descending diag(H), group scales fixed first
     rotation: {seed: 0, online: true, online_block: null}  # QuaRot rotation before everything else
                                  # (quantkit.quantize.rotation): residual stream rotated offline; online: block
                                  # Hadamard at dense down_proj inputs (online_block: its block, null = the largest
@@ -134,12 +135,13 @@ class CalibrationSettings:
 
 @dataclass(frozen=True)
 class GPTQSettings:
-    """GPTQ's calibration windows and its two knobs (`quantkit.quantize.gptq`)."""
+    """GPTQ's calibration windows and its knobs (`quantkit.quantize.gptq`)."""
 
     num_sequences: int = 128
     seq_len: int = 512
     block_size: int = 128  # lazy-batch width (the paper's B)
     dampening: float = 0.01  # of mean(diag H)
+    act_order: bool = False  # columns in descending diag(H) order, group scales fixed first (`gptq_quantize`)
 
 
 @dataclass(frozen=True)
@@ -283,6 +285,8 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
             except re.error as err:
                 raise ValueError(f"{source}: pattern {pattern!r} is not a valid regex: {err}") from None
     gptq = _settings(GPTQSettings, data.get("gptq"), f"{source}: gptq")
+    if gptq is not None and not isinstance(gptq.act_order, bool):
+        raise ValueError(f"{source}: gptq.act_order must be true or false, got {gptq.act_order!r}")
     if gptq is not None and (backend != Backend.QUANTKIT or scheme == UNQUANTIZED):
         raise ValueError(f"{source}: gptq applies to quantkit's own quantized schemes only")
     rotation = _rotation(data.get("rotation"), backend, scheme, source)

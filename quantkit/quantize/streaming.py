@@ -50,6 +50,7 @@ embeddings and lm_head for the whole run and a float64 copy of one while it is r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -87,6 +88,7 @@ from quantkit.calibrate.layers import (
 )
 from quantkit.calibrate.mappings import MappingPlan, SmoothMapping, resolve_mappings
 from quantkit.calibrate.smoothquant import (
+    BATCH_SIZE,
     DEFAULT_TOLERANCE,
     DEFAULT_VERIFY_SEQUENCES,
     LayerFactors,
@@ -98,8 +100,10 @@ from quantkit.calibrate.smoothquant import (
     layer_mappings,
     logit_change,
     smoothquant_report,
+    statistics_entry,
 )
 from quantkit.calibrate.stats import ChannelMaxObserver
+from quantkit.calibrate.stats_cache import CacheLocation, LayerStatistics, StatisticsCache
 from quantkit.checkpoints import SAFETENSORS_DTYPES, tensor_headers
 from quantkit.data import calibration_windows
 from quantkit.formats.constants import WeightScales
@@ -220,11 +224,13 @@ def quantize_streaming(
     overwrite: bool = False,
     spill_bytes: int = DEFAULT_SPILL_BYTES,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    statistics_cache: CacheLocation | None = None,
 ) -> Path:
     """Quantize `model_dir` with `recipe` one decoder layer at a time (module docstring); write `out_dir` atomically.
 
     spill_bytes: a calibration stream whose hidden states (N x T x hidden x 4 bytes) exceed this is kept on disk;
-    max_shard_bytes: the output shard size. Raises what the whole-model path raises (CheckpointError,
+    max_shard_bytes: the output shard size; statistics_cache: SmoothQuant's statistics reused from / kept there
+    (`quantkit.calibrate.stats_cache`). Raises what the whole-model path raises (CheckpointError,
     SmoothQuantMappingError, NonFiniteStatisticsError, FunctionPreservationError), and StreamingError."""
     pin_mmap_threshold()
     job = _StreamingJob.resolve(Path(model_dir), recipe)
@@ -250,13 +256,20 @@ def quantize_streaming(
                 job.write_outside(writer, tied)
                 if job.sq is not None or job.static_tokens is not None or job.gptq_tokens is not None:
                     load_outside(job.skeleton, job.reader, before_head, tied)
-            streams = job.open_streams(spill_root, spill_bytes)
+            cache = job.statistics_entry(statistics_cache)
+            cached = None if cache is None else cache.load(len(job.layers))
+            streams = job.open_streams(spill_root, spill_bytes, observe=cached is None)
             if unrotated is not None:
                 streams["unrotated"] = unrotated
                 streams["rotated"] = embed_stream(job.skeleton, job.layers, "rotated", job.rotation_tokens, None)
             calibrated: list[LayerFactors] = []
-            for i in tqdm(range(len(job.layers)), desc=f"quantize {recipe.name} (streaming)", unit="layer"):
-                job.quantize_layer(i, streams, writer, calibrated)
+            with contextlib.ExitStack() as keep:
+                recorder = keep.enter_context(cache.recording()) if cache is not None and cached is None else None
+                desc = f"quantize {recipe.name} (streaming{', cached statistics' if cached else ''})"
+                for i in tqdm(range(len(job.layers)), desc=desc, unit="layer"):
+                    job.quantize_layer(i, streams, writer, calibrated, None if cached is None else cached[i])
+                    if recorder is not None:
+                        recorder.save(i, calibrated[-1].statistics)
             rotation = None if job.rotation is None else job.verify_rotation(streams["unrotated"], streams["rotated"])
             report = None
             if job.sq is not None:
@@ -428,15 +441,23 @@ class _StreamingJob:
                 writer.add(key, tensor)
             del state, matrices
 
-    def open_streams(self, spill_root: Path, spill_bytes: int) -> dict[str, Stream]:
-        """The calibration streams: "sq" (SmoothQuant's statistics), "ref" and "smoothed" (the function check's
-        unsmoothed and smoothed passes over the first DEFAULT_VERIFY_SEQUENCES windows), "gptq" (GPTQ's Hessians),
-        "static" (static activation scales); a stream above `spill_bytes` of hidden states lives under `spill_root`."""
+    def statistics_entry(self, location: CacheLocation | None) -> StatisticsCache | None:
+        """SmoothQuant's statistics cache entry for this job (`smoothquant.statistics_entry`), None without one."""
+        if self.sq is None or self.sq_tokens is None or self.per_layer is None:
+            return None
+        search = AlphaSearch(quantized_product(self.recipe)) if self.sq.search_alpha else None
+        return statistics_entry(location, self.sq_tokens, self.per_layer, self.sq.early_stop_rule(), BATCH_SIZE, search)
+
+    def open_streams(self, spill_root: Path, spill_bytes: int, observe: bool = True) -> dict[str, Stream]:
+        """The calibration streams: "sq" (SmoothQuant's statistics; not with `observe` False: cached ones), "ref"
+        and "smoothed" (the function check's unsmoothed and smoothed passes over the first DEFAULT_VERIFY_SEQUENCES
+        windows), "gptq" (GPTQ's Hessians), "static" (static activation scales); a stream above `spill_bytes` of
+        hidden states lives under `spill_root`."""
         streams: dict[str, Stream] = {}
         spill: dict[str, Path | None] = {}
         ref_tokens = None if self.sq_tokens is None else self.sq_tokens[:DEFAULT_VERIFY_SEQUENCES]
         for name, tokens in (
-            ("sq", self.sq_tokens),
+            ("sq", self.sq_tokens if observe else None),
             ("ref", ref_tokens),
             ("gptq", self.gptq_tokens),
             ("static", self.static_tokens),
@@ -452,10 +473,16 @@ class _StreamingJob:
         return streams
 
     def quantize_layer(
-        self, i: int, streams: dict[str, Stream], writer: ShardWriter, calibrated: list[LayerFactors]
+        self,
+        i: int,
+        streams: dict[str, Stream],
+        writer: ShardWriter,
+        calibrated: list[LayerFactors],
+        statistics: LayerStatistics | None = None,
     ) -> None:
-        """Load decoder layer i, calibrate and fold its SmoothQuant factors (appended to `calibrated`), measure
-        its static activation scales, write its tensors, and return it to the meta device."""
+        """Load decoder layer i, calibrate (or take its cached `statistics`) and fold its SmoothQuant factors
+        (appended to `calibrated`), measure its static activation scales, write its tensors, and return it to the
+        meta device."""
         prefix = f"{self.stack_name}.{i}."
         layer = self.layers[i]
         materialize(layer, source_tensors(self.reader, layer, prefix, self.model_dir), f"{self.model_dir} layer {i}")
@@ -472,11 +499,12 @@ class _StreamingJob:
                     self.skeleton,
                     layer,
                     i,
-                    streams["sq"],
+                    streams.get("sq"),
                     mappings,
                     self.sq.alpha,
                     early_stop=early_stop,
                     search=AlphaSearch(quantized_product(self.recipe)) if self.sq.search_alpha else None,
+                    statistics=statistics,
                 )
             )
             advance_stream(streams["ref"], layer, i)
@@ -494,7 +522,9 @@ class _StreamingJob:
                 return self.recipe.scheme_of(name) if name in quantized_here else None
 
             search = self.recipe.weight_scales == WeightScales.MSE
-            gptq_scales = gptq_layer(layer, prefix, i, streams["gptq"], scheme_of, g.block_size, g.dampening, search)
+            gptq_scales = gptq_layer(
+                layer, prefix, i, streams["gptq"], scheme_of, g.block_size, g.dampening, search, g.act_order
+            )
             advance_stream(streams["gptq"], layer, i)
         amax = {}
         if self.static_tokens is not None:
