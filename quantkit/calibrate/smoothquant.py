@@ -416,14 +416,15 @@ def layer_factors(
         w = _to_smoothing_channels(m, _weight_col_max(model, m).to(x.device), channels)
         alphas[m.name] = alpha
         if m in searched:
+            sampled = rows[m.consumers[0]]
             quantized = [
                 (c, input_weight(model.get_submodule(c)).detach()) for c in m.consumers if c not in m.fold_only
             ]
             alphas[m.name], errors[m.name] = choose_alpha(
                 cast(AlphaSearch, search),
-                rows[m.consumers[0]],
+                sampled,
                 quantized,
-                m.channel_index(rows[m.consumers[0]].shape[-1], rows[m.consumers[0]].device),
+                m.channel_index(sampled.shape[-1], sampled.device),
                 partial(smoothing_factors, x, w, power_of_two=power_of_two),
             )
         factors.append((m, smoothing_factors(x, w, alphas[m.name], power_of_two), x, w))
@@ -632,7 +633,7 @@ def smooth_model(
     try:
         reference = _final_hidden(model, layers, verify, batch_size)
         cache = statistics_entry(statistics_cache, tokens, per_layer, early_stop, batch_size, search)
-        cached = None if cache is None else cache.load(len(layers))
+        cached = None if cache is None else cache.load(len(layers), device)
         stream = embed_stream(model, layers, "smoothquant", tokens.to(device), None, batch_size, lazy=True)
         with contextlib.ExitStack() as keep:
             recorder = keep.enter_context(cache.recording()) if cache is not None and cached is None else None

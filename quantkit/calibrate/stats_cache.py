@@ -96,8 +96,9 @@ class StatisticsCache:
     def __init__(self, entry: Path) -> None:
         self.entry = entry
 
-    def load(self, num_layers: int) -> list[LayerStatistics] | None:
-        """Every layer's statistics when the entry is complete and readable, else None (a broken entry is logged)."""
+    def load(self, num_layers: int, device: torch.device | str = "cpu") -> list[LayerStatistics] | None:
+        """Every layer's statistics (maxima on `device`) when the entry is complete and readable, else None (a
+        broken entry is logged)."""
         if not self.entry.is_dir():
             return None
         layers = []
@@ -106,7 +107,7 @@ class StatisticsCache:
                 path = self.entry / f"layer-{i}.safetensors"
                 with safe_open(str(path), "pt") as f:
                     meta = f.metadata() or {}
-                    maxima = {name: f.get_tensor(name) for name in f.keys()}
+                    maxima = {name: f.get_tensor(name).to(device) for name in f.keys()}
                 layers.append(LayerStatistics(maxima, int(meta["windows"]), float(meta["last_change"])))
         except (OSError, KeyError, ValueError, SafetensorError) as err:
             logger.warning("SmoothQuant statistics cache %s unreadable (%s): calibrating again", self.entry, err)
