@@ -31,7 +31,6 @@ not counted: they stay unquantized).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -64,7 +63,7 @@ from quantkit.calibrate.mappings import (
     scale_,
 )
 from quantkit.calibrate.stats import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, ChannelMaxObserver, EarlyStop, Settling
-from quantkit.calibrate.stats_cache import CacheLocation, LayerStatistics, StatisticsCache
+from quantkit.calibrate.stats_cache import CacheLocation, LayerStatistics, StatisticsCache, reuse_or_record
 from quantkit.data import calibration_windows, default_calibration_source
 from quantkit.errors import NonFiniteStatisticsError, QuantkitError
 
@@ -633,10 +632,8 @@ def smooth_model(
     try:
         reference = _final_hidden(model, layers, verify, batch_size)
         cache = statistics_entry(statistics_cache, tokens, per_layer, early_stop, batch_size, search)
-        cached = None if cache is None else cache.load(len(layers), device)
         stream = embed_stream(model, layers, "smoothquant", tokens.to(device), None, batch_size, lazy=True)
-        with contextlib.ExitStack() as keep:
-            recorder = keep.enter_context(cache.recording()) if cache is not None and cached is None else None
+        with reuse_or_record(cache, len(layers), device) as (cached, recorder):
             desc = "SmoothQuant calibration" + (" (cached statistics)" if cached else "")
             for i in tqdm(range(len(layers)), desc=desc, unit="layer", disable=not progress):
                 statistics = None if cached is None else cached[i]

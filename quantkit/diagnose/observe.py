@@ -332,7 +332,7 @@ class DiagnosticsObserver:
         if key not in self._quantized:
             w = weight.detach()
             s = get_scheme(scheme)
-            if weight_scales == WeightScales.MINMAX:  # the same bits without packing (NVFP4: 4x faster on CPU)
+            if weight_scales == WeightScales.MINMAX:  # the same bits without packing (NVFP4: ~2x faster on CPU)
                 self._quantized[key] = s.fake_quant_weight(w, name).to(w.device)
             else:
                 self._quantized[key] = s.decode(s.encode(w, name, weight_scales), w.shape[1]).to(w.device)

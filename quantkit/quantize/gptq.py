@@ -78,6 +78,7 @@ def gptq_quantize(
     h += dampening * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
     grid = _Grid(scheme, w, search_scales, static=act_order)
     order = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else torch.arange(k)
+    columns = order.tolist()  # position j of the loop quantizes original column columns[j]
     if act_order:
         w, h = w[:, order], h[order][:, order]
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).to(dtype)
@@ -88,7 +89,7 @@ def gptq_quantize(
         for j in range(start, stop):
             if not act_order:
                 grid.start_group(j, w)
-            q[:, j] = grid.quantize_column(int(order[j]), w[:, j])
+            q[:, j] = grid.quantize_column(columns[j], w[:, j])
             error = (w[:, j] - q[:, j]) / u[j, j]
             w[:, j:stop] -= error[:, None] * u[j, j:stop][None, :]
             errors[:, j - start] = error

@@ -50,7 +50,6 @@ embeddings and lm_head for the whole run and a float64 copy of one while it is r
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -103,7 +102,7 @@ from quantkit.calibrate.smoothquant import (
     statistics_entry,
 )
 from quantkit.calibrate.stats import ChannelMaxObserver
-from quantkit.calibrate.stats_cache import CacheLocation, LayerStatistics, StatisticsCache
+from quantkit.calibrate.stats_cache import CacheLocation, LayerStatistics, StatisticsCache, reuse_or_record
 from quantkit.checkpoints import SAFETENSORS_DTYPES, tensor_headers
 from quantkit.data import calibration_windows
 from quantkit.formats.constants import WeightScales
@@ -256,15 +255,12 @@ def quantize_streaming(
                 job.write_outside(writer, tied)
                 if job.sq is not None or job.static_tokens is not None or job.gptq_tokens is not None:
                     load_outside(job.skeleton, job.reader, before_head, tied)
-            cache = job.statistics_entry(statistics_cache)
-            cached = None if cache is None else cache.load(len(job.layers))
-            streams = job.open_streams(spill_root, spill_bytes, observe=cached is None)
-            if unrotated is not None:
-                streams["unrotated"] = unrotated
-                streams["rotated"] = embed_stream(job.skeleton, job.layers, "rotated", job.rotation_tokens, None)
             calibrated: list[LayerFactors] = []
-            with contextlib.ExitStack() as keep:
-                recorder = keep.enter_context(cache.recording()) if cache is not None and cached is None else None
+            with reuse_or_record(job.statistics_entry(statistics_cache), len(job.layers)) as (cached, recorder):
+                streams = job.open_streams(spill_root, spill_bytes, observe=cached is None)
+                if unrotated is not None:
+                    streams["unrotated"] = unrotated
+                    streams["rotated"] = embed_stream(job.skeleton, job.layers, "rotated", job.rotation_tokens, None)
                 desc = f"quantize {recipe.name} (streaming{', cached statistics' if cached else ''})"
                 for i in tqdm(range(len(job.layers)), desc=desc, unit="layer"):
                     job.quantize_layer(i, streams, writer, calibrated, None if cached is None else cached[i])
