@@ -1,5 +1,6 @@
-"""quantkit's float32 compute for unquantized bf16 Linears on CPUs without a bf16 matmul (`quantkit.serve.cpu_linear`),
-through vLLM's own CPU GEMM dispatch, against PyTorch's bf16 `F.linear` (what vLLM falls back to there).
+"""quantkit's float32 compute for unquantized bf16 Linears (`quantkit.serve.cpu_linear`), through vLLM's own CPU GEMM
+dispatch: on CPUs without a bf16 matmul for every call, on AVX-512 BF16 CPUs without AMX for calls of at least
+`FLOAT32_MIN_ROWS` rows; against PyTorch's bf16 `F.linear`.
 
 Tolerance (derived): both form each output as the float32 sum of K exact products x_k w_k (bf16 x bf16 fits float32)
 and round it to bf16 once; only the summation order differs. Each float32 sum is within (K - 1) 2^-24 sum|x_k w_k|
@@ -8,6 +9,7 @@ moves it by at most half a bf16 step, <= 2^-8 of its magnitude (8 significant bi
 <= 2^-7 max(|ours|, |ref|). Bound per element (the bias add folded into the sum):
 |ours - ref| <= 2^-7 max(|ours|, |ref|) + 2 K 2^-24 (sum_k |x_k w_k| + |b|).
 A wrong weight layout, a missing bias or a float32 output would break it by orders of magnitude (checked below).
+Which kernel a call took is asserted bit for bit: the same function on the same input is deterministic.
 """
 
 from __future__ import annotations
@@ -30,26 +32,48 @@ def layer_with(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Modu
     return layer
 
 
-def test_installs_exactly_where_the_cpu_lacks_bf16_matmul(monkeypatch):
-    """The one ISA-dependent decision: on this machine's CPU, installed iff it has neither AVX-512 BF16 nor Arm BF16
-    (and no GPU). The tests below force it, so the float32 path is tested on every CPU."""
+def test_installs_where_float32_is_the_faster_matmul(monkeypatch):
+    """The one ISA-dependent decision, on this machine's CPU: always float32 without AVX-512 BF16 / Arm BF16, from
+    FLOAT32_MIN_ROWS rows on AVX-512 BF16 without AMX (unless switched off), never with a GPU or AMX. The tests below
+    force each mode, so both are tested on every CPU."""
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", utils.dispatch_cpu_unquantized_gemm)
+    monkeypatch.delenv(cpu_linear.SWITCH_ENV, raising=False)
     lacks = not (torch.cuda.is_available() or torch.cpu._is_avx512_bf16_supported()
                  or torch.cpu.get_capabilities().get("bf16", False))
+    avx512_bf16_only = (not torch.cuda.is_available() and torch.cpu._is_avx512_bf16_supported()
+                        and not torch.cpu._is_amx_tile_supported())
+    want = 0 if lacks else cpu_linear.FLOAT32_MIN_ROWS if avx512_bf16_only else None
     assert cpu_linear.cpu_lacks_bf16_matmul() == lacks
-    assert cpu_linear.install() == lacks
-    assert getattr(utils.dispatch_cpu_unquantized_gemm, "quantkit_float32", False) == lacks
+    assert cpu_linear.float32_min_rows() == want
+    assert cpu_linear.install() == (want is not None)
+    assert getattr(utils.dispatch_cpu_unquantized_gemm, "quantkit_float32", False) == (want is not None)
+    monkeypatch.setenv(cpu_linear.SWITCH_ENV, "off")
+    assert cpu_linear.float32_min_rows() == (0 if lacks else None)  # the switch never turns the AVX2 case off
 
 
-@pytest.fixture
-def installed(monkeypatch):
-    """vLLM's dispatch wrapped by cpu_linear, installed as on a CPU without a bf16 matmul whatever this CPU has."""
+def installed_with(monkeypatch, min_rows: int):
+    """vLLM's dispatch wrapped by cpu_linear as `float32_min_rows() == min_rows` would, whatever this CPU has."""
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", utils.dispatch_cpu_unquantized_gemm)
-    monkeypatch.setattr(cpu_linear, "cpu_lacks_bf16_matmul", lambda: True)
+    monkeypatch.setattr(cpu_linear, "float32_min_rows", lambda: min_rows)
     assert cpu_linear.install()
     assert cpu_linear.install()  # idempotent: wraps once
     assert getattr(utils.dispatch_cpu_unquantized_gemm, "quantkit_float32", False)
     return utils.dispatch_cpu_unquantized_gemm
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """Installed as on a CPU without a bf16 matmul: float32 for every call."""
+    return installed_with(monkeypatch, 0)
+
+
+def within_bound(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> bool:
+    """The module docstring's per-element bound between two float32-accumulated bf16 results."""
+    k = x.shape[-1]
+    magnitude = x.float().abs() @ weight.float().abs().T + (0 if bias is None else bias.float().abs())
+    bound = 2**-7 * torch.maximum(got.float().abs(), want.float().abs()) + 2 * k * 2**-24 * magnitude
+    return bool(((got.float() - want.float()).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("remove_weight", [True, False])
@@ -66,12 +90,10 @@ def test_float32_linear_matches_bf16_fallback(installed, remove_weight, with_bia
     got = layer.cpu_linear(x, layer.weight, layer.bias)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     assert layer.weight.numel() == (0 if remove_weight else n * k)  # dropped as vLLM's oneDNN path drops it
-    magnitude = x.float().abs() @ weight.float().abs().T + (0 if bias is None else bias.float().abs())
-    bound = 2**-7 * torch.maximum(got.float().abs(), want.float().abs()) + 2 * k * 2**-24 * magnitude
-    assert ((got.float() - want.float()).abs() <= bound).all()
+    assert within_bound(got, want, x, weight, bias)
     # the bound is tight enough to catch a layout slip
     wrong = F.linear(x, weight.view(k, n).T.contiguous(), bias) if n != k else None
-    assert wrong is not None and not ((wrong.float() - want.float()).abs() <= bound).all()
+    assert wrong is not None and not within_bound(wrong, want, x, weight, bias)
 
 
 def test_layers_it_leaves_alone(installed):
@@ -83,3 +105,42 @@ def test_layers_it_leaves_alone(installed):
         installed(layer, remove_weight=True)
         linear = getattr(layer, "cpu_linear", None)
         assert linear is None or "float32_linear" not in linear.__qualname__, weight.shape
+
+
+@pytest.mark.parametrize("remove_weight", [True, False])
+def test_large_batches_in_float32_small_ones_on_vllms_kernel(monkeypatch, remove_weight):
+    """The AVX-512 BF16 mode: a call of FLOAT32_MIN_ROWS rows or more computes exactly F.linear in float32 from the
+    float32 copy; a call of fewer rows exactly what vLLM's own dispatch computes (bit for bit); both within the
+    derived bound of PyTorch's bf16 F.linear. Leading dimensions count as rows."""
+    min_rows = cpu_linear.FLOAT32_MIN_ROWS
+    g = torch.Generator().manual_seed(1)
+    n, k = 320, 136
+    weight = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    native = layer_with(weight.clone(), bias.clone())
+    utils.dispatch_cpu_unquantized_gemm(native, remove_weight=remove_weight)  # vLLM's own, before the install
+    dispatch = installed_with(monkeypatch, min_rows)
+    layer = layer_with(weight.clone(), bias.clone())
+    dispatch(layer, remove_weight=remove_weight)
+    for shape in [(1, k), (min_rows - 1, k), (min_rows, k), (3, min_rows // 2, k), (min_rows + 37, k)]:
+        x = torch.randn(*shape, generator=g).bfloat16()
+        got = layer.cpu_linear(x, layer.weight, layer.bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (*shape[:-1], n)
+        rows = x.numel() // k
+        if rows >= min_rows:
+            want = F.linear(x.float(), weight.float(), bias.float()).bfloat16()
+        else:
+            want = native.cpu_linear(x, native.weight, native.bias)
+        assert torch.equal(got, want), shape
+        reference = F.linear(x, weight, bias)
+        assert within_bound(got.reshape(rows, n), reference.reshape(rows, n), x.reshape(rows, k), weight, bias)
+
+
+def test_large_batch_mode_leaves_other_weights_alone(monkeypatch):
+    """Float32 weights, 3-D MoE / conv weights and empty weights keep vLLM's own dispatch in that mode too."""
+    dispatch = installed_with(monkeypatch, cpu_linear.FLOAT32_MIN_ROWS)
+    for weight in (torch.randn(8, 4), torch.randn(64, 1, 4).bfloat16(), torch.empty(0, dtype=torch.bfloat16)):
+        layer = layer_with(weight, None)
+        dispatch(layer, remove_weight=True)
+        linear = getattr(layer, "cpu_linear", None)
+        assert linear is None or not hasattr(linear, "large"), weight.shape

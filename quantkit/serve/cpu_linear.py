@@ -1,22 +1,30 @@
-"""Unquantized bf16/fp16 Linears computed in float32 on CPUs without a native bf16 matmul.
+"""Unquantized bf16/fp16 Linears computed in float32 on CPUs where that is the faster matmul.
 
 vLLM 0.32's CPU GEMM dispatch for unquantized layers (`vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`)
-tries oneDNN, whose bf16 matmul primitive needs AVX-512 BF16 / AMX / Arm BF16 (on this project's AVX2 machine
-`create_onednn_mm` refuses), then falls back to `F.linear` in bf16, which PyTorch's CPU backend runs far slower than a
-float32 matmul of the same shape there (figures: benchmarks/README.md, "Measurements behind design
-choices"). Every served model's unquantized layers take that path: embeddings'
-tied LM heads, routers, the bf16 rows of a study, the layers a recipe leaves unquantized.
+tries oneDNN, whose bf16 matmul primitive needs AVX-512 BF16 / AMX / Arm BF16. Every served model's unquantized
+layers take that dispatch: embeddings' tied LM heads, routers, the bf16 rows of a study, the layers a recipe leaves
+unquantized. Two cases where a float32 matmul of the same shape is faster (figures: benchmarks/README.md,
+"Measurements behind design choices"):
 
-`install()` (called by the plugin in every vLLM process) wraps the dispatch: a layer left on that fallback gets a
-float32 copy of its weight (and bias), and computes `F.linear(x.float(), w32, b32)` rounded to the input dtype
-once. Same products (a product of two bf16 numbers is exact in float32) and float32 accumulation as PyTorch's bf16
-fallback, only another summation order; tests/test_cpu_linear.py bounds the difference. Memory: the float32 copy
-replaces the bf16 weight where vLLM would drop it (`remove_weight`, all Linear layers), else sits beside it
-(embeddings, which still look rows up in their weight).
+- no bf16 matmul at all (AVX2): `create_onednn_mm` refuses and vLLM falls back to `F.linear` in bf16, which
+  PyTorch's CPU backend runs far slower than float32. Every call then computes in float32.
+- AVX-512 BF16 without AMX: oneDNN's bf16 kernel stays near 165 GFLOP/s on 2 cores at any batch, float32 reaches
+  220-290 from 64 rows on (1.3-1.7x; below 32 rows bf16 is up to 2x faster). Calls with at least
+  `FLOAT32_MIN_ROWS` rows (prefill chunks, batched decoding, prompt log-likelihoods) compute in float32, smaller
+  ones on vLLM's own kernel.
+
+`install()` (called by the plugin in every vLLM process) wraps the dispatch: the layer gets a float32 copy of its
+weight (and bias), and computes `F.linear(x.float(), w32, b32)` rounded to the input dtype once. Same products (a
+product of two bf16 numbers is exact in float32) and float32 accumulation as the bf16 kernels, only another
+summation order; tests/test_cpu_linear.py bounds the difference. Memory: the float32 copy (4 bytes a parameter)
+replaces the bf16 weight where vLLM drops it and no other kernel is kept (the AVX2 case), else sits beside vLLM's
+own (the AVX-512 BF16 case: 6 bytes a parameter for these layers). `QUANTKIT_CPU_FLOAT32_LINEAR=off` turns the
+AVX-512 BF16 case off (vLLM's kernel for every batch, no copy).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import cast
 
@@ -24,9 +32,13 @@ import torch
 import torch.nn.functional as F
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+FLOAT32_MIN_ROWS = 64  # rows (tokens) from which float32 beats oneDNN's bf16 kernel on AVX-512 BF16 without AMX
+SWITCH_ENV = "QUANTKIT_CPU_FLOAT32_LINEAR"  # "off": keep vLLM's kernel on AVX-512 BF16 CPUs
+
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-def float32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[..., torch.Tensor]:
+def float32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     """A `layer.cpu_linear(x, weight, bias)` computing in float32 with copies of `weight` (N, K) and `bias` (N,)
     made now; its output has x's dtype. The `weight`/`bias` arguments it is called with are ignored."""
     weight32 = weight.detach().float().contiguous()
@@ -40,10 +52,18 @@ def float32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[
     return linear
 
 
-def _needs_float32(layer: torch.nn.Module) -> bool:
-    """True for a 2-D half-precision weight that vLLM's dispatch left on the bf16 `F.linear` fallback (the paths
-    that took the layer elsewhere -- oneDNN, sgl, zentorch -- drop or repack the weight when allowed to)."""
-    weight = cast(torch.Tensor, layer.weight)
+def split_by_rows(small: Linear, large: Linear, min_rows: int) -> Linear:
+    """A `cpu_linear` calling `large` for inputs (..., K) of at least `min_rows` rows, else `small`."""
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.numel() // max(x.shape[-1], 1)
+        return (large if rows >= min_rows else small)(x, weight, bias)
+
+    linear.small, linear.large = small, large  # type: ignore[attr-defined]  # for inspection (tests)
+    return linear
+
+
+def _is_half_linear(weight: torch.Tensor) -> bool:
     return not weight.is_meta and weight.ndim == 2 and weight.numel() > 0 and weight.dtype in HALF_DTYPES
 
 
@@ -57,11 +77,25 @@ def cpu_lacks_bf16_matmul() -> bool:
     return not (torch.cpu._is_avx512_bf16_supported() or is_arm_bf16())
 
 
+def float32_min_rows() -> int | None:
+    """Rows from which this machine computes half-precision Linears in float32: 0 (always) where the CPU lacks a
+    bf16 matmul; `FLOAT32_MIN_ROWS` on AVX-512 BF16 CPUs without AMX (unless `QUANTKIT_CPU_FLOAT32_LINEAR=off`);
+    None (never) on GPUs, AMX and Arm CPUs, whose bf16 matmuls were not measured slower."""
+    if cpu_lacks_bf16_matmul():
+        return 0
+    if torch.cuda.is_available() or not torch.cpu._is_avx512_bf16_supported():
+        return None
+    if torch.cpu._is_amx_tile_supported() or os.environ.get(SWITCH_ENV, "").lower() in ("off", "0", "false"):
+        return None
+    return FLOAT32_MIN_ROWS
+
+
 def install() -> bool:
-    """Make vLLM's CPU unquantized GEMM dispatch compute half-precision Linears in float32 where the CPU has no
-    bf16 matmul (no AVX-512 BF16, no Arm BF16); True if installed (idempotent)."""
-    if not cpu_lacks_bf16_matmul():
-        return False  # a GPU, or oneDNN runs bf16 matmuls natively
+    """Make vLLM's CPU unquantized GEMM dispatch compute half-precision Linears in float32 where `float32_min_rows`
+    says so; True if installed (idempotent)."""
+    min_rows = float32_min_rows()
+    if min_rows is None:
+        return False  # a GPU, or vLLM's own bf16 kernel is the faster one
     from vllm.model_executor.layers import utils
 
     dispatch = utils.dispatch_cpu_unquantized_gemm
@@ -69,13 +103,21 @@ def install() -> bool:
         return True
 
     def dispatch_float32(layer: torch.nn.Module, remove_weight: bool) -> None:
-        linear = layer.weight.ndim == 2  # before dispatch: on BF16 CPUs it repacks (E, 1, 4) conv weights into 2-D
-        dispatch(layer, remove_weight)
-        if not (linear and _needs_float32(layer)):
-            return
+        # read before dispatch: on BF16 CPUs it repacks (E, 1, 4) conv weights into 2-D, and may drop the weight
         weight = cast(torch.Tensor, layer.weight)
-        # nn.Module.__setattr__ takes any value; torch's stub admits only tensors and modules
-        layer.cpu_linear = float32_linear(weight, getattr(layer, "bias", None))  # type: ignore[assignment]
+        bias = getattr(layer, "bias", None)
+        half_linear = _is_half_linear(weight)
+        dispatch(layer, remove_weight)
+        if not half_linear:
+            return
+        if min_rows > 0:  # vLLM's kernel for small batches, a float32 copy for large ones
+            vllm_linear = cast(Linear, layer.cpu_linear)
+            # nn.Module.__setattr__ takes any value; torch's stub admits only tensors and modules
+            layer.cpu_linear = split_by_rows(vllm_linear, float32_linear(weight, bias), min_rows)  # type: ignore[assignment]
+            return
+        if not _is_half_linear(cast(torch.Tensor, layer.weight)):
+            return  # another path (oneDNN, sgl, zentorch) took the layer and dropped or repacked its weight
+        layer.cpu_linear = float32_linear(weight, bias)  # type: ignore[assignment]
         if remove_weight:  # as vLLM's oneDNN path does: the layer computes from its own copy only
             layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
 
