@@ -9,7 +9,7 @@ unquantized. Two cases where a float32 matmul of the same shape is faster (figur
 - no bf16 matmul at all (AVX2): `create_onednn_mm` refuses and vLLM falls back to `F.linear` in bf16, which
   PyTorch's CPU backend runs far slower than float32. Every call then computes in float32.
 - AVX-512 BF16 without AMX: oneDNN's bf16 kernel stays near 165 GFLOP/s on 2 cores at any batch, float32 reaches
-  220-290 from 64 rows on (1.3-1.7x; below 32 rows bf16 is up to 2x faster). Calls with at least
+  220-290 from 64 rows on (1.3-1.9x; below 32 rows bf16 is up to 2x faster). Calls with at least
   `FLOAT32_MIN_ROWS` rows (prefill chunks, batched decoding, prompt log-likelihoods) compute in float32, smaller
   ones on vLLM's own kernel.
 
