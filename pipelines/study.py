@@ -578,6 +578,9 @@ def study_results(study: Study) -> dict[str, Any]:
         for recipe in study.spec.recipes:
             measured = [study._artifact_file("eval", label, recipe)]
             measured += [study._artifact_file("degradation", label, recipe)] if recipe != BASELINE else []
+            # the row's size, calibration and section read its checkpoint and the bf16 one: a checkpoint deleted
+            # (to save disk) while its eval was kept is pending until its quantize stage re-creates it
+            measured += [study._artifact_file("quantize", label, r) for r in dict.fromkeys((BASELINE, recipe))]
             if not all(path.exists() for path in measured):  # not measured yet: the report says so
                 pending.append(f"{label} {recipe}")
                 continue

@@ -115,6 +115,28 @@ def test_a_partial_run_reports_the_rows_so_far(study, tmp_path):
     assert "Pending: 1 row (tiny w4a4_nvfp4): the study is still running or was stopped." in (copy / "report" / "report.md").read_text()
 
 
+def test_deleted_checkpoints_are_recreated_and_evals_kept(study, tmp_path):
+    """A run directory whose checkpoints were deleted (to save disk) while its evals were kept: the re-run reports
+    each row only once its checkpoint is back (the report reads sizes and calibration from it), re-creates the
+    checkpoints and keeps every eval."""
+    studied, run_dir = study
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns(".lock"))
+    shutil.rmtree(copy / "checkpoints")
+    evals_before = {k: v for k, v in _mtimes(copy).items() if k.startswith("evals/")}
+    partial = Study(studied.spec, copy)
+    with pytest.raises(ValueError, match="no row .* is measured yet"):
+        partial._report()
+    partial.run()
+    assert {k: v for k, v in _mtimes(copy).items() if k.startswith("evals/")} == evals_before
+    for recipe in ("bf16", "w4a4_nvfp4"):
+        assert (copy / "checkpoints" / f"tiny-{recipe}" / "config.json").exists()
+    results = json.loads((copy / "results.json").read_text())
+    assert [r["recipe"] for r in results["rows"]] == ["bf16", "w4a4_nvfp4"] and results["meta"]["pending"] == []
+    original = json.loads((run_dir / "results.json").read_text())
+    assert [r["scores"] for r in results["rows"]] == [r["scores"] for r in original["rows"]]
+
+
 def test_failures_name_stage_model_and_recipe(tmp_path, tiny_checkpoint):
     from quantkit.diagnose.run import diagnose, write_diagnostics
 
