@@ -26,12 +26,13 @@ def register() -> None:
     norm weights (`quantkit.serve.float32_norms`), the module names of transformers 5 for vLLM's stock classes
     (`quantkit.serve.stock_names`), and, on CPUs without bf16 matmuls,
     the batched Gated DeltaNet prefill conv (`quantkit.serve.gdn_cpu`) and float32 compute for unquantized bf16
-    Linears (`quantkit.serve.cpu_linear`) with vLLM (idempotent)."""
+    Linears (`quantkit.serve.cpu_linear`) with vLLM; on machines without CUDA, large tensors from malloc's heap
+    (`quantkit.serve.cpu_heap`) (idempotent)."""
     from vllm import ModelRegistry
 
     import quantkit.models
     import quantkit.serve.quant_method  # noqa: F401  (@register_quantization_config("quantkit"))
-    from quantkit.serve import cpu_linear, float32_norms, gdn_cpu, stock_names
+    from quantkit.serve import cpu_heap, cpu_linear, float32_norms, gdn_cpu, stock_names
     from quantkit.serve.peer_kernels import register_cpu_emulation_kernels
 
     register_cpu_emulation_kernels()
@@ -39,6 +40,7 @@ def register() -> None:
     stock_names.install()
     gdn_cpu.install()
     cpu_linear.install()
+    cpu_heap.install()
 
     for arch, target in ARCHITECTURES.items():
         if arch not in ModelRegistry.get_supported_archs():

@@ -1,0 +1,66 @@
+"""quantkit.serve.cpu_heap: after install(), a block above glibc's largest mmap threshold (32 MiB) comes from the
+heap and, freed, is kept and serves the next one (the heap does not grow); without it (or with
+QUANTKIT_CPU_HEAP=off) glibc mmaps it. Each case runs in a fresh interpreter, so that this test process's own malloc
+settings do not matter; glibc's mallinfo2() counts the bytes in mmapped blocks (hblkhd) and in the heap (arena):
+exact counts, no timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from quantkit.serve import cpu_heap
+
+PROBE = """
+import ctypes, json, sys
+import torch
+from quantkit.serve import cpu_heap
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = Mallinfo2
+installed = cpu_heap.install() if sys.argv[1] == "install" else False
+again = cpu_heap.install() if installed else False
+before = mallinfo2().hblkhd
+x = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, twice glibc's largest mmap threshold
+mmapped = mallinfo2().hblkhd - before
+del x
+arena = mallinfo2().arena
+y = torch.empty(64 << 20, dtype=torch.uint8)
+grown = mallinfo2().arena - arena
+print(json.dumps(dict(installed=installed, again=again, mmapped=mmapped, grown=grown)))
+"""
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="cpu_heap acts only on machines without CUDA")
+
+
+def probe(mode: str, **env: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], env={**os.environ, **env}, capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_large_blocks_come_from_the_heap_and_are_reused():
+    assert cpu_heap.wanted()  # this project's machines: Linux, glibc, no CUDA
+    result = probe("install")
+    assert result == dict(installed=True, again=True, mmapped=0, grown=0)  # the freed block, kept, serves the next
+
+
+def test_without_install_or_switched_off_glibc_mmaps_large_blocks():
+    assert probe("default")["mmapped"] >= 64 << 20
+    off = probe("install", **{cpu_heap.SWITCH_ENV: "off"})
+    assert not off["installed"] and off["mmapped"] >= 64 << 20
+
+
+def test_not_wanted_with_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not cpu_heap.wanted()
