@@ -1,17 +1,22 @@
 """What quantkit's two vLLM quant methods share (the linear method, `quantkit.serve.quant_method`; the routed
 experts' method, `quantkit.serve.moe_method`): the kernel choice (QUANTKIT_KERNEL), the parity-capture switch
-(QUANTKIT_CAPTURE_DIR, docs in quant_method) and copying this rank's part of a checkpoint tensor into a served one.
+(QUANTKIT_CAPTURE_DIR, docs in quant_method), copying this rank's part of a checkpoint tensor into a served one and
+the emulation's activation fake-quant (compiled for large calls: QUANTKIT_CPU_COMPILE).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from enum import StrEnum
 
 import torch
+from vllm.logger import init_logger
 
 from quantkit.formats.fp8 import expand_block_scales
-from quantkit.formats.schemes import LayerTensor
+from quantkit.formats.schemes import LayerTensor, Scheme
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM configures that logger tree
 
 
 def copy_checkpoint_part(
@@ -57,6 +62,52 @@ def copy_checkpoint_part(
             f"the checkpoint is inconsistent with its quantization_config"
         )
     target.copy_(part)
+
+
+COMPILE_ENV = "QUANTKIT_CPU_COMPILE"  # "off": the emulation's activation fake-quant stays eager
+COMPILED_MIN_ROWS = 16  # rows from which the compiled fake-quant is faster (below: its call overhead is not)
+
+_compiled: dict[str, Callable[..., torch.Tensor] | None] = {}  # scheme name -> compiled fake-quant (None: eager)
+
+
+def emulated_activation(
+    scheme: Scheme, x: torch.Tensor, input_global_scale: torch.Tensor | None, row_amax: torch.Tensor | None
+) -> torch.Tensor:
+    """The torch emulation's quantize-dequantize of a layer input, `scheme.fake_quant_activation(x, input_global_scale,
+    row_amax)`, (..., K) -> float32 (..., K). Calls of at least `COMPILED_MIN_ROWS` rows run it compiled by inductor
+    (`torch.compile(dynamic=True)`: one C++ loop nest instead of ~20 passes through memory, each with its float32
+    temporary): the same numbers bit for bit (elementwise IEEE operations and max-reductions, exact in any order;
+    tests/test_emulated_activation.py), 3-8x faster from a few hundred rows (a 4096 x 4864 NVFP4 activation: 248 ->
+    40 ms on 2 cores). Eager where no C++ compiler is found, the compile fails (logged once), or
+    `QUANTKIT_CPU_COMPILE=off`."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    fake_quant = _compiled_fake_quant(scheme) if rows >= COMPILED_MIN_ROWS else None
+    if fake_quant is not None:
+        try:
+            return fake_quant(x, input_global_scale, row_amax)
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # e.g. the compiler cannot build: stay eager
+            logger.warning(
+                "quantkit: compiling %s's activation fake-quant failed (%s); eager from now on", scheme.name, e
+            )
+            _compiled[scheme.name] = None
+    return scheme.fake_quant_activation(x, input_global_scale, row_amax)
+
+
+def _compiled_fake_quant(scheme: Scheme) -> Callable[..., torch.Tensor] | None:
+    """`scheme.fake_quant_activation` under torch.compile (made once per scheme), or None: switched off, or no C++
+    compiler for inductor's CPU code."""
+    if scheme.name not in _compiled:
+        fake_quant = None
+        if os.environ.get(COMPILE_ENV, "").lower() not in ("off", "0", "false"):
+            try:
+                from torch._inductor.cpp_builder import get_cpp_compiler
+
+                get_cpp_compiler()
+                fake_quant = torch.compile(scheme.fake_quant_activation, dynamic=True)
+            except (RuntimeError, OSError) as e:  # InvalidCxxCompiler: no g++/clang++ on this machine
+                logger.warning("quantkit: no compiled activation fake-quant (%s); eager", e)
+        _compiled[scheme.name] = fake_quant
+    return _compiled[scheme.name]
 
 
 KERNEL_ENV = "QUANTKIT_KERNEL"  # auto (default) | triton | torch

@@ -51,7 +51,7 @@ from quantkit.formats.constants import ActivationScale
 from quantkit.formats.schemes import LayerTensor
 from quantkit.kernels.expert_sort import ExpertSort, combine_expert_rows, sort_by_expert
 from quantkit.quantize.fake_quant import Segments, routed_experts_forward
-from quantkit.serve.method_parts import CAPTURE_ENV, Kernel, copy_checkpoint_part, select_kernel
+from quantkit.serve.method_parts import CAPTURE_ENV, Kernel, copy_checkpoint_part, emulated_activation, select_kernel
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -249,11 +249,11 @@ class QuantkitExperts:
         quantization is row by row); static, one call per expert with its scale."""
         if self.input_scales is None:
             row_amax = self._row_amax(rows) if which == 1 else None
-            xq = self.scheme.fake_quant_activation(rows, None, row_amax)
+            xq = emulated_activation(self.scheme, rows, None, row_amax)
         else:
             xq = torch.cat(
                 [
-                    self.scheme.fake_quant_activation(rows[start:stop], self.input_scales[e, which])
+                    emulated_activation(self.scheme, rows[start:stop], self.input_scales[e, which], None)
                     for e, start, stop in segments
                 ]
             )

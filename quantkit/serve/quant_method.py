@@ -49,7 +49,7 @@ from quantkit.formats.constants import ActivationScale
 from quantkit.formats.experts import EXPERT_MATRIX
 from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.schemes import LayerTensor, Scheme, module_scheme, online_hadamard_blocks, scheme_from_config
-from quantkit.serve.method_parts import CAPTURE_ENV, Kernel, copy_checkpoint_part, select_kernel
+from quantkit.serve.method_parts import CAPTURE_ENV, Kernel, copy_checkpoint_part, emulated_activation, select_kernel
 from quantkit.serve.moe_method import QuantkitMoEMethod
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM configures that logger tree
@@ -277,7 +277,7 @@ class QuantkitLinearMethod(LinearMethodBase):
             x, hadamard = block_hadamard(x, hadamard), 0
         row_amax = _row_amax(layer, x, input_global_scale)
         if self.kernel == Kernel.TORCH_EMULATION:
-            xq = self.scheme.fake_quant_activation(x, input_global_scale, row_amax)
+            xq = emulated_activation(self.scheme, x, input_global_scale, row_amax)
             if self.capture_dir:
                 self._capture(layer, x, xq)
             weight = cast(Parameter, layer.weight_dequantized)
