@@ -75,10 +75,10 @@ def emulated_activation(
 ) -> torch.Tensor:
     """The torch emulation's quantize-dequantize of a layer input, `scheme.fake_quant_activation(x, input_global_scale,
     row_amax)`, (..., K) -> float32 (..., K). Calls of at least `COMPILED_MIN_ROWS` rows run it compiled by inductor
-    (`torch.compile(dynamic=True)`: one C++ loop nest instead of ~20 passes through memory, each with its float32
+    (`torch.compile(dynamic=True)`: a few fused C++ loops instead of ~20 passes through memory, each with its float32
     temporary): the same numbers bit for bit (elementwise IEEE operations and max-reductions, exact in any order;
-    tests/test_emulated_activation.py), 3-8x faster from a few hundred rows (a 4096 x 4864 NVFP4 activation: 248 ->
-    40 ms on 2 cores). Eager where no C++ compiler is found, the compile fails (logged once), or
+    tests/test_emulated_activation.py), 2-6x faster from a few hundred rows on 2 cores (a 4096 x 4864 NVFP4
+    activation: 248 -> 40 ms; benchmarks/README.md). Eager where no C++ compiler is found, the compile fails (logged once), or
     `QUANTKIT_CPU_COMPILE=off`."""
     rows = x.numel() // max(x.shape[-1], 1)
     fake_quant = _compiled_fake_quant(scheme) if rows >= COMPILED_MIN_ROWS else None
