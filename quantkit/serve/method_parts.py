@@ -78,8 +78,8 @@ def emulated_activation(
     (`torch.compile(dynamic=True)`: a few fused C++ loops instead of ~20 passes through memory, each with its float32
     temporary): the same numbers bit for bit (elementwise IEEE operations and max-reductions, exact in any order;
     tests/test_emulated_activation.py), 2-6x faster from a few hundred rows on 2 cores (a 4096 x 4864 NVFP4
-    activation: 248 -> 40 ms; benchmarks/README.md). Eager where no C++ compiler is found, the compile fails (logged once), or
-    `QUANTKIT_CPU_COMPILE=off`."""
+    activation: 248 -> 40 ms; benchmarks/README.md). Eager where no C++ compiler is found, the compile fails (logged
+    once), or `QUANTKIT_CPU_COMPILE=off`."""
     rows = x.numel() // max(x.shape[-1], 1)
     fake_quant = _compiled_fake_quant(scheme) if rows >= COMPILED_MIN_ROWS else None
     if fake_quant is not None:
