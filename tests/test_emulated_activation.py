@@ -73,8 +73,7 @@ def test_switched_off_or_without_a_compiler_it_stays_eager(monkeypatch, caplog):
     assert method_parts._compiled_fake_quant(NVFP4) is None
     monkeypatch.setattr(method_parts, "_compiled", {})
     monkeypatch.delenv(method_parts.COMPILE_ENV)
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "/nonexistent/g++"))
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING), torch._inductor.config.patch({"cpp.cxx": (None, "/nonexistent/g++")}):
         assert method_parts._compiled_fake_quant(FP8_BLOCK) is None
     assert "no compiled activation fake-quant" in caplog.text
     x = activations(COMPILED_MIN_ROWS * 2, 128, torch.bfloat16, seed=4)
