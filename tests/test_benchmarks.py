@@ -116,4 +116,4 @@ def test_fake_quant_cost_checks_its_bits_and_prints_every_shape():
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fake_quant_cost.py"), "--repeats", "1"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert sum("e2m1_round" in line and "fake-quant" in line for line in run.stdout.splitlines()) == 6
+    assert sum("e2m1_round" in line and "served" in line for line in run.stdout.splitlines()) == 8  # 4 x 2 shapes
