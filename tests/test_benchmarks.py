@@ -111,8 +111,9 @@ def test_full_tile_sweep_refuses_without_a_gpu():
 
 
 def test_fake_quant_cost_checks_its_bits_and_prints_every_shape():
-    """benchmarks/fake_quant_cost.py (one repeat: ~2 s) exits 0 only if `e2m1_round` equals the codes path bit for bit
-    on every shape it times; it prints one line of figures per (tokens, K)."""
+    """benchmarks/fake_quant_cost.py (one repeat: ~30 s, most of it compiling the served fake-quant) exits 0 only if
+    `e2m1_round` equals the codes path and the served (compiled) fake-quant the eager one bit for bit on every shape it
+    times; it prints one line of figures per (tokens, K)."""
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fake_quant_cost.py"), "--repeats", "1"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
