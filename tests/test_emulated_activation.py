@@ -10,6 +10,9 @@ group, rows of zeros, a K that is not a multiple of 16, bf16 and float32 inputs,
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -78,3 +81,34 @@ def test_switched_off_or_without_a_compiler_it_stays_eager(monkeypatch, caplog):
     assert "no compiled activation fake-quant" in caplog.text
     x = activations(COMPILED_MIN_ROWS * 2, 128, torch.bfloat16, seed=4)
     assert torch.equal(bits(emulated_activation(FP8_BLOCK, x, None, None)), bits(FP8_BLOCK.fake_quant_activation(x)))
+
+
+CACHE_PROBE = """
+import sys, torch
+from quantkit.formats.schemes import FP8_BLOCK, NVFP4
+from quantkit.serve.method_parts import emulated_activation
+g = torch.Generator().manual_seed(0)
+x = (torch.randn(300, 896, generator=g) * torch.rand(896, generator=g).pow(4).mul(200)).to(torch.bfloat16)
+with torch.inference_mode():
+    for scheme in (FP8_BLOCK, NVFP4):
+        served = emulated_activation(scheme, x, None, None)
+        eager = scheme.fake_quant_activation(x)
+        assert torch.equal(served.view(torch.int32), eager.view(torch.int32)), scheme.name
+print("bit-equal under", torch.backends.cpu.get_cpu_capability())
+"""
+
+
+def test_an_inductor_cache_from_another_isa_is_not_reused(tmp_path):
+    """Two fresh interpreters share one inductor cache directory: the first compiles on this machine's own ISA, the
+    second with ATen's AVX2 kernels forced (as on an AVX2 machine sharing the cache). inductor's FX graph cache keys
+    omit the ISA: reusing the first's C++ (written for AVX-512's vector widths) under AVX2 flags gave wrong numbers
+    and a double free (torch 2.13), so the compiled fake-quant does not use that cache. Each run must still equal
+    eager bit for bit (the bound of the module docstring)."""
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    for capability in (None, "avx2"):
+        run_env = env if capability is None else {**env, "ATEN_CPU_CAPABILITY": capability}
+        done = subprocess.run(
+            [sys.executable, "-c", CACHE_PROBE], env=run_env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0 and "bit-equal under" in done.stdout, done.stderr[-3000:]

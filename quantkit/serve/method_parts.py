@@ -76,10 +76,10 @@ def emulated_activation(
     """The torch emulation's quantize-dequantize of a layer input, `scheme.fake_quant_activation(x, input_global_scale,
     row_amax)`, (..., K) -> float32 (..., K). Calls of at least `COMPILED_MIN_ROWS` rows run it compiled by inductor
     (`torch.compile(dynamic=True)`: a few fused C++ loops instead of ~20 passes through memory, each with its float32
-    temporary): the same numbers bit for bit (elementwise IEEE operations and max-reductions, exact in any order;
-    tests/test_emulated_activation.py), 2-6x faster from a few hundred rows on 2 cores (a 4096 x 4864 NVFP4
-    activation: 248 -> 40 ms; benchmarks/README.md). Eager where no C++ compiler is found, the compile fails (logged
-    once), or `QUANTKIT_CPU_COMPILE=off`."""
+    temporary): the same numbers bit for bit (elementwise IEEE operations and max-reductions, exact in any order and
+    on AVX2 or AVX-512; tests/test_emulated_activation.py), 2-6x faster from a few hundred rows on 2 cores (a
+    4096 x 4864 NVFP4 activation: 248 -> 40 ms; benchmarks/README.md). Eager where no C++ compiler is found, the
+    compile fails (logged once), or `QUANTKIT_CPU_COMPILE=off`."""
     rows = x.numel() // max(x.shape[-1], 1)
     fake_quant = _compiled_fake_quant(scheme) if rows >= COMPILED_MIN_ROWS else None
     if fake_quant is not None:
@@ -103,7 +103,12 @@ def _compiled_fake_quant(scheme: Scheme) -> Callable[..., torch.Tensor] | None:
                 from torch._inductor.cpp_builder import get_cpp_compiler
 
                 get_cpp_compiler()
-                fake_quant = torch.compile(scheme.fake_quant_activation, dynamic=True)
+                # No FX graph cache: its key omits the vector ISA, so C++ written for AVX-512's widths and reloaded
+                # under AVX2 (ATEN_CPU_CAPABILITY, or a cache shared between machines) computed wrong numbers or
+                # freed memory twice (torch 2.13). The C++ build cache, keyed by source and flags, stays on.
+                fake_quant = torch.compile(
+                    scheme.fake_quant_activation, dynamic=True, options={"fx_graph_cache": False}
+                )
             except (RuntimeError, OSError) as e:  # InvalidCxxCompiler: no g++/clang++ on this machine
                 logger.warning("quantkit: no compiled activation fake-quant (%s); eager", e)
         _compiled[scheme.name] = fake_quant
