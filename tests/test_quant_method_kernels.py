@@ -78,15 +78,22 @@ def test_kernel_choice_is_validated(monkeypatch):
 # ---------------------------------------------------------------------------------------- routed experts
 
 E, H, I = 4, 40, 72  # w13 (E, 144, 40): the up shard starts off the 128 grid; NVFP4 pads H to 48, I to 80
+# (scheme, activation scale, GLU experts, online Hadamard block of the down inputs: 8 for I = 72, a rotated checkpoint)
+EXPERTS_CASES = [("fp8_block", "per_token", False, 0), ("nvfp4", "per_token", False, 0), ("nvfp4", "static", False, 0),
+                 ("nvfp4", "per_token", True, 0), ("nvfp4", "per_token", False, 8), ("fp8_block", "per_token", True, 8)]
 ROUTING = torch.tensor([[2, 3], [3, 2], [2, -1], [1, 2], [2, 3], [3, 2], [2, -1], [3, 2]])  # -1: another rank's
 # tokens per expert: 0 (none), 1 (one), 8, 5 (uneven); two pairs of no local expert
 
 
-def _experts(scheme, activation_scale, kernel, weights, glu, monkeypatch, capture_dir=None):
+def _experts(scheme, activation_scale, kernel, weights, glu, monkeypatch, capture_dir=None, hadamard=0):
     """(QuantkitExperts, layer, run(x, ids, topk_weights)): E experts loaded from per-expert `Scheme.encode` tensors
-    through vLLM's expert weight_loader; glu: through `QuantkitGLUExpertsMethod` (sigmoid), else silu (FusedMoE)."""
-    config = QuantkitQuantConfig({"format_version": 1, "scheme": scheme, "activation_scale": activation_scale,
-                                  "quantized_modules": ["experts.0.gate_proj"]})
+    through vLLM's expert weight_loader; glu: through `QuantkitGLUExpertsMethod` (sigmoid), else silu (FusedMoE);
+    hadamard: a rotated checkpoint's online block on every expert's down input."""
+    qc = {"format_version": 1, "scheme": scheme, "activation_scale": activation_scale,
+          "quantized_modules": [f"experts.{e}.{p}" for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")]}
+    if hadamard:
+        qc["rotation"] = {"online_hadamard": {f"experts.{e}.down_proj": hadamard for e in range(E)}}
+    config = QuantkitQuantConfig(qc)
     if capture_dir is None:
         monkeypatch.delenv(CAPTURE_ENV, raising=False)
     else:
@@ -119,10 +126,8 @@ def _experts(scheme, activation_scale, kernel, weights, glu, monkeypatch, captur
     return experts, layer, run
 
 
-@pytest.mark.parametrize("scheme, activation_scale, glu", [("fp8_block", "per_token", False),
-                                                           ("nvfp4", "per_token", False), ("nvfp4", "static", False),
-                                                           ("nvfp4", "per_token", True)])
-def test_experts_triton_path_equals_torch_emulation(scheme, activation_scale, glu, monkeypatch, tmp_path):
+@pytest.mark.parametrize("scheme, activation_scale, glu, hadamard", EXPERTS_CASES)
+def test_experts_triton_path_equals_torch_emulation(scheme, activation_scale, glu, hadamard, monkeypatch, tmp_path):
     """The routed experts' "triton" kernel (grouped GEMMs, interpreter) vs their torch emulation, per token.
 
     Both quantize the block input identically (bit-exact quantizers) and multiply decoded values in float32, so
@@ -147,7 +152,9 @@ def test_experts_triton_path_equals_torch_emulation(scheme, activation_scale, gl
         |out_t - out_e| <= sum_s |p_s| (|xq_t - xq_e| @ |w2|^T + ((I + 1) 2**-21 + (k + 1) 2**-23) S2)_s
 
     Routing: an expert with no token, one with one token, uneven counts, pairs of another rank's expert (-1).
-    glu: the same code through `QuantkitGLUExpertsMethod` (act = sigmoid). 2-3 s a case on 2 shared cores.
+    glu: the same code through `QuantkitGLUExpertsMethod` (act = sigmoid). hadamard: both paths transform the down
+    input by the same torch butterfly before quantizing it (captured transformed), so the argument is unchanged.
+    2-3 s a case on 2 shared cores.
     """
     g = torch.Generator().manual_seed(1)
     down_scales = torch.tensor([0.002, 0.0005, 0.001, 0.004])  # NVFP4 static decode scales of the down inputs
@@ -161,8 +168,9 @@ def test_experts_triton_path_equals_torch_emulation(scheme, activation_scale, gl
             weights[e, proj, shard] = (torch.randn(shape, generator=g) * 0.05 * (e + 1), float(scale))
     topk_weights = torch.rand(ROUTING.shape, generator=g) + 0.1
     emulation, emulation_layer, run_emulation = _experts(scheme, activation_scale, "torch", weights, glu, monkeypatch,
-                                                         tmp_path)
-    triton, triton_layer, run_triton = _experts(scheme, activation_scale, "triton", weights, glu, monkeypatch)
+                                                         tmp_path, hadamard)
+    triton, triton_layer, run_triton = _experts(scheme, activation_scale, "triton", weights, glu, monkeypatch,
+                                                hadamard=hadamard)
     want = run_emulation(x, ROUTING, topk_weights)
     got = run_triton(x, ROUTING, topk_weights)
     assert got.shape == want.shape == (len(ROUTING), H) and got.dtype == torch.float32
@@ -194,6 +202,8 @@ def test_experts_triton_path_equals_torch_emulation(scheme, activation_scale, gl
         assert bool((h_err <= h_bound).all()), f"expert {e} gate_up: max err/bound {(h_err / h_bound).max():.3g}"
         gate, up = h[rows].chunk(2, dim=-1)
         a_triton, a_emulation = act(gate) * up, captured[e, "down"]["x"]
+        if hadamard:
+            a_triton = block_hadamard(a_triton, hadamard)
         static = down_scales[e] if activation_scale == "static" else None
         codes = [scheme_.quantize_activation(a, static)[:-1] for a in (a_triton, a_emulation)]
         row_flips = torch.stack([(c_t.float() != c_e.float()).reshape(len(a_triton), -1).any(-1)
@@ -212,17 +222,15 @@ def test_experts_triton_path_equals_torch_emulation(scheme, activation_scale, gl
     assert bool((err <= tol[compared]).all()), f"max err/tol {(err / tol[compared]).max():.3g}"
 
 
-@pytest.mark.parametrize("scheme, activation_scale, glu", [("fp8_block", "per_token", False),
-                                                           ("nvfp4", "per_token", False), ("nvfp4", "static", False),
-                                                           ("nvfp4", "per_token", True)])
-def test_experts_emulation_equals_per_expert_loop(scheme, activation_scale, glu, monkeypatch):
+@pytest.mark.parametrize("scheme, activation_scale, glu, hadamard", EXPERTS_CASES)
+def test_experts_emulation_equals_per_expert_loop(scheme, activation_scale, glu, hadamard, monkeypatch):
     """The torch emulation quantizes each expert input once per layer over all (token, expert) rows
     (`QuantkitExperts._fake_quant`; static scales once per expert): it must equal, bit for bit, the definition
     computed here one expert at a time -- expert e's routed rows x_e quantized alone (its static scale), gate/up,
     act, the down input quantized alone, down, the weighted rows added to each token in expert order. Exact, not
     within a tolerance: per-token quantization has no statistic across rows, the matmuls get the same operands and
     shapes, and the float32 additions happen in the same order. Routing as above (an expert with no token, -1
-    pairs). ~1 s a case."""
+    pairs); hadamard: the down input transformed (`block_hadamard`) before it is quantized. ~1 s a case."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(len(ROUTING), H, generator=g) * torch.tensor([0.1, 1.0, 30.0, 3.0] * 2)[:, None]
     static = {"gate_up": x.abs().amax() / 2688 * torch.tensor([1.0, 0.5, 2.0, 1.0]),
@@ -233,7 +241,7 @@ def test_experts_emulation_equals_per_expert_loop(scheme, activation_scale, glu,
                                         ("down_proj", "w2", (H, I), "down")):
             weights[e, proj, shard] = (torch.randn(shape, generator=g) * 0.05 * (e + 1), float(static[key][e]))
     topk_weights = torch.rand(ROUTING.shape, generator=g) + 0.1
-    _, layer, run = _experts(scheme, activation_scale, "torch", weights, glu, monkeypatch)
+    _, layer, run = _experts(scheme, activation_scale, "torch", weights, glu, monkeypatch, hadamard=hadamard)
     got = run(x, ROUTING, topk_weights)
 
     scheme_, act = SCHEMES[scheme], (torch.sigmoid if glu else F.silu)
@@ -244,6 +252,7 @@ def test_experts_emulation_equals_per_expert_loop(scheme, activation_scale, glu,
             continue
         scale = {k: v[e] if activation_scale == "static" else None for k, v in static.items()}
         gate, up = F.linear(scheme_.fake_quant_activation(x[tokens], scale["gate_up"]), layer.w13_dequantized[e]).chunk(2, -1)
-        y = F.linear(scheme_.fake_quant_activation(act(gate) * up, scale["down"]), layer.w2_dequantized[e])
+        down_input = act(gate) * up if not hadamard else block_hadamard(act(gate) * up, hadamard)
+        y = F.linear(scheme_.fake_quant_activation(down_input, scale["down"]), layer.w2_dequantized[e])
         want.index_put_((tokens,), y * topk_weights[tokens, slot, None], accumulate=True)
     assert torch.equal(got, want)

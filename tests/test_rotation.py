@@ -13,6 +13,10 @@ Asserted, with the reason each bound holds:
 - rotate_model preserves the function: its own check raises above TOLERANCE; here we also check that the model
   was in fact rotated (embedding = E Q exactly as computed in float64 and rounded once; every folded norm's weight
   is 1, or 0 for a (1 + w) norm), that tied embeddings were untied, and that the logits agree within TOLERANCE.
+  A rotated hybrid's routed experts carry the online transform too: each expert's down_proj is listed, and the
+  per-expert recomputation (`routed_expert_passes`: GPTQ's Hessians, diagnose) matches the module's output within
+  diagnose's EXPERTS_CHECK_RTOL (the same float32 products summed in another order: (H + I + k) 2**-24 relative at
+  worst, ~1e-5 at these widths; a recomputation without the transform is off by O(1)).
 - The checkpoint names each down_proj's block; the fake-quant reference applies the transform; the checker refuses
   a config naming an unquantized module; unsupported norms, architectures, streaming and an online transform on an
   unquantized down_proj are refused by name. vLLM parity: tests/test_serve_quantized.py cases *_rot.
@@ -26,6 +30,8 @@ import math
 import pytest
 import torch
 
+from quantkit.diagnose.observe import EXPERTS_CHECK_RTOL
+from quantkit.formats.experts import fused_experts_modules
 from quantkit.formats.hadamard import block_hadamard, hadamard_matrix, online_block, residual_rotation
 from quantkit.models.attention import load_reference_model
 from quantkit.models.tiny import build_tiny_checkpoint, build_tiny_stock_checkpoint
@@ -33,6 +39,7 @@ from quantkit.models.tiny_hybrid import build_tiny_hybrid_checkpoint
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.recipe import parse_recipe
 from quantkit.quantize.rotation import TOLERANCE, RotationError, rotate_model
+from quantkit.quantize.routed_experts import routed_expert_passes
 
 U32, U64 = 2.0**-24, 2.0**-53
 
@@ -93,7 +100,19 @@ def test_rotation_rotates_and_preserves_the_function(name, tmp_path):
     offset = name == "hybrid"  # (1 + w) norms
     assert norms and all(torch.all(m.weight == (0.0 if offset else 1.0)) for m in norms)
     downs = [n for n, m in model.named_modules() if n.endswith("down_proj") and isinstance(m, torch.nn.Linear)]
-    assert sorted(report.online_hadamard) == sorted(d for d in downs if ".experts." not in d)
+    experts = fused_experts_modules(model)
+    downs += [f"{n}.{e}.down_proj" for n, m in experts.items() for e in range(m.down_proj.shape[0])]
+    assert (len(experts) > 0) == offset  # the hybrid's routed experts get the online transform too
+    assert sorted(report.online_hadamard) == sorted(downs)
+    for module in experts.values():  # per-expert recomputation (GPTQ's Hessians, diagnose) sees the transform too
+        x = torch.randn(6, embed.shape[1], generator=torch.Generator().manual_seed(1))
+        index = torch.randint(0, module.down_proj.shape[0], (6, 2), generator=torch.Generator().manual_seed(2))
+        weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(3))
+        recomputed = torch.zeros_like(x)
+        for p in routed_expert_passes(module, x, index):
+            recomputed.index_add_(0, p.token_idx, p.y * weights[p.token_idx, p.slot, None])
+        out = module(x, index, weights)
+        assert (recomputed - out).abs().max() <= EXPERTS_CHECK_RTOL * out.abs().max()  # diagnose's own check
     with torch.no_grad():
         after = model(tokens).logits
     assert (after - before).abs().max() <= TOLERANCE * before.abs().max()
@@ -124,6 +143,36 @@ def test_a_rotated_checkpoint_records_and_applies_the_online_transform(tmp_path)
         scheme_from_config({**qc, "rotation": {"online_hadamard": {"lm_head": 512}}})
     with pytest.raises(CheckpointError, match="not powers of two"):
         scheme_from_config({**qc, "rotation": {"online_hadamard": {"model.layers.0.mlp.down_proj": 24}}})
+
+
+def test_a_rotated_hybrid_checkpoint_transforms_every_experts_down_input(tmp_path):
+    """The routed experts' online Hadamard end to end on the reference side: recorded per expert down_proj (one block
+    per experts module), applied by FakeQuantExperts before down_proj's quantizer (bit-exact: the same functions),
+    refused when a config names only some experts or gives them different blocks. vLLM parity:
+    tests/test_hybrid_serve_quantized.py, case stock-nvfp4_rot."""
+    from quantkit.checkpoints import CheckpointError
+    from quantkit.formats.schemes import scheme_from_config
+    from quantkit.quantize.fake_quant import FakeQuantExperts, load_fake_quant_model
+
+    source = build_tiny_hybrid_checkpoint(tmp_path / "hybrid", seed=0)
+    out = quantize_checkpoint(source, "w4a4_nvfp4_rot", tmp_path / "q", streaming=False)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    online = qc["rotation"]["online_hadamard"]
+    experts = {n: m for n, m in load_fake_quant_model(out).named_modules() if isinstance(m, FakeQuantExperts)}
+    assert experts
+    for name, module in experts.items():
+        num, intermediate = module.down_proj.shape[0], module.down_proj.shape[2]
+        assert {online[f"{name}.{e}.down_proj"] for e in range(num)} == {online_block(intermediate)}
+        assert module.online_hadamard == online_block(intermediate)
+        h = torch.randn(5, intermediate, generator=torch.Generator().manual_seed(0))
+        expected = module.scheme.fake_quant_activation(block_hadamard(h, module.online_hadamard))
+        assert torch.equal(module.fake_quant_input(h, 0, 1), expected)
+    name = next(iter(experts))
+    partial = {m: b for m, b in online.items() if m != f"{name}.1.down_proj"}
+    with pytest.raises(CheckpointError, match=f"not {name}.1.down_proj"):
+        scheme_from_config({**qc, "rotation": {"online_hadamard": partial}})
+    with pytest.raises(CheckpointError, match="different blocks"):
+        scheme_from_config({**qc, "rotation": {"online_hadamard": {**online, f"{name}.1.down_proj": 2}}})
 
 
 def test_what_rotation_cannot_do_is_refused_by_name(tmp_path):

@@ -213,6 +213,7 @@ class HeldCodes:
 
     def _experts_fq(self, module: FakeQuantExperts, name: str):
         def fake_quant(x: torch.Tensor, e: int, which: int) -> torch.Tensor:
+            x = module.quantizer_input(x, which)
             if not module.quantized[e, which]:
                 return x.float()
             scale = None if module.input_global_scale is None else module.input_global_scale[e, which]

@@ -32,6 +32,9 @@ from torch import nn
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # "<experts>.<e>.<proj>": the name of one expert matrix (a quantized_modules entry)
 EXPERT_MATRIX = re.compile(r"^(?P<experts>.+)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+# a fused experts module's attribute, set by rotation (`quantkit.quantize.rotation`): the Hadamard block that
+# transforms every down_proj input, act(gate) * up, online (its down_proj weights carry the inverse)
+ONLINE_HADAMARD = "online_hadamard"
 
 
 def is_fused_experts(module: nn.Module) -> bool:

@@ -35,6 +35,7 @@ import torch
 
 from quantkit.checkpoints import CheckpointError
 from quantkit.formats.constants import F8E4M3_DTYPE, FP8_WEIGHT_BLOCK, NVFP4_GROUP, ActivationScale, WeightScales
+from quantkit.formats.experts import EXPERT_MATRIX
 from quantkit.formats.fp8 import (
     dequantize_fp8_block,
     dequantize_fp8_per_token,
@@ -407,6 +408,19 @@ def scheme_from_config(qc: dict, where: str = "quantization_config") -> Scheme:
         )
     if bad := {m: b for m, b in online.items() if not isinstance(b, int) or b <= 0 or b & (b - 1)}:
         raise CheckpointError(f"{where}: rotation.online_hadamard blocks {bad} are not powers of two")
+    rotated_experts = {match["experts"] for m in online if (match := EXPERT_MATRIX.match(m))}
+    for experts in sorted(rotated_experts):
+        downs = [
+            m
+            for m in qc["quantized_modules"]
+            if (match := EXPERT_MATRIX.match(m)) and match["experts"] == experts and match["proj"] == "down_proj"
+        ]
+        if missing := [m for m in downs if m not in online]:
+            raise CheckpointError(
+                f"{where}: rotation.online_hadamard names some of {experts}'s down_proj but not {missing[0]} "
+                "(a fused experts module transforms every expert's down_proj input or none)"
+            )
+        experts_online_block(online, experts)
     return scheme
 
 
@@ -414,6 +428,16 @@ def online_hadamard_blocks(qc: dict) -> dict[str, int]:
     """{module: block} of a quantization_config's rotation (`quantkit.quantize.rotation`): the modules whose input
     is transformed by `quantkit.formats.hadamard.block_hadamard` before it is quantized; {} without rotation."""
     return dict((qc.get("rotation") or {}).get("online_hadamard") or {})
+
+
+def experts_online_block(online: Mapping[str, int], experts: str) -> int | None:
+    """The online Hadamard block of the routed experts module `experts` (`online_hadamard_blocks`: one entry per
+    expert's down_proj, `<experts>.<e>.down_proj`, all one block), None when they have none; CheckpointError when
+    its experts' blocks differ (one fused module, one transform)."""
+    blocks = {b for m, b in online.items() if (match := EXPERT_MATRIX.match(m)) and match["experts"] == experts}
+    if len(blocks) > 1:
+        raise CheckpointError(f"rotation.online_hadamard gives {experts}'s experts different blocks {sorted(blocks)}")
+    return blocks.pop() if blocks else None
 
 
 def module_scheme(qc: dict, module: str) -> tuple[Scheme, str]:

@@ -26,6 +26,7 @@ from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.schemes import (
     Scheme,
     checkpoint_suffixes,
+    experts_online_block,
     get_scheme,
     module_scheme,
     online_hadamard_blocks,
@@ -82,7 +83,9 @@ class FakeQuantExperts(torch.nn.Module):
     Expert e: y = down_e(fq2(act(gate_e(fq1(x))) * up_e(fq1(x)))), float32, times its routing weight, summed
     over the token's k experts. fq1 / fq2: the scheme's activation quantize-dequantize (per token, or static
     with `input_global_scale[e, 0]` (gate_proj's, equal to up_proj's: one input, one scale) / `[e, 1]`
-    (down_proj's)); identity where that expert matrix is not quantized (`quantized[e, 0 or 1]` False).
+    (down_proj's)); identity where that expert matrix is not quantized (`quantized[e, 0 or 1]` False). A rotated
+    checkpoint's online Hadamard block (`online_hadamard`) transforms act(gate) * up first (`block_hadamard`,
+    float32), as on a dense down_proj.
     """
 
     # buffers (register_buffer)
@@ -100,21 +103,29 @@ class FakeQuantExperts(torch.nn.Module):
         quantized: torch.Tensor,
         input_global_scale: torch.Tensor | None,
         quantize_activations: bool = True,
+        online_hadamard: int | None = None,
     ) -> None:
         super().__init__()
         self.scheme, self.act_fn, self.quantize_activations = scheme, act_fn, quantize_activations
+        self.online_hadamard = online_hadamard  # formats.experts.ONLINE_HADAMARD: routed_expert_passes reads it too
         self.register_buffer("gate_up_proj", gate_up.float(), persistent=False)  # (E, 2I, H)
         self.register_buffer("down_proj", down.float(), persistent=False)  # (E, H, I)
         self.register_buffer("quantized", quantized, persistent=False)  # (E, 2) bool: gate/up, down
         self.register_buffer("input_global_scale", input_global_scale, persistent=False)  # (E, 2) float32 or None
 
     def fake_quant_input(self, x: torch.Tensor, e: int, which: int) -> torch.Tensor:
-        """Expert e's input `which` (0: gate/up, 1: down_proj) as its matmul reads it: quantized-dequantized,
-        float32."""
+        """Expert e's input `which` (0: gate/up, 1: down_proj) as its matmul reads it: quantized-dequantized
+        (down_proj's online-transformed first in a rotated checkpoint, `quantizer_input`), float32."""
+        x = self.quantizer_input(x, which)
         if not (self.quantize_activations and self.quantized[e, which]):
             return x.float()
         scale = None if self.input_global_scale is None else self.input_global_scale[e, which]
         return self.scheme.fake_quant_activation(x, scale)
+
+    def quantizer_input(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        """Input `which` as its quantizer reads it: down_proj's (1) x (I (x) H_b) in float32 where the checkpoint's
+        rotation puts an online Hadamard of block b on these experts, else x itself."""
+        return block_hadamard(x, self.online_hadamard) if which == 1 and self.online_hadamard is not None else x
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -340,6 +351,7 @@ def _load_experts(
                 f"{model_dir}: {full}.{e}: gate_proj and up_proj must be quantized together (one fused GEMM)"
             )
     quant = torch.tensor([[flags[f"{full}.{e}.gate_proj"], flags[f"{full}.{e}.down_proj"]] for e in range(num_experts)])
+    online = experts_online_block(online_hadamard_blocks(qc), full)
     static = None
     if any(v is not None for v in scales.values()):
         static = torch.tensor(
@@ -350,7 +362,7 @@ def _load_experts(
         model.get_submodule(parent),
         child,
         FakeQuantExperts(
-            scheme, gate_up, down, cast(torch.nn.Module, module.act_fn), quant, static, quantize_activations
+            scheme, gate_up, down, cast(torch.nn.Module, module.act_fn), quant, static, quantize_activations, online
         ),
     )
 

@@ -1,5 +1,5 @@
 """Rotation (QuaRot, Ashkboos et al. 2024): remove activation outliers by rotating the residual stream, folded
-offline into the weights, plus an online block Hadamard at each dense down_proj's input.
+offline into the weights, plus an online block Hadamard at each down-projection's input (dense and routed experts).
 
 An RMSNorm without mean subtraction commutes with an orthogonal Q once its weight is moved out:
 RMSNorm(x Q) = RMSNorm(x) Q. So, on the float32 model, in place:
@@ -10,7 +10,10 @@ RMSNorm(x Q) = RMSNorm(x) Q. So, on the float32 model, in place:
    its bias b <- Q^T b; the embedding E <- E Q. Tied embeddings are untied (lm_head = E diag(w) Q differs from E Q);
 3. each dense down_proj (`mlp.down_proj`, a shared expert's) has W <- W (I (x) H_b) and a forward pre-hook
    x <- x (I (x) H_b) (`quantkit.formats.hadamard.block_hadamard`), the transform the checkpoint records under
-   `online_hadamard` and the fake-quant reference and vLLM method apply before quantizing that input.
+   `online_hadamard` and the fake-quant reference and vLLM method apply before quantizing that input. Fused routed
+   experts likewise: every expert's down_proj (E, H, I) <- down_proj (I (x) H_b), recorded per expert matrix
+   (`<experts>.<e>.down_proj`), and the module computes act(gate) * up transformed before down_proj
+   (`online_experts_forward`; its `online_hadamard` attribute tells `routed_expert_passes` the same).
 Q is `residual_rotation(hidden, seed)`, float64; each weight is rotated in float64 and rounded once to float32.
 The logits of a few windows before and after must agree within `TOLERANCE` of the logit scale, or
 FunctionPreservationError (the caller discards the model).
@@ -23,6 +26,7 @@ residual stream do not (PreAffine's pre_scale, GatedNorm's gate, DyT): refused b
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -35,10 +39,11 @@ from quantkit.calibrate.layers import decoder_stack
 from quantkit.calibrate.mappings import ARCHITECTURES, OFFSET_NORMS, LayerPart, input_weight
 from quantkit.calibrate.smoothquant import FunctionPreservationError
 from quantkit.errors import QuantkitError
-from quantkit.formats.experts import is_fused_experts
+from quantkit.formats.experts import ONLINE_HADAMARD, fused_experts_modules, is_fused_experts
 from quantkit.formats.hadamard import block_hadamard, online_block, residual_rotation
 from quantkit.models.modeling import QuantkitNorm
 from quantkit.models.modeling_hybrid import QuantkitHybridNorm
+from quantkit.quantize.fake_quant import Segments, routed_experts_forward
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -115,6 +120,14 @@ def plan_rotation(model: PreTrainedModel, online: bool, block: int | None = None
                         f"rotation: online_block {b} does not divide {prefix + path}'s {down.in_features} inputs"
                     )
                 online_blocks[prefix + path] = b
+        for name, experts in fused_experts_modules(layer).items() if online else ():
+            num_experts, _, intermediate = cast(torch.Tensor, experts.down_proj).shape  # (E, H, I)
+            b = online_block(intermediate) if block is None else block
+            if intermediate % b:
+                raise RotationError(
+                    f"rotation: online_block {b} does not divide {prefix + name}'s {intermediate} down_proj inputs"
+                )
+            online_blocks.update({f"{prefix}{name}.{e}.down_proj": b for e in range(num_experts)})
     return RotationPlan(stack_name, layers, family.slots, embed, head, final_norm, online_blocks)
 
 
@@ -135,7 +148,8 @@ def rotate_outside(model: PreTrainedModel, plan: RotationPlan, q: torch.Tensor) 
 def rotate_layer(plan: RotationPlan, i: int, q: torch.Tensor) -> None:
     """Rotate decoder layer i in place (float32 weights loaded): its norms folded into their readers, readers
     W <- W Q, writers W <- Q^T W, and each dense down_proj of `plan.online_hadamard` W <- W (I (x) H_b) with the
-    forward pre-hook that transforms its input."""
+    forward pre-hook that transforms its input; each fused experts module's down_proj likewise, with
+    `online_experts_forward` as its forward."""
     layer, prefix = plan.layers[i], f"{plan.stack_name}.{i}."
     for part in _parts(layer, plan.slots):
         readers = [m for m in (_find(layer, p) for p in part.norm.consumers) if m is not None]
@@ -151,6 +165,12 @@ def rotate_layer(plan: RotationPlan, i: int, q: torch.Tensor) -> None:
             down = cast(nn.Linear, layer.get_submodule(path))
             down.weight.copy_(block_hadamard(down.weight, b))
             down.register_forward_pre_hook(_online_hook(b))
+    for name, experts in fused_experts_modules(layer).items():
+        if (b := plan.online_hadamard.get(f"{prefix}{name}.0.down_proj")) is not None:
+            down_proj = cast(torch.Tensor, experts.down_proj)
+            down_proj.copy_(block_hadamard(down_proj, b))
+            setattr(experts, ONLINE_HADAMARD, b)
+            experts.forward = functools.partial(online_experts_forward, experts)  # type: ignore[method-assign]
 
 
 @torch.no_grad()
@@ -269,6 +289,29 @@ def _rotate_out(writer: nn.Module, q: torch.Tensor) -> None:
         down.copy_((q.T @ down.double()).to(down.dtype))
     else:
         raise RotationError(f"rotation: {type(writer).__name__} writes the residual stream; no rotation known for it")
+
+
+def online_experts_forward(
+    experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """A rotated fused experts module's forward (transformers' signature, (T, H) -> (T, H) in the input's dtype):
+    each expert's act(gate) * up transformed by `block_hadamard` of the module's `online_hadamard` block before its
+    (folded) down_proj; `routed_experts_forward`, the reference's and vLLM emulation's own loop."""
+    block = cast(int, getattr(experts, ONLINE_HADAMARD))
+
+    def transform(rows: torch.Tensor, _segments: Segments, which: int) -> torch.Tensor:
+        return block_hadamard(rows, block).to(rows.dtype) if which == 1 else rows
+
+    out = routed_experts_forward(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        cast(torch.Tensor, experts.gate_up_proj),
+        cast(torch.Tensor, experts.down_proj),
+        cast(Callable[[torch.Tensor], torch.Tensor], experts.act_fn),
+        transform,
+    )
+    return out.to(hidden_states.dtype)
 
 
 def _online_hook(block: int):

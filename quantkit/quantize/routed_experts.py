@@ -9,6 +9,8 @@ routed to it, as the module does:
     [g, u] = x_e [gate_e; up_e]^T,  h_e = act(g) * u          input of down_proj                (n_e, I)
     y_e = h_e down_e^T                                        expert output, before the routing weight
 
+(a rotated module, `quantkit.quantize.rotation`: h_e = (act(g) * u) (I (x) H_b), its `ONLINE_HADAMARD` block.)
+
 Used by `quantkit quality` (per-expert SNR) and `quantkit diagnose` (per-expert load, input maxima and SNR; it
 sits above quantize in the import order of docs/architecture.md, so the shared code lives here).
 Expert matrices are named as checkpoints name them, `<experts>.<e>.<proj>`; `summarize_expert_snr` condenses
@@ -25,7 +27,8 @@ from typing import cast
 import torch
 from torch import nn
 
-from quantkit.formats.experts import EXPERT_MATRIX, EXPERT_PROJECTIONS
+from quantkit.formats.experts import EXPERT_MATRIX, EXPERT_PROJECTIONS, ONLINE_HADAMARD
+from quantkit.formats.hadamard import block_hadamard
 
 EXPERTS_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")  # transformers' fused experts' forward
 
@@ -46,7 +49,7 @@ class ExpertPass:
     slot: torch.Tensor  # (n,) which of the token's k choices it was
     x: torch.Tensor  # (n, H) input of gate_proj and up_proj
     gate_up: torch.Tensor  # (n, 2I) outputs of gate_proj (columns [0, I)) and up_proj ([I, 2I))
-    h: torch.Tensor  # (n, I) act(gate) * up, input of down_proj
+    h: torch.Tensor  # (n, I) act(gate) * up (a rotated module: online-transformed), input of down_proj
     y: torch.Tensor  # (n, H) output of down_proj (before the routing weight)
 
 
@@ -55,6 +58,7 @@ def routed_expert_passes(
 ) -> Iterator[ExpertPass]:
     """Each expert with at least one routed token, in expert order (`module`: a fused experts module)."""
     x_all = hidden_states.detach().reshape(-1, hidden_states.shape[-1])
+    block = getattr(module, ONLINE_HADAMARD, None)
     index = top_k_index.reshape(x_all.shape[0], -1)
     for e in range(cast(torch.Tensor, module.gate_up_proj).shape[0]):
         token_idx, slot = torch.where(index == e)
@@ -64,6 +68,8 @@ def routed_expert_passes(
         gate_up = nn.functional.linear(x, cast(torch.Tensor, module.gate_up_proj)[e].detach())
         gate, up = gate_up.chunk(2, dim=-1)
         h = cast(Callable[[torch.Tensor], torch.Tensor], module.act_fn)(gate) * up
+        if block is not None:
+            h = block_hadamard(h, block).to(h.dtype)
         y = nn.functional.linear(h, cast(torch.Tensor, module.down_proj)[e].detach())
         yield ExpertPass(e, token_idx, slot, x, gate_up, h, y)
 

@@ -25,8 +25,12 @@ Kernel (logged at load like the Linear method's, QUANTKIT_KERNEL):
   accumulation; it equals the emulation within float32 rounding (tests/test_quant_method_kernels.py, through the
   Triton interpreter; untested on a GPU so far). The FP8 weight_scale (E, N, ceil(K/128)) rows and NVFP4
   weight_global_scale (E, N) rows are the grouped GEMMs' per-row layouts as stored.
-Under tensor parallelism the down input is a slice of I: its per-token amax is all-reduced (max) over the TP group on
-both kernels, so the scales equal the unsharded model's. Parity capture (QUANTKIT_CAPTURE_DIR) is torch-emulation only.
+A rotated checkpoint (`quantization_config.rotation.online_hadamard` names every expert's down_proj, one block b):
+act(gate) * up is transformed by `quantkit.formats.hadamard.block_hadamard` before it is quantized for w2, on both
+kernels (the torch butterfly; the reference does the same). Under tensor parallelism the down input is a slice of I
+(b must divide I_p: each rank transforms its own slice): its per-token amax is all-reduced (max) over the TP group
+on both kernels, so the scales equal the unsharded model's. Parity capture (QUANTKIT_CAPTURE_DIR) is torch-emulation
+only.
 The shared expert is an ordinary MLP of Linear layers (served by `QuantkitLinearMethod`); vLLM runs it before the
 routed experts.
 """
@@ -48,7 +52,8 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
 from quantkit.formats.constants import ActivationScale
-from quantkit.formats.schemes import LayerTensor
+from quantkit.formats.hadamard import block_hadamard
+from quantkit.formats.schemes import LayerTensor, experts_online_block
 from quantkit.kernels.expert_sort import ExpertSort, combine_expert_rows, sort_by_expert
 from quantkit.quantize.fake_quant import Segments, routed_experts_forward
 from quantkit.serve.method_parts import CAPTURE_ENV, Kernel, copy_checkpoint_part, emulated_activation, select_kernel
@@ -78,6 +83,7 @@ class QuantkitExperts:
     def __init__(self, config, prefix: str, tp_rank: int = 0, tp_size: int = 1) -> None:
         self.scheme, self.activation_scale = config.experts_scheme(prefix)  # mixed precision: this layer's
         self.prefix, self.tp_rank, self.tp_size = prefix, tp_rank, tp_size
+        self.online_hadamard = experts_online_block(config.online_hadamard, prefix)  # rotated: down input's block
         self.kernel: Kernel | None = None  # chosen after loading (select_kernel)
         self.capture_dir = os.environ.get(CAPTURE_ENV)
         self.calls = 0
@@ -97,6 +103,11 @@ class QuantkitExperts:
             raise ValueError(
                 f"{self.prefix}: {self.scheme.name} under tensor parallelism needs moe_intermediate_size/tp "
                 f"({intermediate_size}) to be a multiple of {self.scheme.k_multiple}"
+            )
+        if self.online_hadamard is not None and intermediate_size % self.online_hadamard:
+            raise ValueError(
+                f"{self.prefix}: the online Hadamard block {self.online_hadamard} must divide this rank's "
+                f"moe_intermediate_size/tp ({intermediate_size}); quantize with a smaller rotation.online_block"
             )
         # (the ignores: nn.Module.__setattr__ takes any value; torch's stub admits only tensors and modules)
         layer.quantkit_layout = {  # type: ignore[assignment]
@@ -199,7 +210,7 @@ class QuantkitExperts:
             return out.to(x.dtype)
         sort = sort_by_expert(topk_ids, _num_experts(layer))
         gate, up = self.triton_gate_up(layer, x, sort).chunk(2, dim=-1)
-        y = self._grouped(layer, "w2", act(gate) * up, sort.expert_offsets, 1)
+        y = self._grouped(layer, "w2", self._down_input(act(gate) * up), sort.expert_offsets, 1)
         return combine_expert_rows(y, sort, topk_weights).to(x.dtype)
 
     def triton_gate_up(self, layer: torch.nn.Module, x: torch.Tensor, sort: ExpertSort) -> torch.Tensor:
@@ -234,6 +245,10 @@ class QuantkitExperts:
             out_dtype=torch.float32,
         )
 
+    def _down_input(self, rows: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up as w2's quantizer reads it: transformed by the online Hadamard in a rotated checkpoint."""
+        return rows if self.online_hadamard is None else block_hadamard(rows, self.online_hadamard)
+
     def _row_amax(self, rows: torch.Tensor) -> torch.Tensor | None:
         """Per-token max |x| (rows, 1) of the down input over the whole intermediate under tensor parallelism (this
         rank holds a slice of I; all-reduced, max, over the TP group), None without it (the rows are whole)."""
@@ -246,7 +261,10 @@ class QuantkitExperts:
     def _fake_quant(self, rows: torch.Tensor, segments: Segments, which: int) -> torch.Tensor:
         """The scheme's activation quantize-dequantize of input `which` (0: gate/up, 1: down) of the rows of each
         expert segment (`quantkit.quantize.fake_quant.RowsQuantizer`): per token, one call for all rows (the
-        quantization is row by row); static, one call per expert with its scale."""
+        quantization is row by row); static, one call per expert with its scale. The down input is transformed first
+        in a rotated checkpoint (`_down_input`)."""
+        if which == 1:
+            rows = self._down_input(rows)
         if self.input_scales is None:
             row_amax = self._row_amax(rows) if which == 1 else None
             xq = emulated_activation(self.scheme, rows, None, row_amax)
