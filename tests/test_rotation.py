@@ -209,6 +209,10 @@ def test_what_rotation_cannot_do_is_refused_by_name(tmp_path):
             parse_recipe({"name": "x", "scheme": "nvfp4", "rotation": bad})
     with pytest.raises(ValueError, match="rotation applies to quantkit's own quantized schemes only"):
         parse_recipe({"name": "x", "scheme": "bf16", "rotation": {}})
+    up_down = {"name": "x", "scheme": "nvfp4", "smoothquant": {"include_up_down": True}}
+    with pytest.raises(ValueError, match="include_up_down does not compose with rotation.online"):
+        parse_recipe({**up_down, "rotation": {"online": True}})
+    assert parse_recipe({**up_down, "rotation": {"online": False}}).rotation is not None  # no transform between them
 
 
 def test_quality_reads_a_rotated_tied_checkpoint_as_the_whole_models_do(tmp_path):

@@ -294,6 +294,11 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         raise ValueError(
             f"{source}: smoothquant.search_alpha measures unrotated products; it does not compose with rotation"
         )
+    if rotation is not None and rotation.online and smoothquant is not None and smoothquant.include_up_down:
+        raise ValueError(
+            f"{source}: smoothquant.include_up_down does not compose with rotation.online (the online Hadamard sits "
+            "between up_proj and down_proj: a per-channel scale does not fold through it)"
+        )
     weight_scales = data.get("weight_scales", WeightScales.MINMAX)
     if weight_scales not in list(WeightScales):
         raise ValueError(f"{source}: weight_scales {weight_scales!r} is not one of {[str(w) for w in WeightScales]}")
