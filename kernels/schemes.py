@@ -99,6 +99,7 @@ def grouped_quantized_linear(
     token_index: torch.Tensor | None = None,
     input_global_scale: torch.Tensor | None = None,
     row_amax: torch.Tensor | None = None,
+    hadamard: int = 0,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """One projection of a MoE layer's routed experts, y (S, N) in sorted-row order (`out_dtype`, default x's):
@@ -116,9 +117,15 @@ def grouped_quantized_linear(
     fused quantizer kernels: per token (input_global_scale None), each row of x once, the GEMM gathering the
     sorted rows; NVFP4 static (input_global_scale (E,) float32, each expert's decode scale): the sorted rows
     x_s, each with its expert's scale. row_amax (rows of x, 1): each row's whole max |x| when x holds a
-    tensor-parallel slice of K (per token only): the reference quantizer (pure torch) then quantizes."""
+    tensor-parallel slice of K (per token only): the reference quantizer (pure torch) then quantizes.
+    hadamard > 0: a rotated down projection's online block Hadamard, applied to each row inside the fused quantizer
+    (as `quantized_linear`'s; the weights are stored transformed); not with row_amax (the caller transforms a TP
+    slice itself)."""
     kernels = KERNELS[scheme.name]
     num_experts = weights[0].shape[0]
+    if hadamard and row_amax is not None:
+        raise ValueError("grouped_quantized_linear: transform a tensor-parallel slice before quantizing it (row_amax)")
+    row_index = token_index  # the GEMM gathers x's rows; None once the sorted rows are quantized themselves
     if input_global_scale is not None:
         if ActivationScale.STATIC not in scheme.activation_scales:
             raise ValueError(f"grouped_quantized_linear: scheme {scheme.name} has no static activation scale")
@@ -132,11 +139,12 @@ def grouped_quantized_linear(
         expert = torch.searchsorted(expert_offsets[1:].to(torch.int64), sorted_row, right=True).clamp(
             max=num_experts - 1
         )
-        activation = kernels.quantize(rows, input_global_scale.float()[expert])
+        activation = kernels.quantize(rows, input_global_scale.float()[expert], hadamard=hadamard)
         row_index = None
+    elif row_amax is None:
+        activation = kernels.quantize(x, None, hadamard=hadamard)
     else:
-        activation = kernels.quantize(x, None) if row_amax is None else scheme.quantize_activation(x, row_amax=row_amax)
-        row_index = token_index
+        activation = scheme.quantize_activation(x, row_amax=row_amax)
     return kernels.grouped_gemm(
         *activation, *weights, expert_offsets, row_index=row_index, out_dtype=out_dtype or x.dtype
     )

@@ -33,6 +33,7 @@ from test_kernels_gemm import assert_gemm_close
 from quantkit.formats import (dequantize_fp8_block, dequantize_fp8_per_token, dequantize_nvfp4, quantize_fp8_block,
                               quantize_fp8_per_token, quantize_nvfp4_activation, quantize_nvfp4_weight)
 from quantkit.formats.constants import FP8_WEIGHT_BLOCK
+from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.fp8 import expand_block_scales
 from quantkit.formats.schemes import FP8_BLOCK, NVFP4
 from quantkit.kernels.expert_sort import combine_expert_rows, sort_by_expert
@@ -277,6 +278,29 @@ def test_grouped_quantized_linear_fused_gate_up_and_tp_slice(scheme):
     for i, lo, hi in _segments(sort.expert_offsets):
         assert_gemm_close(y[lo:hi], scheme.fake_quant_activation(rows[lo:hi], row_amax=amax[lo:hi]), w_deq[i],
                           fp8_mma=scheme is FP8_BLOCK)
+
+
+@pytest.mark.parametrize("scheme,static", [(FP8_BLOCK, False), (NVFP4, False), (NVFP4, True)])
+def test_grouped_quantized_linear_online_hadamard_is_the_transformed_input(scheme, static):
+    """A rotated down projection (hadamard = 8, dividing K = 200): the fused quantizer transforms each sorted row
+    as it loads it, so the output equals, bit for bit, the same call on `block_hadamard(x, 8)` without the option
+    (identical operands, identical GEMM). A TP slice (row_amax) is refused: its caller transforms it first."""
+    e = len(COUNTS)
+    offsets = _offsets(COUNTS)
+    weights, _ = _stack(scheme, _weights(e, N, K, seed=25))
+    scales = torch.logspace(-3, -1, e) if static else None
+    x = _rows(sum(COUNTS), K, seed=26).to(torch.bfloat16)
+    fused = grouped_quantized_linear(scheme, x, offsets, weights, input_global_scale=scales, hadamard=8,
+                                     out_dtype=torch.float32)
+    transformed = grouped_quantized_linear(scheme, block_hadamard(x, 8), offsets, weights, input_global_scale=scales,
+                                           out_dtype=torch.float32)
+    assert torch.equal(fused, transformed)
+    plain = grouped_quantized_linear(scheme, x, offsets, weights, input_global_scale=scales, out_dtype=torch.float32)
+    assert not torch.equal(fused, plain)  # the option is not ignored
+    if not static:
+        with pytest.raises(ValueError, match="transform a tensor-parallel slice"):
+            grouped_quantized_linear(scheme, x, offsets, weights, row_amax=x.float().abs().amax(1, keepdim=True),
+                                     hadamard=8)
 
 
 def test_nvfp4_quantizer_per_row_static_scales_bit_exact():

@@ -153,7 +153,8 @@ def test_experts_triton_path_equals_torch_emulation(scheme, activation_scale, gl
 
     Routing: an expert with no token, one with one token, uneven counts, pairs of another rank's expert (-1).
     glu: the same code through `QuantkitGLUExpertsMethod` (act = sigmoid). hadamard: both paths transform the down
-    input by the same torch butterfly before quantizing it (captured transformed), so the argument is unchanged.
+    input before quantizing it (the emulation by the torch butterfly, captured transformed; the triton path inside
+    its fused quantizer, bit-exact with the butterfly), so the argument is unchanged.
     2-3 s a case on 2 shared cores.
     """
     g = torch.Generator().manual_seed(1)
@@ -220,6 +221,36 @@ def test_experts_triton_path_equals_torch_emulation(scheme, activation_scale, gl
     assert compared.sum() >= len(ROUTING) - 2, f"{int(flipped.sum())} of {len(ROUTING)} tokens with a code flip"
     err = (got - want).double().abs()[compared]
     assert bool((err <= tol[compared]).all()), f"max err/tol {(err / tol[compared]).max():.3g}"
+
+
+@pytest.mark.parametrize("scheme", ["fp8_block", "nvfp4"])
+def test_experts_triton_tp_slice_transforms_before_the_reference_quantizer(scheme, monkeypatch):
+    """Under tensor parallelism the "triton" path cannot fuse a rotated down input's Hadamard (the per-token scale
+    needs the whole row's amax, all-reduced over the ranks): it transforms the slice with the torch butterfly, then
+    the reference quantizer takes the all-reduced amax. Run as one rank whose slice is the whole row (the all-reduce
+    an identity), that path must equal the fused one bit for bit: the same transform (the fused quantizer is
+    bit-exact with the butterfly), the same codes (the fused quantizer is bit-exact with the reference), the same
+    GEMM."""
+    import types
+
+    import quantkit.serve.moe_method as moe_method
+
+    g = torch.Generator().manual_seed(3)
+    weights = {(e, proj, shard): (torch.randn(shape, generator=g) * 0.05, 1.0)
+               for e in range(E)
+               for proj, shard, shape in (("gate_proj", "w1", (I, H)), ("up_proj", "w3", (I, H)),
+                                          ("down_proj", "w2", (H, I)))}
+    experts, _, run = _experts(scheme, "per_token", "triton", weights, False, monkeypatch, hadamard=8)
+    x = torch.randn(len(ROUTING), H, generator=g)
+    topk_weights = torch.rand(ROUTING.shape, generator=g) + 0.1
+    fused = run(x, ROUTING, topk_weights)
+    reduced = []
+    monkeypatch.setattr(moe_method, "get_tp_group", lambda: types.SimpleNamespace(device_group=None))
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op, group: reduced.append(t.shape))
+    experts.tp_size = 2
+    sliced = run(x, ROUTING, topk_weights)
+    assert reduced == [(ROUTING.numel(), 1)]  # the down input's per-token amax (every sorted pair), once
+    assert torch.equal(sliced, fused)
 
 
 @pytest.mark.parametrize("scheme, activation_scale, glu, hadamard", EXPERTS_CASES)

@@ -26,11 +26,12 @@ Kernel (logged at load like the Linear method's, QUANTKIT_KERNEL):
   Triton interpreter; untested on a GPU so far). The FP8 weight_scale (E, N, ceil(K/128)) rows and NVFP4
   weight_global_scale (E, N) rows are the grouped GEMMs' per-row layouts as stored.
 A rotated checkpoint (`quantization_config.rotation.online_hadamard` names every expert's down_proj, one block b):
-act(gate) * up is transformed by `quantkit.formats.hadamard.block_hadamard` before it is quantized for w2, on both
-kernels (the torch butterfly; the reference does the same). Under tensor parallelism the down input is a slice of I
-(b must divide I_p: each rank transforms its own slice): its per-token amax is all-reduced (max) over the TP group
-on both kernels, so the scales equal the unsharded model's. Parity capture (QUANTKIT_CAPTURE_DIR) is torch-emulation
-only.
+act(gate) * up is transformed before it is quantized for w2, as the reference does: by the torch butterfly
+(`quantkit.formats.hadamard.block_hadamard`) in the emulation and when the reference quantizes a TP slice, inside the
+fused quantizer kernel on the "triton" path (bit-exact with the butterfly). Under tensor parallelism the down
+input is a slice of I (b must divide I_p: each rank transforms its own slice): its per-token amax is all-reduced
+(max) over the TP group on both kernels, so the scales equal the unsharded model's. Parity capture
+(QUANTKIT_CAPTURE_DIR) is torch-emulation only.
 The shared expert is an ordinary MLP of Linear layers (served by `QuantkitLinearMethod`); vLLM runs it before the
 routed experts.
 """
@@ -210,7 +211,7 @@ class QuantkitExperts:
             return out.to(x.dtype)
         sort = sort_by_expert(topk_ids, _num_experts(layer))
         gate, up = self.triton_gate_up(layer, x, sort).chunk(2, dim=-1)
-        y = self._grouped(layer, "w2", self._down_input(act(gate) * up), sort.expert_offsets, 1)
+        y = self._grouped(layer, "w2", act(gate) * up, sort.expert_offsets, 1)
         return combine_expert_rows(y, sort, topk_weights).to(x.dtype)
 
     def triton_gate_up(self, layer: torch.nn.Module, x: torch.Tensor, sort: ExpertSort) -> torch.Tensor:
@@ -228,10 +229,15 @@ class QuantkitExperts:
         which: int,
         token_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Grouped GEMM of `<stem>_<suffix>` over sorted rows, float32 (S, N); `which` as in `_fake_quant`."""
+        """Grouped GEMM of `<stem>_<suffix>` over sorted rows, float32 (S, N); `which` as in `_fake_quant`. A rotated
+        checkpoint's down input is transformed inside the fused quantizer, or first by `_down_input` when the
+        reference quantizes a tensor-parallel slice (row_amax)."""
         from quantkit.kernels.schemes import grouped_quantized_linear  # Triton: imported where used
 
         scale = None if self.input_scales is None else self.input_scales[:, which]
+        hadamard = (self.online_hadamard or 0) if which == 1 else 0
+        if hadamard and scale is None and self.tp_size > 1:
+            x, hadamard = self._down_input(x), 0
         row_amax = self._row_amax(x) if which == 1 and scale is None else None
         weights = [getattr(layer, f"{stem}_{s}") for s in self.scheme.tensors]
         return grouped_quantized_linear(
@@ -242,6 +248,7 @@ class QuantkitExperts:
             token_index=token_index,
             input_global_scale=scale,
             row_amax=row_amax,
+            hadamard=hadamard,
             out_dtype=torch.float32,
         )
 
