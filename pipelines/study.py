@@ -356,12 +356,13 @@ class Study:
         from quantkit.diagnose.run import diagnose, write_diagnostics
         from quantkit.quantize.recipe import load_recipe
 
-        def diagnosed(rec: Recipe) -> bool:  # quantkit's own quantized schemes, without SmoothQuant or rotation
+        def diagnosed(rec: Recipe) -> bool:  # quantkit's own schemes rounded to nearest (no SQ, rotation, GPTQ)
             return (
                 rec.backend == Backend.QUANTKIT
                 and rec.scheme != UNQUANTIZED
                 and rec.smoothquant is None
                 and rec.rotation is None
+                and rec.gptq is None
             )
 
         recipes = [r for r in self.spec.recipes if diagnosed(load_recipe(r))]
@@ -621,7 +622,7 @@ def study_results(study: Study) -> dict[str, Any]:
         suite_version="+".join(suites.values()),
         created=_now(),
         rows=rows,
-        meta=dict(timings=timing_summary(study.timings), pending=pending),
+        meta=dict(timings=timing_summary(study.timings), pending=pending, sensitivity=_sensitivity(study)),
     )
 
 
@@ -675,6 +676,21 @@ def _outliers(study: Study, label: str) -> dict[str, float] | None:
     return {
         k: summary[k] for k in OUTLIER_FIGURES if isinstance(summary.get(k), (int, float)) and math.isfinite(summary[k])
     }
+
+
+def _sensitivity(study: Study) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+    """{model label: its source's per-projection-kind SNR tables} (`quantkit diagnose`'s `sensitivity`, recipe ->
+    kind -> {mean_db, min_db, worst_layer}; the per-layer values left out) for the models diagnosed so far."""
+    out = {}
+    for label in study.spec.models:
+        path = study._artifact_file("diagnose", label)
+        if path.exists():
+            tables = json.loads(path.read_text()).get("sensitivity") or {}
+            out[label] = {
+                recipe: {kind: {k: v for k, v in cell.items() if k != "layers"} for kind, cell in table.items()}
+                for recipe, table in tables.items()
+            }
+    return out
 
 
 def _smoothed_inputs(checkpoint_dir: Path) -> dict[str, float]:

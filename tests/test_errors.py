@@ -198,6 +198,8 @@ ROWS = {
                               r"is a quantized checkpoint; diagnose its unquantized source"),
     "diagnose_recipe": Row("diagnose", lambda p, t: ["diagnose", p.tiny, "--recipes", "w4a4_nvfp4_sq", "--out", t / "d"],
                            r"recipe 'w4a4_nvfp4_sq' applies SmoothQuant first"),
+    "diagnose_gptq": Row("diagnose", lambda p, t: ["diagnose", p.tiny, "--recipes", "w4a4_nvfp4_gptq", "--out", t / "d"],
+                         r"recipe 'w4a4_nvfp4_gptq' rounds its weights by GPTQ, which needs calibration"),
     "diagnose_nan": Row("diagnose", lambda p, t: ["diagnose", p.nan_weights, "--num-sequences", "1", "--seq-len", "16", "--recipes",
                                                   "--out", t / "d"], r"non-finite value"),
     "eval_unknown_suite": Row("eval", lambda p, t: ["eval", p.tiny, "--suite", "nope"], r"unknown suite 'nope'; known: "),

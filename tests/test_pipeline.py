@@ -115,6 +115,26 @@ def test_a_partial_run_reports_the_rows_so_far(study, tmp_path):
     assert "Pending: 1 row (tiny w4a4_nvfp4): the study is still running or was stopped." in (copy / "report" / "report.md").read_text()
 
 
+def test_the_report_shows_where_the_quantization_noise_sits(study):
+    """results.json carries each model's per-projection SNR tables from its diagnose stage (meta.sensitivity, the
+    per-layer values left out) and the report renders them: the kinds of the diagnosed W4A4 recipe, lowest mean
+    first, each "mean (min @ layer)" as diagnostics.json has it."""
+    from quantkit.report.render import SENSITIVITY_TITLE
+
+    _, run_dir = study
+    results = json.loads((run_dir / "results.json").read_text())
+    table = results["meta"]["sensitivity"]["tiny"]["w4a4_nvfp4"]
+    source = json.loads((run_dir / "diagnostics" / "tiny" / "diagnostics.json").read_text())["sensitivity"]["w4a4_nvfp4"]
+    assert list(table) == list(source) and table and all("layers" not in cell for cell in table.values())
+    means = [cell["mean_db"] for cell in table.values()]
+    assert means == sorted(means)
+    kind, cell = next(iter(table.items()))
+    for name in ("report.md", "report.html"):
+        text = (run_dir / "report" / name).read_text()
+        assert SENSITIVITY_TITLE in text and f"{cell['mean_db']:.1f} ({cell['min_db']:.1f} @ {cell['worst_layer']})" in text
+        assert kind in text
+
+
 def test_deleted_checkpoints_are_recreated_and_evals_kept(study, tmp_path):
     """A run directory whose checkpoints were deleted (to save disk) while its evals were kept: the re-run reports
     each row only once its checkpoint is back (the report reads sizes and calibration from it), re-creates the

@@ -72,7 +72,8 @@ NORM_PARAMS = {"weight": 1.0, "pre_scale": 1.0, "bias": 0.0, "alpha": None}  # p
 
 
 def resolve_recipes(names: Sequence[str]) -> list[Recipe]:
-    """Recipes whose quantization error diagnose can emulate: backend quantkit, fp8_block or nvfp4, no SmoothQuant."""
+    """Recipes whose quantization error diagnose can emulate: backend quantkit, fp8_block or nvfp4, no SmoothQuant,
+    rotation or GPTQ (round to nearest, the recipe's weight scales and module schemes)."""
     recipes = []
     for name in names:
         recipe = load_recipe(name)  # ValueError for an unknown name
@@ -85,6 +86,11 @@ def resolve_recipes(names: Sequence[str]) -> list[Recipe]:
             raise ValueError(
                 f"recipe {recipe.name!r} applies {'SmoothQuant' if recipe.smoothquant else 'rotation'} first; "
                 "diagnose measures the checkpoint as it is: use the recipe without it (e.g. w4a4_nvfp4)"
+            )
+        if recipe.gptq is not None:
+            raise ValueError(
+                f"recipe {recipe.name!r} rounds its weights by GPTQ, which needs calibration; diagnose rounds to "
+                "nearest: use the recipe without it (e.g. w4a4_nvfp4)"
             )
         recipes.append(recipe)
     return recipes
@@ -619,21 +625,11 @@ def sensitivity_by_kind(snr: dict[str, float]) -> dict[str, dict[str, Any]]:
 
 def sensitivity_markdown(result: dict) -> str:
     """The per-projection-kind SNR table of one diagnosed checkpoint: one row per kind (most sensitive first,
-    by the first recipe), per recipe "mean (min @ layer)" in dB."""
-    recipes = [r for r, table in result["sensitivity"].items() if table]
-    if not recipes:
-        return ""
-    kinds = list(result["sensitivity"][recipes[0]])
-    kinds += [k for r in recipes[1:] for k in result["sensitivity"][r] if k not in kinds]
-    head = ["projection (kind)"] + [f"{r}: mean dB (min @ layer)" for r in recipes]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for kind in kinds:
-        row = [kind]
-        for r in recipes:
-            cell = result["sensitivity"][r].get(kind)
-            row.append("-" if cell is None else f"{cell['mean_db']:.1f} ({cell['min_db']:.1f} @ {cell['worst_layer']})")
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    by the first recipe), per recipe "mean (min @ layer)" in dB (`quantkit.report.render.sensitivity_table`, as
+    the study's report shows it)."""
+    from quantkit.report.render import sensitivity_table
+
+    return sensitivity_table(result["sensitivity"])
 
 
 def _clean(x: Any) -> Any:

@@ -248,6 +248,49 @@ def _timings(results: Results | dict | str | Path) -> Any:
     return doc["meta"].get("timings") if isinstance(doc.get("meta"), dict) else None
 
 
+def sensitivity_cells(sensitivity: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of a per-projection-kind SNR table (`quantkit diagnose`'s `sensitivity`: recipe -> kind ->
+    {mean_db, min_db, worst_layer}): one row per kind, most sensitive first by the first recipe with a table, per
+    recipe "mean (min @ layer)" in dB; ([], []) when no recipe has one."""
+    recipes = [r for r, table in sensitivity.items() if table]
+    if not recipes:
+        return [], []
+    kinds = list(sensitivity[recipes[0]])
+    kinds += [k for r in recipes[1:] for k in sensitivity[r] if k not in kinds]
+    head = ["projection (kind)"] + [f"{r}: mean dB (min @ layer)" for r in recipes]
+    return head, [[kind] + [_sensitivity_cell(sensitivity[r].get(kind)) for r in recipes] for kind in kinds]
+
+
+def _sensitivity_cell(cell: dict[str, Any] | None) -> str:
+    return DASH if cell is None else f"{cell['mean_db']:.1f} ({cell['min_db']:.1f} @ {cell['worst_layer']})"
+
+
+def sensitivity_table(sensitivity: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """`sensitivity_cells` as a Markdown table ("" when empty)."""
+    head, rows = sensitivity_cells(sensitivity)
+    if not head:
+        return ""
+    return "\n".join([_md_row(head), _md_row(["---"] + ["---:"] * (len(head) - 1)), *map(_md_row, rows)])
+
+
+def _sensitivities(results: Results | dict | str | Path) -> dict[str, Any]:
+    """`meta.sensitivity` of a results document ({model: the source's per-projection SNR tables}; {} if none)."""
+    if isinstance(results, Results):
+        return {}
+    doc = results if isinstance(results, dict) else json.loads(Path(results).read_text(encoding="utf-8"))
+    found = doc["meta"].get("sensitivity") if isinstance(doc.get("meta"), dict) else None
+    return found if isinstance(found, dict) else {}
+
+
+SENSITIVITY_TITLE = "Quantization noise by projection (source checkpoint, fake-quant output SNR; lowest first)"
+SENSITIVITY_NOTE = (
+    "Where a format's rounding noise sits before any method: each Linear of the source quantized alone on held-out "
+    "text (`quantkit diagnose`), output SNR in dB per projection kind, mean over layers (worst layer). A kind far "
+    "below the others is a candidate for higher precision; when all sit near the format's floor and the outlier "
+    "figures are small, outlier methods (SQ, Rot) have little to remove and only a finer format lowers the loss."
+)
+
+
 def _md_row(cells: list[str]) -> str:
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
@@ -259,9 +302,10 @@ def _degradation_cell(r: TableRow, key: str | None) -> tuple[str, bool | None]:
     return _delta_ns(delta, noise, with_noise=True), significant(delta, noise)
 
 
-def to_markdown(table: Table, time_line: str | None = None) -> str:
+def to_markdown(table: Table, time_line: str | None = None, sensitivity: dict[str, Any] | None = None) -> str:
     """The summary paragraph, Table 2 (scores, Avg, ΔAvg, noise), the diagnostics table, the per-benchmark
-    degradation vs BF16; `time_line` (timing_line) under the notes."""
+    degradation vs BF16; `time_line` (timing_line) under the notes; `sensitivity` ({model: its source's
+    per-projection SNR tables}, `meta.sensitivity`) a section per model at the end."""
     lead, extra, diag = _lead_columns(table), _extra_columns(table), _diagnostic_columns(table)
     groups = [g for g, n in _group_spans(table.columns) for g in [g] + [""] * (n - 1)]
     width = len(lead) + len(table.columns) + len(extra)
@@ -310,6 +354,11 @@ def to_markdown(table: Table, time_line: str | None = None) -> str:
         for r in degraded:
             cells = [_degradation_cell(r, b.key)[0] for b in table.columns] + [_degradation_cell(r, None)[0]]
             lines.append(_md_row([f(r) for _, f in lead] + cells))
+    tables = {model: sensitivity_table(t) for model, t in (sensitivity or {}).items()}
+    if any(tables.values()):
+        lines += ["", f"## {SENSITIVITY_TITLE}", "", SENSITIVITY_NOTE]
+        for model, text in tables.items():
+            lines += ["", f"**{model}**", "", text] if text else []
     return "\n".join(lines) + "\n"
 
 
@@ -458,11 +507,17 @@ def _figure(svg: str, caption: str) -> str:
     return f"<figure>{svg}<figcaption>{html.escape(caption)}</figcaption></figure>"
 
 
-def to_html(table: Table, figures: dict[str, str] | None = None, time_line: str | None = None) -> str:
+def to_html(
+    table: Table,
+    figures: dict[str, str] | None = None,
+    time_line: str | None = None,
+    sensitivity: dict[str, Any] | None = None,
+) -> str:
     """Self-contained page: inline CSS; the summary paragraph; Table 2 with grouped headers; the diagnostics
     table; the degradation table (n.s. cells greyed); inline SVG plots (Delta per benchmark, then Delta Avg
-    and KL per variant side by side); then `figures` ({caption: inline <svg>}, e.g. each checkpoint's outlier
-    diagnostics) when given; `time_line` (timing_line) under the notes."""
+    and KL per variant side by side); the per-projection SNR tables of `sensitivity` (as `to_markdown`); then
+    `figures` ({caption: inline <svg>}, e.g. each checkpoint's outlier diagnostics) when given; `time_line`
+    (timing_line) under the notes."""
     lead, extra, diag = _lead_columns(table), _extra_columns(table), _diagnostic_columns(table)
     width = len(lead) + len(table.columns) + len(extra)
     head1 = [_cell(h, "l", "th", ' rowspan="2"') for h, _ in lead]
@@ -531,6 +586,20 @@ def to_html(table: Table, figures: dict[str, str] | None = None, time_line: str 
             (plot_variant_kl(table), "KL vs BF16 per variant and precision (nats/token, held-out text)"),
         ]
         parts.append('<div class="figs">' + "".join(_figure(svg, c) for svg, c in side if svg) + "</div>")
+    sensitivity_parts = []
+    for model, per_recipe in (sensitivity or {}).items():
+        head, rows = sensitivity_cells(per_recipe)
+        if head:
+            sensitivity_parts += [
+                f"<h3>{html.escape(model)}</h3>",
+                _html_table(
+                    [_cell(head[0], "l", "th")] + [_cell(h, "", "th") for h in head[1:]],
+                    [[_cell(row[0], "l")] + [_cell(c) for c in row[1:]] for row in rows],
+                ),
+            ]
+    if sensitivity_parts:
+        parts += [f"<h2>{html.escape(SENSITIVITY_TITLE)}</h2>", f'<p class="notes">{html.escape(SENSITIVITY_NOTE)}</p>']
+        parts += sensitivity_parts
     if figures:
         parts.append("<h2>Outlier diagnostics</h2>")
         parts += [_figure(svg, caption) for caption, svg in figures.items()]
@@ -546,15 +615,23 @@ def render_report(
 ) -> dict[str, Path]:
     """Validate `results` (a Results, a parsed dict, or a JSON path) and write report.{md,csv,json,html} to out_dir;
     `figures` ({caption: inline <svg>}) are appended to the HTML page; the study's `meta.timings` give a "Time:" line,
-    its `meta.pending` (rows not measured yet) a "Pending:" one."""
+    its `meta.pending` (rows not measured yet) a "Pending:" one, its `meta.sensitivity` the per-projection SNR
+    tables."""
     res = results if isinstance(results, Results) else load_results(results)
     table = build_table(res)
     time_line = " ".join(line for line in (pending_line(results), timing_line(_timings(results))) if line) or None
+    sensitivity = _sensitivities(results)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, render in zip(
-        REPORT_FILES, (lambda t: to_markdown(t, time_line), to_csv, to_json, lambda t: to_html(t, figures, time_line))
+        REPORT_FILES,
+        (
+            lambda t: to_markdown(t, time_line, sensitivity),
+            to_csv,
+            to_json,
+            lambda t: to_html(t, figures, time_line, sensitivity),
+        ),
     ):
         paths[name] = out / name
         write_text_atomic(paths[name], render(table))
