@@ -1,5 +1,5 @@
-"""The online Hadamard's cost on CUDA, for each activation quantizer (fp8_block, nvfp4 per token), triton.testing.do_bench
-medians:
+"""The online Hadamard's cost on CUDA, for each activation quantizer (fp8_block, nvfp4 per token),
+triton.testing.do_bench medians:
 
 - a large dense down_proj (Llama-3-8B: K = 14336, block 2048, N = 4096): the torch transform
   (`quantkit.formats.hadamard.block_hadamard`, float32 out) then our quantizer, against the fused quantizer that
@@ -19,6 +19,7 @@ Exits 1 if any check fails.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 import triton
@@ -34,7 +35,7 @@ from quantkit.kernels.schemes import KERNELS, grouped_quantized_linear  # noqa: 
 EXPERT_TOKENS = (16, 2048, 8192)
 
 
-def _bench(f) -> float:
+def _bench(f: Callable[[], object]) -> float:
     """do_bench's median of f, microseconds."""
     return 1e3 * triton.testing.do_bench(f, return_mode="median")
 
@@ -65,7 +66,7 @@ def dense() -> int:
 
 
 def experts(configs: dict[str, tuple[int, int, int, int]], tokens: tuple[int, ...], device: torch.device,
-            bench=_bench) -> int:
+            bench: Callable[[Callable[[], object]], float] = _bench) -> int:
     """The routed experts' down projection lines (config: experts, top_k, hidden, expert FFN); returns the number of
     failed bit checks."""
     gen = torch.Generator(device).manual_seed(0)
@@ -79,7 +80,8 @@ def experts(configs: dict[str, tuple[int, int, int, int]], tokens: tuple[int, ..
             x, offsets = a["x_sorted"], a["sort"].expert_offsets
             for scheme, ws in weights.items():
                 def call(rows: torch.Tensor, hadamard: int = 0, scheme=scheme, ws=ws) -> torch.Tensor:
-                    return grouped_quantized_linear(scheme, rows, offsets, ws, hadamard=hadamard, out_dtype=torch.bfloat16)
+                    return grouped_quantized_linear(scheme, rows, offsets, ws, hadamard=hadamard,
+                                                    out_dtype=torch.bfloat16)
 
                 ok = torch.equal(call(x, block), call(block_hadamard(x, block)))
                 failed += not ok

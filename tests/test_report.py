@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import html
 import json
 import math
 import re
@@ -124,6 +125,27 @@ def test_render_writes_four_self_contained_files(tmp_path):
     assert '<th colspan="4" style="text-align:center">Multilingual</th>' not in page  # 2 Multilingual columns
     assert '<th colspan="2" style="text-align:center">Multilingual</th>' in page
     assert "my_bench" in page
+
+
+def test_sensitivity_tables_render_and_malformed_ones_are_skipped(tmp_path):
+    """meta.sensitivity (free-form meta, written by a study): each model's table renders in report.md and .html,
+    kinds in the order given, "mean (min @ layer)"; a table with a cell missing a figure is left out, not a
+    traceback; no section at all without a valid table."""
+    from quantkit.report.render import SENSITIVITY_TITLE
+
+    results = mini_results()
+    good = {"self_attn.o_proj": {"mean_db": 17.11, "min_db": 14.67, "worst_layer": 14},
+            "mlp.up_proj": {"mean_db": 18.03, "min_db": 16.93, "worst_layer": 0}}
+    results["meta"] = {"sensitivity": {"ga": {"w4a4_nvfp4": good, "w8a8_fp8_block": {"mlp.up_proj": {"mean_db": 29.0}}}}}
+    paths = render_report(results, tmp_path / "r")
+    md = paths["report.md"].read_text()
+    assert f"## {SENSITIVITY_TITLE}" in md and "| projection (kind) | w4a4_nvfp4: mean dB (min @ layer) |" in md
+    assert md.index("| self_attn.o_proj | 17.1 (14.7 @ 14) |") < md.index("| mlp.up_proj | 18.0 (16.9 @ 0) |")
+    assert "w8a8_fp8_block" not in md  # its cell lacks min_db / worst_layer
+    page = paths["report.html"].read_text()
+    assert html.escape(SENSITIVITY_TITLE) in page and "<td>17.1 (14.7 @ 14)</td>" in page
+    results["meta"] = {"sensitivity": {"ga": {"w4a4_nvfp4": {"x": "not a cell"}}, "gn": "not tables"}}
+    assert SENSITIVITY_TITLE not in render_report(results, tmp_path / "bad")["report.md"].read_text()
 
 
 def test_render_replaces_atomically_and_leaves_no_temp_files(tmp_path):

@@ -226,10 +226,7 @@ def timing_line(timings: Any) -> str | None:
 def pending_line(results: Results | dict | str | Path) -> str | None:
     """ "Pending: 2 rows (ga w4a4_nvfp4, ga w4a4_nvfp4_sq): the study is still running or was stopped" from a
     results file's `meta.pending` (rows not measured yet), or None when every row is in."""
-    if isinstance(results, Results):
-        return None
-    doc = results if isinstance(results, dict) else json.loads(Path(results).read_text(encoding="utf-8"))
-    pending = doc["meta"].get("pending") if isinstance(doc.get("meta"), dict) else None
+    pending = _meta(results).get("pending")
     if not pending:
         return None
     rows = f"{len(pending)} row{'s' if len(pending) > 1 else ''}"
@@ -240,12 +237,12 @@ def _seconds(x: float) -> str:
     return f"{x:.0f} s" if x >= 10 else f"{x:.1f} s"
 
 
-def _timings(results: Results | dict | str | Path) -> Any:
-    """`meta.timings` of a results document (a parsed Results keeps no meta)."""
+def _meta(results: Results | dict | str | Path) -> dict[str, Any]:
+    """`meta` of a results document ({} when absent; a parsed Results keeps no meta)."""
     if isinstance(results, Results):
-        return None
+        return {}
     doc = results if isinstance(results, dict) else json.loads(Path(results).read_text(encoding="utf-8"))
-    return doc["meta"].get("timings") if isinstance(doc.get("meta"), dict) else None
+    return doc["meta"] if isinstance(doc.get("meta"), dict) else {}
 
 
 def sensitivity_cells(sensitivity: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], list[list[str]]]:
@@ -274,12 +271,21 @@ def sensitivity_table(sensitivity: dict[str, dict[str, dict[str, Any]]]) -> str:
 
 
 def _sensitivities(results: Results | dict | str | Path) -> dict[str, Any]:
-    """`meta.sensitivity` of a results document ({model: the source's per-projection SNR tables}; {} if none)."""
-    if isinstance(results, Results):
-        return {}
-    doc = results if isinstance(results, dict) else json.loads(Path(results).read_text(encoding="utf-8"))
-    found = doc["meta"].get("sensitivity") if isinstance(doc.get("meta"), dict) else None
-    return found if isinstance(found, dict) else {}
+    """`meta.sensitivity` of a results document ({model: {recipe: {kind: {mean_db, min_db, worst_layer}}}}, the
+    source's per-projection SNR tables); {} when absent. meta is free-form: tables not of that shape are skipped."""
+
+    def cell_ok(cell: Any) -> bool:
+        return isinstance(cell, dict) and all(isinstance(cell.get(k), (int, float)) for k in SENSITIVITY_KEYS)
+
+    found = _meta(results).get("sensitivity")
+    return {
+        model: {r: t for r, t in tables.items() if isinstance(t, dict) and all(map(cell_ok, t.values()))}
+        for model, tables in (found.items() if isinstance(found, dict) else ())
+        if isinstance(tables, dict)
+    }
+
+
+SENSITIVITY_KEYS = ("mean_db", "min_db", "worst_layer")
 
 
 SENSITIVITY_TITLE = "Quantization noise by projection (source checkpoint, fake-quant output SNR; lowest first)"
@@ -619,7 +625,8 @@ def render_report(
     tables."""
     res = results if isinstance(results, Results) else load_results(results)
     table = build_table(res)
-    time_line = " ".join(line for line in (pending_line(results), timing_line(_timings(results))) if line) or None
+    lines = (pending_line(results), timing_line(_meta(results).get("timings")))
+    time_line = " ".join(line for line in lines if line) or None
     sensitivity = _sensitivities(results)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
