@@ -16,6 +16,8 @@ Asserted and why each cannot fail by chance:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -112,6 +114,53 @@ def test_act_order_equals_the_column_loop_in_diag_order_and_keeps_the_layout(sch
     for suffix, tensor in scales32.items():
         assert torch.equal(tensor.view(torch.uint8), rtn[suffix].view(torch.uint8)), suffix
     assert torch.equal(s.decode(s.encode(q32, "w", scales=scales32), 272), q32)
+
+
+def test_act_order_gptq_is_llmcompressors_gptq_bit_for_bit(tmp_path):
+    """Where the algorithms agree, quantkit's GPTQ is llm-compressor's (0.14.0.1, `quantize_weight`, run in its own
+    venv by tests/llmcompressor_gptq.py) on our grids: act-order GPTQ (scales fixed beforehand from the unmodified
+    weight, columns in descending diag(H) order, each at its original group's scales) equals llm-compressor's with
+    `actorder: weight` and those scales, and with inputs whose diag(H) already descends (order = identity) its
+    left-to-right GPTQ at static scales. FP8 128x128 blocks (K = 272: a short block) and NVFP4 groups of 16.
+    Both run in float64 with the same dampening (1% of mean diag H), Cholesky factor of H^-1 and lazy blocks of
+    128 columns; they differ in float64 summation order (~1e-15 relative), so a code could differ only where a
+    value lies within ~1e-15 of a rounding midpoint: probability ~1e-13 per element, nil over these ~2e5. Equal codes
+    give FP8 values code x the same float32 scale, exact in float64 in both: bit-equal. NVFP4's effective scale is
+    ours s x g (exact in float64), theirs s / (1 / g) (compressed-tensors' global scale encodes: two float64
+    roundings), so values agree within a few float64 ulps (2^-50 relative allowed) where any other code would
+    differ by >= 1/3 relative (E2M1 neighbours 4 and 6; 0 and 0.5 absolute). Not vacuous: the result differs from
+    round to nearest at the same scales. Where they differ (quantkit's default), see docs: left to right, each
+    group's scales from the weights as updated when GPTQ reaches it, which llm-compressor does not offer."""
+    import subprocess
+
+    from quantkit.quantize.llmcompressor_backend import llmcompressor_python
+
+    k, gen = 272, torch.Generator().manual_seed(4)
+    energy = torch.linspace(0.2, 3.0, k, dtype=torch.float64)[torch.randperm(k, generator=gen)]
+    x = correlated_inputs(512, k).double() * energy
+    w = torch.randn(200, k, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 0.02
+    h = 2 * x.T @ x / x.shape[0]
+    descending = torch.argsort(torch.diag(h), descending=True)
+    cases, ours, rtn = [], [], []
+    for actorder, (wc, hc) in (("weight", (w, h)), (None, (w[:, descending], h[descending][:, descending]))):
+        for scheme in ("fp8_block", "nvfp4"):
+            q, scales = gptq_quantize(wc, hc, scheme, act_order=True)
+            cases.append({"scheme": scheme, "actorder": actorder, "w": wc.contiguous(), "h": hc.contiguous(),
+                          **scales})
+            ours.append(q)
+            rtn.append(gptq_quantize(wc, torch.eye(k, dtype=torch.float64), scheme)[0])
+    torch.save(cases, tmp_path / "cases.pt")
+    worker = Path(__file__).with_name("llmcompressor_gptq.py")
+    subprocess.run([str(llmcompressor_python()), str(worker), str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+                   check=True)
+    theirs = torch.load(tmp_path / "out.pt")
+    for case, q, t, r in zip(cases, ours, theirs, rtn, strict=True):
+        label = f"{case['scheme']} actorder={case['actorder']}"
+        assert not torch.equal(q, r), label
+        if case["scheme"] == "fp8_block":
+            assert torch.equal(q, t), label
+        else:
+            assert ((q - t).abs() <= 2**-50 * q.abs()).all(), label
 
 
 def test_act_order_is_a_validated_recipe_key():

