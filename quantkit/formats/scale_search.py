@@ -14,9 +14,11 @@ Candidates (searched in this order; the first of equal errors wins):
   (`nvfp4_block_scales`), then b0 + 1, b0 - 1, ..., b0 - 8 (NVFP4_SCALE_CODE_STEPS), i.e. every representable
   scale from about 1.1x down to about 0.5x the min-max one (E4M3 codes step by 2**-3 relative), clamped to
   the positive finite codes. The second-stage (per-tensor) scale stays amax / 2688.
-The error measure is plain weight MSE, sum over the block of (w - decode(encode(w)))^2 (llm-compressor's MSE
-observer minimises the same); the checkpoint format, decoding and serving do not change: only the stored scales
-differ, so every served path and the fake-quant reference read them as they read min-max ones.
+The error measure is plain weight MSE, sum over the block of (w - decode(encode(w)))^2; the checkpoint format,
+decoding and serving do not change: only the stored scales differ, so every served path and the fake-quant
+reference read them as they read min-max ones. llm-compressor's MSE observer (0.14, defaults) is a different search:
+it minimises sum |w - q|^2.4 over shrink factors 1.00, 0.99, ..., 0.81 of the min-max range, stopping once 5
+factors in a row improve no group, so its scales are not these and are not reused.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ the Cholesky factor's diagonal, is spread over the columns not yet quantized (U 
 blocks of `block_size` columns. Scales (DECODE scales, value = code x scale) are chosen where a scale group
 starts, from the weights as updated so far (min-max of the group, as round to nearest would: GPTQ's
 "static_groups false"; with `search_scales`, the scale of `quantkit.formats.scale_search` that minimises the
-group's squared error, as llm-compressor's GPTQ with an MSE observer): an FP8 128x128 block's scale when its first
-column is reached, over its 128 rows; an NVFP4 group's E4M3 scale per row when the group's first column is
-reached; NVFP4's per-tensor second stage is amax(|W|) / 2688 of the weight before GPTQ, fixed for the whole
+group's squared error, the role llm-compressor's MSE observer plays for its GPTQ): an FP8 128x128 block's scale
+when its first column is reached, over its 128 rows; an NVFP4 group's E4M3 scale per row when the group's first
+column is reached; NVFP4's per-tensor second stage is amax(|W|) / 2688 of the weight before GPTQ, fixed for the whole
 matrix. The result is the dequantized weight (every value code x scale) and those scales, which
 `Scheme.encode(..., scales=...)` writes exactly.
 
