@@ -96,6 +96,10 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
     "llama-nvfp4_rot": ("llama", "w4a4_nvfp4_rot", 1),
     "qwen3-fp8_block_rot-tp2": ("qwen3", "w8a8_fp8_block_rot", 2),
     "qwen3_moe-mixed": ("qwen3_moe", "mixed_fp8_attn_nvfp4", 1),
+    # composed recipes (issue 31 item 4): rotation + GPTQ (GPTQ on the rotated weights, the online Hadamard served);
+    # mixed precision + SmoothQuant + GPTQ + MSE scales on an MoE (GPTQ per routed expert, each module its grid)
+    "llama-nvfp4_rot_gptq": ("llama", "w4a4_nvfp4_rot_gptq", 1),
+    "qwen3_moe-mixed_sq_gptq_mse": ("qwen3_moe", "mixed_fp8_attn_nvfp4_sq_gptq_mse", 1),
     "phi3-fp8_block": ("phi3", "w8a8_fp8_block", 1),
     "mixtral-nvfp4": ("mixtral", "w4a4_nvfp4", 1),
     "mistral-fp8_block": ("mistral", "w8a8_fp8_block", 1),
@@ -229,7 +233,7 @@ def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch)
         pytest.skip(f"tensor parallelism {tp} on CPU needs {tp} cores")
     source = sources[architecture]
     settings = load_recipe(recipe)
-    if settings.smoothquant is not None:
+    if settings.smoothquant is not None or settings.gptq is not None:
         settings = with_calibration(settings, 8, 64)
     quantized = quantize_checkpoint(source, settings, tmp_path / recipe)
     tok = AutoTokenizer.from_pretrained(quantized)
