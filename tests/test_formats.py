@@ -472,3 +472,35 @@ def test_shape_dtype_and_argument_errors():
         NVFP4Tensor(t.packed, t.block_scale[:, :0], t.global_scale, 16)
     with pytest.raises(ValueError, match="does not pad"):
         NVFP4Tensor(t.packed, t.block_scale, t.global_scale, 17)
+
+
+def test_four_over_six_keeps_the_candidate_of_least_squared_error():
+    """4/6 (`fake_quant_nvfp4_four_over_six`): every group of 16 is, bit for bit, one of its two NVFP4 encodings on
+    the row's scale amax / 1536 -- max to 6 (`quantize_nvfp4` with that global scale) or max to 4 (block scales of
+    1.5 x the group max) -- and it is the one of smaller squared error (a tie keeps 6), so its error is
+    min(err6, err4) exactly; checked on rows spanning 10 decades with a padded last group and a zero row. Then two
+    exact cases on the row's largest group, where both block scales are exact E4M3 values (256 and 384): [6, 4.62]
+    -> [6, 4.5] (4 wins: 4.62 sits in E2M1's widest step, 4 -> 6) and [6, 1] -> [6, 1] (6 wins)."""
+    from quantkit.formats.nvfp4 import _quantize_nvfp4, fake_quant_nvfp4_four_over_six, nvfp4_block_scales, nvfp4_groups
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        x = torch.randn(6, 45, generator=generator) * 10 ** (torch.rand(6, 1, generator=generator) * 10 - 6)
+        x[5] = 0.0
+        gs = x.abs().amax(dim=-1, keepdim=True) / (6 * 256)
+        gs = torch.where(gs == 0, torch.ones_like(gs), gs)
+        six = dequantize_nvfp4(quantize_nvfp4(x, gs))
+        four = dequantize_nvfp4(_quantize_nvfp4(x, gs, nvfp4_block_scales(1.5 * nvfp4_groups(x).abs().amax(-1), gs)))
+        got = fake_quant_nvfp4_four_over_six(x)
+        groups = [nvfp4_groups(t) for t in (x, six, four, got)]
+        err_six, err_four, err_got = ((c - groups[0]).square().sum(-1) for c in groups[1:])
+        is_four = err_four < err_six
+        assert torch.equal(groups[3], torch.where(is_four.unsqueeze(-1), groups[2], groups[1]))
+        assert torch.equal(err_got, torch.minimum(err_six, err_four))
+        assert is_four.any() and (~is_four).any()
+        assert torch.equal(got[5], torch.zeros(45))
+    x = torch.zeros(2, 16)
+    x[0, :2] = torch.tensor([6.0, 4.62])
+    x[1, :2] = torch.tensor([6.0, 1.0])
+    got = fake_quant_nvfp4_four_over_six(x * 2**-10) * 2**10  # powers of two: every scale and product exact
+    assert torch.equal(got[0, :2], torch.tensor([6.0, 4.5])) and torch.equal(got[1, :2], torch.tensor([6.0, 1.0]))

@@ -68,6 +68,7 @@ __all__ = [
     "e2m1_round",
     "e2m1_to_float",
     "fake_quant_nvfp4_activation",
+    "fake_quant_nvfp4_four_over_six",
     "nvfp4_block_scales",
     "nvfp4_global_scale",
     "pack_fp4",
@@ -289,6 +290,37 @@ def fake_quant_nvfp4_activation(
     the codes and unpacking them again (the CPU-emulated serving path quantizes every activation this way)."""
     scaled, _, scale = _scaled_groups(x, _activation_global_scale(x, mode, global_scale, row_amax, name))
     return (e2m1_round(scaled) * scale).flatten(-2)[..., : x.shape[-1]]
+
+
+# Four Over Six's cap on E4M3 block scales: the scale-to-4 candidate is 1.5x the scale-to-6 one, 1.5 * 256 = 384
+# stays within E4M3's 448 for every group, the row's largest included (Cook et al. 2025, arXiv 2512.02010).
+FOUR_OVER_SIX_SCALE_MAX = 256.0
+
+
+def fake_quant_nvfp4_four_over_six(x: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
+    """Four Over Six (4/6, Cook et al. 2025, arXiv 2512.02010; the reference code's `select_fouroversix`, MSE rule)
+    NVFP4 quantize-dequantize of activations x (..., K) per token -> float32 (..., K).
+
+    Second-stage decode scale per row: row_amax / (6 * 256) (1.0 for an all-zero row). Each group of 16 is encoded
+    twice on that scale: block decode scale `nvfp4_block_scales(gmax, gs)` (its max to E2M1's 6, as plain NVFP4)
+    and `nvfp4_block_scales(1.5 gmax, gs)` (its max to 4: a finer grid near the max, 4 -> 6 is E2M1's widest step),
+    and the candidate of smaller squared error is kept (a tie keeps 6). The result is still NVFP4 (E2M1 codes, E4M3
+    block scales, float32 global scale): a GEMM consumes it unchanged. Not a served quantizer here: the reference
+    for measuring what the variant would buy (benchmarks/four_over_six_kl.py)."""
+    check_quantizable(x, "fake_quant_nvfp4_four_over_six", name=name)
+    groups = nvfp4_groups(x)
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    gs = amax / (F4E2M1_MAX * FOUR_OVER_SIX_SCALE_MAX)
+    gs = torch.where(gs == 0, torch.ones_like(gs), gs)
+    group_amax = groups.abs().amax(dim=-1)
+
+    def encoded(stretch: float) -> tuple[torch.Tensor, torch.Tensor]:
+        scaled, _, scale = _scaled_groups(x, gs, nvfp4_block_scales(stretch * group_amax, gs))
+        deq = e2m1_round(scaled) * scale
+        return deq, (deq - groups).square().sum(dim=-1, keepdim=True)
+
+    (six, err_six), (four, err_four) = encoded(1.0), encoded(1.5)
+    return torch.where(err_four < err_six, four, six).flatten(-2)[..., : x.shape[-1]]
 
 
 def _activation_global_scale(
