@@ -86,8 +86,8 @@ def test_the_method_comparison_study_loads_with_one_label_per_method():
 
 def test_the_smollm_method_comparison_is_the_affordable_one_with_one_label_per_method():
     """pipelines/methods-smollm.yaml: SmolLM2 on ARC-Easy / PIQA (above chance, by log-likelihood: no code executed),
-    the same calibration sizing as methods.yaml, an item limit that keeps it near an hour on 2 cores, and a distinct
-    row label per method."""
+    the same calibration sizing as methods.yaml, an item limit that keeps it near an hour on 2 cores, a distinct
+    row label per method, and every method of methods.yaml among its rows."""
     from quantkit.pipelines.study import _precision
 
     spec = load_spec(PIPELINES / "methods-smollm.yaml")
@@ -98,6 +98,8 @@ def test_the_smollm_method_comparison_is_the_affordable_one_with_one_label_per_m
     assert (sq_gptq.smoothquant.num_sequences, sq_gptq.gptq.num_sequences, sq_gptq.gptq.seq_len) == (32, 32, 256)
     labels = [_precision(r) for r in spec.recipes]
     assert len(set(labels)) == len(labels) and labels[0] == "BF16"
+    coder_methods = load_spec(PIPELINES / "methods.yaml").recipes
+    assert set(coder_methods) <= set(spec.recipes), "every method of the coder's comparison has a SmolLM2 row"
 
 
 @pytest.mark.parametrize("calibration, message", [
