@@ -309,10 +309,9 @@ def fake_quant_nvfp4_four_over_six(x: torch.Tensor, *, name: str | None = None) 
     for measuring what the variant would buy (benchmarks/four_over_six_kl.py)."""
     check_quantizable(x, "fake_quant_nvfp4_four_over_six", name=name)
     groups = nvfp4_groups(x)
-    amax = x.float().abs().amax(dim=-1, keepdim=True)
-    gs = amax / (F4E2M1_MAX * FOUR_OVER_SIX_SCALE_MAX)
-    gs = torch.where(gs == 0, torch.ones_like(gs), gs)
     group_amax = groups.abs().amax(dim=-1)
+    gs = group_amax.amax(dim=-1, keepdim=True) / (F4E2M1_MAX * FOUR_OVER_SIX_SCALE_MAX)
+    gs = torch.where(gs == 0, torch.ones_like(gs), gs)
 
     def encoded(stretch: float) -> tuple[torch.Tensor, torch.Tensor]:
         scaled, _, scale = _scaled_groups(x, gs, nvfp4_block_scales(stretch * group_amax, gs))
