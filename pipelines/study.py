@@ -421,6 +421,10 @@ class Study:
                 **self.spec.parallel,
             )
             _atomic_json(tmp / "results.json", {**results, "out_dir": str(out.resolve())})  # not the temp dir
+        if e["backend"] == "vllm":  # the next row's engine opens in this process: free this one's memory first
+            from quantkit.serve.engine import release_engine_memory
+
+            release_engine_memory()
 
     def _degradation(self, label: str, recipe: str) -> None:
         _atomic_json(self._artifact_file("degradation", label, recipe), degradation(self, label, recipe))

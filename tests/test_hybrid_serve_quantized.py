@@ -157,3 +157,39 @@ def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch)
     for prefix, (x, xq) in activations.items():
         changed = (x != xq).float().mean().item()
         assert changed > CHANGED_MIN, f"{case}: {prefix}: quantization changed only {changed:.0%} of its input elements"
+
+
+def test_a_closed_engine_frees_its_quantized_layers(sources, tmp_path):
+    """Once an engine is closed and dropped, no layer our quant methods built stays alive: a study opens one engine
+    per checkpoint in one process, and a layer kept alive keeps its float32 weights (a 2026-11-28 regression: vLLM's
+    LAYERWISE_INFO, a WeakKeyDictionary keyed by the layer, held our parameter loaders, which held the layer, so the
+    coder study's process grew by ~1.3 GB an engine). Weak references to every quantized Linear and MoE layer are
+    taken inside the engine; the control asserts they are alive there (both kinds present), so the check after
+    closing cannot pass by finding nothing. No tolerance: a reference is dead or not after a full collection."""
+    import gc
+    import weakref
+
+    from quantkit.evals.harness import open_lm
+    from quantkit.serve.moe_method import QuantkitMoEMethod
+    from quantkit.serve.quant_method import QuantkitLinearMethod
+
+    quantized = quantize_checkpoint(sources("ga"), "w4a4_nvfp4", tmp_path / "w4a4_nvfp4")
+
+    def quantized_layers(model: torch.nn.Module) -> dict[str, list[weakref.ref]]:
+        kinds: dict[str, list[weakref.ref]] = {"linear": [], "experts": []}
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, QuantkitLinearMethod):
+                kinds["linear"].append(weakref.ref(module))
+            elif isinstance(method, QuantkitMoEMethod):
+                kinds["experts"].append(weakref.ref(module))
+        return kinds
+
+    with open_lm(quantized, "vllm", dtype="bfloat16", max_model_len=128) as lm:
+        layers = lm.model.apply_model(quantized_layers)[0]
+        assert layers["linear"] and layers["experts"], {k: len(v) for k, v in layers.items()}
+        assert all(ref() is not None for refs in layers.values() for ref in refs)
+    del lm
+    gc.collect()
+    alive = {kind: sum(ref() is not None for ref in refs) for kind, refs in layers.items()}
+    assert alive == {"linear": 0, "experts": 0}, f"layers alive after their engine closed: {alive}"

@@ -12,7 +12,9 @@ the same completions; its BF16 row and SmolLM2-135M's (smaller tensors) unchange
 block comes from the heap and is reused once freed, and M_TRIM_THRESHOLD to `TRIM_THRESHOLD_BYTES`, so freed heap
 memory stays with the process for the next forward pass instead of going back to the kernel (up to 2 GiB free at
 the heap's top). Same numbers (where a tensor lives changes no arithmetic); the cost is memory: the process keeps
-the heap of its largest step (docs/scaling.md). Blocks already mmapped are unmapped on free as before.
+the heap of its largest step (docs/scaling.md). Blocks already mmapped are unmapped on free as before. `release()`
+hands the heap's free memory back (malloc_trim) once an engine is gone: a study opens the next engine in the same
+process, and a heap kept from the last one, fragmented by its differently sized tensors, would add to its peak.
 `QUANTKIT_CPU_HEAP=off` keeps glibc's defaults; other C libraries (musl) and other systems are left alone.
 """
 
@@ -56,4 +58,15 @@ def install() -> bool:
         if mallopt(param, value) != 1:
             raise OSError(f"glibc mallopt({name}, {value}) failed")
     _installed = True
+    return True
+
+
+def release() -> bool:
+    """Return every free page of this process's heap to the kernel (glibc's malloc_trim(0)) where `install()` set
+    this process; True if trimmed. Call it once an engine and its model are freed; live tensors are untouched."""
+    if not _installed:
+        return False
+    malloc_trim = ctypes.CDLL(None).malloc_trim
+    malloc_trim.argtypes, malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    malloc_trim(0)
     return True

@@ -39,6 +39,7 @@ routed experts.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from typing import cast
 
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 from torch.nn import Parameter
 from vllm.distributed import get_tp_group
 from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
@@ -327,13 +329,16 @@ class QuantkitMoEMethod(FusedMoEMethodBase):
         **extra_weight_attrs,
     ) -> None:
         """vLLM: register w13_<suffix> / w2_<suffix> for this rank's experts (`QuantkitExperts.create_weights`,
-        I_p = intermediate_size_per_partition); params_dtype unused (the scheme's dtypes)."""
+        I_p = intermediate_size_per_partition); params_dtype unused (the scheme's dtypes). The expert map reaches
+        the layer through a weak reference: the loaders hold it, and a loader holding the layer keeps it alive after
+        its engine (`QuantkitLinearMethod._add` says why)."""
+        layer_ref = weakref.ref(layer)
         self.experts.create_weights(
             layer,
             num_experts,
             hidden_size,
             intermediate_size_per_partition,
-            cast(Callable[[int], int], layer._map_global_expert_id_to_local_expert_id),
+            lambda expert_id: cast(RoutedExperts, layer_ref())._map_global_expert_id_to_local_expert_id(expert_id),
         )
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
