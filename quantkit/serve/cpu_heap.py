@@ -13,8 +13,8 @@ block comes from the heap and is reused once freed, and M_TRIM_THRESHOLD to `TRI
 memory stays with the process for the next forward pass instead of going back to the kernel (up to 2 GiB free at
 the heap's top). Same numbers (where a tensor lives changes no arithmetic); the cost is memory: the process keeps
 the heap of its largest step (docs/scaling.md). Blocks already mmapped are unmapped on free as before. `release()`
-hands the heap's free memory back (malloc_trim) once an engine is gone: a study opens the next engine in the same
-process, and a heap kept from the last one, fragmented by its differently sized tensors, would add to its peak.
+hands the heap's free memory back (malloc_trim) once an engine is gone, so a study's process holds 1-3 GiB between
+its rows instead of the last engine's heap; the next engine's peak is the same either way (it reuses a kept heap).
 `QUANTKIT_CPU_HEAP=off` keeps glibc's defaults; other C libraries (musl) and other systems are left alone.
 """
 

@@ -51,9 +51,9 @@ def cpu_engine_kwargs() -> dict[str, Any]:
 
 
 def release_engine_memory() -> None:
-    """After an engine has closed and its last reference is dropped: collect it (its model sits in reference
-    cycles) and, on CPU, hand the freed heap back (`quantkit.serve.cpu_heap.release`), so the next engine in this
-    process starts from one engine's memory, not two."""
+    """After an engine has closed and its last reference is dropped: collect it now (its model sits in reference
+    cycles, which only the cyclic collector frees) and, on CPU, hand the freed heap back to the machine
+    (`quantkit.serve.cpu_heap.release`) before the next stage runs in this process."""
     from quantkit.serve import cpu_heap
 
     gc.collect()
