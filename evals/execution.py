@@ -329,9 +329,25 @@ def missing_tools(language: str) -> list[str]:
     return [c for c in commands if shutil.which(c) is None] + [f for f in toolchain.files if not Path(f).is_file()]
 
 
+_EXECUTION_SECONDS = [0.0]  # wall seconds this process has spent in run_program's sandboxed steps
+
+
+def execution_seconds() -> float:
+    """Wall seconds this process has spent running programs (`run_program`), for the eval's time breakdown."""
+    return _EXECUTION_SECONDS[0]
+
+
 def run_program(source: str, language: str = "py", timeout: float = DEFAULT_TIMEOUT_S) -> bool:
     """True when `source` compiles and runs successfully (exit status 0, no failure marker) within `timeout`
     seconds per step, by the language's `TOOLCHAINS` entry."""
+    started = time.perf_counter()
+    try:
+        return _run_program(source, language, timeout)
+    finally:
+        _EXECUTION_SECONDS[0] += time.perf_counter() - started
+
+
+def _run_program(source: str, language: str, timeout: float) -> bool:
     if not code_execution_allowed():
         raise CodeExecutionRefused(
             f"code benchmarks execute model output: opt in with --allow-code-execution (or {ALLOW_ENV}=1)"

@@ -34,7 +34,7 @@ import os
 import platform
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -354,7 +354,7 @@ def evaluate(
         seeds=dict(python=seed, numpy=seed, torch=seed, fewshot=seed, vllm=seed),
         versions=_versions(),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        host=dict(machine=platform.machine(), processor=platform.processor(), cpus=os.cpu_count()),
+        host=host_record(),
         seconds=dict(engine_startup=round(startup, 2), total=round(time.perf_counter() - started, 2)),
         benchmarks=_benchmark_scores(spec, per_task),
         tasks=per_task,
@@ -363,6 +363,34 @@ def evaluate(
         results["heldout_logprobs"] = recorded
     write_text_atomic(out_dir / "results.json", json.dumps(results, indent=1, default=str) + "\n")
     return results
+
+
+def host_record() -> dict[str, Any]:
+    """What decides this process's CPU summation order: machine, CPU model, core count, ATen's kernel capability
+    (`torch.backends.cpu.get_cpu_capability()`: DEFAULT, AVX2, AVX512, ... as `ATEN_CPU_CAPABILITY` allows), the
+    CPU's bf16/AMX flags, and the half-Linear summation order (`cpu_linear.summation_order`). Two evals whose records
+    differ may differ in last bits, and so in greedy answers (docs/evaluation.md, "Numerics floor")."""
+    import torch
+
+    from quantkit.serve.cpu_linear import summation_order
+
+    model, flags = "", set[str]()
+    with suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    return dict(
+        machine=platform.machine(),
+        processor=platform.processor(),
+        cpu_model=model,
+        cpus=os.cpu_count(),
+        isa=torch.backends.cpu.get_cpu_capability(),
+        bf16_matmul=sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"}),
+        summation=summation_order(),
+    )
 
 
 def _check_inputs(
@@ -426,10 +454,13 @@ class _TaskRun:
 
     def score(self, lm: Any, task: str) -> dict[str, Any]:
         """Run `task` through lm-eval; write samples/<task or leaf>.jsonl (sorted by doc_id); return its row of
-        results.json `tasks`: score (the primary metric, 0-1), metric, filter, n, seconds, truncated_prompts."""
+        results.json `tasks`: score (the primary metric, 0-1), metric, filter, n, seconds (wall, all of it),
+        sandbox_seconds (of them, running the answers' programs), generated_tokens (the answers' tokens, for
+        generation tasks: decode work), truncated_prompts."""
+        from quantkit.evals.execution import execution_seconds
         from quantkit.evals.harness import evaluate_tasks
 
-        t0 = time.perf_counter()
+        t0, sandbox0 = time.perf_counter(), execution_seconds()
         out = evaluate_tasks(
             lm,
             [task],
@@ -440,8 +471,8 @@ class _TaskRun:
             allow_unsafe_code=self.allow_code,
             chat_template=self.spec.chat_template,
         )
-        seconds = time.perf_counter() - t0
-        n_items = truncated = 0
+        seconds, sandbox = time.perf_counter() - t0, execution_seconds() - sandbox0
+        n_items = truncated = generated = 0
         pinned = self.spec.pinned_metric(task)
         for name, samples in out["samples"].items():  # a group's leaves, or the task itself
             metric, filt = _primary_metric(out["results"][name], pinned)
@@ -457,6 +488,9 @@ class _TaskRun:
             budget = (out["configs"][name].get("generation_kwargs") or {}).get("max_gen_toks", 256)
             answer_tokens = 1 if _is_choice(records) else budget
             truncated += _truncated(self.tokenizer, records, self.max_model_len, answer_tokens)
+            generated += sum(
+                len(self.tokenizer(r["answer"])["input_ids"]) for r in records if isinstance(r["answer"], str)
+            )
         metric, filt = _primary_metric(out["results"][task], pinned)
         return dict(
             score=out["results"][task][f"{metric},{filt}"],
@@ -464,6 +498,8 @@ class _TaskRun:
             filter=filt,
             n=n_items,
             seconds=round(seconds, 2),
+            sandbox_seconds=round(sandbox, 2),
+            generated_tokens=generated,
             truncated_prompts=truncated,
             lm_eval=out["results"][task],
         )

