@@ -74,6 +74,7 @@ SPEC_KEYS = {"name", "models", "zoo", "recipes", "eval", "kl", "diagnose", "cali
 EVAL_DEFAULTS = dict(
     suite="mini",
     suites=None,
+    limits=None,  # {model label: items per task}: a model's own limit instead of `limit`
     backend="vllm",
     limit=None,
     allow_code=False,
@@ -148,6 +149,7 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     if unknown := sorted(set(spec.eval) - set(EVAL_DEFAULTS)):
         raise ValueError(f"{path}: unknown eval key(s) {unknown}; known: {sorted(EVAL_DEFAULTS)}")
     spec.eval["suites"] = _model_suites(path, spec.eval["suites"], spec.models)
+    spec.eval["limits"] = _model_limits(path, spec.eval["limits"], spec.models)
     for key in ("numerics", "reference", "allow_code"):
         if not isinstance(spec.eval[key], bool):
             raise ValueError(f"{path}: eval.{key} must be true or false, not {spec.eval[key]!r}")
@@ -173,9 +175,12 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
         label = model.split(":", 1)[1] if model.startswith(("zoo:", "model:")) else Path(model.rstrip("/")).name
         suites = spec.eval["suites"]
         own = [suites[k] for k, source in spec.models.items() if source == model and k in suites]
+        limits = spec.eval["limits"]
+        own_limit = [limits[k] for k, source in spec.models.items() if source == model and k in limits]
         spec.models = {label: model}
         spec.name = f"{spec.name}-{label}"
         spec.eval["suites"] = {label: own[0]} if own else {}  # a model of the spec keeps its own suite
+        spec.eval["limits"] = {label: own_limit[0]} if own_limit else {}  # and its own limit
     return spec
 
 
@@ -192,6 +197,18 @@ def _model_suites(path: Path, suites: Any, models: dict[str, str]) -> dict[str, 
     for suite in suites.values():
         load_suite(suite)  # an unknown suite fails here, before any work
     return dict(suites)
+
+
+def _model_limits(path: Path, limits: Any, models: dict[str, str]) -> dict[str, int | None]:
+    """eval.limits checked: a mapping of model label -> items per task (a positive integer, or null for all)."""
+    if limits is None:
+        return {}
+    if not isinstance(limits, dict) or set(limits) - set(models):
+        raise ValueError(f"{path}: eval.limits must map model labels of {sorted(models)} to item counts")
+    for label, n in limits.items():
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"{path}: eval.limits.{label} must be a positive integer or null, not {n!r}")
+    return dict(limits)
 
 
 def _atomic_json(path: Path, data: Any) -> None:
@@ -345,6 +362,15 @@ class Study:
         published = _published(self, label)
         return published if published is not None and published.suite is not None else None
 
+    def expected(self, stage: str) -> str:
+        """ ", expect ~N min (mean of k earlier <stage> stages here)" from this run directory's measured timings of
+        the same stage (an eval row predicts the next eval row), or "" when none is known."""
+        seconds = [t["seconds"] for (name, _, _), t in self.timings.items() if name == stage and not t["cached"]]
+        if not seconds:
+            return ""
+        mean = sum(seconds) / len(seconds)
+        return f", expect ~{mean / 60:.1f} min (mean of {len(seconds)} earlier {stage} stage{'s' * (len(seconds) > 1)})"
+
     def targets(self, stage: Stage) -> list[tuple[str | None, str | None]]:
         """(model label, recipe) pairs the stage runs for, by its scope (SCOPES); None where the stage is not
         per model / recipe."""
@@ -365,6 +391,7 @@ class Study:
             self._record_timing(key, None)
             tqdm.write(f"stage {_where(stage.name, label, recipe)}: cached", file=sys.stderr)
             return
+        tqdm.write(f"stage {_where(stage.name, label, recipe)}: started{self.expected(stage.name)}", file=sys.stderr)
         start = time.perf_counter()
         try:
             stage.run(self, label, recipe)
@@ -445,7 +472,9 @@ class Study:
             if kl["source"] == "vllm"
             else None
         )  # the KL's logprobs, from this same engine
-        self._evaluate(self.checkpoint_dir(label, recipe), self.eval_dir(label, recipe), self.suite(label), heldout)
+        self._evaluate(
+            label, self.checkpoint_dir(label, recipe), self.eval_dir(label, recipe), self.suite(label), heldout
+        )
 
     def _numerics(self, label: str, recipe: str) -> None:
         """The BF16 checkpoint's suite again, every half-precision Linear summed in the second order (split-k,
@@ -456,7 +485,7 @@ class Study:
         saved = os.environ.get(SUMMATION_ENV)
         os.environ[SUMMATION_ENV] = "split-k"  # read by the engine's layers as they load (this process and spawned)
         try:
-            self._evaluate(self.checkpoint_dir(label, recipe), self.numerics_dir(label), self.suite(label), None)
+            self._evaluate(label, self.checkpoint_dir(label, recipe), self.numerics_dir(label), self.suite(label), None)
         finally:
             if saved is None:
                 os.environ.pop(SUMMATION_ENV, None)
@@ -467,10 +496,17 @@ class Study:
         """The BF16 checkpoint under its makers' prompt protocol (`reference(label).suite`): how much of the gap to
         the published score is prompt format."""
         self._do(STAGE_BY_NAME["quantize"], label, recipe)
-        self._evaluate(self.checkpoint_dir(label, recipe), self.reference_dir(label), self.reference(label).suite, None)
+        self._evaluate(
+            label, self.checkpoint_dir(label, recipe), self.reference_dir(label), self.reference(label).suite, None
+        )
 
-    def _evaluate(self, checkpoint: Path, out: Path, suite: str, heldout: dict[str, Any] | None) -> None:
-        """`evaluate` of `checkpoint` with this study's eval settings into `out`, atomically."""
+    def limit(self, label: str) -> int | None:
+        """Items per task for model `label`: its own from eval.limits, else eval.limit (None: the suite's)."""
+        limits = self.spec.eval.get("limits") or {}
+        return limits[label] if label in limits else self.spec.eval["limit"]
+
+    def _evaluate(self, label: str, checkpoint: Path, out: Path, suite: str, heldout: dict[str, Any] | None) -> None:
+        """`evaluate` of model `label`'s `checkpoint` with this study's eval settings into `out`, atomically."""
         from quantkit.evals.suite import evaluate
 
         e = self.spec.eval
@@ -484,7 +520,7 @@ class Study:
                 suite=suite,
                 backend=e["backend"],
                 out_dir=tmp,
-                limit=e["limit"],
+                limit=self.limit(label),
                 allow_code=e["allow_code"],
                 seed=e["seed"],
                 dtype=e["dtype"],

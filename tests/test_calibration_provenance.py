@@ -59,7 +59,8 @@ def test_a_study_resizes_every_calibration_set():
 
 def test_the_trained_model_study_loads():
     """pipelines/real.yaml: both trained models, SmoothQuant on prose + code with the early stop, the code suite
-    (HumanEval in its instruct form through each model's chat template) executed; its suite resolves."""
+    (HumanEval and MBPP in their instruct form through each model's chat template) executed, SmolLM2 on the first
+    650 items of each commonsense task, the numerics floor and the coder's reference protocol on; its suites resolve."""
     from quantkit.evals.suite import load_suite
 
     spec = load_spec(PIPELINES / "real.yaml")
@@ -67,7 +68,13 @@ def test_the_trained_model_study_loads():
     recipe = Study(spec).recipe("w4a4_nvfp4_sq")
     assert (recipe.calibration_data, recipe.smoothquant.early_stop, recipe.smoothquant.num_sequences) == ("speeches+code", 0.02, 256)
     suite = load_suite(spec.eval["suite"])
-    assert spec.eval["allow_code"] and suite.tasks(allow_code=True) == ["qk_humaneval_instruct"] and suite.chat_template
+    assert spec.eval["allow_code"] and suite.chat_template
+    assert suite.tasks(allow_code=True) == ["qk_humaneval_instruct", "qk_mbpp_500_instruct"]
+    study = Study(spec)
+    assert study.suite("smollm") == "commonsense" and study.limit("smollm") == 650 and study.limit("coder") is None
+    assert spec.eval["numerics"] and spec.eval["reference"] and study.reference("coder").suite == "code-evalplus"
+    one = Study(load_spec(PIPELINES / "real.yaml", "model:smollm2-135m-instruct"))  # --model keeps its own limit
+    assert one.limit("smollm2-135m-instruct") == 650 and one.suite("smollm2-135m-instruct") == "commonsense"
 
 
 def test_the_method_comparison_study_loads_with_one_label_per_method():
@@ -141,3 +148,14 @@ def test_a_smoothquant_row_shows_its_own_outlier_figures(tiny_checkpoint, tmp_pa
     assert all(math.isfinite(v) and v > 0 for v in figures.values())
     plain = quantize_checkpoint(tiny_checkpoint, load_recipe("w4a4_nvfp4"), tmp_path / "plain", streaming=False)
     assert _smoothed_inputs(plain) == {}
+
+
+@pytest.mark.parametrize("path", sorted(PIPELINES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_pipeline_spec_loads(path):
+    """Every spec under pipelines/ loads (recipes, suites, calibration, eval keys checked before any work); the quick
+    path keeps to the first items: the coder 40 per task, SmolLM2 100."""
+    spec = load_spec(path)
+    assert spec.models and "bf16" in spec.recipes  # load_spec raised nothing: every name and key resolved
+    if path.name == "real-quick.yaml":
+        study = Study(spec)
+        assert (study.limit("coder"), study.limit("smollm")) == (40, 100) and spec.eval["numerics"]

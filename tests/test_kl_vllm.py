@@ -174,9 +174,15 @@ def test_study_spec_kl_keys(tmp_path):
     for bad, message in (("kl: {source: hf}", "kl.source must be one of"), ("kl: {top_k: 0}", "kl.top_k must be"),
                          ("kl: {nope: 1}", r"unknown kl key\(s\) \['nope'\]"),
                          ("eval: {backend: hf}\nkl: {source: vllm}", "needs eval.backend vllm"),
-                         ("parallel: {data_parallel_size: 2}", "data_parallel_size 1")):
+                         ("parallel: {data_parallel_size: 2}", "data_parallel_size 1"),
+                         ("eval: {numerics: yes please}", "eval.numerics must be true or false"),
+                         ("eval: {reference: 1}", "eval.reference must be true or false"),
+                         ("eval: {backend: hf, numerics: true}\nkl: {source: transformers}", "numerics .* needs eval.backend vllm"),
+                         ("eval: {limits: {m: 0}}", "eval.limits.m must be a positive integer"),
+                         ("eval: {limits: {x: 5}}", "eval.limits must map model labels")):
         with pytest.raises(ValueError, match=message):
             spec(bad + "\n")
+    assert spec("eval: {limits: {m: 7}, numerics: true}\n").eval["limits"] == {"m": 7}
 
 
 def test_study_spec_suite_per_model(tmp_path):

@@ -77,6 +77,8 @@ def test_rows_arrive_early(tmp_path):
     study.timings = {("degradation", "a", "w4a4_nvfp4"): {"seconds": 90.0, "cached": False},
                      ("report", "", ""): {"seconds": 30.0, "cached": False}}
     assert study.left(study.work(STAGES)[-2:]) == "left: 1 degradation, 1 report (~2 min)"
+    assert study.expected("degradation") == ", expect ~1.5 min (mean of 1 earlier degradation stage)"
+    assert study.expected("eval") == ""  # nothing measured: no promise
 
 
 def test_artifacts_are_the_run_directory_layout(tmp_path):
