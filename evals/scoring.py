@@ -11,11 +11,13 @@ Conventions (every function returns 1 for correct, 0 for wrong, per sample; lm-e
   (`normalize_math`); no symbolic equivalence.
 - Code (HumanEval, MBPP, CRUXEval, MultiPL-E): the program runs (`execution.run_program`, opt-in only);
   pass@1: one greedy sample, or with `repeats: n` samples the fraction that pass (pass@k for k > 1 is not
-  computed).
+  computed). A whole script the model wrote (EvalPlus's protocol) is cut at its closing fence and reduced to
+  its definitions (`script_definitions`) before it runs.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 
 from quantkit.evals.execution import pass_at_k, run_program
@@ -114,6 +116,28 @@ def humaneval_program(doc: dict, completion: str) -> str:
     return f"{doc['prompt']}{completion}\n\n{doc['test']}\n\ncheck({doc['entry_point']})\n"
 
 
+def script_definitions(script: str) -> str:
+    """A model-written Python script reduced as EvalPlus's `sanitize` does: its top-level imports, function and
+    class definitions and assignments, in order (example calls, prints, asserts and `if __name__` blocks
+    dropped); EvalPlus also drops definitions the entry point does not reach, which we keep. A script that does
+    not parse is returned unchanged (and then fails)."""
+    try:
+        tree = ast.parse(script)
+    except SyntaxError:
+        return script
+    kept = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)
+    return ast.unparse(ast.Module(body=[n for n in tree.body if isinstance(n, kept)], type_ignores=[]))
+
+
+def humaneval_script_program(doc: dict, completion: str) -> str:
+    """HumanEval in EvalPlus's instruct protocol, where the model writes the whole function: the prompt (its
+    imports, and the helpers HumanEval/32, 38 and 50's tests call; its docstring-only stub is then redefined),
+    the script up to its closing fence with tabs as 4 spaces (EvalPlus's vLLM provider) and `script_definitions`,
+    the problem's tests, `check(<entry_point>)`."""
+    script = script_definitions(completion.split("\n```")[0].replace("\t", "    "))
+    return f"{doc['prompt']}\n{script}\n\n{doc['test']}\n\ncheck({doc['entry_point']})\n"
+
+
 def mbpp_program(doc: dict, completion: str) -> str:
     """The MBPP program to run: the completion up to '[DONE]', the doc's test_setup_code (if any), its test_list."""
     tests = "\n".join(doc["test_list"])
@@ -143,6 +167,12 @@ def _completions(results: list) -> list[str]:
 def process_humaneval(doc: dict, results: list) -> dict[str, float]:
     """HumanEval: {"pass@1": fraction of the completions whose `humaneval_program` passes}."""
     return _pass_at_1([humaneval_program(doc, r) for r in _completions(results)])
+
+
+def process_humaneval_evalplus(doc: dict, results: list) -> dict[str, float]:
+    """HumanEval, EvalPlus protocol: {"pass@1": fraction of the completions whose `humaneval_script_program`
+    passes}."""
+    return _pass_at_1([humaneval_script_program(doc, r) for r in _completions(results)])
 
 
 def process_mbpp(doc: dict, results: list) -> dict[str, float]:

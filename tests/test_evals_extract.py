@@ -11,7 +11,8 @@ from quantkit.evals.scoring import final_number, normalize_math, numbers_match
 COUNTS = {"mmlu": 282, **{f"mmmlu_{lang}": 285 for lang in ex.MMMLU_LANGUAGES}, "gsm8k": 100,
           **{f"mgsm_{lang}": 100 for lang in ("en", "de", "fr", "ja", "ru", "zh")},
           "mgsm_sw": 96, "mgsm_te": 93, "mgsm_th": 94, "humaneval": 164, "mbpp": 3, "math": 4, "cruxeval": 4,
-          "arc_easy": 2376, "piqa": 1838}
+          "arc_easy": 2376, "arc_challenge": 1172, "hellaswag": 10042, "winogrande": 1267, "piqa": 1838,
+          "mbpp_full": 500, "gsm8k_full": 1319}
 
 
 def test_extract_counts_idempotent_and_replaces_atomically(tmp_path, monkeypatch):
@@ -27,6 +28,12 @@ def test_extract_counts_idempotent_and_replaces_atomically(tmp_path, monkeypatch
     monkeypatch.setenv("QUANTKIT_EVAL_DATA", str(out))
     gsm = ex.load_rows("gsm8k")
     assert gsm[0]["answer"] == "18" and gsm[0]["reference"].endswith("#### 18")
+    full = ex.load_rows("gsm8k_full")  # every final answer is the number after the solution's "####"
+    assert all(row["answer"] == row["solution"].rsplit("####", 1)[1].strip() for row in full)
+    assert full[0]["question"].startswith("Janet’s ducks") and full[0]["answer"] == "18"
+    mbpp = ex.load_rows("mbpp_full")  # MBPP's test split: task ids 11-510, three asserts each, LF line ends
+    assert [row["task_id"] for row in mbpp] == list(range(11, 511)) and {len(row["test_list"]) for row in mbpp} == {3}
+    assert not any("\r" in row["code"] for row in mbpp)
 
 
 def test_missing_sources_and_extraction_tell_the_user_to_run_make_setup(tmp_path, monkeypatch):

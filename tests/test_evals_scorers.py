@@ -2,8 +2,9 @@
 its reference scores 1.0 on every task, one that always answers wrongly scores 0.0.
 
 The "model" is an lm-eval LM subclass that reads each request's doc (`reference`: the gold choice's
-letter, or the text a perfect model would generate); everything else - prompts, filters, our
-process_results, code execution, aggregation - is lm-eval's machinery on the real extracted items.
+letter or text, WinoGrande's gold context, or the text a perfect model would generate); everything else -
+prompts, filters, our process_results, code execution, aggregation - is lm-eval's machinery on the real
+extracted items.
 """
 
 import os
@@ -30,8 +31,8 @@ class ReferenceLM(LM):
     def loglikelihood(self, requests):
         out = []
         for request in requests:
-            _context, continuation = request.args
-            right = (continuation.strip() == request.doc["reference"]) == self.gold
+            context, continuation = request.args  # WinoGrande's choices are contexts, the rest is shared
+            right = (request.doc["reference"] in (context, continuation.strip())) == self.gold
             out.append((0.0 if right else -5.0, right))
         return out
 
@@ -53,9 +54,8 @@ def mini_tasks():
     return _tasks("mini")
 
 
-@pytest.mark.parametrize("suite, items", [("mini", 3435), ("commonsense", 2376 + 1838)])
-@pytest.mark.parametrize("gold, expected", [(True, 1.0), (False, 0.0)])
-def test_reference_answers_score_one_and_wrong_answers_zero(suite, items, gold, expected, monkeypatch):
+def _scores(suite: str, gold: bool, monkeypatch) -> tuple[dict[str, float], int]:
+    """{task: its primary metric} of `suite` answered by ReferenceLM(gold), and the items scored."""
     tasks, task_manager = _tasks(suite)
     monkeypatch.setenv(ALLOW_ENV, "1")
     out = lm_eval.simple_evaluate(model=ReferenceLM(gold), tasks=tasks, task_manager=task_manager,
@@ -65,12 +65,27 @@ def test_reference_answers_score_one_and_wrong_answers_zero(suite, items, gold, 
         result = out["results"][task]
         (key,) = [k for k in result if "," in k and "_stderr" not in k]
         scores[task] = result[key]
-    assert scores == {task: expected for task in tasks}
-    assert sum(out["n-samples"][t]["effective"] for t in tasks) == items
+    return scores, sum(out["n-samples"][t]["effective"] for t in tasks)
+
+
+@pytest.mark.parametrize("suite, items", [
+    ("mini", 3435), ("commonsense", 2376 + 1172 + 10042 + 1267 + 1838), ("gsm8k", 1319)])
+@pytest.mark.parametrize("gold, expected", [(True, 1.0), (False, 0.0)])
+def test_reference_answers_score_one_and_wrong_answers_zero(suite, items, gold, expected, monkeypatch):
+    scores, n = _scores(suite, gold, monkeypatch)
+    assert scores == dict.fromkeys(scores, expected) and n == items
+
+
+@pytest.mark.slow
+def test_every_code_suite_reference_passes(monkeypatch):
+    """The code suite's 664 reference programs (HumanEval's canonical solutions, MBPP's test-split code) pass their
+    tests through the instruct tasks, each executed (~2.5 min on 2 cores); wrong answers are covered above (mini's
+    HumanEval) and in test_evals_full_tasks.py."""
+    assert _scores("code", True, monkeypatch) == ({"qk_humaneval_instruct": 1.0, "qk_mbpp_500_instruct": 1.0}, 664)
 
 
 def test_code_tasks_refuse_without_opt_in(mini_tasks, monkeypatch):
-    tasks, task_manager = mini_tasks
+    _, task_manager = mini_tasks
     monkeypatch.delenv(ALLOW_ENV, raising=False)
     with pytest.raises(ValueError, match="unsafe"):  # lm-eval's own gate on `unsafe_code: true`
         lm_eval.simple_evaluate(model=ReferenceLM(True), tasks=["qk_mbpp"], task_manager=task_manager)
