@@ -369,7 +369,7 @@ def host_record() -> dict[str, Any]:
     """What decides this process's CPU summation order: machine, CPU model, core count, ATen's kernel capability
     (`torch.backends.cpu.get_cpu_capability()`: DEFAULT, AVX2, AVX512, ... as `ATEN_CPU_CAPABILITY` allows), the
     CPU's bf16/AMX flags, and the half-Linear summation order (`cpu_linear.summation_order`). Two evals whose records
-    differ may differ in last bits, and so in greedy answers (docs/evaluation.md, "Numerics floor")."""
+    differ may differ in last bits, and so in greedy answers (docs/verdicts.md, "The numerics floor")."""
     import torch
 
     from quantkit.serve.cpu_linear import summation_order
