@@ -544,10 +544,10 @@ def to_html(
     verdicts: tuple[str, list[str]] | None = None,
 ) -> str:
     """Self-contained page: inline CSS; the verdicts (as `to_markdown`); the summary paragraph; Table 2 with grouped
-    headers; the diagnostics table; the degradation table (n.s. cells greyed); inline SVG plots (Delta per benchmark, then Delta Avg
-    and KL per variant side by side); the per-projection SNR tables of `sensitivity` (as `to_markdown`); then
-    `figures` ({caption: inline <svg>}, e.g. each checkpoint's outlier diagnostics) when given; `time_line`
-    (timing_line) under the notes."""
+    headers; the diagnostics table; the degradation table (n.s. cells greyed); inline SVG plots (Delta per
+    benchmark, then Delta Avg and KL per variant side by side); the per-projection SNR tables of `sensitivity` (as
+    `to_markdown`); then `figures` ({caption: inline <svg>}, e.g. each checkpoint's outlier diagnostics) when
+    given; `time_line` (timing_line) under the notes."""
     lead, extra, diag = _lead_columns(table), _extra_columns(table), _diagnostic_columns(table)
     width = len(lead) + len(table.columns) + len(extra)
     head1 = [_cell(h, "l", "th", ' rowspan="2"') for h, _ in lead]
