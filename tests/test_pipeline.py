@@ -23,15 +23,17 @@ SPEC = """
 name: tiny
 models: {{tiny: {model}}}
 recipes: [bf16, w4a4_nvfp4]
-eval: {{suite: smoke, limit: 3, dtype: float32, numerics: true}}
+eval: {{suite: smoke, limit: 3, dtype: float32, numerics: {numerics}}}
 kl: {{num_sequences: 4, seq_len: 64}}
 runs_dir: {runs}
 """
 
 
-def _spec(tmp_path: Path, model: Path) -> Path:
+def _spec(tmp_path: Path, model: Path, numerics: bool = False) -> Path:
+    """The tiny study's spec; `numerics` adds the numerics stage (this module's study; the crash-safety and Ray
+    tests, which reuse the spec, leave it out: one engine fewer each)."""
     path = tmp_path / "tiny.yaml"
-    path.write_text(SPEC.format(model=model, runs=tmp_path / "runs"))
+    path.write_text(SPEC.format(model=model, runs=tmp_path / "runs", numerics=str(numerics).lower()))
     return path
 
 
@@ -44,7 +46,7 @@ def _mtimes(run_dir: Path) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def study(tiny_checkpoint, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("study")
-    spec = load_spec(_spec(tmp, tiny_checkpoint))
+    spec = load_spec(_spec(tmp, tiny_checkpoint, numerics=True))
     return Study(spec), Study(spec).run()
 
 
@@ -204,7 +206,7 @@ def test_failures_name_stage_model_and_recipe(tmp_path, tiny_checkpoint):
     write_diagnostics(diagnose(tiny_checkpoint, num_sequences=2, seq_len=32, recipes=[], progress=False), study.dir / "diagnostics" / "tiny")
     study.run(until="diagnose")
     bad = tmp_path / "bad.yaml"
-    bad.write_text(SPEC.format(model=tiny_checkpoint, runs=tmp_path).replace("w4a4_nvfp4", "w3a3"))
+    bad.write_text(SPEC.format(model=tiny_checkpoint, runs=tmp_path, numerics="false").replace("w4a4_nvfp4", "w3a3"))
     with pytest.raises(ValueError, match="unknown recipe 'w3a3'"):
         load_spec(bad)
 
@@ -232,3 +234,9 @@ def test_gate_against_committed_baseline_and_injected_regression(study, tmp_path
     save_file(state, weights)
     Study(load_spec(_spec(tmp_path, Path(json.loads((run_dir / "spec.json").read_text())["models"]["tiny"]))), regressed).run()
     assert run_gate(BASELINE_RESULTS, regressed / "results.json", load_thresholds()) == 1
+    # the re-evaluated W4A4 row is on record twice; the report names it as moved exactly when its Avg changed
+    runs = json.loads((regressed / "history.json").read_text())["tiny w4a4_nvfp4"]
+    verdicts = json.loads((regressed / "results.json").read_text())["meta"]["verdicts"]["models"]["tiny"]
+    assert len(runs) == 2 and runs[0]["date"] != runs[1]["date"]
+    moved = [m["row"] for m in verdicts.get("moved", [])]
+    assert moved == (["tiny w4a4_nvfp4"] if runs[0]["avg"] != runs[1]["avg"] else [])
