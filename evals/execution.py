@@ -8,7 +8,8 @@ Our code tasks are also marked `unsafe_code: true`, so lm-eval refuses them with
 Each step (compile, then run; `python -I` is a single run step) is a fresh subprocess in a new session, in a
 fresh temporary working directory (also its HOME and TMPDIR), stdin/stdout/stderr on /dev/null, with:
 
-- always: a wall-clock timeout, after which (and after every step) the whole process group gets SIGKILL;
+- always: a wall-clock timeout (the run step: `timeout`; a compile step: at least `COMPILE_TIMEOUT_S`), after
+  which (and after every step) the whole process group gets SIGKILL;
   rlimits on address space, file size and CPU seconds (`ceil(timeout) + 1`, SIGKILL one second later),
   no core dumps; `COMPILE_LIMITS` and `RUN_LIMITS` give the values (compilers need more room);
 - process count: a fresh `pids` cgroup per step with `pids.max` (threads count too) where our cgroup is
@@ -50,6 +51,9 @@ log = logging.getLogger(__name__)
 
 ALLOW_ENV = "QUANTKIT_ALLOW_CODE_EXECUTION"
 DEFAULT_TIMEOUT_S = 10.0
+# A compile step's wall limit: compilers are trusted programs that always finish, and a loaded 2-core machine
+# stretches them (tsc took 10.2 s with two other jobs on the cores, 2026-11-28): the program's own run keeps `timeout`.
+COMPILE_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -383,7 +387,7 @@ def _run_program(source: str, language: str, timeout: float) -> bool:
                 tmp,
                 env,
                 RUN_LIMITS if last else COMPILE_LIMITS,
-                timeout,
+                timeout if last else max(timeout, COMPILE_TIMEOUT_S),
                 toolchain.failure_markers if last else (),
             ):
                 return False
