@@ -234,9 +234,11 @@ def test_gate_against_committed_baseline_and_injected_regression(study, tmp_path
     save_file(state, weights)
     Study(load_spec(_spec(tmp_path, Path(json.loads((run_dir / "spec.json").read_text())["models"]["tiny"]))), regressed).run()
     assert run_gate(BASELINE_RESULTS, regressed / "results.json", load_thresholds()) == 1
-    # the re-evaluated W4A4 row is on record twice; the report names it as moved exactly when its Avg changed
+    # the re-evaluated W4A4 row is on record once more (earlier tests of this module may have redone it too); the
+    # report names it as moved exactly when its Avg changed from the evaluation before
     runs = json.loads((regressed / "history.json").read_text())["tiny w4a4_nvfp4"]
+    latest = json.loads((regressed / "evals" / "tiny-w4a4_nvfp4" / "results.json").read_text())["date"]
     verdicts = json.loads((regressed / "results.json").read_text())["meta"]["verdicts"]["models"]["tiny"]
-    assert len(runs) == 2 and runs[0]["date"] != runs[1]["date"]
+    assert len(runs) >= 2 and runs[-1]["date"] == latest != runs[-2]["date"]
     moved = [m["row"] for m in verdicts.get("moved", [])]
-    assert moved == (["tiny w4a4_nvfp4"] if runs[0]["avg"] != runs[1]["avg"] else [])
+    assert moved == (["tiny w4a4_nvfp4"] if runs[-2]["avg"] != runs[-1]["avg"] else [])
