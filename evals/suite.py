@@ -372,7 +372,7 @@ def host_record() -> dict[str, Any]:
     differ may differ in last bits, and so in greedy answers (docs/verdicts.md, "The numerics floor")."""
     import torch
 
-    from quantkit.serve.cpu_linear import summation_order
+    from quantkit.serve.engine import summation_order
 
     model, flags = "", set[str]()
     with suppress(OSError):

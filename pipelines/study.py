@@ -479,7 +479,7 @@ class Study:
     def _numerics(self, label: str, recipe: str) -> None:
         """The BF16 checkpoint's suite again, every half-precision Linear summed in the second order (split-k,
         `quantkit.serve.cpu_linear`): its answer flips against the eval stage's BF16 are the numerics floor."""
-        from quantkit.serve.cpu_linear import SUMMATION_ENV
+        from quantkit.serve.engine import SUMMATION_ENV
 
         self._checkpoint_ready(label, recipe)
         saved = os.environ.get(SUMMATION_ENV)

@@ -40,6 +40,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Sum setup + call + teardown wall seconds per test file (module fixtures land on the file's first test)."""
     path = report.nodeid.split("::")[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+    if log := os.environ.get("QUANTKIT_TEST_SECONDS_LOG"):  # one line a phase, written as it ends (survives a kill)
+        with open(log, "a") as f:
+            f.write(f"{report.duration:9.2f} {report.when:8s} {report.outcome:7s} {report.nodeid}\n")
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from quantkit.serve.cpu_linear import SUMMATION_ENV, summation_order  # noqa: F401  (public: the numerics floor's order)
+
 KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache: ample for tiny models and short prompts
 
 
