@@ -111,6 +111,15 @@ def _pass_at_1(programs: list[str], language: str = "py") -> dict[str, float]:
     return {"pass@1": pass_at_k(len(programs), passed, 1)}
 
 
+def sandboxed_pass_at_k(predictions: list[list[str]], k: list[int] | int | None = None) -> dict[str, float]:
+    """lm-eval's cruxeval `pass_at_k` metric, each program run in quantkit's sandbox (`execution.run_program`,
+    opt-in, isolated, time-limited) instead of lm-eval's in-process `exec`: {"pass@<k>": mean over items of the
+    unbiased pass@k of that item's programs} for each k (default [1])."""
+    ks = [k] if isinstance(k, int) else list(k or [1])
+    passed = [(len(programs), sum(run_program(p) for p in programs)) for programs in predictions]
+    return {f"pass@{kv}": sum(pass_at_k(n, c, kv) for n, c in passed) / max(len(passed), 1) for kv in ks}
+
+
 def humaneval_program(doc: dict, completion: str) -> str:
     """The HumanEval program to run: prompt + completion, the problem's tests, then `check(<entry_point>)`."""
     return f"{doc['prompt']}{completion}\n\n{doc['test']}\n\ncheck({doc['entry_point']})\n"

@@ -39,15 +39,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
 from tqdm import tqdm
 
 from quantkit.atomic import write_text_atomic
-from quantkit.checkpoints import check_checkpoint_dir
 from quantkit.configs import SUITES_DIR
 from quantkit.evals.execution import ALLOW_ENV
 from quantkit.evals.extract import MissingExtractionError, data_dir, is_current
 from quantkit.evals.harness import BACKENDS, EvalBackend
+from quantkit.yamlfile import read_yaml
 
 if TYPE_CHECKING:
     import torch
@@ -123,7 +122,7 @@ def load_suite(name_or_path: str | Path) -> Suite:
         raise ValueError(
             f"unknown suite {str(name_or_path)!r}; known: {', '.join(available_suites())} (or a YAML path)"
         )
-    raw = yaml.safe_load(path.read_text())
+    raw = read_yaml(path)
     if isinstance(raw, dict) and raw.keys() == {"alias"}:
         return load_suite(raw["alias"])
     required = {"name", "version", "description", "task_configs", "benchmarks"}
@@ -399,14 +398,14 @@ def _check_inputs(
     """Refuse, before any engine starts, a bad backend, checkpoint, held-out logprobs setting or a missing
     offline extraction."""
     from quantkit.evals.degradation import HeldoutLogprobsError
-    from quantkit.serve.checkpoint_check import check_servable
+    from quantkit.serve.checkpoint_check import check_servable, check_unquantized
 
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if backend == EvalBackend.VLLM:
         check_servable(model_dir)
     else:
-        check_checkpoint_dir(model_dir)
+        check_unquantized(model_dir, "--backend hf (transformers) evaluates unquantized checkpoints only")
     if heldout_logprobs is not None and (backend != EvalBackend.VLLM or data_parallel_size != 1):
         raise HeldoutLogprobsError(
             "held-out logprobs are recorded by the eval's own vLLM engine: they need backend "

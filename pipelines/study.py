@@ -58,7 +58,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-import yaml
 from tqdm import tqdm
 
 from quantkit.atomic import atomic_dir, exclusive_lock, write_text_atomic
@@ -66,6 +65,7 @@ from quantkit.checkpoints import describe_architecture
 from quantkit.errors import BAD_INPUT
 from quantkit.formats.schemes import UNQUANTIZED
 from quantkit.quantize.recipe import Backend, Recipe
+from quantkit.yamlfile import read_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"pipeline spec {path} does not exist")
-    data = yaml.safe_load(path.read_text())
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a pipeline spec is a YAML mapping")
     if unknown := sorted(set(data) - SPEC_KEYS):
@@ -148,11 +148,9 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     spec.eval = {**EVAL_DEFAULTS, **(data.get("eval") or {})}
     if unknown := sorted(set(spec.eval) - set(EVAL_DEFAULTS)):
         raise ValueError(f"{path}: unknown eval key(s) {unknown}; known: {sorted(EVAL_DEFAULTS)}")
+    _check_eval(path, spec.eval)
     spec.eval["suites"] = _model_suites(path, spec.eval["suites"], spec.models)
     spec.eval["limits"] = _model_limits(path, spec.eval["limits"], spec.models)
-    for key in ("numerics", "reference", "allow_code"):
-        if not isinstance(spec.eval[key], bool):
-            raise ValueError(f"{path}: eval.{key} must be true or false, not {spec.eval[key]!r}")
     if spec.eval["numerics"] and spec.eval["backend"] != "vllm":
         raise ValueError(
             f"{path}: eval.numerics re-runs BF16 in vLLM's second CPU summation order: it needs eval.backend vllm"
@@ -182,6 +180,28 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
         spec.eval["suites"] = {label: own[0]} if own else {}  # a model of the spec keeps its own suite
         spec.eval["limits"] = {label: own_limit[0]} if own_limit else {}  # and its own limit
     return spec
+
+
+def _check_eval(path: Path, settings: dict[str, Any]) -> None:
+    """The spec's eval settings checked before any work: the suite loads, the backend exists, limit and seed are
+    integers (limit positive or null), the flags are booleans; ValueError naming `eval.<key>`."""
+    from quantkit.evals.harness import BACKENDS
+    from quantkit.evals.suite import load_suite
+
+    try:
+        load_suite(settings["suite"])
+    except ValueError as err:
+        raise ValueError(f"{path}: eval.suite: {err}") from None
+    if settings["backend"] not in BACKENDS:
+        raise ValueError(f"{path}: eval.backend must be one of {sorted(BACKENDS)}, not {settings['backend']!r}")
+    limit, seed = settings["limit"], settings["seed"]
+    if limit is not None and (type(limit) is not int or limit < 1):
+        raise ValueError(f"{path}: eval.limit must be a positive integer or null, not {limit!r}")
+    if type(seed) is not int:
+        raise ValueError(f"{path}: eval.seed must be an integer, not {seed!r}")
+    for key in ("numerics", "reference", "allow_code"):
+        if not isinstance(settings[key], bool):
+            raise ValueError(f"{path}: eval.{key} must be true or false, not {settings[key]!r}")
 
 
 def _model_suites(path: Path, suites: Any, models: dict[str, str]) -> dict[str, str]:

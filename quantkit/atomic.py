@@ -5,6 +5,7 @@
   renamed to `path`, on any failure (exception, Ctrl-C) it is removed. A SIGKILL leaves the temporary
   directory behind; its name carries the writer's pid (`.NAME.PID.XXXX.tmp`), and the next `atomic_dir` for
   the same target removes leftovers whose writer is dead.
+- `check_output_dir(path, inputs=...)`: the checks a command runs on its output directory before any work.
 - `exclusive_lock(path, what)`: an advisory `flock` on a lock file, released when the process dies (also by
   SIGKILL); `wait=False` refuses at once with `LockedError` naming the holder, `wait=True` blocks until free.
 """
@@ -69,6 +70,36 @@ def _remove_dead_temps(path: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+class OutputPathError(QuantkitError, ValueError):
+    """An output directory that cannot be written where asked: a file is there, a parent is a file or not writable,
+    or it is (or holds, or lies inside) an input of the same command."""
+
+
+def check_output_dir(path: str | Path, *, overwrite: bool = False, inputs: tuple[str | Path, ...] = ()) -> Path:
+    """`path` checked as the target of `atomic_dir`, before any work: not an existing file, not existing unless
+    `overwrite`, not one of `inputs` nor inside one nor holding one, and creatable (its nearest existing ancestor is
+    a writable directory). Returns `path`; OutputPathError (FileExistsError when it exists) names the problem."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputPathError(f"output {path} is a file, not a directory: choose another path")
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace it")
+    target = path.resolve()
+    for source in inputs:
+        source = Path(source).resolve()
+        if target == source or source in target.parents or target in source.parents:
+            relation = "is" if target == source else "lies inside" if source in target.parents else "holds"
+            raise OutputPathError(f"output {path} {relation} the input {source}: write the result somewhere else")
+    ancestor = target.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputPathError(f"cannot create {path}: {ancestor} is a file, not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise OutputPathError(f"cannot create {path}: {ancestor} is not writable")
+    return path
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty temporary directory; on success it becomes `path` (replacing it if `overwrite`).
@@ -77,6 +108,7 @@ def atomic_dir(path: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists (pass overwrite to replace it)")
+    check_output_dir(path, overwrite=True)  # not a file; its parent creatable
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_temps(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent))

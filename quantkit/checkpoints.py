@@ -14,6 +14,7 @@ pages of every shard it has touched).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -27,6 +28,8 @@ from quantkit.errors import QuantkitError
 
 TensorHeaders = dict[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape)
 INDEX_FILE = "model.safetensors.index.json"
+SOURCE_RECORD = "quantkit_source.json"  # a quantized checkpoint's source: {"path", "fingerprint"}
+FINGERPRINT_SAMPLE_BYTES = 1 << 20  # of tensor data from each end of every shard (`weights_fingerprint`)
 # safetensors dtype names -> torch dtypes (the safetensors format specification)
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -128,6 +131,10 @@ class TensorReader:
     def __contains__(self, name: str) -> bool:
         return self.aliases.get(name, name) in self._where
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of tensor `name` (no data read)."""
+        return self._where[self.aliases.get(name, name)][2]
+
     def __getitem__(self, name: str) -> torch.Tensor:
         file, dtype, shape, offset, nbytes = self._where[self.aliases.get(name, name)]
         if dtype not in SAFETENSORS_DTYPES:
@@ -139,6 +146,39 @@ class TensorReader:
             if f.readinto(memoryview(data.numpy())) != nbytes:  # type: ignore[arg-type]
                 raise CheckpointError(f"{file}: tensor {name} is truncated")
         return data.view(SAFETENSORS_DTYPES[dtype]).reshape(shape)
+
+
+def weights_fingerprint(model_dir: str | Path) -> str:
+    """A SHA-256 (hex) identifying a checkpoint's weights without reading them all: over each weight file (sorted by
+    name) its name, its safetensors header (every tensor's name, dtype, shape and offsets) and the first and last
+    FINGERPRINT_SAMPLE_BYTES of its tensor data. Two checkpoints of the same architecture with different weights
+    differ in the sampled bytes; a file rewritten with the same tensors keeps it."""
+    digest = hashlib.sha256()
+    for file in sorted(weight_files(Path(model_dir)), key=lambda f: f.name):
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = f.read(length)
+            start, end = 8 + length, file.stat().st_size
+            head = f.read(min(FINGERPRINT_SAMPLE_BYTES, end - start))
+            f.seek(max(start, end - FINGERPRINT_SAMPLE_BYTES))
+            tail = f.read()
+        for part in (file.name.encode(), header, head, tail):
+            digest.update(len(part).to_bytes(8, "little") + part)
+    return digest.hexdigest()
+
+
+def source_record(model_dir: str | Path) -> dict | None:
+    """The source a quantized checkpoint records (SOURCE_RECORD: path and `weights_fingerprint`), None without one."""
+    path = Path(model_dir) / SOURCE_RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("fingerprint"), str):
+        raise CheckpointError(f"{path}: expected an object with a fingerprint string")
+    return record
 
 
 def check_checkpoint_dir(model_dir: str | Path) -> tuple[dict, TensorHeaders]:
@@ -153,6 +193,11 @@ def check_checkpoint_dir(model_dir: str | Path) -> tuple[dict, TensorHeaders]:
         raise CheckpointError(f"{config_file}: not valid JSON ({err})") from err
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+    qc = config.get("quantization_config")
+    if qc is not None and not (isinstance(qc, dict) and isinstance(qc.get("quant_method"), str)):
+        raise CheckpointError(
+            f"{config_file}: quantization_config must be an object with a quant_method string, got {qc!r:.60}"
+        )
     return config, tensor_headers(model_dir)
 
 

@@ -159,7 +159,9 @@ def _quality(args: argparse.Namespace) -> int:
 
     from quantkit.quantize.quality import quality_table
 
-    table, rows = quality_table(args.model, args.quantized, num_sequences=args.num_sequences, seq_len=args.seq_len)
+    table, rows = quality_table(
+        args.model, args.quantized, num_sequences=args.num_sequences, seq_len=args.seq_len, any_source=args.any_source
+    )
     print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
@@ -245,11 +247,17 @@ def _run_study(args: argparse.Namespace) -> int:
 
     from quantkit.atomic import LockedError
     from quantkit.checkpoints import check_checkpoint_dir
+    from quantkit.evals.execution import ALLOW_ENV, CodeExecutionRefused, code_execution_allowed
     from quantkit.pipelines.study import StageError, Study, load_spec
 
     if args.address is not None and args.executor != "ray":
         raise ValueError("--address names a Ray cluster: it needs --executor ray")
     spec = load_spec(args.spec, model=args.model)
+    if spec.eval["allow_code"] and not (args.allow_code_execution or code_execution_allowed()):
+        raise CodeExecutionRefused(
+            f"{args.spec}: eval.allow_code is true, so this study executes model-written code (a sandboxed, "
+            f"time-limited subprocess per item): allow it with --allow-code-execution (or {ALLOW_ENV}=1)"
+        )
     for source in spec.models.values():  # local sources; zoo presets and hub ids are resolved by the study
         if not source.startswith(("zoo:", "model:")) and Path(source).exists():
             check_checkpoint_dir(source)
@@ -341,6 +349,11 @@ def _add_quality_parser(sub: Subparsers) -> None:
     quality.add_argument("--num-sequences", type=int, default=16)
     quality.add_argument("--seq-len", type=int, default=256)
     quality.add_argument("--json", help="also write the per-layer figures to this JSON file")
+    quality.add_argument(
+        "--any-source",
+        action="store_true",
+        help="compare even with a source other than the one each quantized checkpoint records (quantkit_source.json)",
+    )
     quality.set_defaults(func=_quality)
 
 
@@ -396,6 +409,12 @@ def _add_run_parser(sub: Subparsers) -> None:
         "--address",
         help="with --executor ray: the cluster, host:port of `ray start --head` (or auto, "
         "local; default: $RAY_ADDRESS, else a Ray instance on this machine)",
+    )
+    run.add_argument(
+        "--allow-code-execution",
+        action="store_true",
+        help="let a spec with eval.allow_code: true execute model-written code (sandboxed subprocesses); "
+        "without it such a spec is refused",
     )
     run.set_defaults(func=_run_study)
 

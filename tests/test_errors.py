@@ -26,6 +26,8 @@ from safetensors.torch import load_file, save_file
 from quantkit.atomic import exclusive_lock
 from quantkit.cli import main
 from quantkit.errors import QuantkitError
+from quantkit.models.tiny import build_tiny_checkpoint
+from tiny_gguf import write_tiny_qwen2_gguf
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER = REPO / "tests" / "fixtures" / "paper000_table2.json"
@@ -86,6 +88,21 @@ def inputs(tiny_checkpoint, tmp_path_factory) -> SimpleNamespace:
     (root / "python").write_text("#!/bin/sh\necho 'loading the model' >&2\necho 'ValueError: scheme FP8_BLOCK: injected failure' >&2\nexit 3\n")
     (root / "python").chmod(0o755)
     (root / "no_eval_data").mkdir()
+    (root / "a_file").write_text("not a directory\n")
+    (root / "syntax.yaml").write_text("name: syntax\nscheme: nvfp4\nsmoothquant: {alpha: 0.5\n")
+    (root / "spec_syntax.yaml").write_text(DEFAULT_SPEC.read_text() + "eval: [unclosed\n")
+    for name, settings in {"alpha_half": "smoothquant: {alpha: half}", "block_words": "gptq: {block_size: sixteen}",
+                           "dampening_words": "gptq: {dampening: lots}", "dampening_negative": "gptq: {dampening: -1}"}.items():
+        (root / f"{name}.yaml").write_text(f"name: {name}\nscheme: nvfp4\n{settings}\n")
+    (root / "spec_suite.yaml").write_text(DEFAULT_SPEC.read_text().replace("suite: smoke", "suite: smokey").replace(
+        "suite: mini", "suite: minni"))
+    (root / "spec_code.yaml").write_text(DEFAULT_SPEC.read_text().replace("allow_code: false", "allow_code: true"))
+    fp8 = root / "fp8"
+    main(["quantize", str(tiny_checkpoint), "w8a8_fp8_block", str(fp8)])  # a real quantized checkpoint to break
+    other = build_tiny_checkpoint(root / "other_model", seed=1)  # same architecture, other weights
+    gguf = write_tiny_qwen2_gguf(root / "tiny.gguf", tiny_checkpoint / "tokenizer.json", add_bos=True)
+    (root / "cut_header.gguf").write_bytes(gguf.read_bytes()[:4000])
+    (root / "cut_half.gguf").write_bytes(gguf.read_bytes()[: gguf.stat().st_size // 2])
     return SimpleNamespace(
         root=root,
         tiny=tiny_checkpoint,
@@ -98,7 +115,28 @@ def inputs(tiny_checkpoint, tmp_path_factory) -> SimpleNamespace:
         nan_weights=copy(root / "nan_weights", _with_nan_norm),
         no_tokenizer=copy(root / "no_tokenizer", lambda d: [(d / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json")]),
         gpt2=_gpt2(root / "gpt2", tiny_checkpoint),
+        fp8=fp8,
+        other=other,
+        more_layers=copy(root / "more_layers", functools.partial(_edit_config, num_hidden_layers=3, layer_types=None)),
+        wider_mlp=copy(root / "wider_mlp", functools.partial(_edit_config, intermediate_size=520)),
+        garbage_qc=copy(root / "garbage_qc", functools.partial(_edit_config, quantization_config="garbage")),
+        fp8_no_qc=_copy(fp8, root / "fp8_no_qc", functools.partial(_edit_config, quantization_config=None)),
+        fp8_says_nvfp4=_copy(fp8, root / "fp8_says_nvfp4", _claim_nvfp4),
     )
+
+
+def _edit_config(model_dir: Path, **changes) -> None:
+    """config.json with `changes` applied (a None value removes the key)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(changes)
+    (model_dir / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+
+
+def _claim_nvfp4(model_dir: Path) -> None:
+    """An FP8 checkpoint whose quantization_config says nvfp4."""
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"]["scheme"] = "nvfp4"
+    (model_dir / "config.json").write_text(json.dumps(config))
 
 
 def _run(capsys, argv: list) -> tuple[int, str, str]:
@@ -229,6 +267,61 @@ ROWS = {
     "run_ray_data_parallel": Row("run", lambda p, t: ["run", p.root / "dp_spec.yaml", "--model", p.tiny, "--run-dir", t / "run",
                                                       "--executor", "ray"], r"parallel\.data_parallel_size is 2: .*set data_parallel_size: 1"),
     "run_address_without_ray": Row("run", lambda p, t: ["run", DEFAULT_SPEC, "--address", "auto"], r"--address .* needs --executor ray"),
+    # issue 50: validated before any work
+    "quantize_into_source": Row("quantize", lambda p, t: ["quantize", p.tiny, "w4a4_nvfp4", p.tiny, "--overwrite"],
+                                r"output .* is the input .*: write the result somewhere else"),
+    "quantize_inside_source": Row("quantize", lambda p, t: ["quantize", p.tiny, "w4a4_nvfp4", p.tiny / "q"],
+                                  r"output .* lies inside the input"),
+    "quantize_onto_file": Row("quantize", lambda p, t: ["quantize", p.tiny, "w4a4_nvfp4", p.root / "a_file", "--overwrite"],
+                              r"output .*a_file is a file, not a directory"),
+    "quantize_under_file": Row("quantize", lambda p, t: ["quantize", p.tiny, "w4a4_nvfp4", p.root / "a_file" / "out"],
+                               r"cannot create .*: .*a_file is a file, not a directory"),
+    "quantize_missing_layer": Row("quantize", lambda p, t: ["quantize", p.more_layers, "w4a4_nvfp4", t / "out"],
+                                  r"config\.json does not match the weights: 11 tensor\(s\) the config declares are "
+                                  r"missing \(e\.g\. model\.layers\.2\."),
+    "quantize_streaming_missing_layer": Row("quantize", lambda p, t: ["quantize", p.more_layers, "w4a4_nvfp4", t / "out",
+                                                                      "--streaming"],
+                                            r"config\.json does not match the weights: 11 tensor"),
+    "quantize_mlp_shape": Row("quantize", lambda p, t: ["quantize", p.wider_mlp, "w4a4_nvfp4", t / "out"],
+                              r"tensor\(s\) of another shape \(e\.g\. model\.layers\.0\.mlp\.\w+_proj\.weight is "
+                              r"\(\d+, \d+\) in the weights, \(\d+, \d+\) by config\.json"),
+    "recipe_yaml_syntax": Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / "syntax.yaml", t / "out"],
+                              r"syntax\.yaml: not valid YAML \(line \d+, column \d+\)"),
+    "spec_yaml_syntax": Row("run", lambda p, t: ["run", p.root / "spec_syntax.yaml"],
+                            r"spec_syntax\.yaml: not valid YAML \(line \d+, column \d+\)"),
+    "recipe_alpha_type": Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / "alpha_half.yaml", t / "out"],
+                             r"alpha_half\.yaml: smoothquant\.alpha must be a number, got 'half'"),
+    "recipe_block_size_type": Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / "block_words.yaml", t / "out"],
+                                  r"gptq\.block_size must be an integer, got 'sixteen'"),
+    "recipe_dampening_type": Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / "dampening_words.yaml", t / "out"],
+                                 r"gptq\.dampening must be a number, got 'lots'"),
+    "recipe_dampening_range": Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / "dampening_negative.yaml", t / "out"],
+                                  r"gptq\.dampening must be > 0 .*, got -1"),
+    "quality_garbage_config": Row("quality", lambda p, t: ["quality", p.tiny, p.garbage_qc],
+                                  r"quantization_config must be an object with a quant_method string, got 'garbage'"),
+    "generate_garbage_config": Row("generate", lambda p, t: ["generate", p.garbage_qc, "hello"],
+                                   r"quantization_config must be an object"),
+    "eval_garbage_config": Row("eval", lambda p, t: ["eval", p.garbage_qc, "--out", t / "e"], r"quantization_config must be an object"),
+    "quality_scheme_vs_tensors": Row("quality", lambda p, t: ["quality", p.tiny, p.fp8_says_nvfp4],
+                                     r"quantized module .* \(nvfp4\) has no tensor .*weight_packed"),
+    "quality_other_source": Row("quality", lambda p, t: ["quality", p.other, p.fp8],
+                                r"fp8 was quantized from .*, not from .*other_model .*: pass its source, or --any-source"),
+    "quality_quantized_source": Row("quality", lambda p, t: ["quality", p.fp8, p.fp8], r"fp8 is a quantized checkpoint"),
+    "eval_hf_raw_quantized": Row("eval", lambda p, t: ["eval", p.fp8_no_qc, "--backend", "hf", "--out", t / "e"],
+                                 r"the weights hold quantized tensors .* but config\.json has no quantization_config"),
+    "eval_hf_quantkit": Row("eval", lambda p, t: ["eval", p.fp8, "--backend", "hf", "--out", t / "e"],
+                            r"fp8 is a quantkit checkpoint \(fp8_block\): --backend hf .* evaluates unquantized "
+                            r"checkpoints only"),
+    "gguf_cut_header": Row("import-gguf", lambda p, t: ["import-gguf", p.root / "cut_header.gguf", t / "out"],
+                           r"cut_header\.gguf: truncated or corrupt GGUF file \(4000 bytes"),
+    "gguf_cut_half": Row("import-gguf", lambda p, t: ["import-gguf", p.root / "cut_half.gguf", t / "out"],
+                         r"cut_half\.gguf: truncated or corrupt GGUF file"),
+    "zoo_steps": Row("zoo", lambda p, t: ["zoo", "build", "ga", "--steps", "-3", "--out", t / "zoo"],
+                     r"steps must be a positive integer .*, got -3"),
+    "run_spec_suite": Row("run", lambda p, t: ["run", p.root / "spec_suite.yaml"], r"spec_suite\.yaml: eval\.suite: unknown suite"),
+    "run_allow_code": Row("run", lambda p, t: ["run", p.root / "spec_code.yaml"],
+                          r"eval\.allow_code is true, so this study executes model-written code .*--allow-code-execution",
+                          lambda p, mp: mp.delenv("QUANTKIT_ALLOW_CODE_EXECUTION", raising=False)),
     "zoo_preset": Row("zoo", lambda p, t: ["zoo", "build", "ga", "nope", "--out", t / "zoo"], r"unknown zoo variant\(s\) \['nope'\]"),
     "zoo_size": Row("zoo", lambda p, t: ["zoo", "build", "ga", "--size", "huge", "--out", t / "zoo"], r"unknown zoo size 'huge'"),
 }
@@ -258,3 +351,53 @@ def test_code_execution_refused_is_a_named_error(monkeypatch):
     with pytest.raises(CodeExecutionRefused, match="--allow-code-execution") as err:
         run_program("pass")
     assert isinstance(err.value, QuantkitError)
+
+
+def test_the_source_is_never_overwritten(inputs, capsys):
+    """`quantize SRC RECIPE SRC --overwrite` is refused before any work and leaves every source file as it was."""
+    before = {f.name: f.read_bytes() for f in inputs.tiny.iterdir() if f.is_file()}
+    code, _, err = _run(capsys, ["quantize", inputs.tiny, "w4a4_nvfp4", inputs.tiny, "--overwrite"])
+    _assert_named_error(code, err, "quantize", r"is the input")
+    assert {f.name: f.read_bytes() for f in inputs.tiny.iterdir() if f.is_file()} == before
+
+
+def test_the_quantized_checkpoint_records_its_source(inputs):
+    """quantkit_source.json names the source and its weights' fingerprint; `quality --any-source` accepts another."""
+    from quantkit.checkpoints import source_record, weights_fingerprint
+
+    record = source_record(inputs.fp8)
+    assert record == {"path": str(inputs.tiny.resolve()), "fingerprint": weights_fingerprint(inputs.tiny)}
+    assert weights_fingerprint(inputs.other) != record["fingerprint"]  # same architecture, other weights
+    from quantkit.quantize.quality import check_source
+
+    check_source(inputs.other, [inputs.fp8], any_source=True)  # no error: the user asked
+
+
+def test_import_gguf_honours_its_bos_flag(inputs, tmp_path):
+    """A GGUF with tokenizer.ggml.add_bos_token true imports to a tokenizer that adds BOS (transformers' GGUF
+    conversion alone drops the flag), recorded in import.json; without the flag nothing is added."""
+    from transformers import AutoTokenizer
+
+    from quantkit.models.trained import import_gguf
+
+    out = import_gguf(inputs.root / "tiny.gguf", tmp_path / "bos")
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer("hello world").input_ids[0] == tokenizer.bos_token_id == 0
+    assert json.loads((out / "import.json").read_text())["tokenizer"] == {"add_bos_token": True}
+    plain = write_tiny_qwen2_gguf(tmp_path / "plain.gguf", inputs.tiny / "tokenizer.json", add_bos=None)
+    out = import_gguf(plain, tmp_path / "plain")
+    assert AutoTokenizer.from_pretrained(out)("hello world").input_ids[0] != 0
+    assert json.loads((out / "import.json").read_text())["tokenizer"] == {}
+
+
+def test_quantize_prints_its_path_and_estimate_first(inputs, capsys, tmp_path):
+    """The chosen path and the whole-model estimate are printed before the work (the first line after the
+    calibration costs), and a recipe that calibrates is estimated above plain rounding."""
+    from quantkit.quantize.checkpoint import float32_bytes, whole_model_bytes
+    from quantkit.quantize.recipe import load_recipe
+
+    assert main(["quantize", str(inputs.tiny), "w4a4_nvfp4", str(tmp_path / "q")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"quantize: whole-model \(peak ~[\d.]+ GB\); the whole-model path would need", out), out
+    plain, calibrated = (whole_model_bytes(inputs.tiny, load_recipe(r)) for r in ("w4a4_nvfp4", "w4a4_nvfp4_sq_gptq"))
+    assert plain >= 2 * float32_bytes(inputs.tiny) and calibrated > plain

@@ -43,7 +43,7 @@ def test_lm_eval_sees_a_vllm_version():
 # Installed import name of each source folder (pyproject.toml [tool.setuptools.package-dir]).
 SOURCE_ROOTS = {"quantkit": "quantkit", "configs": "quantkit.configs", "kernels": "quantkit.kernels",
                 "evals": "quantkit.evals", "pipelines": "quantkit.pipelines"}
-LEAVES = ("quantkit.errors", "quantkit.atomic", "quantkit.checkpoints")  # shared by every layer, import only leaves
+LEAVES = ("quantkit.errors", "quantkit.atomic", "quantkit.checkpoints", "quantkit.yamlfile")  # shared by every layer, import only leaves
 SERVE_ENTRIES = ("quantkit.serve.engine", "quantkit.serve.checkpoint_check")  # what consumers of serving may use
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -297,6 +298,54 @@ def source_tensors(reader: TensorReader, module: nn.Module, prefix: str, model_d
         gate_up, down = fuse_expert_matrices(matrices, base, num)
         state[f"{name}.gate_up_proj"], state[f"{name}.down_proj"] = gate_up.float(), down.float()
     return state
+
+
+def check_weights_match_config(model_dir: str | Path) -> None:
+    """The checkpoint's tensors against the model its config.json declares, before any work (both quantize paths):
+    every tensor of the model present with its shape (a tied one through its partner, routed experts per expert)
+    and no decoder layer beyond `num_hidden_layers`. CheckpointError names the first disagreements and the count;
+    without this, transformers fills a missing layer with uninitialised memory and drops extra ones silently."""
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except Exception as err:  # transformers' own checks (e.g. layer_types vs num_hidden_layers), any type
+        message = " ".join(str(err).split())
+        raise CheckpointError(f"{model_dir / 'config.json'}: transformers rejects it: {message}") from None
+    reader = open_source(model_dir, config.model_type)
+    skeleton = skeleton_model(config)
+    tied = tied_partners(skeleton)
+    fused = fused_experts_modules(skeleton)
+    missing, misshapen = [], []
+    for key, value in skeleton.state_dict(keep_vars=True).items():
+        owner, _, leaf = key.rpartition(".")
+        if owner in fused and leaf in ("gate_up_proj", "down_proj") and key not in reader:  # stored per expert
+            parts = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
+            expected = [f"{owner}.{e}.{p}.weight" for e in range(value.shape[0]) for p in parts]
+            missing += [name for name in expected if name not in reader]
+            continue
+        stored = key if key in reader else tied.get(key) if tied.get(key) in reader else None
+        if stored is None:
+            missing.append(key)
+        elif (shape := reader.shape(stored)) != tuple(value.shape):
+            misshapen.append(f"{key} is {shape} in the weights, {tuple(value.shape)} by config.json")
+    try:
+        stack, layers = decoder_stack(skeleton)
+    except LayerwiseError:  # no decoder layers to count (e.g. GPT-2): the tensors above were checked
+        stack, layers = "", nn.ModuleList()
+    prefix = re.compile(rf"{re.escape(stack)}\.(\d+)\.")
+    stored_layers = {int(m.group(1)) for n in reader.names if stack and (m := prefix.match(n))}
+    extra = sorted(stored_layers - set(range(len(layers))))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) the config declares are missing (e.g. {', '.join(missing[:3])})")
+    if misshapen:
+        problems.append(f"{len(misshapen)} tensor(s) of another shape (e.g. {'; '.join(misshapen[:2])})")
+    if extra:
+        problems.append(f"the weights hold decoder layer(s) {extra[:3]} beyond num_hidden_layers {len(layers)}")
+    if problems:
+        raise CheckpointError(f"{model_dir}: config.json does not match the weights: {'; '.join(problems)}")
 
 
 def open_source(model_dir: str | Path, model_type: str) -> TensorReader:

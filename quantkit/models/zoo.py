@@ -272,6 +272,8 @@ def build(
     of the same checkpoint by another process is waited for (a lock per checkpoint), then reused.
     """
     shape = size_of(variant, size)
+    if steps is not None and (type(steps) is not int or steps < 1):
+        raise ZooError(f"steps must be a positive integer (or unset: the size's {shape.steps}), got {steps!r}")
     out = Path(zoo_dir) / f"{variant}-{size}"
     if not (out / "metrics.json").exists():
         with exclusive_lock(out.with_name(f".{out.name}.lock"), f"zoo checkpoint {out}", wait=True):

@@ -7,6 +7,7 @@ one layer at a time through `quantkit.quantize.streaming`) and writes it (`quant
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -19,13 +20,13 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
 import quantkit.models  # noqa: F401  (registers model_type "quantkit")
-from quantkit.atomic import atomic_dir
+from quantkit.atomic import atomic_dir, check_output_dir, write_text_atomic
 from quantkit.calibrate import channel_max, smooth_model
 from quantkit.calibrate.alpha_search import AlphaSearch
-from quantkit.calibrate.layers import skeleton_model
+from quantkit.calibrate.layers import check_weights_match_config, skeleton_model
 from quantkit.calibrate.mappings import resolve_mappings
 from quantkit.calibrate.stats_cache import CacheLocation
-from quantkit.checkpoints import check_checkpoint_dir
+from quantkit.checkpoints import SOURCE_RECORD, check_checkpoint_dir, weights_fingerprint
 from quantkit.data import calibration_windows
 from quantkit.formats.constants import WeightScales
 from quantkit.formats.schemes import scheme_for
@@ -67,6 +68,23 @@ def float32_bytes(model_dir: str | Path) -> int:
     """Bytes of the checkpoint's tensors in float32 (what the whole-model path holds, twice: model and state)."""
     _, headers = check_checkpoint_dir(model_dir)
     return sum(4 * math.prod(shape) for _, shape in headers.values())
+
+
+# The whole-model path's peak, in units of the checkpoint's float32 size F (`float32_bytes`): the float32 model and
+# its float32 output state (2 F), and for a recipe that calibrates (SmoothQuant, GPTQ, static scales, rotation) its
+# calibration passes, statistics, Hessians and the fold check's logits (0.5 F more); plus a floor for the imports and
+# the activations. Measured peaks against it: docs/results/quantize-whole-model-peaks.md.
+WHOLE_MODEL_FACTOR = 2.0
+CALIBRATION_FACTOR = 0.5
+WHOLE_MODEL_FLOOR_BYTES = 1 << 30
+
+
+def whole_model_bytes(model_dir: str | Path, recipe: Recipe) -> int:
+    """The whole-model path's expected peak resident memory for `recipe` on this checkpoint (bytes; see
+    WHOLE_MODEL_FACTOR): an upper estimate, so that `quantize` streams when in doubt."""
+    calibrates = recipe.smoothquant or recipe.gptq or recipe.rotation or recipe.static_activations
+    factor = WHOLE_MODEL_FACTOR + (CALIBRATION_FACTOR if calibrates else 0.0)
+    return int(factor * float32_bytes(model_dir)) + WHOLE_MODEL_FLOOR_BYTES
 
 
 def available_memory_bytes() -> int:
@@ -111,30 +129,42 @@ def quantize_checkpoint(
 
     streaming: True runs `quantkit.quantize.streaming` (one decoder layer in memory, sharded output, the same
     tensors); False loads the whole model in float32 (one model.safetensors); None (default) streams when the
-    whole-model path would need more than the available memory (2 x the float32 size, `float32_bytes`).
+    whole-model path would need more than the available memory (`whole_model_bytes`). The choice and the estimate
+    are printed before any work.
     statistics_cache: a directory where SmoothQuant's statistics of this source are reused from an earlier
     quantization on the same windows, or kept for a later one (`quantkit.calibrate.stats_cache`; the same bytes
     either way)."""
     recipe = load_recipe(recipe) if isinstance(recipe, (str, Path)) else recipe
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_checkpoint_dir(model_dir)  # CheckpointError names a missing config, unreadable or truncated shards
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} exists; pass overwrite=True (--overwrite) to replace it")
+    check_output_dir(out_dir, overwrite=overwrite, inputs=(model_dir,))  # never the source: before any work
+    check_weights_match_config(model_dir)  # a layer config.json declares but the weights lack, a wrong shape
     if streaming and recipe.backend != Backend.QUANTKIT:
         raise ValueError(
             f"recipe {recipe.name}: streaming quantization runs quantkit's own backend only, "
             f"not {str(recipe.backend)!r}"
         )
+    source = {"path": str(model_dir.resolve()), "fingerprint": weights_fingerprint(model_dir)}
+    out = _quantize(model_dir, recipe, out_dir, overwrite=overwrite, streaming=streaming, cache_dir=statistics_cache)
+    write_text_atomic(out / SOURCE_RECORD, json.dumps(source, indent=1) + "\n")  # `quality` checks its source by it
+    return out
+
+
+def _quantize(
+    model_dir: Path, recipe: Recipe, out_dir: Path, *, overwrite: bool, streaming: bool | None, cache_dir
+) -> Path:
+    """`quantize_checkpoint` after its checks: the peer backend's, the streaming or the whole-model path."""
     if recipe.backend in PEER_BACKENDS:
         return PEER_BACKENDS[recipe.backend](model_dir, recipe, out_dir)
+    need, have = whole_model_bytes(model_dir, recipe), available_memory_bytes()
     if streaming is None:
-        need, have = 2 * float32_bytes(model_dir), available_memory_bytes()
         streaming = need > have
-        if streaming:
-            logger.info(
-                "quantize: the whole-model path needs ~%.1f GB, %.1f GB available: streaming", need / 1e9, have / 1e9
-            )
-    cache = statistics_location(statistics_cache, model_dir, recipe)
+    path = "streaming (one decoder layer at a time)" if streaming else f"whole-model (peak ~{need / 1e9:.1f} GB)"
+    print(
+        f"quantize: {path}; the whole-model path would need ~{need / 1e9:.1f} GB, {have / 1e9:.1f} GB available",
+        flush=True,
+    )
+    cache = statistics_location(cache_dir, model_dir, recipe)
     if streaming:
         return quantize_streaming(model_dir, recipe, out_dir, overwrite=overwrite, statistics_cache=cache)
 

@@ -10,7 +10,6 @@ per token or with the expert matrix's static scale, as vLLM's FusedMoE method mu
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
@@ -20,7 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import quantkit.models  # noqa: F401
 from quantkit.calibrate.alpha_search import QuantizedProduct
-from quantkit.checkpoints import read_state
+from quantkit.checkpoints import check_checkpoint_dir, read_state
+from quantkit.formats.checkpoint_tensors import check_quantized_tensors
 from quantkit.formats.experts import expert_matrices, fuse_expert_matrices, fused_experts_modules
 from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.schemes import (
@@ -225,12 +225,14 @@ def read_quantization_config(model_dir: str | Path) -> dict:
     config_path = Path(model_dir) / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{model_dir} has no config.json")
-    qc = json.loads(config_path.read_text()).get("quantization_config")
+    config, headers = check_checkpoint_dir(model_dir)
+    qc = config.get("quantization_config")
     if qc is None:
         raise ValueError(f"{model_dir}: config.json has no quantization_config (not a quantized checkpoint)")
     if qc.get("quant_method") != "quantkit":
         raise ValueError(f"{model_dir}: quant_method {qc.get('quant_method')!r} is not 'quantkit'")
     scheme_from_config(qc, f"{config_path} quantization_config")
+    check_quantized_tensors(model_dir, qc, headers)  # the tensors are what the config says
     return qc
 
 

@@ -53,8 +53,9 @@ from quantkit.calibrate.layers import (
 )
 from quantkit.calibrate.mappings import SmoothMapping, resolve_mappings
 from quantkit.calibrate.smoothquant import fold_mapping
-from quantkit.checkpoints import CheckpointError, TensorReader, check_checkpoint_dir
+from quantkit.checkpoints import CheckpointError, TensorReader, check_checkpoint_dir, source_record, weights_fingerprint
 from quantkit.data import heldout_windows
+from quantkit.errors import QuantkitError
 from quantkit.formats.experts import EXPERT_PROJECTIONS, expert_matrices
 from quantkit.formats.schemes import checkpoint_suffixes
 from quantkit.metrics import energy, kl_divergence, snr_db
@@ -316,14 +317,47 @@ def _experts_snr_hook(
     return hook
 
 
+class SourceMismatchError(QuantkitError, ValueError):
+    """`quality` was given a source that is not the one the quantized checkpoint was made from (its SOURCE_RECORD),
+    or a quantized checkpoint as the source: the KL and SNR would measure the difference of two models."""
+
+
+def check_source(reference_dir: str | Path, quantized_dirs: list[str | Path], any_source: bool = False) -> None:
+    """The source is unquantized and, unless `any_source`, the one each quantized checkpoint records
+    (`quantkit.checkpoints.source_record`; checkpoints without a record are taken as they are)."""
+    config, _ = check_checkpoint_dir(reference_dir)
+    if config.get("quantization_config") is not None:
+        raise SourceMismatchError(
+            f"{reference_dir} is a quantized checkpoint: quality compares quantized checkpoints with their "
+            "unquantized source (pass the source first)"
+        )
+    if any_source:
+        return
+    fingerprint = weights_fingerprint(reference_dir)
+    for model_dir in quantized_dirs:
+        record = source_record(model_dir)
+        if record is not None and record["fingerprint"] != fingerprint:
+            raise SourceMismatchError(
+                f"{model_dir} was quantized from {record.get('path')} (weights fingerprint "
+                f"{record['fingerprint'][:12]}), not from {reference_dir} ({fingerprint[:12]}): pass its source, "
+                "or --any-source to compare with another model anyway"
+            )
+
+
 def quality_table(
-    reference_dir: str | Path, quantized_dirs: list[str | Path], num_sequences: int = 16, seq_len: int = 256
+    reference_dir: str | Path,
+    quantized_dirs: list[str | Path],
+    num_sequences: int = 16,
+    seq_len: int = 256,
+    any_source: bool = False,
 ) -> tuple[str, list[dict]]:
-    """Markdown table (one row per quantized checkpoint) and the per-checkpoint dicts, on held-out text."""
+    """Markdown table (one row per quantized checkpoint) and the per-checkpoint dicts, on held-out text.
+    Every input is checked first (`check_source`; `any_source` skips the source-identity check)."""
     for model_dir in (reference_dir, *quantized_dirs):  # every input, before any model is loaded
         check_checkpoint_dir(model_dir)
     for model_dir in quantized_dirs:
         read_quantization_config(model_dir)
+    check_source(reference_dir, quantized_dirs, any_source)
     tokenizer = AutoTokenizer.from_pretrained(reference_dir)
     tokens = heldout_windows(tokenizer, num_sequences, seq_len)
     rows = [quality(reference_dir, d, tokens) for d in quantized_dirs]

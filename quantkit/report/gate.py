@@ -21,13 +21,12 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-import yaml
-
 from quantkit.errors import print_error
 from quantkit.metrics import noise_of_mean
 from quantkit.report.benchmarks import resolve
 from quantkit.report.results import Results, ResultsError, load_results
 from quantkit.report.table import Degradation, degradation, mean
+from quantkit.yamlfile import read_yaml
 
 
 @dataclass(frozen=True)
@@ -50,8 +49,8 @@ def load_thresholds(path: str | Path | None = None, **overrides: float | None) -
     values: dict = {}
     if path is not None:
         try:
-            data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        except (OSError, yaml.YAMLError) as err:
+            data = read_yaml(path) or {}
+        except OSError as err:
             raise ResultsError(f"{path}: cannot read gate thresholds ({err})") from None
         if not isinstance(data, dict):
             raise ResultsError(f"{path}: gate thresholds must be a mapping")

@@ -21,15 +21,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from quantkit.checkpoints import CheckpointError, TensorHeaders, check_checkpoint_dir
+from quantkit.formats.checkpoint_tensors import check_quantized_tensors, refuse_quantized_tensors
 from quantkit.formats.experts import EXPERT_MATRIX, EXPERT_PROJECTIONS
-from quantkit.formats.schemes import SCHEMES, checkpoint_suffixes, module_scheme, scheme_from_config
-
-# Suffixes of quantized tensors: quantkit's (but the plain `weight`) and the peers' (ModelOpt, compressed-tensors).
-QUANT_SUFFIXES = tuple(s for s in checkpoint_suffixes() if s != "weight") + (
-    "weight_scale_2",
-    "input_scale",
-    "weight_scale_inv",
-)
 
 
 def check_servable(model_dir: str | Path) -> dict | None:
@@ -38,14 +31,7 @@ def check_servable(model_dir: str | Path) -> dict | None:
     config, headers = check_checkpoint_dir(model_dir)
     qc = config.get("quantization_config")
     if qc is None:
-        quantized = sorted(
-            n for n, (dtype, _) in headers.items() if n.rsplit(".", 1)[-1] in QUANT_SUFFIXES or dtype.startswith("F8")
-        )
-        if quantized:
-            raise CheckpointError(
-                f"{model_dir}: the weights hold quantized tensors ({', '.join(quantized[:3])}, ...) but config.json "
-                "has no quantization_config; the checkpoint was not written by `quantkit quantize` or was edited"
-            )
+        refuse_quantized_tensors(model_dir, headers)
         _check_experts(model_dir, config, None, headers)
         return None
     method = qc.get("quant_method")
@@ -63,36 +49,23 @@ def check_servable(model_dir: str | Path) -> dict | None:
     return qc
 
 
-def _check_quantkit(model_dir: Path, qc: dict, headers: TensorHeaders) -> None:
-    scheme_from_config(qc, f"{model_dir}/config.json quantization_config")
-    modules = qc["quantized_modules"]
-    shapes: defaultdict[str, dict[str, tuple[int, ...]]] = defaultdict(dict)  # module -> {suffix: shape}
-    for name, (_, shape) in headers.items():
-        module, dot, suffix = name.rpartition(".")
-        if dot:
-            shapes[module][suffix] = shape
-    for module in modules:
-        scheme, activation_scale = module_scheme(qc, module)
-        for suffix, dtype in scheme.checkpoint_tensors(activation_scale).items():
-            got = headers.get(f"{module}.{suffix}")
-            if got is None:
-                raise CheckpointError(
-                    f"{model_dir}: quantized module {module} ({scheme.name}) has no tensor {module}.{suffix}"
-                )
-            if got[0] != dtype:
-                raise CheckpointError(
-                    f"{model_dir}: {module}.{suffix} is {got[0]}, scheme {scheme.name} stores {dtype}"
-                )
-        problem = scheme.shape_problem(module, shapes[module])
-        if problem:
-            raise CheckpointError(f"{model_dir}: {problem}")
-    listed = set(modules)
-    markers = {s.marker for s in SCHEMES.values()}
-    stray = sorted(m for m, suffixes in shapes.items() if markers & set(suffixes) and m not in listed)
-    if stray:
+def check_unquantized(model_dir: str | Path, why: str) -> None:
+    """CheckpointError unless the checkpoint is unquantized (no quantization_config, no quantized tensors): for
+    runners that would silently compute a quantized checkpoint wrongly; `why` opens the message's explanation."""
+    model_dir = Path(model_dir)
+    config, headers = check_checkpoint_dir(model_dir)
+    qc = config.get("quantization_config")
+    if qc is not None:
+        scheme = qc.get("scheme") or qc.get("quant_algo") or qc.get("format") or ""
         raise CheckpointError(
-            f"{model_dir}: {stray[:3]} hold quantized tensors but are not in quantization_config.quantized_modules"
+            f"{model_dir} is a {qc['quant_method']} checkpoint{f' ({scheme})' if scheme else ''}: {why}; "
+            "transformers has no loader that reproduces its served numerics (use --backend vllm)"
         )
+    refuse_quantized_tensors(model_dir, headers)
+
+
+def _check_quantkit(model_dir: Path, qc: dict, headers: TensorHeaders) -> None:
+    check_quantized_tensors(model_dir, qc, headers)
     import torch
 
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
