@@ -108,9 +108,11 @@ zoo: $(MAIN_STAMP)
 # no MODEL: the embedded default (the zoo's Table 2 trio). Finished stages are cached in the run directory.
 # Each target runs the study's stage table (STAGES) up to the stage named by --until; tests/test_study_stages.py
 # checks that every --until here names a stage of that table.
+# A spec with eval.allow_code: true (real.yaml, methods.yaml) executes model-written code: it needs ALLOW_CODE=1.
 PIPELINE ?= pipelines/default.yaml
 MODEL    ?=
-STUDY     = $(VENV)/bin/quantkit run $(PIPELINE) $(if $(MODEL),--model $(MODEL))
+ALLOW_CODE ?=
+STUDY     = $(VENV)/bin/quantkit run $(PIPELINE) $(if $(MODEL),--model $(MODEL)) $(if $(ALLOW_CODE),--allow-code-execution)
 quantize: $(MAIN_STAMP)
 	$(STUDY) --until quantize
 eval: $(MAIN_STAMP)

@@ -43,6 +43,7 @@ from quantkit.evals.harness import evaluate_tasks, open_lm
 from quantkit.evals.suite import TASK_CONFIGS, load_suite
 
 SUITE = load_suite("table2")
+ROOT = Path(__file__).resolve().parents[1]
 LM_EVAL_TASKS = Path(lm_eval.api.task.__file__).resolve().parent.parent / "tasks"
 MMLU_PRO_CATEGORIES = ["biology", "business", "chemistry", "computer science", "economics", "engineering", "health",
                        "history", "law", "math", "other", "philosophy", "physics", "psychology"]
@@ -207,6 +208,22 @@ def test_fixture_item_scores_with_the_fewshot_context_in_the_prompt(bench, fixtu
     else:
         assert prompt.count(marker) == row["num_fewshot"] + 1, prompt
     assert sample["filtered_resps"] and f"{row['metric']},{row['filter']}" in out["results"][name]
+
+
+def test_crux_programs_run_in_quantkit_sandbox(manager, monkeypatch):
+    """Crux's metric is quantkit's (evals/tasks/table2/utils.py), not lm-eval's in-process `exec`: refused without
+    the opt-in, and with it each program runs in the sandbox (a passing and a failing assertion: pass@1 0.5)."""
+    from quantkit.evals.execution import CodeExecutionRefused
+
+    (_, task), = _built(manager, "Crux")
+    metric = task.config.metric_list[0]["metric"]
+    assert Path(metric.__code__.co_filename) == ROOT / "evals" / "tasks" / "table2" / "utils.py"
+    programs = [["def f(x):\n    return x + x\nassert f(2) == 4\n"], ["def f(x):\n    return x + x\nassert f(2) == 5\n"]]
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    with pytest.raises(CodeExecutionRefused):
+        metric(["", ""], programs, k=[1])
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    assert metric(["", ""], programs, k=[1]) == {"pass@1": 0.5}
 
 
 def test_report_avg_is_over_the_paper_columns_only():
