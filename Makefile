@@ -87,8 +87,11 @@ lint: $(MAIN_STAMP)
 	$(VENV)/bin/ruff format --check
 	$(VENV)/bin/mypy
 
+# Two pytest workers (pytest-xdist), each test file on one worker (--dist loadfile: a file's module fixtures are
+# built once): most tests wait on Python, the Triton interpreter or subprocesses, not on both cores.
+TEST_WORKERS ?= 2
 test: lint $(MAIN_STAMP) $(LLMC_STAMP) $(TOOLCHAIN_STAMP)
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 ifeq ($(HAS_AVX512),yes)
 	@echo "AVX-512 CPU: the cpu_isa tests again, with AVX2 kernels forced ($(AVX2_ENV))"
 	$(AVX2_ENV) $(VENV)/bin/pytest -m "cpu_isa and not vllm_cpu"

@@ -40,7 +40,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Sum setup + call + teardown wall seconds per test file (module fixtures land on the file's first test)."""
     path = report.nodeid.split("::")[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
-    if log := os.environ.get("QUANTKIT_TEST_SECONDS_LOG"):  # one line a phase, written as it ends (survives a kill)
+    log = os.environ.get("QUANTKIT_TEST_SECONDS_LOG")
+    if log and "PYTEST_XDIST_WORKER" not in os.environ:  # one line a phase as it ends (the controller's copy)
         with open(log, "a") as f:
             f.write(f"{report.duration:9.2f} {report.when:8s} {report.outcome:7s} {report.nodeid}\n")
 
