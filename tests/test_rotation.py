@@ -56,6 +56,22 @@ def test_residual_rotation_is_orthogonal_seeded_and_mixes_every_channel(n):
     assert torch.equal(q, residual_rotation(n, seed=0)) and not torch.equal(q, residual_rotation(n, seed=1))
 
 
+@pytest.mark.parametrize("n,block", [(64, 16), (576, 16), (896, 32)])
+def test_block_residual_rotation_stays_within_its_groups(n, block):
+    """rotation.block (MR-GPTQ): Q = diag(signs) (I (x) H_b) is orthogonal (entries +-1/sqrt(b), exact in float64
+    for even log2 b, one rounding else: |Q Q^T - I| <= b u64), and channel i mixes only with the channels of its own
+    run of b: an outlier reaches the quantization group it sits in (b = the group size), no other."""
+    q = residual_rotation(n, seed=0, block=block)
+    assert (q @ q.T - torch.eye(n, dtype=torch.float64)).abs().max() <= block * U64
+    groups = torch.arange(n) // block
+    assert ((q != 0) == (groups[:, None] == groups[None, :])).all()
+    assert torch.allclose(q.abs()[q != 0], torch.full((), 1 / math.sqrt(block), dtype=torch.float64), rtol=0, atol=U64)
+    assert torch.equal(q, residual_rotation(n, seed=0, block=block))
+    assert not torch.equal(q, residual_rotation(n, seed=1, block=block))
+    with pytest.raises(ValueError, match="power of two >= 2 dividing"):
+        residual_rotation(n, seed=0, block=3 * n)
+
+
 @pytest.mark.parametrize("k,block", [(1536, 512), (4864, 256), (208, 16)])
 def test_block_hadamard_is_the_dense_product_within_the_butterflys_rounding(k, block):
     gen = torch.Generator().manual_seed(0)
@@ -117,6 +133,31 @@ def test_rotation_rotates_and_preserves_the_function(name, tmp_path):
         after = model(tokens).logits
     assert (after - before).abs().max() <= TOLERANCE * before.abs().max()
     assert report.max_logit_change <= TOLERANCE * report.logit_scale
+
+
+def test_block_rotation_preserves_the_function_and_both_paths_write_the_same_bytes(tmp_path):
+    """`rotation: {block: 16}` on the tiny model (hidden 256): the residual Q is block-diagonal (the embedding is
+    E Q of that Q), the online blocks default to 16, the logits stay within TOLERANCE, and the streaming and
+    whole-model paths write the same bytes (the same float64 folds, rounded once)."""
+    from safetensors.torch import load_file
+
+    source = build_tiny_checkpoint(tmp_path / "tiny", seed=0)
+    recipe = parse_recipe({"name": "rot16", "scheme": "nvfp4", "rotation": {"seed": 2, "block": 16}})
+    model = load_reference_model(source, torch.float32)
+    embed = model.get_input_embeddings().weight.detach().clone()
+    tokens = torch.randint(0, embed.shape[0], (2, 24), generator=torch.Generator().manual_seed(0))
+    report = rotate_model(model, 2, True, tokens, recipe.rotation.down_block, recipe.rotation.block)
+    assert torch.equal(model.get_input_embeddings().weight, (embed.double() @ residual_rotation(256, 2, 16)).float())
+    assert set(report.online_hadamard.values()) == {16} and report.to_dict()["residual_block"] == 16
+    assert report.max_logit_change <= TOLERANCE * report.logit_scale
+    whole = quantize_checkpoint(source, recipe, tmp_path / "whole", streaming=False)
+    streamed = quantize_checkpoint(source, recipe, tmp_path / "streamed", streaming=True)
+    a, b = load_file(whole / "model.safetensors"), {}
+    for shard in streamed.glob("*.safetensors"):
+        b.update(load_file(shard))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    config = json.loads((whole / "config.json").read_text())["quantization_config"]["rotation"]
+    assert config["residual_block"] == 16 and set(config["online_hadamard"].values()) == {16}
 
 
 def test_a_rotated_checkpoint_records_and_applies_the_online_transform(tmp_path):

@@ -65,14 +65,24 @@ def hadamard_matrix(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     return h / math.sqrt(n)
 
 
-def residual_rotation(hidden: int, seed: int) -> torch.Tensor:
-    """The residual stream's rotation Q (hidden, hidden), float64, orthogonal: diag(signs) (H_{2^a} (x) O_m) for
-    hidden = 2^a m (m odd), signs random +-1 and O_m a random orthogonal matrix (QR of a Gaussian, the sign of R's
-    diagonal fixed), both from `seed`. m = 1 is QuaRot's randomized Hadamard; every entry has magnitude
-    |O_m[i, j]| / sqrt(2^a), so Q mixes every channel into every other (an outlier channel is spread over all)."""
+def residual_rotation(hidden: int, seed: int, block: int | None = None) -> torch.Tensor:
+    """The residual stream's rotation Q (hidden, hidden), float64, orthogonal.
+
+    block None (QuaRot): diag(signs) (H_{2^a} (x) O_m) for hidden = 2^a m (m odd), signs random +-1 and O_m a random
+    orthogonal matrix (QR of a Gaussian, the sign of R's diagonal fixed), both from `seed`. m = 1 is QuaRot's
+    randomized Hadamard; every entry has magnitude |O_m[i, j]| / sqrt(2^a), so Q mixes every channel into every
+    other (an outlier channel is spread over all).
+    block b (a power of two dividing hidden; MR-GPTQ, arXiv 2509.23202): diag(signs) (I_{hidden/b} (x) H_b), a
+    randomized Hadamard within each run of b channels: with b the quantization group's size (16 for NVFP4) an
+    outlier is spread over its own group only, whose scale already pays for it, instead of into every group."""
+    generator = torch.Generator().manual_seed(seed)
+    if block is not None:
+        if block < 2 or block & (block - 1) or hidden % block:
+            raise ValueError(f"a residual rotation block must be a power of two >= 2 dividing {hidden}, got {block}")
+        signs = torch.randint(0, 2, (hidden,), generator=generator).to(torch.float64) * 2 - 1
+        return signs[:, None] * torch.block_diag(*[hadamard_matrix(block)] * (hidden // block))
     power = hidden & -hidden
     odd = hidden // power
-    generator = torch.Generator().manual_seed(seed)
     gaussian = torch.randn(odd, odd, generator=generator, dtype=torch.float64)
     q, r = torch.linalg.qr(gaussian)
     orthogonal = q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()))

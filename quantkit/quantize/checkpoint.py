@@ -238,7 +238,7 @@ def _rotate(model, tokenizer, recipe: Recipe) -> RotationReport:
         min(128, model.config.max_position_embeddings),
         recipe.calibration_source(model.config.model_type),
     )
-    return rotate_model(model, settings.seed, settings.online, verify, settings.online_block)
+    return rotate_model(model, settings.seed, settings.online, verify, settings.down_block, settings.block)
 
 
 def _gptq(model, tokenizer, recipe: Recipe, quantized: set[str]) -> dict[str, dict[str, torch.Tensor]]:

@@ -23,10 +23,12 @@ A recipe names a scheme and what happens before it:
     gptq: {num_sequences: 128, seq_len: 512, block_size: 128, dampening: 0.01, act_order: false}
                                  # GPTQ rounding (quantkit.quantize.gptq), layer by layer (streaming too);
                                  # act_order: columns by descending diag(H), group scales fixed first
-    rotation: {seed: 0, online: true, online_block: null}  # QuaRot rotation before everything else
+    rotation: {seed: 0, online: true, online_block: null, block: null}  # QuaRot rotation before everything else
                                  # (quantkit.quantize.rotation): residual stream rotated offline; online: block
                                  # Hadamard at dense down_proj inputs (online_block: its block, null = the largest
-                                 # power of two dividing K; serving with TP t needs t x block | K); whole-model path
+                                 # power of two dividing K; serving with TP t needs t x block | K); block: the
+                                 # residual rotation block-diagonal of that size (MR-GPTQ: the group size, 16 for
+                                 # NVFP4; also the online block when online_block is null), null = full width
     module_schemes:              # mixed precision by module: the first matching pattern's scheme (bf16: kept
       - "re:.*\\.(self_attn|linear_attn)\\..*": fp8_block   # unquantized), else `scheme`; the same pattern
                                  # syntax as `ignore`; expert matrices match as <experts>.<e>.<proj>
@@ -152,7 +154,14 @@ class RotationSettings:
 
     seed: int = 0
     online: bool = True
-    online_block: int | None = None  # None: the largest power of two dividing K (`online_block`), at most 4096
+    online_block: int | None = None  # None: `block`, else the largest power of two dividing K (`online_block`), <= 4096
+    block: int | None = None  # the residual rotation's block (`residual_rotation`); None: full width (QuaRot)
+
+    @property
+    def down_block(self) -> int | None:
+        """The online Hadamard's block at down_proj inputs: online_block, else the residual block, else None (the
+        largest power of two dividing K)."""
+        return self.online_block if self.online_block is not None else self.block
 
 
 @dataclass(frozen=True)
@@ -328,19 +337,20 @@ def _rotation(value: Any, backend: Backend, scheme: str, source: str) -> Rotatio
         return None
     if backend != Backend.QUANTKIT or scheme == UNQUANTIZED:
         raise ValueError(f"{source}: rotation applies to quantkit's own quantized schemes only")
-    if not isinstance(value, dict) or set(value) - {"seed", "online", "online_block"}:
+    if not isinstance(value, dict) or set(value) - {"seed", "online", "online_block", "block"}:
         raise ValueError(
-            f"{source}: rotation must be a mapping with keys seed (integer), online (true/false) and online_block "
-            "(a power of two)"
+            f"{source}: rotation must be a mapping with keys seed (integer), online (true/false), online_block "
+            "and block (powers of two)"
         )
     settings = RotationSettings(**value)
     if not isinstance(settings.seed, int) or isinstance(settings.seed, bool) or settings.seed < 0:
         raise ValueError(f"{source}: rotation.seed must be an integer >= 0, got {settings.seed!r}")
     if not isinstance(settings.online, bool):
         raise ValueError(f"{source}: rotation.online must be true or false, got {settings.online!r}")
-    block = settings.online_block
-    if block is not None and (type(block) is not int or block < 1 or block & (block - 1)):
-        raise ValueError(f"{source}: rotation.online_block must be a power of two, got {block!r}")
+    for key, low in (("online_block", 1), ("block", 2)):
+        block = getattr(settings, key)
+        if block is not None and (type(block) is not int or block < low or block & (block - 1)):
+            raise ValueError(f"{source}: rotation.{key} must be a power of two >= {low}, got {block!r}")
     return settings
 
 

@@ -68,10 +68,13 @@ class RotationReport:
     online_hadamard: dict[str, int]
     max_logit_change: float
     logit_scale: float
+    residual_block: int | None = None  # Q block-diagonal of this size (`residual_rotation`); None: full width
 
     def to_dict(self) -> dict:
+        block = {} if self.residual_block is None else {"residual_block": self.residual_block}
         return {
             "seed": self.seed,
+            **block,
             "online_hadamard": self.online_hadamard,
             "max_logit_change": self.max_logit_change,
             "logit_scale": self.logit_scale,
@@ -175,17 +178,23 @@ def rotate_layer(plan: RotationPlan, i: int, q: torch.Tensor) -> None:
 
 @torch.no_grad()
 def rotate_model(
-    model: PreTrainedModel, seed: int, online: bool, verify_tokens: torch.Tensor, block: int | None = None
+    model: PreTrainedModel,
+    seed: int,
+    online: bool,
+    verify_tokens: torch.Tensor,
+    block: int | None = None,
+    residual_block: int | None = None,
 ) -> RotationReport:
     """Rotate the float32 causal LM `model` in place (module docstring); verify_tokens (B, T) for the function
     check. online: also the online Hadamard on each dense down_proj (weights folded, pre-hook installed), of
-    `block` (a power of two dividing its in_features; None: `online_block(in_features)`).
+    `block` (a power of two dividing its in_features; None: `online_block(in_features)`). residual_block: Q
+    block-diagonal of that size (`residual_rotation`), None: full width.
     RotationError for an architecture or norm it cannot rotate; FunctionPreservationError if the logits moved."""
     plan = plan_rotation(model, online, block)  # every check before any weight changes: a refusal leaves the model
     was_training = model.training
     model.eval()
     reference = model(verify_tokens).logits.float()
-    q = residual_rotation(cast(torch.Tensor, plan.embed.weight).shape[1], seed)
+    q = residual_rotation(cast(torch.Tensor, plan.embed.weight).shape[1], seed, residual_block)
     rotate_outside(model, plan, q)
     for i in range(len(plan.layers)):
         rotate_layer(plan, i, q)
@@ -196,7 +205,7 @@ def rotate_model(
     logger.info(
         "rotation: %s rotated (seed %d), max |logit change| %.3g of %.3g", type(model).__name__, seed, change, scale
     )
-    return RotationReport(seed, plan.online_hadamard, change, scale)
+    return RotationReport(seed, plan.online_hadamard, change, scale, residual_block)
 
 
 def check_online_quantized(recipe: str, online_hadamard: dict[str, int], quantized: Iterable[str]) -> None:

@@ -368,9 +368,9 @@ class _StreamingJob:
         rotation, rotation_q, rotation_tokens = None, torch.empty(0), torch.empty(0, dtype=torch.long)
         if recipe.rotation is not None:  # checked on the skeleton: a refusal before anything is read or written
             settings = recipe.rotation
-            rotation = plan_rotation(skeleton, settings.online, settings.online_block)
+            rotation = plan_rotation(skeleton, settings.online, settings.down_block)
             check_online_quantized(recipe.name, rotation.online_hadamard, quantized)
-            rotation_q = residual_rotation(config.hidden_size, settings.seed)
+            rotation_q = residual_rotation(config.hidden_size, settings.seed, settings.block)
             # the whole-model path's check windows (`quantkit.quantize.checkpoint._rotate`)
             rotation_tokens = calibration_windows(tokenizer, 2, min(128, max_positions), source)
         return cls(
@@ -553,7 +553,7 @@ class _StreamingJob:
         check_rotation_preserved(architecture, change, scale)
         settings = cast(RotationSettings, self.recipe.rotation)
         plan = cast(RotationPlan, self.rotation)
-        return RotationReport(settings.seed, plan.online_hadamard, change, scale)
+        return RotationReport(settings.seed, plan.online_hadamard, change, scale, settings.block)
 
 
 def _verify(
