@@ -325,7 +325,8 @@ def check_weights_match_config(model_dir: str | Path) -> None:
             expected = [f"{owner}.{e}.{p}.weight" for e in range(value.shape[0]) for p in parts]
             missing += [name for name in expected if name not in reader]
             continue
-        stored = key if key in reader else tied.get(key) if tied.get(key) in reader else None
+        partner = tied.get(key)
+        stored = key if key in reader else partner if partner is not None and partner in reader else None
         if stored is None:
             missing.append(key)
         elif (shape := reader.shape(stored)) != tuple(value.shape):
