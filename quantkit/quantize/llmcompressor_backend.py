@@ -21,6 +21,7 @@ import torch
 from transformers import AutoTokenizer
 
 from quantkit.atomic import atomic_dir
+from quantkit.checkpoints import write_source_record
 from quantkit.errors import BackendError
 from quantkit.quantize.recipe import CalibrationSettings, Recipe
 
@@ -79,4 +80,5 @@ def quantize_with_llmcompressor(model_dir: Path, recipe: Recipe, out_dir: Path) 
                 f"llmcompressor failed on {model_dir} with recipe {recipe.name} (worker {python}, exit "
                 f"{run.returncode}); the end of its stderr:\n{tail}"
             )
+        write_source_record(out, model_dir)
     return out_dir

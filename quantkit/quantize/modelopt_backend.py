@@ -24,6 +24,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from quantkit.atomic import atomic_dir
+from quantkit.checkpoints import write_source_record
 from quantkit.errors import BackendError
 from quantkit.models.attention import load_reference_model
 from quantkit.quantize.recipe import CalibrationSettings, Recipe
@@ -93,4 +94,5 @@ def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Pa
                 f"modelopt failed on {model_dir} with recipe {recipe.name}: {type(err).__name__}: {err}"
             ) from err
         tokenizer.save_pretrained(tmp)
+        write_source_record(tmp, model_dir)
     return out_dir

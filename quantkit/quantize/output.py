@@ -16,7 +16,7 @@ from tqdm import tqdm
 from transformers import PretrainedConfig
 
 from quantkit.calibrate import SmoothQuantReport
-from quantkit.checkpoints import SAFETENSORS_DTYPES, CheckpointError, TensorHeaders
+from quantkit.checkpoints import SAFETENSORS_DTYPES, CheckpointError, TensorHeaders, write_source_record
 from quantkit.formats.constants import ActivationScale
 from quantkit.formats.experts import EXPERT_MATRIX, expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import UNQUANTIZED, Scheme, get_scheme, scheme_for
@@ -154,10 +154,13 @@ def output_config(
     return out
 
 
-def write_side_files(out_dir: Path, config: dict, tokenizer, smoothquant_report: SmoothQuantReport | None) -> None:
-    """config.json, the tokenizer, and for SQ recipes smoothquant.json and SMOOTHQUANT_FACTORS of a quantized
-    checkpoint."""
+def write_side_files(
+    out_dir: Path, config: dict, tokenizer, smoothquant_report: SmoothQuantReport | None, source_dir: Path
+) -> None:
+    """config.json, the tokenizer, the source record (`quantkit.checkpoints.write_source_record`), and for SQ recipes
+    smoothquant.json and SMOOTHQUANT_FACTORS of a quantized checkpoint."""
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    write_source_record(out_dir, source_dir)
     tokenizer.save_pretrained(out_dir)
     if smoothquant_report is not None:
         (out_dir / "smoothquant.json").write_text(json.dumps(smoothquant_report.to_dict(), indent=2))

@@ -412,7 +412,8 @@ def _settings(cls, value, where: str):
         annotation = str(fields[name].type)
         if not _check_type(item, annotation):
             kinds = [_KIND_WORDS.get(a.strip(), a.strip()) for a in annotation.split("|")]
-            raise ValueError(f"{where}.{name} must be {' or '.join(kinds)}, got {item!r}")
+            hint = " (YAML reads 1e-3 as text: write 1.0e-3)" if isinstance(item, str) and "e" in item.lower() else ""
+            raise ValueError(f"{where}.{name} must be {' or '.join(kinds)}, got {item!r}{hint}")
         holds, bounds = _RANGES.get((cls, name), (lambda v: True, ""))
         if item is not None and not holds(item):
             raise ValueError(f"{where}.{name} must be {bounds}, got {item!r}")

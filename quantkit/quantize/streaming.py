@@ -292,7 +292,7 @@ def quantize_streaming(
             )
             if rotation is not None:
                 config_out["quantization_config"]["rotation"] = rotation.to_dict()
-            write_side_files(tmp, config_out, job.tokenizer, report)
+            write_side_files(tmp, config_out, job.tokenizer, report, model_dir)
     finally:
         shutil.rmtree(spill_root, ignore_errors=True)
     return out_dir
