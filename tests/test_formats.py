@@ -504,3 +504,33 @@ def test_four_over_six_keeps_the_candidate_of_least_squared_error():
     x[1, :2] = torch.tensor([6.0, 1.0])
     got = fake_quant_nvfp4_four_over_six(x * 2**-10) * 2**10  # powers of two: every scale and product exact
     assert torch.equal(got[0, :2], torch.tensor([6.0, 4.5])) and torch.equal(got[1, :2], torch.tensor([6.0, 1.0]))
+
+
+def test_four_over_six_weights_encode_the_same_choice_per_tensor():
+    """`weight_scales: four_over_six` (`quantize_nvfp4_weight_four_over_six`): the same per-group choice as the
+    activation reference, on one global scale per tensor (amax / 1536): every group decodes, bit for bit, to the
+    candidate of least squared error among max-to-6 and max-to-4 on that scale, so the tensor's squared error is
+    at most the min-max encoding's on the same global scale, group by group; the block scales are finite E4M3 (the
+    1.5x candidate of the largest group is 384 <= 448) and the scheme encodes it into the usual NVFP4 tensors."""
+    from quantkit.formats.nvfp4 import (
+        _quantize_nvfp4,
+        four_over_six_global_scale,
+        nvfp4_block_scales,
+        nvfp4_groups,
+        quantize_nvfp4_weight_four_over_six,
+    )
+    from quantkit.formats.schemes import NVFP4
+
+    generator = torch.Generator().manual_seed(1)
+    w = torch.randn(24, 80, generator=generator) * torch.logspace(-3, 1, 80)[torch.randperm(80, generator=generator)]
+    gs = four_over_six_global_scale(w.abs().amax())
+    t = quantize_nvfp4_weight_four_over_six(w)
+    assert torch.equal(t.global_scale, gs) and torch.isfinite(t.block_scale.float()).all()
+    six = dequantize_nvfp4(_quantize_nvfp4(w, gs))
+    four = dequantize_nvfp4(_quantize_nvfp4(w, gs, nvfp4_block_scales(1.5 * nvfp4_groups(w).abs().amax(-1), gs)))
+    groups = [nvfp4_groups(c) for c in (w, six, four, t.dequantize())]
+    err_six, err_four, err_got = ((c - groups[0]).square().sum(-1) for c in groups[1:])
+    assert torch.equal(groups[3], torch.where((err_four < err_six).unsqueeze(-1), groups[2], groups[1]))
+    assert (err_got <= err_six).all() and (err_four < err_six).any()
+    tensors = NVFP4.encode(w, "w", "four_over_six")
+    assert torch.equal(NVFP4.decode(tensors, 80), t.dequantize())

@@ -23,6 +23,7 @@ class WeightScales(StrEnum):
 
     MINMAX = "minmax"  # a block's max |w| maps to the format's maximum (round to nearest)
     MSE = "mse"  # the candidate scale with the least squared error (`quantkit.formats.scale_search`)
+    FOUR_OVER_SIX = "four_over_six"  # NVFP4 only: each group's max to 6 or to 4, the smaller error (arXiv 2512.02010)
 
 
 # --- FP8 E4M3 ------------------------------------------------------------------------------------

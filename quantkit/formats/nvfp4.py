@@ -69,12 +69,15 @@ __all__ = [
     "e2m1_to_float",
     "fake_quant_nvfp4_activation",
     "fake_quant_nvfp4_four_over_six",
+    "four_over_six_block_scales",
+    "four_over_six_global_scale",
     "nvfp4_block_scales",
     "nvfp4_global_scale",
     "pack_fp4",
     "quantize_nvfp4",
     "quantize_nvfp4_activation",
     "quantize_nvfp4_weight",
+    "quantize_nvfp4_weight_four_over_six",
     "round_to_e2m1",
     "unpack_fp4",
 ]
@@ -297,29 +300,50 @@ def fake_quant_nvfp4_activation(
 FOUR_OVER_SIX_SCALE_MAX = 256.0
 
 
-def fake_quant_nvfp4_four_over_six(x: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
-    """Four Over Six (4/6, Cook et al. 2025, arXiv 2512.02010; the reference code's `select_fouroversix`, MSE rule)
-    NVFP4 quantize-dequantize of activations x (..., K) per token -> float32 (..., K).
-
-    Second-stage decode scale per row: row_amax / (6 * 256) (1.0 for an all-zero row). Each group of 16 is encoded
-    twice on that scale: block decode scale `nvfp4_block_scales(gmax, gs)` (its max to E2M1's 6, as plain NVFP4)
-    and `nvfp4_block_scales(1.5 gmax, gs)` (its max to 4: a finer grid near the max, 4 -> 6 is E2M1's widest step),
-    and the candidate of smaller squared error is kept (a tie keeps 6). The result is still NVFP4 (E2M1 codes, E4M3
-    block scales, float32 global scale): a GEMM consumes it unchanged. Not a served quantizer here: the reference
-    for measuring what the variant would buy (benchmarks/four_over_six_kl.py)."""
-    check_quantizable(x, "fake_quant_nvfp4_four_over_six", name=name)
+def four_over_six_block_scales(x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """Four Over Six's choice (4/6, Cook et al. 2025, arXiv 2512.02010; the reference code's `select_fouroversix`,
+    MSE rule) of E4M3 block decode scales for x (..., K) on the second-stage decode scale gs (() or (..., 1)): each
+    group of 16 is encoded twice, with `nvfp4_block_scales(gmax, gs)` (its max to E2M1's 6, as plain NVFP4) and
+    `nvfp4_block_scales(1.5 gmax, gs)` (its max to 4: a finer grid near the max, 4 -> 6 is E2M1's widest step);
+    the scale of smaller squared error is kept (a tie keeps 6). (..., G) float8_e4m3fn. gs must leave room for the
+    1.5x candidate (FOUR_OVER_SIX_SCALE_MAX)."""
     groups = nvfp4_groups(x)
     group_amax = groups.abs().amax(dim=-1)
-    gs = group_amax.amax(dim=-1, keepdim=True) / (F4E2M1_MAX * FOUR_OVER_SIX_SCALE_MAX)
-    gs = torch.where(gs == 0, torch.ones_like(gs), gs)
 
-    def encoded(stretch: float) -> tuple[torch.Tensor, torch.Tensor]:
-        scaled, _, scale = _scaled_groups(x, gs, nvfp4_block_scales(stretch * group_amax, gs))
-        deq = e2m1_round(scaled) * scale
-        return deq, (deq - groups).square().sum(dim=-1, keepdim=True)
+    def candidate(stretch: float) -> tuple[torch.Tensor, torch.Tensor]:
+        block_scale = nvfp4_block_scales(stretch * group_amax, gs)
+        scaled, _, scale = _scaled_groups(x, gs, block_scale)
+        return block_scale, (e2m1_round(scaled) * scale - groups).square().sum(dim=-1)
 
-    (six, err_six), (four, err_four) = encoded(1.0), encoded(1.5)
-    return torch.where(err_four < err_six, four, six).flatten(-2)[..., : x.shape[-1]]
+    (six, err_six), (four, err_four) = candidate(1.0), candidate(1.5)
+    return torch.where(err_four < err_six, four.float(), six.float()).to(F8E4M3_DTYPE)
+
+
+def four_over_six_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Four Over Six's second-stage decode scale amax / (6 * 256), float32 (1.0 where 0): block scales up to 256 for
+    the max-to-6 candidate, so the max-to-4 one (1.5x) stays within E4M3's 448."""
+    scale = amax.float() / (F4E2M1_MAX * FOUR_OVER_SIX_SCALE_MAX)
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def fake_quant_nvfp4_four_over_six(x: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
+    """Four Over Six NVFP4 quantize-dequantize of activations x (..., K) per token -> float32 (..., K): second-stage
+    decode scale per row `four_over_six_global_scale(row amax)`, block scales `four_over_six_block_scales`. The
+    result is still NVFP4 (E2M1 codes, E4M3 block scales, float32 global scale): a GEMM consumes it unchanged. Not a
+    served quantizer here: the reference for measuring what the variant would buy (benchmarks/four_over_six_kl.py)."""
+    check_quantizable(x, "fake_quant_nvfp4_four_over_six", name=name)
+    gs = four_over_six_global_scale(nvfp4_groups(x).abs().amax(dim=(-2, -1))[..., None])
+    scaled, _, scale = _scaled_groups(x, gs, four_over_six_block_scales(x, gs))
+    return (e2m1_round(scaled) * scale).flatten(-2)[..., : x.shape[-1]]
+
+
+def quantize_nvfp4_weight_four_over_six(w: torch.Tensor, *, name: str | None = None) -> NVFP4Tensor:
+    """Weight (N, K) -> NVFP4Tensor with Four Over Six scales: global decode scale `four_over_six_global_scale(amax)`
+    per tensor, block scales `four_over_six_block_scales` (recipe `weight_scales: four_over_six`). The checkpoint
+    format and every decoder are unchanged: only the stored scales differ."""
+    check_quantizable(w, "quantize_nvfp4_weight_four_over_six", name=name, ndim=2)
+    gs = four_over_six_global_scale(w.float().abs().amax())
+    return quantize_nvfp4_weight(w, name=name, block_scale=four_over_six_block_scales(w, gs), global_scale=gs)
 
 
 def _activation_global_scale(

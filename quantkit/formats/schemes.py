@@ -51,6 +51,7 @@ from quantkit.formats.nvfp4 import (
     nvfp4_global_scale,
     quantize_nvfp4_activation,
     quantize_nvfp4_weight,
+    quantize_nvfp4_weight_four_over_six,
 )
 from quantkit.formats.scale_search import quantize_fp8_block_mse, quantize_nvfp4_weight_mse
 
@@ -81,7 +82,8 @@ class Scheme(ABC):
     quantized Linear, suffix -> safetensors dtype, in the order the GEMM takes them; marker: the suffix only a
     module quantized with this scheme stores; k_multiple: the K granule of the scales (a tensor-parallel
     shard of K must be a multiple of it); activation_scales: the activation modes it supports;
-    static_tensors: the extra tensors of the static activation mode; precision: the paper's label (W8A8, W4A4)."""
+    static_tensors: the extra tensors of the static activation mode; precision: the paper's label (W8A8, W4A4);
+    weight_scales: the weight decode-scale rules it can encode (`WeightScales`)."""
 
     name: str
     tensors: Mapping[str, str]
@@ -90,6 +92,7 @@ class Scheme(ABC):
     activation_scales: tuple[str, ...] = (ActivationScale.PER_TOKEN,)
     static_tensors: Mapping[str, str] = field(default_factory=dict)
     precision: str = ""
+    weight_scales: tuple[str, ...] = (WeightScales.MINMAX, WeightScales.MSE)
 
     # ------------------------------------------------------------------ checkpoint contract
 
@@ -277,7 +280,11 @@ class NVFP4Scheme(Scheme):
                 weight, name=name, block_scale=scales["weight_scale"], global_scale=scales["weight_global_scale"]
             )
         else:
-            quantize = quantize_nvfp4_weight_mse if weight_scales == WeightScales.MSE else quantize_nvfp4_weight
+            quantize = {
+                WeightScales.MINMAX: quantize_nvfp4_weight,
+                WeightScales.MSE: quantize_nvfp4_weight_mse,
+                WeightScales.FOUR_OVER_SIX: quantize_nvfp4_weight_four_over_six,
+            }[WeightScales(weight_scales)]
             t = quantize(weight, name=name)
         return {
             "weight_packed": t.packed,
@@ -356,6 +363,7 @@ NVFP4 = NVFP4Scheme(
     activation_scales=(ActivationScale.PER_TOKEN, ActivationScale.STATIC),
     static_tensors={"input_global_scale": "F32"},
     precision="W4A4",
+    weight_scales=(WeightScales.MINMAX, WeightScales.MSE, WeightScales.FOUR_OVER_SIX),
 )
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (FP8_BLOCK, NVFP4)}

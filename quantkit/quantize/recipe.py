@@ -314,6 +314,14 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         raise ValueError(f"{source}: weight_scales {weight_scales!r} is not one of {[str(w) for w in WeightScales]}")
     if weight_scales != WeightScales.MINMAX and (backend != Backend.QUANTKIT or scheme == UNQUANTIZED):
         raise ValueError(f"{source}: weight_scales applies to quantkit's own quantized schemes only")
+    for used in {scheme, *(s for _, s in module_schemes)} & set(SCHEMES):  # each quantized scheme can encode it
+        if weight_scales not in SCHEMES[used].weight_scales:
+            raise ValueError(
+                f"{source}: weight_scales {weight_scales} is not defined for scheme {used} (it offers "
+                f"{', '.join(SCHEMES[used].weight_scales)})"
+            )
+    if weight_scales == WeightScales.FOUR_OVER_SIX and gptq is not None:
+        raise ValueError(f"{source}: weight_scales four_over_six does not compose with gptq yet (GPTQ sets the scales)")
     return Recipe(
         name=data["name"],
         scheme=scheme,
