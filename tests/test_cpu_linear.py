@@ -36,7 +36,7 @@ def test_installs_where_float32_is_the_faster_matmul(monkeypatch):
     """The one ISA-dependent decision, on this machine's CPU: always float32 without AVX-512 BF16 / Arm BF16, from
     FLOAT32_MIN_ROWS rows on AVX-512 BF16 without AMX (unless switched off), never with a GPU or AMX. The tests below
     force each mode, so both are tested on every CPU."""
-    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", utils.dispatch_cpu_unquantized_gemm)
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", cpu_linear.vllm_dispatch())  # unwrapped
     monkeypatch.delenv(cpu_linear.SWITCH_ENV, raising=False)
     lacks = not (torch.cuda.is_available() or torch.cpu._is_avx512_bf16_supported()
                  or torch.cpu.get_capabilities().get("bf16", False))
@@ -54,7 +54,7 @@ def test_installs_where_float32_is_the_faster_matmul(monkeypatch):
 
 def installed_with(monkeypatch, min_rows: int):
     """vLLM's dispatch wrapped by cpu_linear as `float32_min_rows() == min_rows` would, whatever this CPU has."""
-    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", utils.dispatch_cpu_unquantized_gemm)
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", cpu_linear.vllm_dispatch())  # unwrapped
     monkeypatch.setattr(cpu_linear, "float32_min_rows", lambda: min_rows)
     monkeypatch.delenv(cpu_linear.SUMMATION_ENV, raising=False)
     assert cpu_linear.install()
@@ -120,7 +120,7 @@ def test_large_batches_in_float32_small_ones_on_vllms_kernel(monkeypatch, remove
     weight = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
     native = layer_with(weight.clone(), bias.clone())
-    utils.dispatch_cpu_unquantized_gemm(native, remove_weight=remove_weight)  # vLLM's own, before the install
+    cpu_linear.vllm_dispatch()(native, remove_weight=remove_weight)  # vLLM's own
     dispatch = installed_with(monkeypatch, min_rows)
     layer = layer_with(weight.clone(), bias.clone())
     dispatch(layer, remove_weight=remove_weight)
@@ -155,7 +155,7 @@ def test_split_k_summation_order_is_another_valid_order(monkeypatch):
     different order: on 64 x 512 outputs at least one element differs in its last bf16 bit from the one-call
     float32 product (a float32 sum of 2 x 512 terms in two halves agrees in every bit with the one-call sum only by
     coincidence; the seed is fixed, so the check is deterministic). A misspelt order is refused by name."""
-    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", utils.dispatch_cpu_unquantized_gemm)
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", cpu_linear.vllm_dispatch())  # unwrapped
     monkeypatch.setenv(cpu_linear.SUMMATION_ENV, "split-k")
     assert cpu_linear.float32_min_rows() == 0 and cpu_linear.install()
     g = torch.Generator().manual_seed(2)

@@ -127,6 +127,14 @@ def float32_min_rows() -> int | None:
     return FLOAT32_MIN_ROWS
 
 
+def vllm_dispatch() -> Callable[[torch.nn.Module, bool], None]:
+    """vLLM's own CPU unquantized GEMM dispatch, whether or not `install` has wrapped it in this process."""
+    from vllm.model_executor.layers import utils
+
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    return getattr(dispatch, "wrapped", dispatch)
+
+
 def install() -> bool:
     """Wrap vLLM's CPU unquantized GEMM dispatch (idempotent; nothing on a GPU machine) so that each layer it
     dispatches computes as `float32_min_rows` and `summation_order` say at that moment (read per layer, so one
@@ -165,5 +173,6 @@ def install() -> bool:
             layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
 
     dispatch_float32.quantkit_float32 = True  # type: ignore[attr-defined]  # a function attribute (the install mark)
+    dispatch_float32.wrapped = dispatch  # type: ignore[attr-defined]  # vLLM's own (`vllm_dispatch`)
     utils.dispatch_cpu_unquantized_gemm = dispatch_float32
     return float32_min_rows() is not None
