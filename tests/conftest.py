@@ -33,6 +33,31 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"CPU kernels: ATen {torch.backends.cpu.get_cpu_capability()}" + (f" (forced: {forced})" if forced else "")
 
 
+# The longest test files (measured: docs/results/ci-timings.md), started first so that under `make test`'s two
+# xdist workers (--dist loadfile hands out files in collection order) none of them is left running alone at the end.
+LONGEST_FIRST = (
+    "test_trained_gate.py",
+    "test_trained_models.py",
+    "test_serve_quantized.py",
+    "test_ray_executor.py",
+    "test_hybrid_serve_quantized.py",
+    "test_evals_scorers.py",
+    "test_benchmarks.py",
+    "test_crash_safety.py",
+    "test_streaming_quantize.py",
+    "test_variants_vllm.py",
+    "test_zoo.py",
+    "test_hybrid_family.py",
+    "test_pipeline.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files of LONGEST_FIRST first, in that order, the rest after in their own order (a stable sort)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 _FILE_SECONDS: dict[str, float] = {}
 
 
