@@ -155,7 +155,7 @@ def output_config(
 
 
 def write_side_files(
-    out_dir: Path, config: dict, tokenizer, smoothquant_report: SmoothQuantReport | None, source_dir: Path
+    out_dir: Path, config: dict, tokenizer, smoothquant_report: SmoothQuantReport | None, source_dir: str | Path
 ) -> None:
     """config.json, the tokenizer, the source record (`quantkit.checkpoints.write_source_record`), and for SQ recipes
     smoothquant.json and SMOOTHQUANT_FACTORS of a quantized checkpoint."""
