@@ -88,10 +88,12 @@ lint: $(MAIN_STAMP)
 	$(VENV)/bin/mypy
 
 # Two pytest workers (pytest-xdist), each test file on one worker (--dist loadfile: a file's module fixtures are
-# built once): most tests wait on Python, the Triton interpreter or subprocesses, not on both cores.
+# built once): most tests wait on Python, the Triton interpreter or subprocesses, not on both cores. Files are handed
+# out in collection order (--no-loadscope-reorder: xdist would otherwise order them by test count), which puts the
+# longest first (tests/conftest.py LONGEST_FIRST).
 TEST_WORKERS ?= 2
 test: lint $(MAIN_STAMP) $(LLMC_STAMP) $(TOOLCHAIN_STAMP)
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 ifeq ($(HAS_AVX512),yes)
 	@echo "AVX-512 CPU: the cpu_isa tests again, with AVX2 kernels forced ($(AVX2_ENV))"
 	$(AVX2_ENV) $(VENV)/bin/pytest -m "cpu_isa and not vllm_cpu"

@@ -34,7 +34,8 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 # The longest test files (measured: docs/results/ci-timings.md), started first so that under `make test`'s two
-# xdist workers (--dist loadfile hands out files in collection order) none of them is left running alone at the end.
+# xdist workers (--dist loadfile --no-loadscope-reorder hands out files in collection order) none of them is left
+# running alone at the end.
 LONGEST_FIRST = (
     "test_trained_gate.py",
     "test_trained_models.py",
