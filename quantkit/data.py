@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import io
 import json
 import logging
+import os
 import subprocess
 import sys
 from collections import OrderedDict
@@ -41,7 +43,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+
+from quantkit.atomic import write_bytes_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -160,33 +165,89 @@ def served_prefix(tokenizer: Any) -> list[int]:
 
 
 STREAM_MEMO_ENTRIES = 4  # token streams a process remembers (`token_stream`)
+STREAM_CACHE_ENV = "QUANTKIT_TOKEN_CACHE"  # directory of token streams kept between processes; "off": none
 _streams: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
+
+
+def token_stream_cache_dir() -> Path | None:
+    """$QUANTKIT_TOKEN_CACHE, else ~/.cache/quantkit/token-streams; None when that variable is "off"."""
+    value = os.environ.get(STREAM_CACHE_ENV, "")
+    if value.lower() in ("off", "0", "false"):
+        return None
+    return Path(value) if value else Path.home() / ".cache" / "quantkit" / "token-streams"
 
 
 def token_stream(texts: Sequence[str], tokenizer: Any) -> torch.Tensor:
     """All texts tokenized (each with the tokenizer's special tokens) and concatenated: a new 1-D int64 tensor.
 
-    One batch call (the Rust tokenizer encodes on all cores; the same ids as text by text). A process remembers the
-    last STREAM_MEMO_ENTRIES streams of a fast tokenizer, keyed by SHA-256 digests of the tokenizer's serialized
-    pipeline and of the texts: every quantization, diagnosis and KL window of a model draws from the same corpora
-    (the training speeches are 2.3M tokens for Qwen2.5, 5.9M for a byte-level tokenizer: 3-5 s to encode each time)."""
+    One batch call (the Rust tokenizer encodes on all cores; the same ids as text by text). Streams of a fast
+    tokenizer are remembered, keyed by SHA-256 digests of the tokenizer's serialized pipeline (with the tokenizers and
+    transformers versions) and of the texts:
+    every quantization, diagnosis and KL window of a model draws from the same corpora (the training speeches are
+    2.3M tokens for Qwen2.5, 5.9M for a byte-level tokenizer: 3-10 s to encode each time). The last
+    STREAM_MEMO_ENTRIES stay in the process; every stream is also kept on disk (`token_stream_cache_dir`, one
+    int32 .npy a stream, written atomically: ~4 bytes a token), for the next process."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     key = None
     if backend is not None:
         texts_digest = hashlib.sha256()
         for text in texts:
             texts_digest.update(hashlib.sha256(text.encode("utf-8")).digest())
-        key = (hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest(), texts_digest.hexdigest())
+        pipeline = f"{_tokenizer_versions()}\n{backend.to_str()}"  # a new tokenizers release may encode otherwise
+        key = (hashlib.sha256(pipeline.encode("utf-8")).hexdigest(), texts_digest.hexdigest())
         if key in _streams:
             _streams.move_to_end(key)
             return _streams[key].clone()
-    ids = tokenizer(list(texts))["input_ids"] if texts else []
-    stream = torch.tensor([i for one in ids for i in one], dtype=torch.long)
+    stream = _cached_stream(key)
+    if stream is None:
+        ids = tokenizer(list(texts))["input_ids"] if texts else []
+        stream = torch.tensor([i for one in ids for i in one], dtype=torch.long)
+        _store_stream(key, stream)
     if key is not None:
         _streams[key] = stream.clone()
         while len(_streams) > STREAM_MEMO_ENTRIES:
             _streams.popitem(last=False)
     return stream
+
+
+def _tokenizer_versions() -> str:
+    import tokenizers
+    import transformers
+
+    return f"tokenizers {tokenizers.__version__}, transformers {transformers.__version__}"
+
+
+def _stream_path(key: tuple[str, str] | None) -> Path | None:
+    directory = token_stream_cache_dir()
+    if key is None or directory is None:
+        return None
+    return directory / f"{key[0][:32]}-{key[1][:32]}.npy"
+
+
+def _cached_stream(key: tuple[str, str] | None) -> torch.Tensor | None:
+    """The stream stored under `key`, or None (none stored, or unreadable: it is then encoded again)."""
+    path = _stream_path(key)
+    if path is None or not path.is_file():
+        return None
+    try:
+        return torch.from_numpy(np.load(path, allow_pickle=False).astype(np.int64))
+    except (OSError, ValueError) as err:
+        logger.warning("token stream cache %s unreadable (%s): encoding again", path, err)
+        return None
+
+
+def _store_stream(key: tuple[str, str] | None, stream: torch.Tensor) -> None:
+    """Keep `stream` on disk under `key` (int32; skipped, with a warning, when the directory is not writable)."""
+    path = _stream_path(key)
+    if path is None:
+        return
+    buffer = io.BytesIO()
+    np.save(buffer, stream.numpy().astype(np.int32), allow_pickle=False)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(path, buffer.getvalue())
+    except OSError as err:
+        logger.warning("token stream cache %s not written (%s)", path, err)
 
 
 def windows(

@@ -9,12 +9,37 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
+from quantkit.data import STREAM_CACHE_ENV  # noqa: E402
 from quantkit.serve.engine import offline_environment  # noqa: E402
+
+
+# The CPU emulation's activation fake-quant stays eager in tests unless a test asks for the compiled one
+# (`compiled_emulation`): on the tests' tiny models each inductor compile (~2.3 s, one per scheme and input shape)
+# costs far more than the few small calls it would speed up (two vLLM parity tests: 13 compiles, 28 of their 97 s,
+# measured 2026-11-28). The numbers are the same bit for bit (tests/test_emulated_activation.py).
+COMPILE_ENV = "QUANTKIT_CPU_COMPILE"  # quantkit.serve.method_parts.COMPILE_ENV (not imported here: it imports vLLM)
+os.environ.setdefault(COMPILE_ENV, "off")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _offline(tmp_path_factory):
-    offline_environment(cache_dir=tmp_path_factory.mktemp("caches"))
+    """Offline settings, with vLLM's and inductor's caches in one directory per pytest run: under pytest-xdist the
+    workers share it (the parent of each worker's base temp), so vLLM inspects each model architecture in a
+    subprocess (~20 s: it imports vLLM again) once per run rather than once per worker; so are the token streams
+    (`quantkit.data.token_stream`: the training speeches take ~10 s to encode with a tiny tokenizer)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    cache_dir = root / "caches"
+    cache_dir.mkdir(exist_ok=True)
+    offline_environment(cache_dir=cache_dir)
+    os.environ.setdefault(STREAM_CACHE_ENV, str(cache_dir / "token-streams"))  # not the user's ~/.cache
+
+
+@pytest.fixture
+def compiled_emulation(monkeypatch):
+    """The emulation's activation fake-quant compiled (`quantkit.serve.method_parts`), as outside the tests."""
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
 
 
 @pytest.fixture(scope="session")

@@ -55,6 +55,40 @@ def test_token_streams_are_remembered_per_tokenizer_and_texts(tiny_checkpoint, t
     assert data.token_stream(texts, no_bos).tolist() == [i for t in texts for i in no_bos(t)["input_ids"]]
 
 
+def test_token_streams_are_kept_on_disk_for_the_next_process(tiny_checkpoint, tmp_path, monkeypatch, caplog):
+    """A stream encoded once is read back from the cache directory by a process that has not encoded it (the memo
+    cleared stands for a new process): equal, int64, and without encoding again (the tokenizer is replaced by one
+    that fails when called); a damaged file is encoded again with a warning and rewritten; "off" keeps nothing."""
+    monkeypatch.setenv(data.STREAM_CACHE_ENV, str(tmp_path / "streams"))
+    monkeypatch.setattr(data, "_streams", data.OrderedDict())
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    texts = ["Return the sum.", "A new list of items."]
+    first = data.token_stream(texts, tok)
+    (stored,) = (tmp_path / "streams").glob("*.npy")
+    data._streams.clear()
+
+    class Encoded:  # the tokenizer's pipeline (the cache key) without its encoder
+        backend_tokenizer = tok.backend_tokenizer
+
+        def __call__(self, *args, **kwargs):
+            raise AssertionError("encoded again")
+
+    again = data.token_stream(texts, Encoded())
+    assert again.dtype == torch.long and torch.equal(again, first)
+    data._streams.clear()
+    stored.write_bytes(b"not a numpy file")
+    with caplog.at_level(logging.WARNING):
+        assert torch.equal(data.token_stream(texts, tok), first)
+    assert "unreadable" in caplog.text
+    data._streams.clear()
+    assert torch.equal(data.token_stream(texts, Encoded()), first)  # rewritten
+    monkeypatch.setenv(data.STREAM_CACHE_ENV, "off")
+    data._streams.clear()
+    assert data.token_stream_cache_dir() is None
+    with pytest.raises(AssertionError, match="encoded again"):
+        data.token_stream(texts, Encoded())
+
+
 def test_windows_are_slices_with_bos_at_position_0():
     stream = torch.arange(100, 200)
     batch = data.windows(stream, [0, 7, 90], 10, -1)
@@ -136,7 +170,9 @@ def test_calibration_sources_mix_files_and_chat_samples(tmp_path):
 
 
 def test_data_is_upstream_of_models_and_calibration():
-    """quantkit.data imports no other quantkit module; calibration gets its data without the zoo."""
-    code = ("import sys, quantkit.data; assert set(m for m in sys.modules if m.startswith('quantkit')) == {'quantkit', 'quantkit.data'}; "
+    """quantkit.data imports no other quantkit module but the leaves it writes with (atomic writes and their errors);
+    calibration gets its data without the zoo."""
+    code = ("import sys, quantkit.data; assert set(m for m in sys.modules if m.startswith('quantkit')) == "
+            "{'quantkit', 'quantkit.data', 'quantkit.atomic', 'quantkit.errors'}; "
             "import quantkit.calibrate; quantkit.data.heldout_texts(); assert 'quantkit.models.zoo' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

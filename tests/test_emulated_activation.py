@@ -21,7 +21,7 @@ from quantkit.formats.schemes import FP8_BLOCK, NVFP4
 from quantkit.serve import method_parts
 from quantkit.serve.method_parts import COMPILED_MIN_ROWS, emulated_activation
 
-pytestmark = pytest.mark.cpu_isa
+pytestmark = [pytest.mark.cpu_isa, pytest.mark.usefixtures("compiled_emulation")]  # conftest keeps it off
 
 
 def activations(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -112,3 +112,10 @@ def test_an_inductor_cache_from_another_isa_is_not_reused(tmp_path):
             [sys.executable, "-c", CACHE_PROBE], env=run_env, capture_output=True, text=True, timeout=600
         )
         assert done.returncode == 0 and "bit-equal under" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_tests_switch_is_the_emulations():
+    """tests/conftest.py names the switch without importing vLLM: it must be the one the emulation reads."""
+    from conftest import COMPILE_ENV
+
+    assert COMPILE_ENV == method_parts.COMPILE_ENV

@@ -31,7 +31,7 @@ ROOT = Path(__file__).parent.parent
 BASELINE_RESULTS = Path(__file__).parent / "baselines" / "real_gate_results.json"
 
 
-def test_trained_model_study_passes_the_gate(tmp_path, tmp_path_factory, monkeypatch):
+def test_trained_model_study_passes_the_gate(tmp_path, tmp_path_factory, monkeypatch, compiled_emulation):
     from quantkit.report.gate import load_thresholds, run_gate
 
     if not os.environ.get(CACHE_ENV):  # a developer's cache is reused; CI fetches into the test's own

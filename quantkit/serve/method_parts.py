@@ -96,21 +96,20 @@ def emulated_activation(
 def _compiled_fake_quant(scheme: Scheme) -> Callable[..., torch.Tensor] | None:
     """`scheme.fake_quant_activation` under torch.compile (made once per scheme), or None: switched off, or no C++
     compiler for inductor's CPU code."""
+    if os.environ.get(COMPILE_ENV, "").lower() in ("off", "0", "false"):  # read on every call: a switch, not a memo
+        return None
     if scheme.name not in _compiled:
         fake_quant = None
-        if os.environ.get(COMPILE_ENV, "").lower() not in ("off", "0", "false"):
-            try:
-                from torch._inductor.cpp_builder import get_cpp_compiler
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
 
-                get_cpp_compiler()
-                # No FX graph cache: its key omits the vector ISA, so C++ written for AVX-512's widths and reloaded
-                # under AVX2 (ATEN_CPU_CAPABILITY, or a cache shared between machines) computed wrong numbers or
-                # freed memory twice (torch 2.13). The C++ build cache, keyed by source and flags, stays on.
-                fake_quant = torch.compile(
-                    scheme.fake_quant_activation, dynamic=True, options={"fx_graph_cache": False}
-                )
-            except (RuntimeError, OSError) as e:  # InvalidCxxCompiler: no g++/clang++ on this machine
-                logger.warning("quantkit: no compiled activation fake-quant (%s); eager", e)
+            get_cpp_compiler()
+            # No FX graph cache: its key omits the vector ISA, so C++ written for AVX-512's widths and reloaded
+            # under AVX2 (ATEN_CPU_CAPABILITY, or a cache shared between machines) computed wrong numbers or
+            # freed memory twice (torch 2.13). The C++ build cache, keyed by source and flags, stays on.
+            fake_quant = torch.compile(scheme.fake_quant_activation, dynamic=True, options={"fx_graph_cache": False})
+        except (RuntimeError, OSError) as e:  # InvalidCxxCompiler: no g++/clang++ on this machine
+            logger.warning("quantkit: no compiled activation fake-quant (%s); eager", e)
         _compiled[scheme.name] = fake_quant
     return _compiled[scheme.name]
 
