@@ -29,14 +29,52 @@ import triton
 import triton.language as tl
 
 from quantkit.formats.constants import F4E2M1_MAX, F8E4M3_DTYPE, NVFP4_GLOBAL_DIVISOR, NVFP4_GROUP
-from quantkit.kernels.fp_codes import E4M3_MAX, E4M3_MIN_SUBNORMAL, e2m1_code, e4m3_code, e4m3_positive_value
+from quantkit.formats.nvfp4 import FOUR_OVER_SIX_SCALE_MAX
+from quantkit.kernels.fp_codes import (
+    E4M3_MAX,
+    E4M3_MIN_SUBNORMAL,
+    e2m1_code,
+    e2m1_value,
+    e4m3_code,
+    e4m3_positive_value,
+)
 from quantkit.kernels.hadamard import hadamard_scale
 from quantkit.kernels.quantize_fp8 import check_activation, check_tile, load_rows, quantizer_tile, row_absmax
 
 _E2M1_MAX = tl.constexpr(F4E2M1_MAX)
 _GLOBAL_DIVISOR = tl.constexpr(NVFP4_GLOBAL_DIVISOR)
+_FOUR_OVER_SIX_DIVISOR = tl.constexpr(F4E2M1_MAX * FOUR_OVER_SIX_SCALE_MAX)  # 1536: Four Over Six's global scale
 _GROUP = tl.constexpr(NVFP4_GROUP)
 _PAIRS = tl.constexpr(NVFP4_GROUP // 2)  # bytes of a packed group
+
+
+@triton.jit
+def _block_scale_code(group_amax, gs2):
+    """E4M3 codes of the group decode scales e4m3(clamp(group_amax / (6 * gs), 2**-9, 448)), 1.0 for a zero group."""
+    scale = tl.div_rn(group_amax, _E2M1_MAX * gs2)
+    scale = tl.where(scale == 0, 1.0, scale)
+    return e4m3_code(tl.minimum(tl.maximum(scale, E4M3_MIN_SUBNORMAL), E4M3_MAX))
+
+
+@triton.jit
+def _encode_groups(x_even, x_odd, scale_code, gs2, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr):
+    """E2M1 codes of the even and odd elements (BLOCK_M, GROUPS, 8) on the groups' scale codes, and their decode
+    denominator float(block_scale) * gs broadcast to the same shape."""
+    denominator = tl.broadcast_to((e4m3_positive_value(scale_code) * gs2)[:, :, None], (BLOCK_M, GROUPS, _PAIRS))
+    return e2m1_code(tl.div_rn(x_even, denominator)), e2m1_code(tl.div_rn(x_odd, denominator)), denominator
+
+
+@triton.jit
+def _group_squared_error(code_even, code_odd, denominator, x_even, x_odd, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr):
+    """(BLOCK_M, GROUPS) squared error of each group, added in `quantkit.formats.nvfp4.group_squared_error`'s tree:
+    elements (2j, 2j + 1) first (an even and an odd one), then neighbouring sums, four levels in all."""
+    d_even = e2m1_value(code_even) * denominator - x_even
+    d_odd = e2m1_value(code_odd) * denominator - x_odd
+    err = d_even * d_even + d_odd * d_odd  # (BLOCK_M, GROUPS, 8)
+    a, b = tl.split(tl.reshape(err, (BLOCK_M, GROUPS, 4, 2)))
+    a, b = tl.split(tl.reshape(a + b, (BLOCK_M, GROUPS, 2, 2)))
+    a, b = tl.split(tl.reshape(a + b, (BLOCK_M, GROUPS, 1, 2)))
+    return tl.reshape(a + b, (BLOCK_M, GROUPS))
 
 
 @triton.jit
@@ -54,6 +92,7 @@ def _quantize_nvfp4_kernel(
     stride_sm,
     stride_static,
     STATIC: tl.constexpr,
+    FOUR_OVER_SIX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HADAMARD: tl.constexpr,
@@ -67,7 +106,8 @@ def _quantize_nvfp4_kernel(
         gs = tl.load(static_global_ptr + rows * stride_static, mask=row_ok, other=1.0)  # stride 0: one number
     else:
         amax = row_absmax(x_ptr + rows64[:, None] * stride_xm, row_ok, K, BLOCK_M, BLOCK_K, HADAMARD, HADAMARD_SCALE)
-        gs = tl.div_rn(amax, tl.full((BLOCK_M,), _GLOBAL_DIVISOR, tl.float32))
+        divisor: tl.constexpr = _FOUR_OVER_SIX_DIVISOR if FOUR_OVER_SIX else _GLOBAL_DIVISOR
+        gs = tl.div_rn(amax, tl.full((BLOCK_M,), divisor, tl.float32))
         gs = tl.where(gs > 0, gs, 1.0)
     tl.store(global_ptr + rows, gs, mask=row_ok)
 
@@ -86,11 +126,19 @@ def _quantize_nvfp4_kernel(
             x_even = tl.load(x_rows + even, mask=row3 & (even < K), other=0.0).to(tl.float32)
             x_odd = tl.load(x_rows + even + 1, mask=row3 & (even + 1 < K), other=0.0).to(tl.float32)
         group_amax = tl.maximum(tl.max(tl.abs(x_even), axis=2), tl.max(tl.abs(x_odd), axis=2))
-        scale = tl.div_rn(group_amax, _E2M1_MAX * gs2)
-        scale = tl.where(scale == 0, 1.0, scale)
-        scale_code = e4m3_code(tl.minimum(tl.maximum(scale, E4M3_MIN_SUBNORMAL), E4M3_MAX))
-        denominator = tl.broadcast_to((e4m3_positive_value(scale_code) * gs2)[:, :, None], (BLOCK_M, GROUPS, _PAIRS))
-        byte = e2m1_code(tl.div_rn(x_even, denominator)) | (e2m1_code(tl.div_rn(x_odd, denominator)) << 4)
+        scale_code = _block_scale_code(group_amax, gs2)
+        code_even, code_odd, denominator = _encode_groups(x_even, x_odd, scale_code, gs2, BLOCK_M, GROUPS)
+        if FOUR_OVER_SIX:  # the group's max to 4 instead of 6 where that leaves the smaller squared error
+            four_code = _block_scale_code(group_amax * 1.5, gs2)
+            four_even, four_odd, four_denominator = _encode_groups(x_even, x_odd, four_code, gs2, BLOCK_M, GROUPS)
+            err_six = _group_squared_error(code_even, code_odd, denominator, x_even, x_odd, BLOCK_M, GROUPS)
+            err_four = _group_squared_error(four_even, four_odd, four_denominator, x_even, x_odd, BLOCK_M, GROUPS)
+            use_four = err_four < err_six
+            scale_code = tl.where(use_four, four_code, scale_code)
+            use_four3 = tl.broadcast_to(use_four[:, :, None], (BLOCK_M, GROUPS, _PAIRS))
+            code_even = tl.where(use_four3, four_even, code_even)
+            code_odd = tl.where(use_four3, four_odd, code_odd)
+        byte = code_even | (code_odd << 4)
         byte_col = k0 // 2 + group * _PAIRS + pair
         tl.store(
             packed_ptr + rows64[:, None, None] * stride_pm + byte_col,
@@ -130,6 +178,23 @@ def _static_global(global_scale: torch.Tensor | float, m: int, device: torch.dev
     return gs.reshape(1).to(device)
 
 
+def quantize_nvfp4_four_over_six(
+    x: torch.Tensor,
+    global_scale: None = None,
+    *,
+    hadamard: int = 0,
+    block_m: int | None = None,
+    block_k: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, K) -> NVFP4 operands as `quantize_nvfp4_per_token`, with Four Over Six scales (bit-exact with
+    `quantkit.formats.nvfp4.quantize_nvfp4_activation_four_over_six`): global row_amax / 1536 per token, each group
+    encoded on both of its candidate block scales (its max to 6 and to 4) and the one of smaller squared error kept
+    (`_group_squared_error`, a tie keeps 6). Per token only: `global_scale` must be None."""
+    if global_scale is not None:
+        raise ValueError("quantize_nvfp4_four_over_six: Four Over Six activations are per token (no static scale)")
+    return quantize_nvfp4_per_token(x, hadamard=hadamard, block_m=block_m, block_k=block_k, four_over_six=True)
+
+
 def quantize_nvfp4_per_token(
     x: torch.Tensor,
     global_scale: torch.Tensor | float | None = None,
@@ -137,6 +202,7 @@ def quantize_nvfp4_per_token(
     hadamard: int = 0,
     block_m: int | None = None,
     block_k: int = 256,
+    four_over_six: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (M, K) -> (packed uint8 (M, Kp/2), block_scale float8_e4m3fn (M, Kp/16), global float32 (M, 1)).
 
@@ -145,11 +211,14 @@ def quantize_nvfp4_per_token(
     unchecked). hadamard > 0 (a power of two dividing K): quantize x's online block Hadamard transform instead,
     bit-exact with quantizing `quantkit.formats.hadamard.block_hadamard(x, hadamard)`. block_m, block_k (powers
     of two, block_k a multiple of 16, widened to the Hadamard block; block_m None: chosen by M,
-    `quantize_fp8.quantizer_tile`): the tile of one program step; they change speed only.
+    `quantize_fp8.quantizer_tile`): the tile of one program step; they change speed only. four_over_six:
+    `quantize_nvfp4_four_over_six`'s scales (per token only).
     """
     check_activation("quantize_nvfp4_per_token", x)
     check_tile("quantize_nvfp4_per_token", "block_k", block_k, least=NVFP4_GROUP)
     static = global_scale is not None
+    if static and four_over_six:
+        raise ValueError("quantize_nvfp4_per_token: Four Over Six activations are per token (no static scale)")
     m, k = x.shape
     static_global = (
         _static_global(global_scale, m, x.device) if global_scale is not None else torch.empty(1, device=x.device)
@@ -174,6 +243,7 @@ def quantize_nvfp4_per_token(
         block_scale.stride(0),
         1 if static_global.numel() != 1 else 0,
         STATIC=static,
+        FOUR_OVER_SIX=four_over_six,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
         HADAMARD=hadamard,

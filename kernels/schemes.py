@@ -32,12 +32,12 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.formats.constants import ActivationScale
-from quantkit.formats.schemes import FP8_BLOCK, NVFP4, Scheme
+from quantkit.formats.schemes import FP8_BLOCK, NVFP4, NVFP4_FOUR_OVER_SIX, Scheme
 from quantkit.kernels.fp8_gemm import fp8_block_gemm
 from quantkit.kernels.grouped_gemm import fp8_block_grouped_gemm, nvfp4_grouped_gemm
 from quantkit.kernels.nvfp4_gemm import nvfp4_gemm
 from quantkit.kernels.quantize_fp8 import quantize_fp8_per_token
-from quantkit.kernels.quantize_nvfp4 import quantize_nvfp4_per_token
+from quantkit.kernels.quantize_nvfp4 import quantize_nvfp4_four_over_six, quantize_nvfp4_per_token
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ def _quantize_fp8(
 KERNELS: dict[str, SchemeKernels] = {
     FP8_BLOCK.name: SchemeKernels(_quantize_fp8, fp8_block_gemm, fp8_block_grouped_gemm),
     NVFP4.name: SchemeKernels(quantize_nvfp4_per_token, nvfp4_gemm, nvfp4_grouped_gemm),
+    NVFP4_FOUR_OVER_SIX.name: SchemeKernels(quantize_nvfp4_four_over_six, nvfp4_gemm, nvfp4_grouped_gemm),
 }
 
 

@@ -477,11 +477,17 @@ def test_shape_dtype_and_argument_errors():
 def test_four_over_six_keeps_the_candidate_of_least_squared_error():
     """4/6 (`fake_quant_nvfp4_four_over_six`): every group of 16 is, bit for bit, one of its two NVFP4 encodings on
     the row's scale amax / 1536 -- max to 6 (`quantize_nvfp4` with that global scale) or max to 4 (block scales of
-    1.5 x the group max) -- and it is the one of smaller squared error (a tie keeps 6), so its error is
+    1.5 x the group max) -- and it is the one of smaller squared error (`group_squared_error`'s fixed order; a tie keeps 6), so its error is
     min(err6, err4) exactly; checked on rows spanning 10 decades with a padded last group and a zero row. Then two
     exact cases on the row's largest group, where both block scales are exact E4M3 values (256 and 384): [6, 4.62]
     -> [6, 4.5] (4 wins: 4.62 sits in E2M1's widest step, 4 -> 6) and [6, 1] -> [6, 1] (6 wins)."""
-    from quantkit.formats.nvfp4 import _quantize_nvfp4, fake_quant_nvfp4_four_over_six, nvfp4_block_scales, nvfp4_groups
+    from quantkit.formats.nvfp4 import (
+        _quantize_nvfp4,
+        fake_quant_nvfp4_four_over_six,
+        group_squared_error,
+        nvfp4_block_scales,
+        nvfp4_groups,
+    )
 
     generator = torch.Generator().manual_seed(0)
     for _ in range(10):
@@ -493,7 +499,7 @@ def test_four_over_six_keeps_the_candidate_of_least_squared_error():
         four = dequantize_nvfp4(_quantize_nvfp4(x, gs, nvfp4_block_scales(1.5 * nvfp4_groups(x).abs().amax(-1), gs)))
         got = fake_quant_nvfp4_four_over_six(x)
         groups = [nvfp4_groups(t) for t in (x, six, four, got)]
-        err_six, err_four, err_got = ((c - groups[0]).square().sum(-1) for c in groups[1:])
+        err_six, err_four, err_got = (group_squared_error(c, groups[0]) for c in groups[1:])
         is_four = err_four < err_six
         assert torch.equal(groups[3], torch.where(is_four.unsqueeze(-1), groups[2], groups[1]))
         assert torch.equal(err_got, torch.minimum(err_six, err_four))
@@ -515,6 +521,7 @@ def test_four_over_six_weights_encode_the_same_choice_per_tensor():
     from quantkit.formats.nvfp4 import (
         _quantize_nvfp4,
         four_over_six_global_scale,
+        group_squared_error,
         nvfp4_block_scales,
         nvfp4_groups,
         quantize_nvfp4_weight_four_over_six,
@@ -529,8 +536,28 @@ def test_four_over_six_weights_encode_the_same_choice_per_tensor():
     six = dequantize_nvfp4(_quantize_nvfp4(w, gs))
     four = dequantize_nvfp4(_quantize_nvfp4(w, gs, nvfp4_block_scales(1.5 * nvfp4_groups(w).abs().amax(-1), gs)))
     groups = [nvfp4_groups(c) for c in (w, six, four, t.dequantize())]
-    err_six, err_four, err_got = ((c - groups[0]).square().sum(-1) for c in groups[1:])
+    err_six, err_four, err_got = (group_squared_error(c, groups[0]) for c in groups[1:])
     assert torch.equal(groups[3], torch.where((err_four < err_six).unsqueeze(-1), groups[2], groups[1]))
     assert (err_got <= err_six).all() and (err_four < err_six).any()
     tensors = NVFP4.encode(w, "w", "four_over_six")
     assert torch.equal(NVFP4.decode(tensors, 80), t.dequantize())
+
+
+def test_group_squared_error_adds_in_its_stated_tree():
+    """`group_squared_error` sums each group's 16 squared errors as the tree (0+1)+(2+3), ... in float32, the order
+    the fused quantizer reproduces: compared with that tree written out; values spanning 2**-60..2**60 make a
+    left-to-right order give other float32 sums (asserted), so the order is what is checked, not only the total."""
+    from quantkit.formats.nvfp4 import group_squared_error
+
+    g = torch.Generator().manual_seed(3)
+    decoded = torch.randn(5, 3, 16, generator=g) * 2.0 ** torch.randint(-30, 30, (5, 3, 16), generator=g).float()
+    groups = torch.zeros_like(decoded)
+    e = decoded.square()
+    level = [e[..., i] for i in range(16)]
+    while len(level) > 1:
+        level = [level[i] + level[i + 1] for i in range(0, len(level), 2)]
+    assert torch.equal(group_squared_error(decoded, groups), level[0])
+    sequential = e[..., 0]
+    for i in range(1, 16):
+        sequential = sequential + e[..., i]
+    assert not torch.equal(level[0], sequential)  # on these values another order gives other sums (the test's power)

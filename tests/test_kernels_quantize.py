@@ -23,7 +23,13 @@ from quantkit.formats import (
 from quantkit.formats.constants import E2M1_BOUNDS, F8E4M3_DTYPE
 from quantkit.formats.fp8 import to_e4m3
 from quantkit.formats.hadamard import block_hadamard
-from quantkit.formats.nvfp4 import e2m1_to_float, round_to_e2m1
+from quantkit.formats.nvfp4 import (
+    e2m1_to_float,
+    nvfp4_block_scales,
+    nvfp4_groups,
+    quantize_nvfp4_activation_four_over_six,
+    round_to_e2m1,
+)
 from quantkit.kernels import quantize_fp8 as kfp8
 from quantkit.kernels import quantize_nvfp4 as knvfp4
 from quantkit.kernels.fp_codes import e2m1_code, e2m1_value, e4m3_code, e4m3_positive_value
@@ -190,6 +196,42 @@ def test_nvfp4_tiles_do_not_change_the_result():
         _nvfp4_equal(x[:9, :200], 0.05, **tiles)
 
 
+def _four_over_six_equal(x: torch.Tensor, hadamard: int = 0, **tiles) -> None:
+    """The fused Four Over Six quantizer's operands equal the reference's bit for bit (packed codes, E4M3 block
+    scales, global scales)."""
+    packed, block_scale, global_ = knvfp4.quantize_nvfp4_four_over_six(x, hadamard=hadamard, **tiles)
+    want = quantize_nvfp4_activation_four_over_six(block_hadamard(x, hadamard) if hadamard else x)
+    assert torch.equal(packed, want.packed), tuple(x.shape)
+    assert torch.equal(_u8(block_scale), _u8(want.block_scale)), tuple(x.shape)
+    assert torch.equal(global_, want.global_scale), tuple(x.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nvfp4_four_over_six_bit_exact(dtype):
+    """Four Over Six (per token, each group's max to 6 or to 4, the smaller squared error in
+    `group_squared_error`'s order): every byte and scale as the reference's, on the NVFP4 cases (ties, zero rows
+    and groups, clamped scales, padding); in float32 also under another tiling and an online Hadamard. Both
+    candidates occur (block scales equal to and different from max-to-6 on the same global scale)."""
+    chose_four = chose_six = False
+    for x in _nvfp4_cases():
+        x = x.clamp(-6e4, 6e4).to(dtype) if dtype == torch.float16 else x.to(dtype)
+        _four_over_six_equal(x)
+        want = quantize_nvfp4_activation_four_over_six(x)
+        six = nvfp4_block_scales(nvfp4_groups(x).abs().amax(-1), want.global_scale).float()
+        chose_four |= bool((want.block_scale.float() != six).any())
+        chose_six |= bool((want.block_scale.float() == six).any())
+    assert chose_four and chose_six
+    if dtype == torch.float32:
+        x = _nvfp4_cases()[0]
+        _four_over_six_equal(x[:9, :200], block_m=4, block_k=32)  # Kp = 208: a multiple of neither block_k
+        _four_over_six_equal(x[:7, :256], hadamard=16, block_m=8, block_k=64)
+
+
+def test_nvfp4_four_over_six_is_per_token_only():
+    with pytest.raises(ValueError, match="per token"):
+        knvfp4.quantize_nvfp4_four_over_six(torch.ones(2, 16), 0.5)
+
+
 _TINY, _HUGE = float(np.float32(1e-30)), float(np.float32(1e30))
 _elements = st.one_of(
     st.just(0.0),
@@ -212,6 +254,7 @@ def test_quantizers_bit_exact_property(x, static):
     want_q, want_scale = quantize_fp8_per_token(x)
     assert torch.equal(_u8(q), _u8(want_q)) and torch.equal(scale, want_scale)
     _nvfp4_equal(x, static)
+    _four_over_six_equal(x)
 
 
 # --- errors ---------------------------------------------------------------------------------------------

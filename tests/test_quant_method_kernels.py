@@ -50,7 +50,10 @@ def _layer(scheme, activation_scale, kernel, weight, monkeypatch, hadamard=0):
 
 
 @pytest.mark.parametrize("hadamard", [0, 8])  # 8: K = 200's online block (a rotated down_proj)
-@pytest.mark.parametrize("scheme, activation_scale", [("fp8_block", "per_token"), ("nvfp4", "per_token"), ("nvfp4", "static")])
+@pytest.mark.parametrize(
+    "scheme, activation_scale",
+    [("fp8_block", "per_token"), ("nvfp4", "per_token"), ("nvfp4", "static"), ("nvfp4_four_over_six", "per_token")],
+)
 def test_triton_path_equals_torch_emulation(scheme, activation_scale, hadamard, monkeypatch):
     """hadamard: emulation transforms x by the torch butterfly, the Triton path inside its fused quantizer; both
     then quantize the same bits (tests/test_kernels_quantize.py), so the bound below is unchanged."""
@@ -80,7 +83,8 @@ def test_kernel_choice_is_validated(monkeypatch):
 E, H, I = 4, 40, 72  # w13 (E, 144, 40): the up shard starts off the 128 grid; NVFP4 pads H to 48, I to 80
 # (scheme, activation scale, GLU experts, online Hadamard block of the down inputs: 8 for I = 72, a rotated checkpoint)
 EXPERTS_CASES = [("fp8_block", "per_token", False, 0), ("nvfp4", "per_token", False, 0), ("nvfp4", "static", False, 0),
-                 ("nvfp4", "per_token", True, 0), ("nvfp4", "per_token", False, 8), ("fp8_block", "per_token", True, 8)]
+                 ("nvfp4", "per_token", True, 0), ("nvfp4", "per_token", False, 8), ("fp8_block", "per_token", True, 8),
+                 ("nvfp4_four_over_six", "per_token", False, 8)]
 ROUTING = torch.tensor([[2, 3], [3, 2], [2, -1], [1, 2], [2, 3], [3, 2], [2, -1], [3, 2]])  # -1: another rank's
 # tokens per expert: 0 (none), 1 (one), 8, 5 (uneven); two pairs of no local expert
 

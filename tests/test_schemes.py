@@ -42,10 +42,10 @@ def _weight(seed: int = 0, n: int = N, k: int = K) -> torch.Tensor:
 
 
 def test_registry_names_and_bf16():
-    assert SCHEME_NAMES == ["fp8_block", "nvfp4"]
+    assert SCHEME_NAMES == ["fp8_block", "nvfp4", "nvfp4_four_over_six"]
     assert all(SCHEMES[name].name == name for name in SCHEMES)
     assert scheme_for(UNQUANTIZED) is None and scheme_for("nvfp4") is NVFP4 and get_scheme("fp8_block") is FP8_BLOCK
-    with pytest.raises(ValueError, match=r"unknown scheme 'int3'; expected one of \['fp8_block', 'nvfp4'\]"):
+    with pytest.raises(ValueError, match=r"unknown scheme 'int3'; expected one of \['fp8_block', 'nvfp4', 'nvfp4_four_over_six'\]"):
         get_scheme("int3")
     assert set(KERNELS) == set(SCHEMES)  # every scheme can be served on CUDA
 

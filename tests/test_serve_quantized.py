@@ -104,6 +104,7 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
     "mixtral-nvfp4": ("mixtral", "w4a4_nvfp4", 1),
     "mistral-fp8_block": ("mistral", "w8a8_fp8_block", 1),
     "qwen2-nvfp4": ("qwen2", "w4a4_nvfp4", 1),
+    "qwen2-nvfp4_46": ("qwen2", "w4a4_nvfp4_46", 1),  # Four Over Six weights and activations
     "gemma3-nvfp4": ("gemma3", "w4a4_nvfp4", 1),
     "gemma2-fp8_block": ("gemma2", "w8a8_fp8_block", 1),
     "qwen3_moe-fp8_block": ("qwen3_moe", "w8a8_fp8_block", 1),

@@ -92,7 +92,7 @@ def hybrid(tmp_path_factory):
 
 # 12 windows: a full batch of 8 and a partial one; spill 0: every stream on disk; 1 MiB shards: several
 DENSE = [("bf16", None), ("w8a8_fp8_block", None), ("w4a4_nvfp4", None), ("w4a4_nvfp4_static", 0),
-         ("w8a8_fp8_block_sq", None), ("w4a4_nvfp4_sq", 0), ("w4a4_nvfp4_sq_updown", None)]
+         ("w8a8_fp8_block_sq", None), ("w4a4_nvfp4_sq", 0), ("w4a4_nvfp4_sq_updown", None), ("w4a4_nvfp4_46", None)]
 
 
 @pytest.mark.parametrize("recipe_name,spill", DENSE)

@@ -71,11 +71,13 @@ __all__ = [
     "fake_quant_nvfp4_four_over_six",
     "four_over_six_block_scales",
     "four_over_six_global_scale",
+    "group_squared_error",
     "nvfp4_block_scales",
     "nvfp4_global_scale",
     "pack_fp4",
     "quantize_nvfp4",
     "quantize_nvfp4_activation",
+    "quantize_nvfp4_activation_four_over_six",
     "quantize_nvfp4_weight",
     "quantize_nvfp4_weight_four_over_six",
     "round_to_e2m1",
@@ -300,20 +302,31 @@ def fake_quant_nvfp4_activation(
 FOUR_OVER_SIX_SCALE_MAX = 256.0
 
 
+def group_squared_error(decoded: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Squared error of each group of 16, (..., G, 16) float32 pairs -> (..., G) float32, summed as a fixed tree:
+    elements (0, 1), (2, 3), ... first, then those sums pairwise, four levels. Every addition is one IEEE float32
+    operation in a stated order, so the fused quantizer (`quantkit.kernels.quantize_nvfp4`) reaches the same sums,
+    and the same Four Over Six choices, bit for bit (a library sum may add in any order)."""
+    err = (decoded - groups).square()
+    while err.shape[-1] > 1:
+        err = err[..., 0::2] + err[..., 1::2]
+    return err[..., 0]
+
+
 def four_over_six_block_scales(x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     """Four Over Six's choice (4/6, Cook et al. 2025, arXiv 2512.02010; the reference code's `select_fouroversix`,
     MSE rule) of E4M3 block decode scales for x (..., K) on the second-stage decode scale gs (() or (..., 1)): each
     group of 16 is encoded twice, with `nvfp4_block_scales(gmax, gs)` (its max to E2M1's 6, as plain NVFP4) and
     `nvfp4_block_scales(1.5 gmax, gs)` (its max to 4: a finer grid near the max, 4 -> 6 is E2M1's widest step);
-    the scale of smaller squared error is kept (a tie keeps 6). (..., G) float8_e4m3fn. gs must leave room for the
-    1.5x candidate (FOUR_OVER_SIX_SCALE_MAX)."""
+    the scale of smaller squared error (`group_squared_error`) is kept (a tie keeps 6). (..., G) float8_e4m3fn. gs
+    must leave room for the 1.5x candidate (FOUR_OVER_SIX_SCALE_MAX)."""
     groups = nvfp4_groups(x)
     group_amax = groups.abs().amax(dim=-1)
 
     def candidate(stretch: float) -> tuple[torch.Tensor, torch.Tensor]:
         block_scale = nvfp4_block_scales(stretch * group_amax, gs)
         scaled, _, scale = _scaled_groups(x, gs, block_scale)
-        return block_scale, (e2m1_round(scaled) * scale - groups).square().sum(dim=-1)
+        return block_scale, group_squared_error(e2m1_round(scaled) * scale, groups)
 
     (six, err_six), (four, err_four) = candidate(1.0), candidate(1.5)
     return torch.where(err_four < err_six, four.float(), six.float()).to(F8E4M3_DTYPE)
@@ -326,13 +339,28 @@ def four_over_six_global_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
-def fake_quant_nvfp4_four_over_six(x: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
-    """Four Over Six NVFP4 quantize-dequantize of activations x (..., K) per token -> float32 (..., K): second-stage
-    decode scale per row `four_over_six_global_scale(row amax)`, block scales `four_over_six_block_scales`. The
-    result is still NVFP4 (E2M1 codes, E4M3 block scales, float32 global scale): a GEMM consumes it unchanged. Not a
-    served quantizer here: the reference for measuring what the variant would buy (benchmarks/four_over_six_kl.py)."""
+def quantize_nvfp4_activation_four_over_six(
+    x: torch.Tensor, *, row_amax: torch.Tensor | None = None, name: str | None = None
+) -> NVFP4Tensor:
+    """Activations (..., K) -> NVFP4Tensor with Four Over Six scales per token (the `nvfp4_four_over_six` scheme):
+    second-stage decode scale per row `four_over_six_global_scale(row amax)` ((..., 1); `row_amax` (..., 1): the
+    whole row's max |x| when x is a tensor-parallel slice of K, default computed from x), block scales
+    `four_over_six_block_scales`. Still NVFP4 (E2M1 codes, E4M3 group scales, float32 global scale): the NVFP4
+    GEMM consumes it unchanged."""
+    check_quantizable(x, "quantize_nvfp4_activation_four_over_six", name=name)
+    amax = nvfp4_groups(x).abs().amax(dim=(-2, -1))[..., None] if row_amax is None else row_amax.float()
+    gs = four_over_six_global_scale(amax)
+    return _quantize_nvfp4(x, gs, four_over_six_block_scales(x, gs))
+
+
+def fake_quant_nvfp4_four_over_six(
+    x: torch.Tensor, *, row_amax: torch.Tensor | None = None, name: str | None = None
+) -> torch.Tensor:
+    """`dequantize_nvfp4(quantize_nvfp4_activation_four_over_six(x, row_amax=row_amax))`, float32 (..., K), equal
+    bit for bit, without packing the codes and unpacking them again (the CPU emulation's path)."""
     check_quantizable(x, "fake_quant_nvfp4_four_over_six", name=name)
-    gs = four_over_six_global_scale(nvfp4_groups(x).abs().amax(dim=(-2, -1))[..., None])
+    amax = nvfp4_groups(x).abs().amax(dim=(-2, -1))[..., None] if row_amax is None else row_amax.float()
+    gs = four_over_six_global_scale(amax)
     scaled, _, scale = _scaled_groups(x, gs, four_over_six_block_scales(x, gs))
     return (e2m1_round(scaled) * scale).flatten(-2)[..., : x.shape[-1]]
 

@@ -14,6 +14,7 @@ Checkpoint tensors of a quantized Linear `<name>` with weight (N, K) (docs/check
                <name>.weight_scale          float8_e4m3fn (N, K_pad/16)         decode scale per group of 16
                <name>.weight_global_scale   float32 (1,)                        per-tensor decode scale
                <name>.input_global_scale    float32 (1,)   static activation scale only (decode, amax / 2688)
+    nvfp4_four_over_six                     nvfp4's tensors; activations per token with Four Over Six scales
 
 All scales are DECODE scales (value = code * scale), unlike compressed-tensors' `*_global_scale` (encode,
 the reciprocal). Activations are quantized at run time: FP8 per token; NVFP4 per token (the paper's) or
@@ -47,9 +48,11 @@ from quantkit.formats.nvfp4 import (
     NVFP4Tensor,
     dequantize_nvfp4,
     fake_quant_nvfp4_activation,
+    fake_quant_nvfp4_four_over_six,
     fake_quant_nvfp4_weight,
     nvfp4_global_scale,
     quantize_nvfp4_activation,
+    quantize_nvfp4_activation_four_over_six,
     quantize_nvfp4_weight,
     quantize_nvfp4_weight_four_over_six,
 )
@@ -83,7 +86,8 @@ class Scheme(ABC):
     module quantized with this scheme stores; k_multiple: the K granule of the scales (a tensor-parallel
     shard of K must be a multiple of it); activation_scales: the activation modes it supports;
     static_tensors: the extra tensors of the static activation mode; precision: the paper's label (W8A8, W4A4);
-    weight_scales: the weight decode-scale rules it can encode (`WeightScales`)."""
+    weight_scales: the weight decode-scale rules it can encode (`WeightScales`); weight_grid: the grid of its
+    weights (schemes that differ only in their activations share one)."""
 
     name: str
     tensors: Mapping[str, str]
@@ -93,6 +97,7 @@ class Scheme(ABC):
     static_tensors: Mapping[str, str] = field(default_factory=dict)
     precision: str = ""
     weight_scales: tuple[str, ...] = (WeightScales.MINMAX, WeightScales.MSE)
+    weight_grid: str = ""  # the weight grid GPTQ rounds on (`quantkit.quantize.gptq`): "fp8_block" | "nvfp4"
 
     # ------------------------------------------------------------------ checkpoint contract
 
@@ -241,6 +246,7 @@ FP8_BLOCK = FP8BlockScheme(
     marker="weight_scale",
     k_multiple=FP8_WEIGHT_BLOCK,
     precision="W8A8",
+    weight_grid="fp8_block",
 )
 
 
@@ -364,9 +370,47 @@ NVFP4 = NVFP4Scheme(
     static_tensors={"input_global_scale": "F32"},
     precision="W4A4",
     weight_scales=(WeightScales.MINMAX, WeightScales.MSE, WeightScales.FOUR_OVER_SIX),
+    weight_grid="nvfp4",
 )
 
-SCHEMES: dict[str, Scheme] = {s.name: s for s in (FP8_BLOCK, NVFP4)}
+
+class NVFP4FourOverSixScheme(NVFP4Scheme):
+    """NVFP4 W4A4 with Four Over Six activations (Cook et al. 2025, arXiv 2512.02010): per token, each group of 16
+    encoded with its max to 6 or to 4, the smaller squared error kept, on a decode scale of row_amax / 1536
+    (`quantkit.formats.nvfp4.quantize_nvfp4_activation_four_over_six`). The checkpoint tensors, the weight grid and
+    the GEMM are NVFP4's; the recipe chooses the weights' scales (`weight_scales: four_over_six` for 4/6 weights
+    too). Per token only: no static activation scale."""
+
+    def static_activation_tensors(self, amax: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise ValueError(f"scheme {self.name} has no static activation scale (its activations are per token)")
+
+    def _activation(
+        self, x: torch.Tensor, input_global_scale: torch.Tensor | None, row_amax: torch.Tensor | None
+    ) -> NVFP4Tensor:
+        if input_global_scale is not None:
+            raise ValueError(f"scheme {self.name} has no static activation scale (its activations are per token)")
+        return quantize_nvfp4_activation_four_over_six(x, row_amax=row_amax)
+
+    def fake_quant_activation(
+        self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Four Over Six quantize-dequantize per token (`row_amax` under TP), (..., K) -> float32 (..., K)."""
+        if input_global_scale is not None:
+            raise ValueError(f"scheme {self.name} has no static activation scale (its activations are per token)")
+        return fake_quant_nvfp4_four_over_six(x, row_amax=row_amax)
+
+
+NVFP4_FOUR_OVER_SIX = NVFP4FourOverSixScheme(
+    "nvfp4_four_over_six",
+    dict(NVFP4.tensors),
+    marker="weight_packed",
+    k_multiple=NVFP4_GROUP,
+    precision="W4A4",
+    weight_scales=(WeightScales.MINMAX, WeightScales.MSE, WeightScales.FOUR_OVER_SIX),
+    weight_grid="nvfp4",
+)
+
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (FP8_BLOCK, NVFP4, NVFP4_FOUR_OVER_SIX)}
 
 
 def get_scheme(name: str) -> Scheme:

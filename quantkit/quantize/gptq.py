@@ -47,6 +47,7 @@ from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.fp8 import fp8_scale_from_amax, to_e4m3
 from quantkit.formats.nvfp4 import e2m1_round, nvfp4_block_scales, nvfp4_global_scale
 from quantkit.formats.scale_search import fp8_block_scales_mse, nvfp4_block_scales_mse
+from quantkit.formats.schemes import SCHEMES
 from quantkit.quantize.routed_experts import experts_call, routed_expert_passes
 
 logger = logging.getLogger(__name__)
@@ -109,8 +110,10 @@ class _Grid:
     scales set now from `w` (act-order), else each by `start_group` as GPTQ reaches it."""
 
     def __init__(self, scheme: str, w: torch.Tensor, search_scales: bool = False, static: bool = False) -> None:
-        if scheme not in ("fp8_block", "nvfp4"):
-            raise ValueError(f"GPTQ: unknown scheme {scheme!r}; expected fp8_block or nvfp4")
+        grid = SCHEMES[scheme].weight_grid if scheme in SCHEMES else ""
+        if grid not in ("fp8_block", "nvfp4"):
+            raise ValueError(f"GPTQ: unknown scheme {scheme!r}; expected one of {list(SCHEMES)}")
+        scheme = grid  # the grid decides the rounding: schemes that differ only in activations share it
         self.scheme, self.search_scales, (n, k) = scheme, search_scales, w.shape
         self.group = FP8_WEIGHT_BLOCK if scheme == "fp8_block" else NVFP4_GROUP
         groups = -(-k // self.group)
