@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 from torch import nn
@@ -29,35 +30,65 @@ from torch import nn
 QuantizedProduct = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 
 DEFAULT_GRID = tuple(i / 10 for i in range(3, 10))  # 0.3, 0.4, ..., 0.9: the paper's 0.5 among them
+# AWQ's grid (llm-compressor's AWQModifier defaults, n_grid 20, duo_scaling True): the identity scaling (ratio 0
+# without the weight term), then ratios 0, 1/18, ..., 1 of x_mean^r / w_mean^(1 - r)
+AWQ_GRID: tuple[tuple[float, bool], ...] = ((0.0, False), *((i / 18, True) for i in range(19)))
+AWQ_EPS = 1e-4  # llm-compressor's floor on the scales and on w_mean^(1 - r)
+
+
+class Rule(StrEnum):
+    """How the searched scales are formed (recipe `smoothquant.scales`; equal to its string)."""
+
+    SMOOTHQUANT = "smoothquant"  # s = max|X|^a / max|W|^(1 - a) over DEFAULT_GRID's alphas
+    AWQ = "awq"  # s = mean|X|^r / w_mean^(1 - r), normalized, over AWQ_GRID (Lin et al. 2024; `awq_factors`)
+
+
 DEFAULT_MAX_ROWS = 1024  # rows of X the error is measured on (per mapping)
 ROW_STRIDE = 8  # every 8th position of a batch: the sample spans 8x more windows than its rows
 
 
 @dataclass(frozen=True)
 class AlphaSearch:
-    """How `smoothquant.layer_factors` chooses each mapping's alpha: `product` the served quantized product of a
-    consumer, `grid` the candidate alphas in [0, 1] (first wins ties), `max_rows` the rows of X sampled."""
+    """How `smoothquant.layer_factors` chooses each mapping's scales: `product` the served quantized product of a
+    consumer, `grid` the candidate alphas in [0, 1] (first wins ties), `max_rows` the rows of X sampled. `rule`
+    AWQ: the candidates are AWQ_GRID's instead (`grid` unused), and `weight_block(name)` gives the (rows, columns)
+    of one weight decode scale of consumer `name` (its scheme's), which AWQ's w_mean normalizes by."""
 
     product: QuantizedProduct
     grid: tuple[float, ...] = DEFAULT_GRID
     max_rows: int = DEFAULT_MAX_ROWS
+    rule: Rule = Rule.SMOOTHQUANT
+    weight_block: Callable[[str], tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         if not self.grid or not all(0.0 <= a <= 1.0 for a in self.grid):
             raise ValueError(f"SmoothQuant alpha search: the grid must be alphas in [0, 1], got {self.grid}")
         if self.max_rows < 1:
             raise ValueError(f"SmoothQuant alpha search: max_rows must be >= 1, got {self.max_rows}")
+        if self.rule == Rule.AWQ and self.weight_block is None:
+            raise ValueError("AWQ search: weight_block (each consumer's weight scale block) is required")
+
+    def searched_values(self) -> list[float]:
+        """What a report lists as the searched grid: the alphas, or AWQ's ratios (in AWQ_GRID's order)."""
+        return [ratio for ratio, _ in AWQ_GRID] if self.rule == Rule.AWQ else list(self.grid)
 
 
 class RowSampler:
-    """Forward pre-hooks keeping every ROW_STRIDE-th row of named modules' inputs, up to `max_rows` each, float32.
+    """Forward pre-hooks keeping every ROW_STRIDE-th row of named modules' inputs, up to `max_rows` each, float32,
+    and the sum of |x| per input column over every row (AWQ's mean).
 
-    Use as a context manager; `rows[name]` is (rows, K) once the module was called."""
+    Use as a context manager; `rows[name]` is (rows, K) once the module was called, `mean_abs(name)` (K,)."""
 
     def __init__(self, model: nn.Module, module_names: Sequence[str], max_rows: int) -> None:
         self.model, self.names, self.max_rows = model, list(dict.fromkeys(module_names)), max_rows
         self.rows: dict[str, torch.Tensor] = {}
+        self.abs_sum: dict[str, torch.Tensor] = {}  # float64 (K,): sum of |x| over every row seen
+        self.count: dict[str, int] = {}
         self._handles: list = []
+
+    def mean_abs(self, name: str) -> torch.Tensor:
+        """mean |x| per input column of `name` over every row it was called with, float32 (K,)."""
+        return (self.abs_sum[name] / self.count[name]).float()
 
     def __enter__(self) -> RowSampler:
         for name in self.names:
@@ -71,18 +102,45 @@ class RowSampler:
 
     def _hook(self, name: str):
         def hook(_module: nn.Module, args: tuple) -> None:
+            x = args[0].detach()
+            flat = x.reshape(-1, x.shape[-1])
+            total = flat.abs().sum(0, dtype=torch.float64)
+            self.abs_sum[name] = total if name not in self.abs_sum else self.abs_sum[name] + total
+            self.count[name] = self.count.get(name, 0) + flat.shape[0]
             kept = self.rows.get(name)
             room = self.max_rows - (0 if kept is None else len(kept))
             if room <= 0:
                 return
-            x = args[0].detach()
-            new = x.reshape(-1, x.shape[-1])[::ROW_STRIDE][:room].float()
+            new = flat[::ROW_STRIDE][:room].float()
             self.rows[name] = new if kept is None else torch.cat([kept, new])
 
         return hook
 
 
 @torch.no_grad()
+def choose_scales(
+    search: AlphaSearch,
+    x: torch.Tensor,
+    consumers: Sequence[tuple[str, torch.Tensor]],
+    channel_index: torch.Tensor,
+    candidates: Sequence[torch.Tensor],
+) -> tuple[int, list[float]]:
+    """(the index of the candidate of least error, the error of every candidate) for one mapping.
+
+    x: (rows, K) float32 sample of the consumers' input; consumers: (name, weight (N, K)) of each quantized
+    consumer, unsmoothed; channel_index: (K,) the smoothing channel of each input column; candidates: s per
+    smoothing channel, in order (the first of equal errors wins)."""
+    weights = [(name, w.float()) for name, w in consumers]
+    exact = [x @ w.T for _, w in weights]
+    errors = []
+    for factors in candidates:
+        s = factors.to(x.device)[channel_index]
+        xs = x / s
+        err = sum(float((search.product(name, xs, w * s) - y).pow(2).sum()) for (name, w), y in zip(weights, exact))
+        errors.append(err)
+    return min(range(len(errors)), key=lambda i: (errors[i], i)), errors
+
+
 def choose_alpha(
     search: AlphaSearch,
     x: torch.Tensor,
@@ -90,18 +148,34 @@ def choose_alpha(
     channel_index: torch.Tensor,
     factors: Callable[[float], torch.Tensor],
 ) -> tuple[float, list[float]]:
-    """(the alpha of least error, the error of every grid alpha) for one mapping.
-
-    x: (rows, K) float32 sample of the consumers' input; consumers: (name, weight (N, K)) of each quantized
-    consumer, unsmoothed; channel_index: (K,) the smoothing channel of each input column; factors(alpha): s per
-    smoothing channel (`smoothing_factors` with the mapping's maxima)."""
-    weights = [(name, w.float()) for name, w in consumers]
-    exact = [x @ w.T for _, w in weights]
-    errors = []
-    for alpha in search.grid:
-        s = factors(alpha).to(x.device)[channel_index]
-        xs = x / s
-        err = sum(float((search.product(name, xs, w * s) - y).pow(2).sum()) for (name, w), y in zip(weights, exact))
-        errors.append(err)
-    best = min(range(len(errors)), key=lambda i: (errors[i], i))
+    """(the alpha of least error, the error of every grid alpha) for one mapping (`choose_scales` over
+    factors(alpha), the smoothing factors of each grid alpha)."""
+    best, errors = choose_scales(search, x, consumers, channel_index, [factors(a) for a in search.grid])
     return search.grid[best], errors
+
+
+def awq_factors(x_mean: torch.Tensor, w_mean: torch.Tensor, ratio: float, duo: bool) -> torch.Tensor:
+    """AWQ's scales for one grid point, as llm-compressor forms them (`AWQModifier._compute_best_scale`):
+    s = max(x_mean^r / (w_mean^(1 - r) + 1e-4), 1e-4) with `duo`, else max(x_mean^r, 1e-4), then divided by
+    sqrt(max(s) min(s)) (centred in log space); inf or NaN entries 1. x_mean, w_mean (channels,); float32."""
+    x = x_mean.float()
+    s = x.pow(ratio) / (w_mean.float().pow(1 - ratio) + AWQ_EPS) if duo else x.pow(ratio)
+    s = s.clamp(min=AWQ_EPS)
+    s = s / (s.max() * s.min()).sqrt()
+    return torch.where(torch.isfinite(s), s, torch.ones_like(s))
+
+
+def weight_mean(weights: Sequence[torch.Tensor], blocks: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """AWQ's w_mean (llm-compressor's `AWQModifier._compute_layer_means`): each consumer weight (N, K) as |w| over
+    its quantization block's max |w| (+1e-6; `blocks`: each weight's (rows, columns) per decode scale: NVFP4 (1,
+    16), FP8 (128, 128); edge blocks partial), then the mean over every consumer's rows, float32 (K,)."""
+    total, rows = torch.zeros(weights[0].shape[-1], dtype=torch.float64), 0
+    for w, (br, bc) in zip(weights, blocks, strict=True):
+        a = w.detach().float().abs()
+        n, k = a.shape
+        padded = torch.nn.functional.pad(a, (0, -k % bc, 0, -n % br))
+        block_max = padded.unflatten(0, (-1, br)).unflatten(-1, (-1, bc)).amax(dim=(1, 3))
+        per_element = block_max.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:n, :k]
+        total += (a / (per_element + 1e-6)).sum(0, dtype=torch.float64)
+        rows += n
+    return (total / rows).float()

@@ -32,7 +32,7 @@ not counted: they stay unquantized).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Protocol, cast
@@ -41,7 +41,16 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from quantkit.calibrate.alpha_search import AlphaSearch, RowSampler, choose_alpha
+from quantkit.calibrate.alpha_search import (
+    AWQ_GRID,
+    AlphaSearch,
+    RowSampler,
+    Rule,
+    awq_factors,
+    choose_alpha,
+    choose_scales,
+    weight_mean,
+)
 from quantkit.calibrate.layers import (
     BATCH_SIZE,
     HEAD_POSITIONS,
@@ -386,6 +395,7 @@ def layer_factors(
     consumers = [c for m in mappings for c in m.consumers]
     searched = [m for m in mappings if search is not None and _searchable(model, m)]
     rows: dict[str, torch.Tensor] = {}
+    means: dict[str, torch.Tensor] = {}
     if statistics is None:
         if stream is None:
             raise ValueError(f"layer {i}: SmoothQuant statistics need a calibration stream or cached statistics")
@@ -399,6 +409,7 @@ def layer_factors(
             advance_stream(stream, layer, i, stop_after=lambda b: settling.after_batch(len(chunks[b])))
         last_change = settling.change[-1] if settling.change else 0.0
         statistics, rows = LayerStatistics(observer.maxima, settling.windows, last_change), sampler.rows
+        means = {name: sampler.mean_abs(name) for name in sampler.abs_sum}
     elif searched:
         raise ValueError("the alpha search samples rows during the statistics pass; cached statistics have none")
     maxima = statistics.maxima
@@ -414,6 +425,26 @@ def layer_factors(
         x = _to_smoothing_channels(m, maxima[m.consumers[0]], channels)
         w = _to_smoothing_channels(m, _weight_col_max(model, m).to(x.device), channels)
         alphas[m.name] = alpha
+        if m in searched and cast(AlphaSearch, search).rule == Rule.AWQ:
+            sampled = rows[m.consumers[0]]
+            quantized = [
+                (c, input_weight(model.get_submodule(c)).detach()) for c in m.consumers if c not in m.fold_only
+            ]
+            block_of = cast(Callable[[str], tuple[int, int]], cast(AlphaSearch, search).weight_block)
+            mean_w = weight_mean([w for _, w in quantized], [block_of(c) for c, _ in quantized])
+            x_mean = _to_smoothing_channels(m, means[m.consumers[0]].to(x.device), channels)
+            w_mean = _to_smoothing_channels(m, mean_w.to(x.device), channels)
+            candidates = [awq_factors(x_mean, w_mean, ratio, duo) for ratio, duo in AWQ_GRID]
+            best, errors[m.name] = choose_scales(
+                cast(AlphaSearch, search),
+                sampled,
+                quantized,
+                m.channel_index(sampled.shape[-1], sampled.device),
+                candidates,
+            )
+            alphas[m.name] = AWQ_GRID[best][0]
+            factors.append((m, candidates[best], x, w))
+            continue
         if m in searched:
             sampled = rows[m.consumers[0]]
             quantized = [
@@ -657,7 +688,7 @@ def smooth_model(
     finally:
         model.train(was_training)
 
-    grid = None if search is None else search.grid
+    grid = None if search is None else search.searched_values()
     report = smoothquant_report(plan, alpha, tokens, calibrated, change, scale, tolerance, early_stop, grid)
     logger.info("SmoothQuant done:\n%s", report.summary())
     return report

@@ -87,7 +87,8 @@ class Scheme(ABC):
     shard of K must be a multiple of it); activation_scales: the activation modes it supports;
     static_tensors: the extra tensors of the static activation mode; precision: the paper's label (W8A8, W4A4);
     weight_scales: the weight decode-scale rules it can encode (`WeightScales`); weight_grid: the grid of its
-    weights (schemes that differ only in their activations share one)."""
+    weights (schemes that differ only in their activations share one); weight_block: the (rows, columns) of the
+    weight that one decode scale covers."""
 
     name: str
     tensors: Mapping[str, str]
@@ -98,6 +99,7 @@ class Scheme(ABC):
     precision: str = ""
     weight_scales: tuple[str, ...] = (WeightScales.MINMAX, WeightScales.MSE)
     weight_grid: str = ""  # the weight grid GPTQ rounds on (`quantkit.quantize.gptq`): "fp8_block" | "nvfp4"
+    weight_block: tuple[int, int] = (1, 1)  # (rows, columns) of the weight one decode scale covers
 
     # ------------------------------------------------------------------ checkpoint contract
 
@@ -247,6 +249,7 @@ FP8_BLOCK = FP8BlockScheme(
     k_multiple=FP8_WEIGHT_BLOCK,
     precision="W8A8",
     weight_grid="fp8_block",
+    weight_block=(FP8_WEIGHT_BLOCK, FP8_WEIGHT_BLOCK),
 )
 
 
@@ -371,6 +374,7 @@ NVFP4 = NVFP4Scheme(
     precision="W4A4",
     weight_scales=(WeightScales.MINMAX, WeightScales.MSE, WeightScales.FOUR_OVER_SIX),
     weight_grid="nvfp4",
+    weight_block=(1, NVFP4_GROUP),
 )
 
 
@@ -408,6 +412,7 @@ NVFP4_FOUR_OVER_SIX = NVFP4FourOverSixScheme(
     precision="W4A4",
     weight_scales=(WeightScales.MINMAX, WeightScales.MSE, WeightScales.FOUR_OVER_SIX),
     weight_grid="nvfp4",
+    weight_block=(1, NVFP4_GROUP),
 )
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (FP8_BLOCK, NVFP4, NVFP4_FOUR_OVER_SIX)}

@@ -21,7 +21,6 @@ from transformers import AutoConfig, AutoTokenizer
 import quantkit.models  # noqa: F401  (registers model_type "quantkit")
 from quantkit.atomic import atomic_dir, check_output_dir
 from quantkit.calibrate import channel_max, smooth_model
-from quantkit.calibrate.alpha_search import AlphaSearch
 from quantkit.calibrate.layers import check_weights_match_config, skeleton_model
 from quantkit.calibrate.mappings import resolve_mappings
 from quantkit.calibrate.stats_cache import CacheLocation
@@ -184,7 +183,7 @@ def _quantize(
             include_v_o=sq.include_v_o,
             include_up_down=sq.include_up_down,
             experts=sq.experts,
-            search=AlphaSearch(quantized_product(recipe)) if sq.search_alpha else None,
+            search=recipe.smoothing_search(quantized_product(recipe)),
             statistics_cache=cache,
         )
     scheme = scheme_for(recipe.scheme)  # None: bf16, nothing quantized

@@ -61,11 +61,12 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from quantkit.calibrate.alpha_search import AlphaSearch, QuantizedProduct, Rule
 from quantkit.calibrate.stats import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, EarlyStop
 from quantkit.configs import RECIPES_DIR
 from quantkit.data import default_calibration_source
 from quantkit.formats.constants import ActivationScale, WeightScales
-from quantkit.formats.schemes import SCHEMES, UNQUANTIZED
+from quantkit.formats.schemes import SCHEMES, UNQUANTIZED, scheme_for
 from quantkit.yamlfile import read_yaml
 
 # lm_head stays BF16 (quantkit's choice, as the peers' presets); GatedNorm's rank-r gates are tiny (shared/DESIGN.md)
@@ -120,10 +121,16 @@ class SmoothQuantSettings:
     include_v_o: bool = False  # also smooth v_proj -> o_proj where attention is linear in v
     include_up_down: bool = False  # also smooth up_proj -> down_proj (down_proj's inputs hold the largest outliers)
     search_alpha: bool = False  # alpha per mapping by the quantized output error (quantkit.calibrate.alpha_search)
+    scales: str = Rule.SMOOTHQUANT  # smoothquant | awq: AWQ's scales, searched per mapping (alpha_search.Rule)
 
     def early_stop_rule(self) -> EarlyStop | None:
         """The statistics' early stop (`quantkit.calibrate.stats.EarlyStop`), None when off."""
         return None if self.early_stop is None else EarlyStop(self.early_stop)
+
+    @property
+    def searched(self) -> bool:
+        """Whether each mapping's scales are searched on the quantized output error (alpha search or AWQ)."""
+        return self.search_alpha or self.scales == Rule.AWQ
 
     def mapping_flags(self) -> dict[str, bool]:
         """The keyword arguments of `quantkit.calibrate.mappings.resolve_mappings` these settings ask for."""
@@ -203,6 +210,24 @@ class Recipe:
             and self.rotation is None
             and self.gptq is None
         )
+
+    def smoothing_search(self, product: QuantizedProduct) -> AlphaSearch | None:
+        """How SmoothQuant searches each mapping's scales (`quantkit.calibrate.alpha_search`) with `product` the
+        served quantized product: the alpha grid, AWQ's scales (each consumer's weight block from its scheme), or
+        None (the recipe's alpha everywhere)."""
+        sq = self.smoothquant
+        if sq is None or not sq.searched:
+            return None
+        if sq.scales == Rule.AWQ:
+            return AlphaSearch(product, rule=Rule.AWQ, weight_block=self.weight_block_of)
+        return AlphaSearch(product)
+
+    def weight_block_of(self, module_name: str) -> tuple[int, int]:
+        """The (rows, columns) one weight decode scale covers in `module_name` (its scheme's; the recipe's scheme's
+        for a module it keeps unquantized)."""
+        scheme = None if self.ignores(module_name) else scheme_for(self.scheme_of(module_name))
+        scheme = scheme or scheme_for(self.scheme)
+        return (1, 1) if scheme is None else scheme.weight_block
 
     def ignores(self, module_name: str) -> bool:
         """Whether the Linear `module_name` stays unquantized: the ignore list names it, or `module_schemes`
@@ -300,10 +325,11 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     if gptq is not None and (backend != Backend.QUANTKIT or scheme == UNQUANTIZED):
         raise ValueError(f"{source}: gptq applies to quantkit's own quantized schemes only")
     rotation = _rotation(data.get("rotation"), backend, scheme, source)
-    if rotation is not None and smoothquant is not None and smoothquant.search_alpha:
-        raise ValueError(
-            f"{source}: smoothquant.search_alpha measures unrotated products; it does not compose with rotation"
-        )
+    if smoothquant is not None and smoothquant.scales == Rule.AWQ and smoothquant.search_alpha:
+        raise ValueError(f"{source}: smoothquant.scales awq searches its own grid; drop search_alpha")
+    if rotation is not None and smoothquant is not None and smoothquant.searched:
+        key = "search_alpha" if smoothquant.search_alpha else "scales: awq"
+        raise ValueError(f"{source}: smoothquant.{key} measures unrotated products; it does not compose with rotation")
     if rotation is not None and rotation.online and smoothquant is not None and smoothquant.include_up_down:
         raise ValueError(
             f"{source}: smoothquant.include_up_down does not compose with rotation.online (the online Hadamard sits "
@@ -383,12 +409,13 @@ def _module_schemes(value: Any, backend: Backend, source: str) -> tuple[tuple[st
 _RANGES: dict[tuple[type, str], tuple[Callable[[float], bool], str]] = {
     (SmoothQuantSettings, "alpha"): (lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
     (SmoothQuantSettings, "early_stop"): (lambda v: v >= 0, "a tolerance >= 0 or null"),
+    (SmoothQuantSettings, "scales"): (lambda v: v in list(Rule), f"one of {[str(r) for r in Rule]}"),
     (GPTQSettings, "block_size"): (lambda v: v >= 1, "an integer >= 1"),
     (GPTQSettings, "dampening"): (lambda v: v > 0, "> 0 (a fraction of mean(diag H))"),
 }
 
 
-_KIND_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "None": "null"}
+_KIND_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "None": "null", "str": "a string"}
 
 
 def _check_type(value: Any, annotation: str) -> bool:
@@ -402,6 +429,8 @@ def _check_type(value: Any, annotation: str) -> bool:
         return "int" in kinds or "float" in kinds
     if isinstance(value, float):
         return "float" in kinds
+    if isinstance(value, str):
+        return "str" in kinds
     return False
 
 

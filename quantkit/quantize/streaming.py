@@ -68,7 +68,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 import quantkit.models  # noqa: F401  (registers quantkit's model types)
 from quantkit.atomic import atomic_dir
-from quantkit.calibrate.alpha_search import DEFAULT_GRID, AlphaSearch
+from quantkit.calibrate.alpha_search import AlphaSearch
 from quantkit.calibrate.layers import (
     LayerwiseError,
     Stream,
@@ -280,6 +280,7 @@ def quantize_streaming(
                     job.sq,
                     cast(torch.Tensor, job.sq_tokens),  # set with sq
                     calibrated,
+                    job.recipe.smoothing_search(quantized_product(job.recipe)),
                 )
             writer.finish()
             quantized = set(job.quantized)
@@ -441,7 +442,7 @@ class _StreamingJob:
         """SmoothQuant's statistics cache entry for this job (`smoothquant.statistics_entry`), None without one."""
         if self.sq is None or self.sq_tokens is None or self.per_layer is None:
             return None
-        search = AlphaSearch(quantized_product(self.recipe)) if self.sq.search_alpha else None
+        search = self.recipe.smoothing_search(quantized_product(self.recipe))
         return statistics_entry(location, self.sq_tokens, self.per_layer, self.sq.early_stop_rule(), BATCH_SIZE, search)
 
     def open_streams(self, spill_root: Path, spill_bytes: int, observe: bool = True) -> dict[str, Stream]:
@@ -499,7 +500,7 @@ class _StreamingJob:
                     mappings,
                     self.sq.alpha,
                     early_stop=early_stop,
-                    search=AlphaSearch(quantized_product(self.recipe)) if self.sq.search_alpha else None,
+                    search=self.recipe.smoothing_search(quantized_product(self.recipe)),
                     statistics=statistics,
                 )
             )
@@ -565,12 +566,14 @@ def _verify(
     sq,
     tokens: torch.Tensor,
     calibrated: list[LayerFactors],
+    search: AlphaSearch | None,
 ) -> SmoothQuantReport:
-    """smooth_model's function-preservation check on the carried verification windows; its report."""
+    """smooth_model's function-preservation check on the carried verification windows; its report (`search`: how
+    the scales were searched, None: the recipe's alpha)."""
     change, scale = check_preserved(
         skeleton, layers, ref.hidden, smoothed.hidden, plan.architecture, DEFAULT_TOLERANCE, "nothing was written"
     )
-    grid = DEFAULT_GRID if sq.search_alpha else None
+    grid = None if search is None else search.searched_values()
     report = smoothquant_report(
         plan, sq.alpha, tokens, calibrated, change, scale, DEFAULT_TOLERANCE, sq.early_stop_rule(), grid
     )

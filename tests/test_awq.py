@@ -1,0 +1,130 @@
+"""AWQ (Lin et al. 2024; recipe key `smoothquant.scales: awq`, `quantkit.calibrate.alpha_search`): per mapping, the
+scales mean|X|^r / w_mean^(1 - r) (normalized) of llm-compressor's grid with the least error of the consumers'
+quantized products, folded as SmoothQuant's factors are.
+
+- The grid and the weight means are llm-compressor's own (run in its venv, tests/llmcompressor_awq.py).
+- The scale formula on hand-derived cases; the search's choice is the candidate of least recorded error.
+- The whole-model and streaming paths write the same bytes and the fold is function-preserving (quantize checks it
+  and raises otherwise); the checkpoint records `scales: awq`.
+"""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from quantkit.calibrate.alpha_search import AWQ_GRID, awq_factors, weight_mean
+from quantkit.quantize.recipe import load_recipe, parse_recipe
+
+
+def test_grid_and_weight_means_are_llmcompressors(tmp_path):
+    """AWQ_GRID is `AWQModifier(n_grid=20, duo_scaling=True)._get_grid_search_params()` exactly; `weight_mean` is
+    `AWQModifier._compute_layer_means` on the same layers for NVFP4 groups of 16 and FP8 128x128 blocks (shapes
+    that divide the blocks: theirs needs it; ours pads). Both divide |w| by its block max + 1e-6 in float32 (the
+    same IEEE operations) and sum over rows in higher precision; ours rounds the mean to float32 once: relative
+    difference <= 2^-24 plus the float64 sums' order (~1e-15), so 2^-23 is asserted."""
+    from quantkit.quantize.llmcompressor_backend import llmcompressor_python
+
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        {"scheme": "nvfp4", "weights": [torch.randn(48, 64, generator=g), torch.randn(16, 64, generator=g) * 3]},
+        {"scheme": "fp8_block", "weights": [torch.randn(256, 128, generator=g) * torch.rand(128, generator=g)]},
+    ]
+    torch.save(cases, tmp_path / "cases.pt")
+    worker = Path(__file__).with_name("llmcompressor_awq.py")
+    subprocess.run([str(llmcompressor_python()), str(worker), str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+                   check=True)
+    theirs = torch.load(tmp_path / "out.pt")
+    assert [tuple(p) for p in theirs["grid"]] == list(AWQ_GRID)
+    for case, mean in zip(cases, theirs["means"], strict=True):
+        block = (1, 16) if case["scheme"] == "nvfp4" else (128, 128)
+        ours = weight_mean(case["weights"], [block] * len(case["weights"]))
+        assert ((ours.double() - mean.double()).abs() <= 2**-23 * mean.double().abs()).all(), case["scheme"]
+
+
+def test_awq_factors_follow_the_formula():
+    """(0, no weight term) is the identity; every candidate is normalized so that max(s) min(s) = 1 (to float32
+    rounding); with the weight term, s_j / s_i = (x_i / x_j)^-r (w_j / w_i)^-(1-r) up to the +1e-4 offsets, here
+    checked on values where the offsets are below 1e-6 relative; a zero activation channel gets the 1e-4 floor."""
+    x = torch.tensor([1.0, 4.0, 100.0, 0.0])
+    w = torch.tensor([1.0, 2.0, 0.5, 1.0]) * 1e3
+    assert torch.equal(awq_factors(x, w, 0.0, False), torch.ones(4))
+    for ratio, duo in AWQ_GRID:
+        s = awq_factors(x, w, ratio, duo)
+        assert torch.isfinite(s).all() and float(s.max() * s.min()) == pytest.approx(1.0, rel=1e-6)
+    s = awq_factors(x, w, 0.5, True)
+    want = (x[:3] ** 0.5) / (w[:3] ** 0.5)
+    assert (s[:3] / s[0]).tolist() == pytest.approx((want / want[0]).tolist(), rel=1e-5)
+    assert float(s[3] / s.max()) == pytest.approx(1e-4 / float((x.sqrt() / w.sqrt()).max()), rel=1e-5)
+
+
+def test_blocks_pad_at_the_edges():
+    """A weight whose shape does not divide the block: the edge blocks are partial (their own max), as the
+    formats' scales are."""
+    w = torch.zeros(130, 20)
+    w[129, 19] = 4.0
+    w[0, 0] = 2.0
+    mean = weight_mean([w], [(128, 128)])
+    assert mean[19] == pytest.approx(4.0 / (4.0 + 1e-6) / 130) and mean[0] == pytest.approx(2.0 / (2.0 + 1e-6) / 130)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("smoothquant: {scales: aqw}\n", r"smoothquant.scales must be one of \['smoothquant', 'awq'\]"),
+        ("smoothquant: {scales: awq, search_alpha: true}\n", "searches its own grid"),
+        ("smoothquant: {scales: awq}\nrotation: {seed: 0}\n", "scales: awq measures unrotated products"),
+    ],
+)
+def test_bad_awq_settings_fail_on_load(extra, message):
+    with pytest.raises(ValueError, match=message):
+        parse_recipe(yaml.safe_load(f"name: r\nscheme: nvfp4\n{extra}"), "r.yaml")
+
+
+def test_awq_records_its_choice_and_both_paths_write_the_same_bytes(tmp_path):
+    """On a tiny Llama with every AWQ mapping (norm -> q/k/v, v -> o, norm -> gate/up, up -> down): each mapping's
+    recorded ratio is the grid's of least recorded error (20 errors each); the whole-model and streaming paths run
+    the same float32 operations on the same batches, so they write the same bytes; the checkpoint records `scales:
+    awq`; and the choice is not the identity everywhere, so the checkpoint differs from plain W4A4's."""
+    from safetensors.torch import load_file
+
+    from quantkit.checkpoints import weight_files
+    from quantkit.models.tiny import build_tiny_stock_checkpoint
+    from quantkit.quantize.checkpoint import quantize_checkpoint
+
+    def state_of(model_dir) -> dict[str, torch.Tensor]:
+        return {k: v for f in weight_files(model_dir) for k, v in load_file(str(f)).items()}
+
+    source = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
+    recipe = tmp_path / "awq.yaml"
+    recipe.write_text(
+        "name: awq\nscheme: nvfp4\nsmoothquant: {scales: awq, num_sequences: 8, seq_len: 32, include_v_o: true, "
+        "include_up_down: true}\n"
+    )
+    whole = quantize_checkpoint(source, str(recipe), tmp_path / "w", streaming=False)
+    stream = quantize_checkpoint(source, str(recipe), tmp_path / "s", streaming=True)
+    plain = quantize_checkpoint(source, "w4a4_nvfp4", tmp_path / "p", streaming=False)
+    report = json.loads((whole / "smoothquant.json").read_text())
+    ratios = [r for r, _ in AWQ_GRID]
+    assert report["alpha_grid"] == ratios
+    kinds = {m["kind"] for m in report["mappings"]}
+    assert len(report["mappings"]) >= 4 and len(kinds) >= 3, kinds
+    for m in report["mappings"]:
+        errors = report["alpha_errors"][m["name"]]
+        assert len(errors) == len(AWQ_GRID) and m["alpha"] == ratios[errors.index(min(errors))]
+    assert json.loads((stream / "smoothquant.json").read_text())["mappings"] == report["mappings"]
+    a, b, c = state_of(whole), state_of(stream), state_of(plain)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a if k in c)
+    qc = json.loads((whole / "config.json").read_text())["quantization_config"]
+    assert qc["smoothquant"]["scales"] == "awq"
+
+
+def test_named_recipes_load():
+    for name in ("w4a4_nvfp4_awq", "w4a4_nvfp4_awq_gptq_mse"):
+        recipe = load_recipe(name)
+        assert recipe.smoothquant is not None and recipe.smoothquant.scales == "awq"
+        assert recipe.smoothing_search(lambda *a: None).weight_block("model.layers.0.mlp.down_proj") == (1, 16)
