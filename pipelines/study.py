@@ -882,19 +882,24 @@ def timing_summary(timings: dict[tuple[str, str, str], dict[str, Any]]) -> dict[
 
 
 def _precision(recipe: str) -> str:
+    from quantkit.calibrate.alpha_search import Rule
     from quantkit.formats.constants import WeightScales
     from quantkit.formats.schemes import SCHEMES
     from quantkit.quantize.recipe import load_recipe
 
     r = load_recipe(recipe)
-    label = "BF16" if r.scheme == UNQUANTIZED else SCHEMES[r.scheme].precision if r.scheme in SCHEMES else r.name
+    scheme = SCHEMES.get(r.scheme)
+    label = "BF16" if r.scheme == UNQUANTIZED else scheme.precision if scheme is not None else r.name
     mixed = sorted({SCHEMES[s].precision for _, s in r.module_schemes if s in SCHEMES} - {label})
     label = "/".join([label, *mixed])  # mixed precision by module: e.g. W4A4/W8A8
+    smoothing = "" if r.smoothquant is None else "+AWQ" if r.smoothquant.scales == Rule.AWQ else "+SQ"
     return (
         label
-        + ("+Rot" if r.rotation else "")
-        + ("+SQ" if r.smoothquant else "")
+        + ("" if r.rotation is None else f"+Rot{r.rotation.block or ''}")
+        + smoothing
         + ("(search)" if r.smoothquant and r.smoothquant.search_alpha else "")
+        + (f"+{scheme.method}" if scheme is not None and scheme.method else "")
+        + ("+4/6(W)" if r.weight_scales == WeightScales.FOUR_OVER_SIX and not (scheme and scheme.method) else "")
         + ("+MSE" if r.weight_scales == WeightScales.MSE else "")
         + ("+GPTQ" if r.gptq else "")
         + ("(act-order)" if r.gptq and r.gptq.act_order else "")

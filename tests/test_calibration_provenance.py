@@ -25,13 +25,14 @@ PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
 
 def test_smoothquant_recipes_default_to_the_paper_count():
     sq = [name for name in available_recipes() if load_recipe(name).smoothquant is not None]
-    assert sorted(sq) == ["mixed_fp8_attn_nvfp4_sq_gptq", "mixed_fp8_attn_nvfp4_sq_gptq_mse", "mixed_fp8_attn_nvfp4_sq_search_gptq_mse", "w4a4_nvfp4_sq", "w4a4_nvfp4_sq_gptq", "w4a4_nvfp4_sq_gptq_actorder", "w4a4_nvfp4_sq_mse",
+    assert sorted(sq) == ["mixed_fp8_attn_nvfp4_sq_gptq", "mixed_fp8_attn_nvfp4_sq_gptq_mse", "mixed_fp8_attn_nvfp4_sq_search_gptq_mse", "w4a4_nvfp4_awq", "w4a4_nvfp4_awq_gptq_mse", "w4a4_nvfp4_sq", "w4a4_nvfp4_sq_gptq", "w4a4_nvfp4_sq_gptq_actorder", "w4a4_nvfp4_sq_mse",
                           "w4a4_nvfp4_sq_noexperts", "w4a4_nvfp4_sq_search", "w4a4_nvfp4_sq_updown", "w4a4_nvfp4_sq_updown_gptq_mse",
                           "w8a8_fp8_block_sq"]
-    for name in sq:
+    for name in sq:  # SmoothQuant's scales: the paper's count; AWQ's: llm-compressor's examples' 256 x 512
+        count = 256 if load_recipe(name).smoothquant.scales == "awq" else PAPER_NUM_SEQUENCES
         assert calibration_sets(load_recipe(name))[0] == (  # a model of no known type: prose and code
             dict(use="smoothquant", source=describe_calibration_source("speeches+code"),
-                 num_sequences=PAPER_NUM_SEQUENCES, seq_len=512))
+                 num_sequences=count, seq_len=512))
     assert [s["use"] for s in calibration_sets(load_recipe("w4a4_nvfp4_sq_gptq"))] == ["smoothquant", "gptq"]
     assert PAPER_NUM_SEQUENCES == 4096  # paper 000 App. A.4.2
     # recipes with dynamic activations and no SmoothQuant draw nothing; static scales draw their own set
@@ -88,7 +89,7 @@ def test_the_method_comparison_study_loads_with_one_label_per_method():
     assert (sq_gptq.smoothquant.num_sequences, sq_gptq.gptq.num_sequences, sq_gptq.gptq.seq_len) == (32, 32, 256)
     labels = [_precision(r) for r in spec.recipes]
     assert labels == ["BF16", "W4A4", "W4A4+MSE", "W4A4+GPTQ", "W4A4+SQ", "W4A4+SQ+GPTQ", "W4A4+Rot", "W4A4+Rot+GPTQ",
-                      "W4A4/W8A8"]
+                      "W4A4+Rot16+MSE+GPTQ", "W4A4+AWQ", "W4A4+AWQ+MSE+GPTQ", "W4A4+4/6", "W4A4/W8A8"]
 
 
 def test_the_smollm_method_comparison_is_the_affordable_one_with_one_label_per_method():

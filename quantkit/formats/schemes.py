@@ -100,6 +100,7 @@ class Scheme(ABC):
     weight_scales: tuple[str, ...] = (WeightScales.MINMAX, WeightScales.MSE)
     weight_grid: str = ""  # the weight grid GPTQ rounds on (`quantkit.quantize.gptq`): "fp8_block" | "nvfp4"
     weight_block: tuple[int, int] = (1, 1)  # (rows, columns) of the weight one decode scale covers
+    method: str = ""  # the method its activation rule is named after in a row label ("4/6"), "" for none
 
     # ------------------------------------------------------------------ checkpoint contract
 
@@ -410,6 +411,7 @@ NVFP4_FOUR_OVER_SIX = NVFP4FourOverSixScheme(
     marker="weight_packed",
     k_multiple=NVFP4_GROUP,
     precision="W4A4",
+    method="4/6",
     weight_scales=(WeightScales.MINMAX, WeightScales.MSE, WeightScales.FOUR_OVER_SIX),
     weight_grid="nvfp4",
     weight_block=(1, NVFP4_GROUP),
