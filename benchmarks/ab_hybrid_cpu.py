@@ -7,7 +7,8 @@ expert; "after" = quantkit's: `gdn_cpu.causal_conv1d_prefill`, `gdn_cpu.chunk_ga
 REPS times on two workloads: prefill (PROMPTS prompts of ~PROMPT_WORDS words, one token, prompt logprobs: lm-eval's
 log-likelihood shape) and generate (the same prompts, MAX_TOKENS greedy tokens); tokens/s of each and whether the
 greedy tokens agree.
-Usage: python benchmarks/ab_hybrid_cpu.py CHECKPOINT_DIR [--prompts 32] [--prompt-words 150] [--max-tokens 64] [--reps 2]
+Usage: python benchmarks/ab_hybrid_cpu.py CHECKPOINT_DIR [--prompts 32] [--prompt-words 150] [--max-tokens 64]
+[--reps 2]
 """
 
 from __future__ import annotations
@@ -62,23 +63,33 @@ def main() -> None:
     def per_expert_calls(self, rows, segments, which):  # one quantizer call per expert, as before
         return torch.cat([batched(self, rows[a:b], [(e, 0, b - a)], which) for e, a, b in segments])
 
-    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=1024, seed=0, enable_prefix_caching=False,
-              **cpu_engine_kwargs())
+    llm = LLM(
+        model=args.model,
+        dtype="bfloat16",
+        max_model_len=1024,
+        seed=0,
+        enable_prefix_caching=False,
+        **cpu_engine_kwargs(),
+    )
     words = " ".join(heldout_texts()).split()
     n = args.prompt_words
-    prompts = [" ".join(words[i * n:(i + 1) * n]) for i in range(args.prompts)]
-    workloads = {"prefill": SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
-                 "generate": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)}
+    prompts = [" ".join(words[i * n : (i + 1) * n]) for i in range(args.prompts)]
+    workloads = {
+        "prefill": SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
+        "generate": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True),
+    }
     llm.generate(["warm-up"], SamplingParams(max_tokens=2), use_tqdm=False)
     print("Linears switched to float32 by cpu_linear:", llm.apply_model(lambda m: set_linears(m, True))[0])
     tokens = {}
     try:
         for rep in range(args.reps):
             for name, ours in (("before", False), ("after", True)):
-                gdn_attention.causal_conv1d_torch = (gdn_cpu.causal_conv1d_prefill if ours
-                                                     else causal_conv1d.causal_conv1d_fn_cpu)
-                gdn_attention.ops.chunk_gated_delta_rule_cpu = (gdn_cpu.chunk_gated_delta_rule_prefill if ours
-                                                                else vllm_delta_rule)
+                gdn_attention.causal_conv1d_torch = (
+                    gdn_cpu.causal_conv1d_prefill if ours else causal_conv1d.causal_conv1d_fn_cpu
+                )
+                gdn_attention.ops.chunk_gated_delta_rule_cpu = (
+                    gdn_cpu.chunk_gated_delta_rule_prefill if ours else vllm_delta_rule
+                )
                 moe_method.QuantkitExperts._fake_quant = batched if ours else per_expert_calls
                 llm.apply_model(lambda m, ours=ours: set_linears(m, ours))
                 for workload, params in workloads.items():
@@ -91,8 +102,11 @@ def main() -> None:
                         tokens.setdefault(name, []).append([o.outputs[0].token_ids for o in out])
                     rate = prompt_tokens / seconds if workload == "prefill" else generated / seconds
                     unit = "prompt tokens/s" if workload == "prefill" else "generated tokens/s"
-                    print(f"{name} rep{rep} {workload}: {prompt_tokens} prompt + {generated} generated tokens "
-                          f"{seconds:.2f} s {rate:.1f} {unit} load1 {os.getloadavg()[0]:.1f}", flush=True)
+                    print(
+                        f"{name} rep{rep} {workload}: {prompt_tokens} prompt + {generated} generated tokens "
+                        f"{seconds:.2f} s {rate:.1f} {unit} load1 {os.getloadavg()[0]:.1f}",
+                        flush=True,
+                    )
     finally:
         llm.llm_engine.engine_core.shutdown()
     same = sum(a == b for a, b in zip(tokens["before"][0], tokens["after"][0]))

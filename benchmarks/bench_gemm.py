@@ -37,14 +37,14 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: kernels run through the CPU interpreter
     os.environ["TRITON_INTERPRET"] = "1"
 
-import triton  # noqa: E402
-import triton.testing  # noqa: E402
+import triton
+import triton.testing
 
-from quantkit import formats  # noqa: E402
-from quantkit.kernels.fp8_gemm import fp8_block_gemm  # noqa: E402
-from quantkit.kernels.nvfp4_gemm import nvfp4_gemm  # noqa: E402
-from quantkit.kernels.quantize_fp8 import quantize_fp8_per_token  # noqa: E402
-from quantkit.kernels.quantize_nvfp4 import quantize_nvfp4_per_token  # noqa: E402
+from quantkit import formats
+from quantkit.kernels.fp8_gemm import fp8_block_gemm
+from quantkit.kernels.nvfp4_gemm import nvfp4_gemm
+from quantkit.kernels.quantize_fp8 import quantize_fp8_per_token
+from quantkit.kernels.quantize_nvfp4 import quantize_nvfp4_per_token
 
 # Linear layers as (N, K) = (out_features, in_features); qkv and gate_up fused as vLLM runs them.
 LAYERS = {
@@ -80,8 +80,14 @@ def weight_operands(n: int, k: int, device: torch.device, gen: torch.Generator) 
     wq_row, ws_row = formats.quantize_fp8_per_token(w)  # one scale per output channel
     nv = formats.quantize_nvfp4_weight(w)
     return {
-        "w": w, "wq_block": wq_block, "ws_block": ws_block, "wq_row": wq_row, "ws_row": ws_row,
-        "w_packed": nv.packed, "w_block_scale": nv.block_scale, "w_global": nv.global_scale.reshape(1),
+        "w": w,
+        "wq_block": wq_block,
+        "ws_block": ws_block,
+        "wq_row": wq_row,
+        "ws_row": ws_row,
+        "w_packed": nv.packed,
+        "w_block_scale": nv.block_scale,
+        "w_global": nv.global_scale.reshape(1),
     }
 
 
@@ -201,7 +207,7 @@ def bench_shape(
             if name in OURS:
                 row["err_over_tol"] = err_over_tol(y, x_deq[name], w_deq[name])
             rows.append(row)
-        for row in rows[-len(BASELINES) - len(OURS):]:
+        for row in rows[-len(BASELINES) - len(OURS) :]:
             if row["status"] == "ok":
                 row["speedup"] = {b: results[b] / results[row["impl"]] for b in BASELINES if b in results}
         del x, x_deq
@@ -253,13 +259,14 @@ def metadata(device: torch.device, quick: bool) -> dict:
     """What every result file records: device, date (UTC), versions, the command, the timing method."""
     return {
         "device": device_name(device),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms)" if device.type == "cuda"
+        "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms)"
+        if device.type == "cuda"
         else "time.perf_counter median of 3 after 1 warm-up call",
         "quick": quick,
     }
@@ -273,7 +280,9 @@ def write_results(out: Path, prefix: str, meta: dict, rows: list[dict], text: st
     stem = f"{prefix}_{slug}_{date:%Y-%m-%d_%H%M%S}{'_quick' if meta['quick'] else ''}"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps({**meta, "complete": final, "rows": rows}, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(text if final else text + "\n(incomplete: the run is still going or was cut short)\n")
+    (out / f"{stem}.md").write_text(
+        text if final else text + "\n(incomplete: the run is still going or was cut short)\n"
+    )
     if final:
         print(text)
         print(f"wrote {out / stem}.json and .md", file=sys.stderr)
@@ -286,8 +295,10 @@ def bench_device(script: str, quick: bool) -> torch.device | None:
         return torch.device("cuda")
     if quick:
         return torch.device("cpu")
-    print(f"{script}: no CUDA device; without a GPU only --quick runs (tiny shapes through the Triton interpreter)",
-          file=sys.stderr)
+    print(
+        f"{script}: no CUDA device; without a GPU only --quick runs (tiny shapes through the Triton interpreter)",
+        file=sys.stderr,
+    )
     return None
 
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
 # bench_gemm sets TRITON_INTERPRET (no GPU) before triton is imported
 from bench_gemm import bench_device, err_over_tol, first_line, metadata, time_ms, write_results
 
@@ -71,15 +72,20 @@ def expert_weights(e: int, n: int, k: int, device: torch.device, gen: torch.Gene
     wq_row, ws_row = formats.quantize_fp8_per_token(w.reshape(e * n, k))  # one scale per output channel
     nv = [formats.quantize_nvfp4_weight(w[i]) for i in range(e)]
     return {
-        "w": w, "wq_block": torch.stack([q for q, _ in fp8]), "ws_block": torch.stack([s for _, s in fp8]),
-        "wq_row": wq_row.reshape(e, n, k), "ws_row": ws_row.reshape(e, n),
-        "w_packed": torch.stack([t.packed for t in nv]), "w_block_scale": torch.stack([t.block_scale for t in nv]),
+        "w": w,
+        "wq_block": torch.stack([q for q, _ in fp8]),
+        "ws_block": torch.stack([s for _, s in fp8]),
+        "wq_row": wq_row.reshape(e, n, k),
+        "ws_row": ws_row.reshape(e, n),
+        "w_packed": torch.stack([t.packed for t in nv]),
+        "w_block_scale": torch.stack([t.block_scale for t in nv]),
         "w_global": torch.stack([t.global_scale for t in nv]),
     }
 
 
-def activations(tokens: int, top_k: int, e: int, k: int, gather: bool, device: torch.device,
-                gen: torch.Generator) -> dict:
+def activations(
+    tokens: int, top_k: int, e: int, k: int, gather: bool, device: torch.device, gen: torch.Generator
+) -> dict:
     """Routing sorted by expert and the activation operands: ours from one row per token (gather) or the
     sorted rows, the baselines' always sorted (gathered before timing)."""
     logits = torch.randn(tokens, e, generator=gen, device=device)
@@ -91,14 +97,27 @@ def activations(tokens: int, top_k: int, e: int, k: int, gather: bool, device: t
     packed, block_scale, global_ = quantize_nvfp4_per_token(x)
     pick = (lambda t: t[row_index]) if gather else (lambda t: t)
     return {
-        "sort": sort, "row_index": row_index, "counts": (sort.expert_offsets[1:] - sort.expert_offsets[:-1]).tolist(),
-        "x_sorted": pick(x), "xq": xq, "xs": xs, "xq_sorted": pick(xq), "xs_sorted": pick(xs).reshape(-1).contiguous(),
-        "a_packed": packed, "a_block_scale": block_scale, "a_global": global_,
+        "sort": sort,
+        "row_index": row_index,
+        "counts": (sort.expert_offsets[1:] - sort.expert_offsets[:-1]).tolist(),
+        "x_sorted": pick(x),
+        "xq": xq,
+        "xs": xs,
+        "xq_sorted": pick(xq),
+        "xs_sorted": pick(xs).reshape(-1).contiguous(),
+        "a_packed": packed,
+        "a_block_scale": block_scale,
+        "a_global": global_,
     }
 
 
-def _loop(counts: list[int], n: int, out_dtype: torch.dtype, device: torch.device,
-          one: Callable[[int, int, int], torch.Tensor]) -> Callable[[], torch.Tensor]:
+def _loop(
+    counts: list[int],
+    n: int,
+    out_dtype: torch.dtype,
+    device: torch.device,
+    one: Callable[[int, int, int], torch.Tensor],
+) -> Callable[[], torch.Tensor]:
     """A call running `one(expert, first row, last row)` for each expert with rows, into one (S, N) output."""
     bounds = [(i, sum(counts[:i]), sum(counts[: i + 1])) for i, c in enumerate(counts) if c]
 
@@ -111,8 +130,11 @@ def _loop(counts: list[int], n: int, out_dtype: torch.dtype, device: torch.devic
     return run
 
 
-def candidates(n: int, k: int, x: dict, w: dict, device: torch.device) -> dict[str, tuple[Callable[[], torch.Tensor], int]]:
-    """name -> (a call computing y (S, N) bf16, bytes it moves: activations, active experts' weights, scales, output)."""
+def candidates(
+    n: int, k: int, x: dict, w: dict, device: torch.device
+) -> dict[str, tuple[Callable[[], torch.Tensor], int]]:
+    """name -> (a call computing y (S, N) bf16, bytes it moves: activations, active experts' weights, scales,
+    output)."""
     offsets, counts = x["sort"].expert_offsets, x["counts"]
     ends = offsets[1:].contiguous()
     s, active = sum(counts), sum(1 for c in counts if c)
@@ -122,23 +144,51 @@ def candidates(n: int, k: int, x: dict, w: dict, device: torch.device) -> dict[s
     out, bf16 = 2 * s * n, torch.bfloat16
     w_t, wq_row_t = w["w"].transpose(1, 2), w["wq_row"].transpose(1, 2)
     return {
-        "torch_bf16_grouped_mm": (lambda: torch._grouped_mm(x["x_sorted"], w_t, offs=ends),
-                                  2 * s * k + 2 * active * n * k + out),
+        "torch_bf16_grouped_mm": (
+            lambda: torch._grouped_mm(x["x_sorted"], w_t, offs=ends),
+            2 * s * k + 2 * active * n * k + out,
+        ),
         "torch_fp8_rowwise_grouped": (
-            lambda: torch._scaled_grouped_mm(x["xq_sorted"], wq_row_t, x["xs_sorted"], w["ws_row"], offs=ends, out_dtype=bf16),
-            s * k + active * n * k + 4 * s + 4 * active * n + out),
+            lambda: torch._scaled_grouped_mm(
+                x["xq_sorted"], wq_row_t, x["xs_sorted"], w["ws_row"], offs=ends, out_dtype=bf16
+            ),
+            s * k + active * n * k + 4 * s + 4 * active * n + out,
+        ),
         "torch_fp8_rowwise_loop": (
-            _loop(counts, n, bf16, device, lambda i, lo, hi: torch._scaled_mm(
-                x["xq_sorted"][lo:hi], wq_row_t[i], scale_a=x["xs_sorted"][lo:hi, None],
-                scale_b=w["ws_row"][i][None, :], out_dtype=bf16)),
-            s * k + active * n * k + 4 * s + 4 * active * n + out),
+            _loop(
+                counts,
+                n,
+                bf16,
+                device,
+                lambda i, lo, hi: torch._scaled_mm(
+                    x["xq_sorted"][lo:hi],
+                    wq_row_t[i],
+                    scale_a=x["xs_sorted"][lo:hi, None],
+                    scale_b=w["ws_row"][i][None, :],
+                    out_dtype=bf16,
+                ),
+            ),
+            s * k + active * n * k + 4 * s + 4 * active * n + out,
+        ),
         "triton_fp8_block_grouped": (
-            lambda: fp8_block_grouped_gemm(x["xq"], x["xs"], w["wq_block"], w["ws_block"], offsets, row_index=x["row_index"]),
-            rows_in * k + 4 * rows_in + active * (n * k + 4 * nb * kb) + out),
+            lambda: fp8_block_grouped_gemm(
+                x["xq"], x["xs"], w["wq_block"], w["ws_block"], offsets, row_index=x["row_index"]
+            ),
+            rows_in * k + 4 * rows_in + active * (n * k + 4 * nb * kb) + out,
+        ),
         "triton_nvfp4_grouped": (
-            lambda: nvfp4_grouped_gemm(x["a_packed"], x["a_block_scale"], x["a_global"], w["w_packed"], w["w_block_scale"],
-                                       w["w_global"], offsets, row_index=x["row_index"]),
-            rows_in * (kp // 2 + kp // 16 + 4) + active * n * (kp // 2 + kp // 16) + 4 * active + out),
+            lambda: nvfp4_grouped_gemm(
+                x["a_packed"],
+                x["a_block_scale"],
+                x["a_global"],
+                w["w_packed"],
+                w["w_block_scale"],
+                w["w_global"],
+                offsets,
+                row_index=x["row_index"],
+            ),
+            rows_in * (kp // 2 + kp // 16 + 4) + active * n * (kp // 2 + kp // 16) + 4 * active + out,
+        ),
     }
 
 
@@ -163,24 +213,44 @@ def reference_error(name: str, y: torch.Tensor, x: dict, w: dict, k: int) -> flo
             x_deq = formats.dequantize_fp8_per_token(x["xq"][src], x["xs"][src])
             w_deq = formats.dequantize_fp8_block(w["wq_block"][i], w["ws_block"][i])
         else:
-            x_deq = formats.dequantize_nvfp4(formats.NVFP4Tensor(x["a_packed"][src], x["a_block_scale"][src],
-                                                                 x["a_global"][src], k))
-            w_deq = formats.dequantize_nvfp4(formats.NVFP4Tensor(w["w_packed"][i], w["w_block_scale"][i],
-                                                                 w["w_global"][i], k))
+            x_deq = formats.dequantize_nvfp4(
+                formats.NVFP4Tensor(x["a_packed"][src], x["a_block_scale"][src], x["a_global"][src], k)
+            )
+            w_deq = formats.dequantize_nvfp4(
+                formats.NVFP4Tensor(w["w_packed"][i], w["w_block_scale"][i], w["w_global"][i], k)
+            )
         worst = max(worst, err_over_tol(y[lo:hi], x_deq, w_deq))
     return worst
 
 
-def bench_projection(config: str, projection: str, e: int, top_k: int, n: int, k: int, gather: bool,
-                     token_counts: tuple[int, ...], device: torch.device, gen: torch.Generator) -> list[dict]:
+def bench_projection(
+    config: str,
+    projection: str,
+    e: int,
+    top_k: int,
+    n: int,
+    k: int,
+    gather: bool,
+    token_counts: tuple[int, ...],
+    device: torch.device,
+    gen: torch.Generator,
+) -> list[dict]:
     cuda = device.type == "cuda"
     w = expert_weights(e, n, k, device, gen)
     rows = []
     for tokens in token_counts:
         x = activations(tokens, top_k, e, k, gather, device, gen)
         s = tokens * top_k
-        head = {"config": config, "projection": projection, "tokens": tokens, "S": s, "E": e,
-                "active_experts": sum(1 for c in x["counts"] if c), "N": n, "K": k}
+        head = {
+            "config": config,
+            "projection": projection,
+            "tokens": tokens,
+            "S": s,
+            "E": e,
+            "active_experts": sum(1 for c in x["counts"] if c),
+            "N": n,
+            "K": k,
+        }
         calls = candidates(n, k, x, w, device)
         results, shape_rows = {}, []
         for name in (*BASELINES, *OURS):
@@ -199,15 +269,20 @@ def bench_projection(config: str, projection: str, e: int, top_k: int, n: int, k
                 continue
             ms = time_ms(fn, cuda)
             results[name] = ms
-            row.update(status="ok", time_us=ms * 1e3, tflops=2 * s * n * k / ms / 1e9, gbps=nbytes / ms / 1e6, bytes=nbytes)
+            row.update(
+                status="ok", time_us=ms * 1e3, tflops=2 * s * n * k / ms / 1e9, gbps=nbytes / ms / 1e6, bytes=nbytes
+            )
             if name in OURS:
                 row["err_over_tol"] = reference_error(name, y, x, w, k)
             shape_rows.append(row)
         for row in shape_rows:
             if row["status"] == "ok":
                 row["speedup"] = {b: results[b] / results[row["impl"]] for b in BASELINES if b in results}
-        block_m = default_tiles(-(-s // e), formats.FP8_WEIGHT_BLOCK, "fp8_block_grouped").block_m  # the default tiles' BLOCK_M
-        ms = time_ms(lambda: expert_tiles(x["sort"].expert_offsets, s, block_m), cuda)
+        block_m = default_tiles(
+            -(-s // e), formats.FP8_WEIGHT_BLOCK, "fp8_block_grouped"
+        ).block_m  # the default tiles' BLOCK_M
+        offsets = x["sort"].expert_offsets
+        ms = time_ms(lambda offsets=offsets, s=s, block_m=block_m: expert_tiles(offsets, s, block_m), cuda)
         shape_rows.append({**head, "impl": TILE_MAP, "status": "ok", "time_us": ms * 1e3})
         rows += shape_rows
         del x
@@ -230,17 +305,24 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines.append(
             "- **CPU, Triton interpreter: these times measure the interpreter and torch's CPU kernels, not GPU speed.**"
         )
-    names = {"torch_bf16_grouped_mm": "bf16 grouped_mm", "torch_bf16_mm_loop": "bf16 mm loop",
-             "torch_fp8_rowwise_grouped": "fp8 rowwise grouped", "torch_fp8_rowwise_loop": "fp8 rowwise loop"}
+    names = {
+        "torch_bf16_grouped_mm": "bf16 grouped_mm",
+        "torch_bf16_mm_loop": "bf16 mm loop",
+        "torch_fp8_rowwise_grouped": "fp8 rowwise grouped",
+        "torch_fp8_rowwise_loop": "fp8 rowwise loop",
+    }
     lines += [
         "",
         "| config | projection | tokens | S | active experts | N | K | impl | time (us) | TFLOP/s | GB/s | "
-        + " | ".join(f"vs {names[b]}" for b in BASELINES) + " | err/tol |",
+        + " | ".join(f"vs {names[b]}" for b in BASELINES)
+        + " | err/tol |",
         "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|" + "---:|" * len(BASELINES) + "---:|",
     ]
     for r in rows:
-        head = (f"| {r['config']} | {r['projection']} | {r['tokens']} | {r['S']} | {r['active_experts']} | {r['N']} | "
-                f"{r['K']} | {r['impl']} |")
+        head = (
+            f"| {r['config']} | {r['projection']} | {r['tokens']} | {r['S']} | {r['active_experts']} | {r['N']} | "
+            f"{r['K']} | {r['impl']} |"
+        )
         if r["status"] != "ok":
             lines.append(f"{head} {r['status']} |" + " |" * (len(BASELINES) + 3))
             continue
@@ -263,9 +345,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with torch.inference_mode():
         for config, (e, top_k, hidden, ffn) in configs.items():
-            for projection, (n, k, gather) in {"gate_up": (2 * ffn, hidden, True), "down": (hidden, ffn, False)}.items():
-                print(f"{config} {projection} E={e} top_k={top_k} N={n} K={k} tokens={list(token_counts)}",
-                      file=sys.stderr, flush=True)
+            for projection, (n, k, gather) in {
+                "gate_up": (2 * ffn, hidden, True),
+                "down": (hidden, ffn, False),
+            }.items():
+                print(
+                    f"{config} {projection} E={e} top_k={top_k} N={n} K={k} tokens={list(token_counts)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 rows += bench_projection(config, projection, e, top_k, n, k, gather, token_counts, device, gen)
                 write_results(args.out, "grouped_gemm", meta, rows, markdown(meta, rows), final=False)
     write_results(args.out, "grouped_gemm", meta, rows, markdown(meta, rows))

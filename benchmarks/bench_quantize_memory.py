@@ -7,8 +7,8 @@ intermediate 2816, 8 heads of 128, 4 KV heads, vocab 512: ~12M parameters = 23.6
 as many layers as make the size; each path quantizes it in a fresh subprocess, which reports its own peak RSS
 (VmHWM of /proc/self/status, reset after the imports: the high-water mark of resident memory during the
 quantization, file-backed pages included) and the wall time of `quantize_checkpoint`; its RSS after the imports,
-before any work, is reported as the floor. A table goes to stdout, JSON + markdown to benchmarks/results/ (machine, date, command). --quick: two
-tiny sizes (a few layers), for the test.
+before any work, is reported as the floor. A table goes to stdout, JSON + markdown to benchmarks/results/ (machine,
+date, command). --quick: two tiny sizes (a few layers), for the test.
 """
 
 from __future__ import annotations
@@ -22,15 +22,25 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
-             vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False)
-QUICK_SHAPE = dict(SHAPE, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+SHAPE = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=512,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
+QUICK_SHAPE = dict(
+    SHAPE, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64
+)
 
 
 def build_random_checkpoint(out_dir: Path, num_layers: int, tokenizer_dir: Path, seed: int = 0, **shape) -> Path:
@@ -60,9 +70,15 @@ def build_random_checkpoint(out_dir: Path, num_layers: int, tokenizer_dir: Path,
         save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(keys, name))
         total += sum(t.numel() * 2 for t in tensors.values())
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
     config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
@@ -90,8 +106,16 @@ def child(model: str, recipe: str, out: str, streaming: bool) -> None:
     start = time.perf_counter()
     quantize_checkpoint(model, recipe, out, streaming=streaming)
     seconds = time.perf_counter() - start
-    print(json.dumps({"import_peak_rss_mb": import_peak, "floor_rss_mb": floor, "peak_rss_mb": _status_mb("VmHWM"),
-                      "seconds": seconds}))
+    print(
+        json.dumps(
+            {
+                "import_peak_rss_mb": import_peak,
+                "floor_rss_mb": floor,
+                "peak_rss_mb": _status_mb("VmHWM"),
+                "seconds": seconds,
+            }
+        )
+    )
 
 
 def _status_mb(key: str) -> float:
@@ -103,8 +127,11 @@ def _status_mb(key: str) -> float:
 
 
 def measure(model: Path, recipe: str, out: Path, streaming: bool) -> dict:
-    run = subprocess.run([sys.executable, __file__, "--child", str(model), recipe, str(out), "1" if streaming else "0"],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, __file__, "--child", str(model), recipe, str(out), "1" if streaming else "0"],
+        capture_output=True,
+        text=True,
+    )
     if run.returncode != 0:
         raise RuntimeError(f"quantize ({'streaming' if streaming else 'whole-model'}) failed:\n{run.stderr[-3000:]}")
     shutil.rmtree(out)
@@ -113,7 +140,9 @@ def measure(model: Path, recipe: str, out: Path, streaming: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes-gb", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0], help="checkpoint sizes, GB of bf16")
+    parser.add_argument(
+        "--sizes-gb", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0], help="checkpoint sizes, GB of bf16"
+    )
     parser.add_argument("--recipe", default="w8a8_fp8_block")
     parser.add_argument("--quick", action="store_true", help="two tiny sizes (a test)")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -141,19 +170,35 @@ def main() -> None:
             row = {"layers": depth, "bf16_gb": size / 1e9, "float32_gb": 2 * size / 1e9}
             for path, streaming in (("streaming", True), ("whole", False)):
                 m = measure(model, args.recipe, work / f"q{depth}-{path}", streaming)
-                row.update({f"{path}_peak_rss_gb": m["peak_rss_mb"] / 1024, f"{path}_floor_rss_gb": m["floor_rss_mb"] / 1024,
-                            f"{path}_import_peak_rss_gb": m["import_peak_rss_mb"] / 1024, f"{path}_seconds": m["seconds"]})
+                row.update(
+                    {
+                        f"{path}_peak_rss_gb": m["peak_rss_mb"] / 1024,
+                        f"{path}_floor_rss_gb": m["floor_rss_mb"] / 1024,
+                        f"{path}_import_peak_rss_gb": m["import_peak_rss_mb"] / 1024,
+                        f"{path}_seconds": m["seconds"],
+                    }
+                )
             rows.append(row)
             print(format_row(row), flush=True)
             shutil.rmtree(model)
     peaks = [r["streaming_peak_rss_gb"] for r in rows]
-    summary = {"streaming_peak_spread": max(peaks) / min(peaks) - 1,
-               "whole_over_streaming_at_largest": rows[-1]["whole_peak_rss_gb"] / rows[-1]["streaming_peak_rss_gb"]}
+    summary = {
+        "streaming_peak_spread": max(peaks) / min(peaks) - 1,
+        "whole_over_streaming_at_largest": rows[-1]["whole_peak_rss_gb"] / rows[-1]["streaming_peak_rss_gb"],
+    }
     machine = f"{platform.machine()}-{torch.get_num_threads()}-threads-{math.ceil(_mem_total_gb())}GB"
-    stamp = datetime.now(timezone.utc)
-    result = {"machine": machine, "cpu": platform.processor() or platform.machine(), "date": stamp.isoformat(timespec="seconds"),
-              "command": " ".join([Path(sys.executable).name, *sys.argv]), "recipe": args.recipe, "torch": torch.__version__,
-              "shape": shape, "rows": rows, "summary": summary}
+    stamp = datetime.now(UTC)
+    result = {
+        "machine": machine,
+        "cpu": platform.processor() or platform.machine(),
+        "date": stamp.isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "recipe": args.recipe,
+        "torch": torch.__version__,
+        "shape": shape,
+        "rows": rows,
+        "summary": summary,
+    }
     table = markdown(result)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -170,24 +215,33 @@ def _mem_total_gb() -> float:
 
 
 def format_row(r: dict) -> str:
-    return (f"| {r['layers']} | {r['bf16_gb']:.3f} | {r['float32_gb']:.3f} | {r['streaming_peak_rss_gb']:.3f} | "
-            f"{r['whole_peak_rss_gb']:.3f} | {r['whole_peak_rss_gb'] / r['streaming_peak_rss_gb']:.2f} | "
-            f"{r['streaming_seconds']:.1f} | {r['whole_seconds']:.1f} |")
+    return (
+        f"| {r['layers']} | {r['bf16_gb']:.3f} | {r['float32_gb']:.3f} | {r['streaming_peak_rss_gb']:.3f} | "
+        f"{r['whole_peak_rss_gb']:.3f} | {r['whole_peak_rss_gb'] / r['streaming_peak_rss_gb']:.2f} | "
+        f"{r['streaming_seconds']:.1f} | {r['whole_seconds']:.1f} |"
+    )
 
 
 def markdown(result: dict) -> str:
     s = result["summary"]
     lines = [
-        f"# quantize memory: streaming vs whole-model ({result['recipe']})", "",
-        f"machine {result['machine']} ({result['cpu']}), torch {result['torch']}, {result['date']}", "",
-        f"command: `{result['command']}`", "",
-        "| layers | bf16 GB | float32 GB | streaming peak RSS GB | whole-model peak RSS GB | whole / streaming | streaming s | whole-model s |",
+        f"# quantize memory: streaming vs whole-model ({result['recipe']})",
+        "",
+        f"machine {result['machine']} ({result['cpu']}), torch {result['torch']}, {result['date']}",
+        "",
+        f"command: `{result['command']}`",
+        "",
+        "| layers | bf16 GB | float32 GB | streaming peak RSS GB | whole-model peak RSS GB | whole / streaming "
+        "| streaming s | whole-model s |",
         "|---|---|---|---|---|---|---|---|",
-        *(format_row(r) for r in result["rows"]), "",
+        *(format_row(r) for r in result["rows"]),
+        "",
         f"streaming peak RSS spread across sizes: {100 * s['streaming_peak_spread']:.1f}% (max / min - 1); "
         f"whole-model / streaming at the largest size: {s['whole_over_streaming_at_largest']:.2f}x; "
-        f"RSS after imports (floor, both paths): {result['rows'][0]['streaming_floor_rss_gb']:.3f} GB; the imports' own "
-        f"transient peak: {result['rows'][0]['streaming_import_peak_rss_gb']:.3f} GB", "",
+        f"RSS after imports (floor, both paths): {result['rows'][0]['streaming_floor_rss_gb']:.3f} GB; the "
+        f"imports' own "
+        f"transient peak: {result['rows'][0]['streaming_import_peak_rss_gb']:.3f} GB",
+        "",
     ]
     return "\n".join(lines)
 

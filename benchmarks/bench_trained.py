@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -49,8 +49,11 @@ def measure(args: list[str], log: Path) -> dict:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return {"seconds": round(time.perf_counter() - start, 1), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
-            "returncode": proc.returncode}
+    return {
+        "seconds": round(time.perf_counter() - start, 1),
+        "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+        "returncode": proc.returncode,
+    }
 
 
 def checkpoint_mib(model_dir: Path) -> float:
@@ -83,7 +86,9 @@ def bench_model(name: str, work: Path, args: argparse.Namespace) -> list[dict]:
         print(f"[{name}] {command} {settings}...", flush=True)
         row = {"model": name, "command": command, "settings": settings, **measure(qk + argv, log)}
         if row["returncode"] != 0:
-            raise SystemExit(f"{command} failed (exit {row['returncode']}); its output: {log}\n{log.read_text()[-2000:]}")
+            raise SystemExit(
+                f"{command} failed (exit {row['returncode']}); its output: {log}\n{log.read_text()[-2000:]}"
+            )
         rows.append(row)
         return row
 
@@ -95,7 +100,11 @@ def bench_model(name: str, work: Path, args: argparse.Namespace) -> list[dict]:
     for recipe in [*RECIPES, str(sq_recipe_file(work, args.sq_sequences, args.seq_len))]:
         label = Path(recipe).stem
         out = work / f"{name}-{label}"
-        settings = f"--streaming, SmoothQuant {args.sq_sequences} x {args.seq_len}" if recipe.endswith(".yaml") else "--streaming"
+        settings = (
+            f"--streaming, SmoothQuant {args.sq_sequences} x {args.seq_len}"
+            if recipe.endswith(".yaml")
+            else "--streaming"
+        )
         row = run(f"quantize {label}", ["quantize", "--streaming", str(model_dir), recipe, str(out)], settings)
         row["output_mib"] = round(checkpoint_mib(out), 1)
         outs.append(str(out))
@@ -104,8 +113,11 @@ def bench_model(name: str, work: Path, args: argparse.Namespace) -> list[dict]:
     n = args.quality_sequences or QUALITY_SEQUENCES
     run("quality", ["quality", "--num-sequences", str(n), str(model_dir), *outs], f"{len(outs)} checkpoints, {n} x 256")
     n = args.diagnose_sequences or DEFAULT_NUM_SEQUENCES
-    run("diagnose", ["diagnose", "--num-sequences", str(n), "--out", str(work / f"{name}-diagnostics"), str(model_dir)],
-        f"{n} x {DEFAULT_SEQ_LEN}, {len(DEFAULT_RECIPES)} recipes")
+    run(
+        "diagnose",
+        ["diagnose", "--num-sequences", str(n), "--out", str(work / f"{name}-diagnostics"), str(model_dir)],
+        f"{n} x {DEFAULT_SEQ_LEN}, {len(DEFAULT_RECIPES)} recipes",
+    )
     for row in rows:
         row["bf16_checkpoint_mib"] = round(bf16_mib, 1)
         row["peak_over_bf16"] = round(row["peak_rss_mib"] / bf16_mib, 2)
@@ -127,22 +139,34 @@ def main() -> None:
         rows = [row for name in args.models for row in bench_model(name, work, args)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    stamp = datetime.now(timezone.utc)
+    stamp = datetime.now(UTC)
     machine = f"{platform.machine()}-{len(os.sched_getaffinity(0))}-cores"
-    lines = ["| model | command | settings | seconds | peak RSS (MiB) | bf16 checkpoint (MiB) | peak / bf16 | output (MiB) |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['command']} | {r['settings']} | {r['seconds']} | {r['peak_rss_mib']} | "
-              f"{r['bf16_checkpoint_mib']} | {r['peak_over_bf16']}x | {r.get('output_mib', '')} |" for r in rows]
+    lines = [
+        "| model | command | settings | seconds | peak RSS (MiB) | bf16 checkpoint (MiB) | peak / bf16 | "
+        "output (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['model']} | {r['command']} | {r['settings']} | {r['seconds']} | {r['peak_rss_mib']} | "
+        f"{r['bf16_checkpoint_mib']} | {r['peak_over_bf16']}x | {r.get('output_mib', '')} |"
+        for r in rows
+    ]
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python", *sys.argv])
     base = args.out / f"trained_{machine}_{stamp:%Y-%m-%d_%H%M}"
-    meta = {"machine": machine, "cpu": platform.processor() or platform.machine(), "date": stamp.isoformat(timespec="seconds"),
-            "command": command}
+    meta = {
+        "machine": machine,
+        "cpu": platform.processor() or platform.machine(),
+        "date": stamp.isoformat(timespec="seconds"),
+        "command": command,
+    }
     base.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    base.with_suffix(".md").write_text(f"# Trained models: time and peak memory per command\n\n{meta['machine']}, "
-                                       f"{meta['date']}, `{command}`\n\n{table}\n")
+    base.with_suffix(".md").write_text(
+        f"# Trained models: time and peak memory per command\n\n{meta['machine']}, "
+        f"{meta['date']}, `{command}`\n\n{table}\n"
+    )
     print(f"written {base}.json / .md")
 
 

@@ -37,8 +37,10 @@ def main() -> None:
     args = parser.parse_args()
     from vllm import _custom_ops as ops
 
-    print(f"{platform.machine()}, {torch.get_num_threads()} threads, AVX-512 BF16 "
-          f"{torch.cpu._is_avx512_bf16_supported()}, AMX {torch.cpu._is_amx_tile_supported()}, torch {torch.__version__}")
+    print(
+        f"{platform.machine()}, {torch.get_num_threads()} threads, AVX-512 BF16 "
+        f"{torch.cpu._is_avx512_bf16_supported()}, AMX {torch.cpu._is_amx_tile_supported()}, torch {torch.__version__}"
+    )
     print("| rows | N x K | oneDNN bf16 GFLOP/s | float32 GFLOP/s | float32 / bf16 |")
     print("| ---: | --- | ---: | ---: | ---: |")
     for n, k in SHAPES:
@@ -49,8 +51,10 @@ def main() -> None:
             bf16 = seconds_per_call(lambda: ops.onednn_mm(handle, x, None), args.seconds)
             fp32 = seconds_per_call(lambda: F.linear(x.float(), weight32).to(x.dtype), args.seconds)
             flop = 2 * rows * n * k
-            print(f"| {rows} | {n} x {k} | {flop / bf16 / 1e9:.0f} | {flop / fp32 / 1e9:.0f} | {bf16 / fp32:.2f} |",
-                  flush=True)
+            print(
+                f"| {rows} | {n} x {k} | {flop / bf16 / 1e9:.0f} | {flop / fp32 / 1e9:.0f} | {bf16 / fp32:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

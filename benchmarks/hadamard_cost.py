@@ -23,14 +23,12 @@ from collections.abc import Callable
 
 import torch
 import triton
-
+from bench_grouped_gemm import CONFIGS, activations, expert_weights
 from trained_kernels import ensure_quantkit, mismatches  # noqa: F401  (benchmarks/ is sys.path[0])
 
-from bench_grouped_gemm import CONFIGS, activations, expert_weights  # noqa: E402
-
-from quantkit.formats.hadamard import block_hadamard, online_block  # noqa: E402
-from quantkit.formats.schemes import FP8_BLOCK, NVFP4  # noqa: E402
-from quantkit.kernels.schemes import KERNELS, grouped_quantized_linear  # noqa: E402
+from quantkit.formats.hadamard import block_hadamard, online_block
+from quantkit.formats.schemes import FP8_BLOCK, NVFP4
+from quantkit.kernels.schemes import KERNELS, grouped_quantized_linear
 
 EXPERT_TOKENS = (16, 2048, 8192)
 
@@ -59,14 +57,20 @@ def dense() -> int:
             t_fused = _bench(lambda: quantize(xd, None, hadamard=block))
             t_plain = _bench(lambda: quantize(xd, None))
             t_mm = _bench(lambda: xd @ w.T)
-            print(f"{scheme.name} M={m} K={k} block={block}: torch Hadamard + quantize {t_unfused:.1f} us, fused "
-                  f"{t_fused:.1f} us ({t_unfused / t_fused:.1f}x faster), quantize alone {t_plain:.1f} us, bf16 mm "
-                  f"(N={n}) {t_mm:.1f} us; fused / mm {t_fused / t_mm:.3f}; fused bytes != reference: {bad}")
+            print(
+                f"{scheme.name} M={m} K={k} block={block}: torch Hadamard + quantize {t_unfused:.1f} us, fused "
+                f"{t_fused:.1f} us ({t_unfused / t_fused:.1f}x faster), quantize alone {t_plain:.1f} us, bf16 mm "
+                f"(N={n}) {t_mm:.1f} us; fused / mm {t_fused / t_mm:.3f}; fused bytes != reference: {bad}"
+            )
     return failed
 
 
-def experts(configs: dict[str, tuple[int, int, int, int]], tokens: tuple[int, ...], device: torch.device,
-            bench: Callable[[Callable[[], object]], float] = _bench) -> int:
+def experts(
+    configs: dict[str, tuple[int, int, int, int]],
+    tokens: tuple[int, ...],
+    device: torch.device,
+    bench: Callable[[Callable[[], object]], float] = _bench,
+) -> int:
     """The routed experts' down projection lines (config: experts, top_k, hidden, expert FFN); returns the number of
     failed bit checks."""
     gen = torch.Generator(device).manual_seed(0)
@@ -79,19 +83,23 @@ def experts(configs: dict[str, tuple[int, int, int, int]], tokens: tuple[int, ..
             a = activations(t, top_k, e, inter, False, device, gen)
             x, offsets = a["x_sorted"], a["sort"].expert_offsets
             for scheme, ws in weights.items():
+
                 def call(rows: torch.Tensor, hadamard: int = 0, scheme=scheme, ws=ws) -> torch.Tensor:
-                    return grouped_quantized_linear(scheme, rows, offsets, ws, hadamard=hadamard,
-                                                    out_dtype=torch.bfloat16)
+                    return grouped_quantized_linear(
+                        scheme, rows, offsets, ws, hadamard=hadamard, out_dtype=torch.bfloat16
+                    )
 
                 ok = torch.equal(call(x, block), call(block_hadamard(x, block)))
                 failed += not ok
                 t_unfused = bench(lambda: call(block_hadamard(x, block)))
                 t_fused = bench(lambda: call(x, block))
                 t_plain = bench(lambda: call(x))
-                print(f"experts {config} {scheme.name} tokens={t} rows={x.shape[0]} K={inter} N={hidden} "
-                      f"block={block}: torch Hadamard + grouped {t_unfused:.1f} us, fused {t_fused:.1f} us "
-                      f"({t_unfused / t_fused:.2f}x faster), no transform {t_plain:.1f} us (fused / none "
-                      f"{t_fused / t_plain:.3f}); fused == torch-transformed: {ok}")
+                print(
+                    f"experts {config} {scheme.name} tokens={t} rows={x.shape[0]} K={inter} N={hidden} "
+                    f"block={block}: torch Hadamard + grouped {t_unfused:.1f} us, fused {t_fused:.1f} us "
+                    f"({t_unfused / t_fused:.2f}x faster), no transform {t_plain:.1f} us (fused / none "
+                    f"{t_fused / t_plain:.3f}); fused == torch-transformed: {ok}"
+                )
     return failed
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from triton.runtime.jit import JITFunction
 
+
 def launch_on(device: str, run: Callable) -> Callable:
     """`run` (a Triton kernel's launch method) made to run with the storages of its CPU tensor arguments on
     `device`, copied there before and back after."""
@@ -35,7 +36,8 @@ def launch_on(device: str, run: Callable) -> Callable:
                 copies[storage.data_ptr()] = (host, host.to(device, copy=True))
             on_device = copies[storage.data_ptr()][1].untyped_storage()
             return torch.empty(0, dtype=value.dtype, device=device).set_(
-                on_device, value.storage_offset(), value.shape, value.stride())
+                on_device, value.storage_offset(), value.shape, value.stride()
+            )
 
         result = run(self, *map(moved, args), **{k: moved(v) for k, v in kwargs.items()})
         for host, on_device in copies.values():

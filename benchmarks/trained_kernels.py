@@ -70,6 +70,7 @@ def ensure_quantkit() -> None:
     of links laid out as pyproject.toml's package-dir maps it (as benchmarks/gpu_all.sh builds), removed at exit."""
     try:
         import quantkit.kernels  # noqa: F401
+
         return
     except ImportError:
         pass
@@ -94,7 +95,6 @@ from safetensors.torch import save_file  # noqa: E402
 from quantkit.formats.hadamard import block_hadamard, online_block  # noqa: E402
 from quantkit.formats.schemes import FP8_BLOCK, SCHEMES, Scheme  # noqa: E402
 from quantkit.kernels.schemes import KERNELS  # noqa: E402
-
 
 # --- capture ----------------------------------------------------------------------------------------------
 
@@ -178,15 +178,29 @@ def capture(args: argparse.Namespace) -> int:
                 names[id(x)] = f"layers.{i}.{proj}.input"
                 tensors[names[id(x)]] = x
             tensors[f"layers.{i}.{proj}.weight"] = w
-            entries.append({"layer": i, "proj": proj, "input": names[id(x)], "weight": f"layers.{i}.{proj}.weight",
-                            "N": w.shape[0], "K": w.shape[1], "x_absmax": float(x.float().abs().max()),
-                            "w_absmax": float(w.float().abs().max())})
+            entries.append(
+                {
+                    "layer": i,
+                    "proj": proj,
+                    "input": names[id(x)],
+                    "weight": f"layers.{i}.{proj}.weight",
+                    "N": w.shape[0],
+                    "K": w.shape[1],
+                    "x_absmax": float(x.float().abs().max()),
+                    "w_absmax": float(w.float().abs().max()),
+                }
+            )
     meta = {
-        "model": Path(args.model_dir).name, "model_dir": str(args.model_dir),
-        "model_type": model.config.model_type, "num_layers": num_layers, "layers": layers, "tokens": args.tokens,
+        "model": Path(args.model_dir).name,
+        "model_dir": str(args.model_dir),
+        "model_type": model.config.model_type,
+        "num_layers": num_layers,
+        "layers": layers,
+        "tokens": args.tokens,
         "text": "quantkit.data.heldout_windows(tokenizer, 1, tokens): held-out State of the Union speeches",
         "down_proj_input_absmax_by_layer": {
-            i: round(float(x.abs().max()), 2) for (i, proj), x in sorted(inputs.items()) if proj == "down_proj"},
+            i: round(float(x.abs().max()), 2) for (i, proj), x in sorted(inputs.items()) if proj == "down_proj"
+        },
         "tensors": entries,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -195,8 +209,10 @@ def capture(args: argparse.Namespace) -> int:
     size = args.out.stat().st_size
     print(f"wrote {args.out} ({size / 1e6:.1f} MB, layers {layers} of {num_layers}, {args.tokens} tokens) and .json")
     for e in entries:
-        print(f"  layer {e['layer']:>2} {e['proj']:<9} N={e['N']:>5} K={e['K']:>5} "
-              f"max|x|={e['x_absmax']:.4g} max|w|={e['w_absmax']:.4g}")
+        print(
+            f"  layer {e['layer']:>2} {e['proj']:<9} N={e['N']:>5} K={e['K']:>5} "
+            f"max|x|={e['x_absmax']:.4g} max|w|={e['w_absmax']:.4g}"
+        )
     return 0
 
 
@@ -307,11 +323,13 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     for r in rows:
         t = [f"{r[c]:.1f}" if c in r else "-" for c in ("quant_us", "gemm_us", "bf16_us", "hadamard_us", "fused_us")]
         vs = f"{r['gemm_vs_bf16']:.2f}x" if "gemm_vs_bf16" in r else "-"
-        lines.append(f"| {r['model']} | {r['layer']} | {r['proj']} | {r['M']} | {r['N']} | {r['K']} "
-                     f"| {r['x_absmax']:.4g} | {r['scheme']} | {r['act_mismatches'] + r.get('fused_mismatches', 0)} "
-                     f"| {r['err_over_tol']:.3f} "
-                     f"| {r['rel_err_vs_bf16']:.4f} "
-                     f"| {' | '.join(t)} | {vs} | {'yes' if r['ok'] else '**NO**'} |")
+        lines.append(
+            f"| {r['model']} | {r['layer']} | {r['proj']} | {r['M']} | {r['N']} | {r['K']} "
+            f"| {r['x_absmax']:.4g} | {r['scheme']} | {r['act_mismatches'] + r.get('fused_mismatches', 0)} "
+            f"| {r['err_over_tol']:.3f} "
+            f"| {r['rel_err_vs_bf16']:.4f} "
+            f"| {' | '.join(t)} | {vs} | {'yes' if r['ok'] else '**NO**'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -320,17 +338,20 @@ def summary(rows: list[dict]) -> str:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["model"], r["layer"], r["scheme"], r["M"]), []).append(r)
-    lines = ["model | layer | scheme | M | max|x| | act mism | max err/tol | rel err min-max "
-             "| gemm vs bf16 (geomean) | ok",
-             "---|---:|---|---:|---:|---:|---:|---|---:|---"]
+    lines = [
+        "model | layer | scheme | M | max|x| | act mism | max err/tol | rel err min-max | gemm vs bf16 (geomean) | ok",
+        "---|---:|---|---:|---:|---:|---:|---|---:|---",
+    ]
     for (model, layer, scheme, m), rs in groups.items():
         speed = [r["gemm_vs_bf16"] for r in rs if "gemm_vs_bf16" in r]
         geo = f"{math.exp(sum(map(math.log, speed)) / len(speed)):.2f}x" if speed else "-"
-        lines.append(f"{model} | {layer} | {scheme} | {m} | {max(r['x_absmax'] for r in rs):.4g} "
-                     f"| {sum(r['act_mismatches'] + r.get('fused_mismatches', 0) for r in rs)} "
-                     f"| {max(r['err_over_tol'] for r in rs):.3f} "
-                     f"| {min(r['rel_err_vs_bf16'] for r in rs):.4f}-{max(r['rel_err_vs_bf16'] for r in rs):.4f} "
-                     f"| {geo} | {'yes' if all(r['ok'] for r in rs) else 'NO'}")
+        lines.append(
+            f"{model} | {layer} | {scheme} | {m} | {max(r['x_absmax'] for r in rs):.4g} "
+            f"| {sum(r['act_mismatches'] + r.get('fused_mismatches', 0) for r in rs)} "
+            f"| {max(r['err_over_tol'] for r in rs):.3f} "
+            f"| {min(r['rel_err_vs_bf16'] for r in rs):.4f}-{max(r['rel_err_vs_bf16'] for r in rs):.4f} "
+            f"| {geo} | {'yes' if all(r['ok'] for r in rs) else 'NO'}"
+        )
     return "\n".join(lines)
 
 
@@ -338,8 +359,11 @@ def check(args: argparse.Namespace) -> int:
     device = bench_gemm.bench_device("trained_kernels", args.quick)
     if device is None:
         return 2
-    meta = {**bench_gemm.metadata(device, args.quick), "data": [str(p) for p in args.data],
-            "fp8_mma_term": device.type == "cuda"}
+    meta = {
+        **bench_gemm.metadata(device, args.quick),
+        "data": [str(p) for p in args.data],
+        "fp8_mma_term": device.type == "cuda",
+    }
     if device.type != "cuda":
         meta["timing"] = "none (interpreter: not timed)"
     rows: list[dict] = []
@@ -352,13 +376,24 @@ def check(args: argparse.Namespace) -> int:
             ms = [QUICK_TOKENS] if args.quick else sorted({min(m, len(x_all)) if m else len(x_all) for m in args.m})
             for m in ms:
                 x = x_all[:m].contiguous()
-                print(f"{info['model']} layer {e['layer']} {e['proj']} M={m} N={e['N']} K={e['K']}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{info['model']} layer {e['layer']} {e['proj']} M={m} N={e['N']} K={e['K']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 blocks = [0, online_block(e["K"])] if args.online_hadamard and e["proj"] == "down_proj" else [0]
                 for scheme, block in ((s, b) for s in SCHEMES.values() for b in blocks):
-                    row = {"model": info["model"], "layer": e["layer"], "proj": e["proj"] + ("+H" if block else ""),
-                           "M": m, "N": e["N"], "K": e["K"], "x_absmax": float(x.float().abs().max()),
-                           "w_absmax": e["w_absmax"], "scheme": scheme.name}
+                    row = {
+                        "model": info["model"],
+                        "layer": e["layer"],
+                        "proj": e["proj"] + ("+H" if block else ""),
+                        "M": m,
+                        "N": e["N"],
+                        "K": e["K"],
+                        "x_absmax": float(x.float().abs().max()),
+                        "w_absmax": e["w_absmax"],
+                        "scheme": scheme.name,
+                    }
                     with torch.inference_mode():
                         rows.append({**row, **check_case(scheme, x, w, device, block)})
             bench_gemm.write_results(args.out, "trained_kernels", meta, rows, markdown(meta, rows), final=False)
@@ -366,8 +401,10 @@ def check(args: argparse.Namespace) -> int:
     failed = [r for r in rows if not r["ok"]]
     print("\n" + summary(rows))
     failures = [(r["model"], r["layer"], r["proj"], r["M"], r["scheme"]) for r in failed]
-    print(f"\n{len(rows) - len(failed)} of {len(rows)} cases passed (bit-exact activations, err/tol <= 1)"
-          + (f"; FAILED: {failures}" if failed else ""))
+    print(
+        f"\n{len(rows) - len(failed)} of {len(rows)} cases passed (bit-exact activations, err/tol <= 1)"
+        + (f"; FAILED: {failures}" if failed else "")
+    )
     return 1 if failed else 0
 
 
@@ -384,10 +421,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     k.add_argument("--data", type=Path, nargs="+", required=True)
     k.add_argument("--out", type=Path, required=True)
     k.add_argument("--m", type=int, nargs="+", default=[16, 0], help="token counts (first M rows; 0: all)")
-    k.add_argument("--quick", action="store_true",
-                   help=f"the recorded layer with the largest max |x|, M = {QUICK_TOKENS} (the only mode without CUDA)")
-    k.add_argument("--online-hadamard", action="store_true",
-                   help="also each down_proj with a rotated checkpoint's online block Hadamard (proj 'down_proj+H')")
+    k.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"the recorded layer with the largest max |x|, M = {QUICK_TOKENS} (the only mode without CUDA)",
+    )
+    k.add_argument(
+        "--online-hadamard",
+        action="store_true",
+        help="also each down_proj with a rotated checkpoint's online block Hadamard (proj 'down_proj+H')",
+    )
     return p.parse_args(argv)
 
 

@@ -1,7 +1,7 @@
 """Sweep the tiles of quantkit's four Triton GEMMs per shape class: what their default tiles should be (issue 18).
 
-The GEMMs launch with `quantkit.kernels.gemm_tiles.default_tiles(M, block_k, kernel)`: one GemmTiles per shape class of M
-(decode M <= 16, small M <= 64, prefill; the grouped GEMMs pass the mean rows per expert, cdiv(S, E)). For each
+The GEMMs launch with `quantkit.kernels.gemm_tiles.default_tiles(M, block_k, kernel)`: one GemmTiles per shape class
+of M (decode M <= 16, small M <= 64, prefill; the grouped GEMMs pass the mean rows per expert, cdiv(S, E)). For each
 kernel and class this times every candidate of `candidates(kernel, class)` (the class's default among them) on
 the class's shapes:
 
@@ -30,8 +30,17 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from bench_gemm import (LAYERS, activation_operands, bench_device, err_over_tol, first_line, metadata, time_ms,
-                        weight_operands, write_results)
+from bench_gemm import (
+    LAYERS,
+    activation_operands,
+    bench_device,
+    err_over_tol,
+    first_line,
+    metadata,
+    time_ms,
+    weight_operands,
+    write_results,
+)
 from bench_grouped_gemm import CONFIGS, activations, expert_weights, reference_error
 
 from quantkit import formats
@@ -56,11 +65,13 @@ QUICK_TOKENS = {"decode": (4,), "small": (60,), "prefill": (240,)}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="tiny shapes, two candidates a class (the only mode without a GPU)")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny shapes, two candidates a class (the only mode without a GPU)"
+    )
     p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
-    p.add_argument("--classes", nargs="+", choices=[name for name, _ in SHAPE_CLASSES],
-                   default=[name for name, _ in SHAPE_CLASSES])
+    p.add_argument(
+        "--classes", nargs="+", choices=[name for name, _ in SHAPE_CLASSES], default=[name for name, _ in SHAPE_CLASSES]
+    )
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -73,22 +84,37 @@ def candidates(kernel: str, klass: str, quick: bool) -> list[GemmTiles]:
     default = default_tiles(dict(SHAPE_CLASSES)[klass] or 1 << 20, block_k, kernel)  # the class's largest M
     block_ks = (64, 128, 256) if kernel.startswith("nvfp4") else (formats.FP8_WEIGHT_BLOCK,)
     if klass == "decode":
-        grid = [GemmTiles(16, bn, bk, num_warps=4, num_stages=st) for bn in (32, 64, 128, 256) for st in (3, 5)
-                for bk in block_ks if bk == block_k or (bn == 64 and st == 3)]
+        grid = [
+            GemmTiles(16, bn, bk, num_warps=4, num_stages=st)
+            for bn in (32, 64, 128, 256)
+            for st in (3, 5)
+            for bk in block_ks
+            if bk == block_k or (bn == 64 and st == 3)
+        ]
     elif klass == "small":
-        grid = [GemmTiles(bm, bn, bk, num_warps=4, num_stages=st) for bm in (32, 64) for bn in (64, 128, 256)
-                for st in (3, 4) for bk in block_ks if bk == block_k or (bn == 128 and st == 3)]
+        grid = [
+            GemmTiles(bm, bn, bk, num_warps=4, num_stages=st)
+            for bm in (32, 64)
+            for bn in (64, 128, 256)
+            for st in (3, 4)
+            for bk in block_ks
+            if bk == block_k or (bn == 128 and st == 3)
+        ]
     else:
-        grid = [GemmTiles(bm, bn, bk, num_warps=w, num_stages=st)
-                for bm, bn, w in ((64, 128, 4), (64, 128, 8), (128, 128, 4), (128, 128, 8), (64, 256, 8), (128, 256, 8))
-                for st in (3, 4)
-                for bk in block_ks if bk == block_k or (bm == 128 and bn == 128 and w == 8 and st == 3)]
+        grid = [
+            GemmTiles(bm, bn, bk, num_warps=w, num_stages=st)
+            for bm, bn, w in ((64, 128, 4), (64, 128, 8), (128, 128, 4), (128, 128, 8), (64, 256, 8), (128, 256, 8))
+            for st in (3, 4)
+            for bk in block_ks
+            if bk == block_k or (bm == 128 and bn == 128 and w == 8 and st == 3)
+        ]
     others = [t for t in grid if t != default]
     return [default, others[0]] if quick else [default, *others]
 
 
-def dense_shapes(kernel: str, klass: str, quick: bool, device: torch.device,
-                 gen: torch.Generator) -> Iterator[tuple[dict, dict]]:
+def dense_shapes(
+    kernel: str, klass: str, quick: bool, device: torch.device, gen: torch.Generator
+) -> Iterator[tuple[dict, dict]]:
     """(shape description, operands) for the dense GEMMs' shapes of class `klass`; operands as bench_gemm builds
     them plus "ref": the dequantized float32 inputs (x, w) of `kernel`'s reference."""
     layers = QUICK_LAYERS if quick else LAYERS["llama3-8b"]
@@ -98,7 +124,8 @@ def dense_shapes(kernel: str, klass: str, quick: bool, device: torch.device,
             w_deq = formats.dequantize_fp8_block(w["wq_block"], w["ws_block"])
         else:
             w_deq = formats.dequantize_nvfp4(
-                formats.NVFP4Tensor(w["w_packed"], w["w_block_scale"], w["w_global"].reshape(()), k))
+                formats.NVFP4Tensor(w["w_packed"], w["w_block_scale"], w["w_global"].reshape(()), k)
+            )
         for m in (QUICK_M if quick else DENSE_M)[klass]:
             assert shape_class(m) == klass, (m, klass)
             x = activation_operands(m, k, device, gen)
@@ -106,9 +133,12 @@ def dense_shapes(kernel: str, klass: str, quick: bool, device: torch.device,
                 x_deq = formats.dequantize_fp8_per_token(x["xq"], x["xs"])
             else:
                 x_deq = formats.dequantize_nvfp4(
-                    formats.NVFP4Tensor(x["a_packed"], x["a_block_scale"], x["a_global"], k))
-            yield ({"shape": f"{layer} M={m} N={n} K={k}", "flops": 2 * m * n * k},
-                   {"x": x, "w": w, "ref": (x_deq, w_deq)})
+                    formats.NVFP4Tensor(x["a_packed"], x["a_block_scale"], x["a_global"], k)
+                )
+            yield (
+                {"shape": f"{layer} M={m} N={n} K={k}", "flops": 2 * m * n * k},
+                {"x": x, "w": w, "ref": (x_deq, w_deq)},
+            )
 
 
 def grouped_shapes(klass: str, quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[tuple[dict, dict]]:
@@ -116,15 +146,17 @@ def grouped_shapes(klass: str, quick: bool, device: torch.device, gen: torch.Gen
     config (gate_up gathers its rows, down reads sorted rows), operands as bench_grouped_gemm builds them."""
     configs = QUICK_CONFIG if quick else CONFIGS
     for config, (e, top_k, hidden, ffn) in configs.items():
-        token_counts = (QUICK_TOKENS[klass] if quick else GROUPED_TOKENS[klass][config])
+        token_counts = QUICK_TOKENS[klass] if quick else GROUPED_TOKENS[klass][config]
         for projection, (n, k, gather) in {"gate_up": (2 * ffn, hidden, True), "down": (hidden, ffn, False)}.items():
             w = expert_weights(e, n, k, device, gen)
             for tokens in token_counts:
                 s = tokens * top_k
                 assert shape_class(-(-s // e)) == klass, (config, tokens, klass)
                 x = activations(tokens, top_k, e, k, gather, device, gen)
-                yield ({"shape": f"{config} {projection} tokens={tokens} S={s} N={n} K={k}", "flops": 2 * s * n * k},
-                       {"x": x, "w": w, "k": k})
+                yield (
+                    {"shape": f"{config} {projection} tokens={tokens} S={s} N={n} K={k}", "flops": 2 * s * n * k},
+                    {"x": x, "w": w, "k": k},
+                )
 
 
 def launch(kernel: str, ops: dict, tiles: GemmTiles) -> Callable[[], torch.Tensor]:
@@ -133,14 +165,31 @@ def launch(kernel: str, ops: dict, tiles: GemmTiles) -> Callable[[], torch.Tenso
     if kernel == "fp8_block":
         return lambda: fp8_block_gemm(x["xq"], x["xs"], w["wq_block"], w["ws_block"], tiles=tiles)
     if kernel == "nvfp4":
-        return lambda: nvfp4_gemm(x["a_packed"], x["a_block_scale"], x["a_global"], w["w_packed"], w["w_block_scale"],
-                                  w["w_global"], tiles=tiles)
+        return lambda: nvfp4_gemm(
+            x["a_packed"],
+            x["a_block_scale"],
+            x["a_global"],
+            w["w_packed"],
+            w["w_block_scale"],
+            w["w_global"],
+            tiles=tiles,
+        )
     offsets = x["sort"].expert_offsets
     if kernel == "fp8_block_grouped":
-        return lambda: fp8_block_grouped_gemm(x["xq"], x["xs"], w["wq_block"], w["ws_block"], offsets,
-                                              row_index=x["row_index"], tiles=tiles)
-    return lambda: nvfp4_grouped_gemm(x["a_packed"], x["a_block_scale"], x["a_global"], w["w_packed"],
-                                      w["w_block_scale"], w["w_global"], offsets, row_index=x["row_index"], tiles=tiles)
+        return lambda: fp8_block_grouped_gemm(
+            x["xq"], x["xs"], w["wq_block"], w["ws_block"], offsets, row_index=x["row_index"], tiles=tiles
+        )
+    return lambda: nvfp4_grouped_gemm(
+        x["a_packed"],
+        x["a_block_scale"],
+        x["a_global"],
+        w["w_packed"],
+        w["w_block_scale"],
+        w["w_global"],
+        offsets,
+        row_index=x["row_index"],
+        tiles=tiles,
+    )
 
 
 def error(kernel: str, ops: dict, y: torch.Tensor) -> float:
@@ -164,7 +213,7 @@ def sweep(kernel: str, klass: str, quick: bool, device: torch.device, gen: torch
             fn = launch(kernel, ops, tiles)
             try:
                 y = fn()
-            except Exception as e:  # noqa: BLE001 -- any compile/launch failure of a candidate is a result to list
+            except Exception as e:
                 if i == 0:
                     raise  # the default tiles must run
                 rows.append({**row, "status": first_line(e)})
@@ -173,8 +222,9 @@ def sweep(kernel: str, klass: str, quick: bool, device: torch.device, gen: torch
             if not err <= 1.0:
                 raise AssertionError(f"{kernel} {shape['shape']} tiles {tiles}: err/tol {err:.3f} > 1")
             ms = time_ms(fn, device.type == "cuda")
-            rows.append({**row, "status": "ok", "time_us": ms * 1e3, "tflops": shape["flops"] / ms / 1e9,
-                         "err_over_tol": err})
+            rows.append(
+                {**row, "status": "ok", "time_us": ms * 1e3, "tflops": shape["flops"] / ms / 1e9, "err_over_tol": err}
+            )
         del ops
     return rows
 
@@ -194,9 +244,17 @@ def ranking(rows: list[dict]) -> list[dict]:
             if len(runs) != len(default) or any(r["status"] != "ok" for r in runs):
                 continue
             ratios = [default[r["shape"]] / r["time_us"] for r in runs]
-            ranked.append({"kernel": kernel, "class": klass, "tiles": text, "default": runs[0]["default"],
-                           "speedup_gmean": math.exp(sum(map(math.log, ratios)) / len(ratios)),
-                           "speedup_worst": min(ratios), "shapes": len(ratios)})
+            ranked.append(
+                {
+                    "kernel": kernel,
+                    "class": klass,
+                    "tiles": text,
+                    "default": runs[0]["default"],
+                    "speedup_gmean": math.exp(sum(map(math.log, ratios)) / len(ratios)),
+                    "speedup_worst": min(ratios),
+                    "shapes": len(ratios),
+                }
+            )
         out += sorted(ranked, key=lambda r: -r["speedup_gmean"])
     return out
 
@@ -219,16 +277,27 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     ]
     if meta["interpreter"]:
         lines.append("- **CPU, Triton interpreter: these times measure the interpreter, not GPU speed.**")
-    lines += ["", "## Best tiles per kernel and shape class", "",
-              "| kernel | class | default | best | speed-up (geomean) | worst shape | shapes |",
-              "|---|---|---|---|---:|---:|---:|"]
+    lines += [
+        "",
+        "## Best tiles per kernel and shape class",
+        "",
+        "| kernel | class | default | best | speed-up (geomean) | worst shape | shapes |",
+        "|---|---|---|---|---:|---:|---:|",
+    ]
     for kernel, klass in dict.fromkeys((r["kernel"], r["class"]) for r in ranked):
         group = [r for r in ranked if r["kernel"] == kernel and r["class"] == klass]
         best, default = group[0], next(r for r in group if r["default"])
-        lines.append(f"| {kernel} | {klass} | {default['tiles']} | {best['tiles']} | {best['speedup_gmean']:.2f}x | "
-                     f"{best['speedup_worst']:.2f}x | {best['shapes']} |")
-    lines += ["", "## Every candidate", "", "| kernel | class | shape | tiles | time (us) | TFLOP/s | err/tol |",
-              "|---|---|---|---|---:|---:|---:|"]
+        lines.append(
+            f"| {kernel} | {klass} | {default['tiles']} | {best['tiles']} | {best['speedup_gmean']:.2f}x | "
+            f"{best['speedup_worst']:.2f}x | {best['shapes']} |"
+        )
+    lines += [
+        "",
+        "## Every candidate",
+        "",
+        "| kernel | class | shape | tiles | time (us) | TFLOP/s | err/tol |",
+        "|---|---|---|---|---:|---:|---:|",
+    ]
     for r in rows:
         tiles = tiles_text(r["tiles"]) + (" (default)" if r["default"] else "")
         head = f"| {r['kernel']} | {r['class']} | {r['shape']} | {tiles} |"
@@ -250,8 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for kernel in args.kernels:
             for klass in args.classes:
-                print(f"{kernel} {klass}: {len(candidates(kernel, klass, args.quick))} candidates", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"{kernel} {klass}: {len(candidates(kernel, klass, args.quick))} candidates",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 rows += sweep(kernel, klass, args.quick, device, gen)
                 write_results(args.out, "tiles", meta, rows, markdown(meta, rows), final=False)
     write_results(args.out, "tiles", meta, rows, markdown(meta, rows))

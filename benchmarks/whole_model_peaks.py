@@ -14,14 +14,14 @@ import argparse
 import platform
 import sys
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_quantize_memory import measure  # noqa: E402
+from bench_quantize_memory import measure
 
-from quantkit.quantize.checkpoint import float32_bytes, whole_model_bytes  # noqa: E402
-from quantkit.quantize.recipe import load_recipe  # noqa: E402
+from quantkit.quantize.checkpoint import float32_bytes, whole_model_bytes
+from quantkit.quantize.recipe import load_recipe
 
 
 def main() -> None:
@@ -29,8 +29,10 @@ def main() -> None:
     parser.add_argument("--model", action="append", required=True, help="checkpoint directory (repeatable)")
     parser.add_argument("--recipes", nargs="+", default=["w4a4_nvfp4", "w4a4_nvfp4_sq", "w4a4_nvfp4_sq_gptq"])
     args = parser.parse_args()
-    print(f"machine: {platform.machine()}, {platform.processor() or platform.node()}; date: "
-          f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; command: {' '.join(sys.argv)}\n")
+    print(
+        f"machine: {platform.machine()}, {platform.processor() or platform.node()}; date: "
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; command: {' '.join(sys.argv)}\n"
+    )
     print("| model | recipe | float32 GB | peak RSS GB | estimate GB | peak / estimate | seconds |")
     print("|---|---|---|---|---|---|---|")
     for model in map(Path, args.model):
@@ -40,8 +42,11 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 r = measure(model, recipe, Path(tmp) / "out", streaming=False)
             peak = r["peak_rss_mb"] * 2**20 / 1e9
-            print(f"| {model.name} | {recipe} | {f32:.2f} | {peak:.2f} | {estimate:.2f} | {peak / estimate:.2f}x | "
-                  f"{r['seconds']:.0f} |", flush=True)
+            print(
+                f"| {model.name} | {recipe} | {f32:.2f} | {peak:.2f} | {estimate:.2f} | {peak / estimate:.2f}x | "
+                f"{r['seconds']:.0f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

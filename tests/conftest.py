@@ -7,11 +7,10 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from quantkit.data import STREAM_CACHE_ENV  # noqa: E402
-from quantkit.serve.engine import offline_environment  # noqa: E402
-
+from quantkit.data import STREAM_CACHE_ENV
+from quantkit.serve.engine import offline_environment
 
 # The CPU emulation's activation fake-quant stays eager in tests unless a test asks for the compiled one
 # (`compiled_emulation`): on the tests' tiny models each inductor compile (~2.3 s, one per scheme and input shape)

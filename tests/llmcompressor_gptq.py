@@ -22,16 +22,24 @@ gptq_quantize.GPTQ_PRECISION = gptq_helpers.GPTQ_PRECISION = torch.float64
 
 def quantize(case: dict) -> torch.Tensor:
     if case["scheme"] == "fp8_block":
-        args = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=[128, 128],
-                                symmetric=True, actorder=case["actorder"])
+        args = QuantizationArgs(
+            num_bits=8,
+            type="float",
+            strategy="block",
+            block_structure=[128, 128],
+            symmetric=True,
+            actorder=case["actorder"],
+        )
         global_scale = None
     else:
-        args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True,
-                                actorder=case["actorder"])
+        args = QuantizationArgs(
+            num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True, actorder=case["actorder"]
+        )
         global_scale = 1.0 / case["weight_global_scale"].double()
     scale = case["weight_scale"].double()[None]
-    q, _, rtn_fallback = gptq_quantize.quantize_weight(case["w"].clone()[None], case["h"].clone()[None], scale,
-                                                       torch.zeros_like(scale), global_scale, args)
+    q, _, rtn_fallback = gptq_quantize.quantize_weight(
+        case["w"].clone()[None], case["h"].clone()[None], scale, torch.zeros_like(scale), global_scale, args
+    )
     assert not rtn_fallback.any(), "llm-compressor fell back to round to nearest (Hessian not positive definite)"
     return q[0]
 

@@ -21,10 +21,9 @@ def _siblings(path: Path) -> list[str]:
 
 def test_atomic_dir_renames_on_success_and_cleans_up_on_failure(tmp_path):
     target = tmp_path / "out"
-    with pytest.raises(ZeroDivisionError):
-        with atomic_dir(target) as tmp:
-            (tmp / "half").write_text("x")
-            1 / 0
+    with pytest.raises(ZeroDivisionError), atomic_dir(target) as tmp:
+        (tmp / "half").write_text("x")
+        raise ZeroDivisionError
     assert _siblings(target) == []
     with atomic_dir(target) as tmp:
         assert tmp.parent == tmp_path and tmp.name.startswith(".out.") and not target.exists()
@@ -37,12 +36,10 @@ def test_atomic_dir_overwrite(tmp_path):
     target = tmp_path / "out"
     target.mkdir()
     (target / "old").write_text("old")
-    with pytest.raises(FileExistsError, match="already exists"):
-        with atomic_dir(target):
-            pytest.fail("the body must not run when the target exists")
-    with pytest.raises(RuntimeError):  # a failed overwrite keeps the old directory
-        with atomic_dir(target, overwrite=True):
-            raise RuntimeError
+    with pytest.raises(FileExistsError, match="already exists"), atomic_dir(target):
+        pytest.fail("the body must not run when the target exists")
+    with pytest.raises(RuntimeError), atomic_dir(target, overwrite=True):  # a failed overwrite keeps the old one
+        raise RuntimeError
     assert (target / "old").exists()
     with atomic_dir(target, overwrite=True) as tmp:
         (tmp / "new").write_text("new")
@@ -54,7 +51,9 @@ def test_dead_writers_leftovers_removed_live_writers_kept(tmp_path):
     dead.wait()
     live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        leftovers = {name: tmp_path / f".out.{pid}.ab_c12.tmp" for name, pid in (("dead", dead.pid), ("live", live.pid))}
+        leftovers = {
+            name: tmp_path / f".out.{pid}.ab_c12.tmp" for name, pid in (("dead", dead.pid), ("live", live.pid))
+        }
         other = tmp_path / f".out.x.{dead.pid}.abc.tmp"  # the temp of another target, "out.x"
         for path in (*leftovers.values(), other):
             path.mkdir()
@@ -81,12 +80,19 @@ with exclusive_lock(sys.argv[1], "the thing"):
 
 def test_lock_refuses_or_waits_across_processes(tmp_path):
     lock = tmp_path / "run" / ".lock"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline() == "locked\n"
-        with pytest.raises(LockedError, match=rf"the thing is in use by another quantkit process \(pid {holder.pid}; lock file {lock}\)"):
-            with exclusive_lock(lock, "the thing"):
-                pass
+        with (
+            pytest.raises(
+                LockedError,
+                match=rf"the thing is in use by another quantkit process \(pid {holder.pid}; lock file {lock}\)",
+            ),
+            exclusive_lock(lock, "the thing"),
+        ):
+            pass
         acquired = threading.Event()
 
         def waiter() -> None:

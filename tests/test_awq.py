@@ -35,8 +35,9 @@ def test_grid_and_weight_means_are_llmcompressors(tmp_path):
     ]
     torch.save(cases, tmp_path / "cases.pt")
     worker = Path(__file__).with_name("llmcompressor_awq.py")
-    subprocess.run([str(llmcompressor_python()), str(worker), str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
-                   check=True)
+    subprocess.run(
+        [str(llmcompressor_python()), str(worker), str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")], check=True
+    )
     theirs = torch.load(tmp_path / "out.pt")
     assert [tuple(p) for p in theirs["grid"]] == list(AWQ_GRID)
     for case, mean in zip(cases, theirs["means"], strict=True):

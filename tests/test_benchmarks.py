@@ -16,8 +16,12 @@ REPO = Path(__file__).resolve().parents[1]
 def run_benchmark(script: str, args: list[str], out: Path, pattern: str = "*", timeout: int = 600) -> tuple[dict, str]:
     """`python benchmarks/<script> ARGS --out OUT` (asserted to exit 0): its one `<pattern>.json` results file,
     parsed, and the text of its one `<pattern>.md` table."""
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args, "--out", str(out)],
-                         capture_output=True, text=True, timeout=timeout)
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     (json_file,), (md_file,) = out.glob(f"{pattern}.json"), out.glob(f"{pattern}.md")
     return json.loads(json_file.read_text()), md_file.read_text()
@@ -41,7 +45,12 @@ def test_quick_grouped_benchmark_writes_results(tmp_path):
     assert {"device", "date", "torch", "triton", "command"} <= set(result)
     assert {(r["projection"], r["tokens"], r["S"]) for r in result["rows"]} == {("gate_up", 5, 10), ("down", 5, 10)}
     impls = {r["impl"] for r in result["rows"]}
-    assert {"torch_fp8_rowwise_grouped", "torch_fp8_rowwise_loop", "triton_fp8_block_grouped", "triton_nvfp4_grouped"} <= impls
+    assert {
+        "torch_fp8_rowwise_grouped",
+        "torch_fp8_rowwise_loop",
+        "triton_fp8_block_grouped",
+        "triton_nvfp4_grouped",
+    } <= impls
     assert impls & {"torch_bf16_grouped_mm", "torch_bf16_mm_loop"}
     ours = [r for r in result["rows"] if r["impl"].startswith("triton_")]
     assert len(ours) == 4 and all(r["status"] == "ok" and 0 < r["err_over_tol"] <= 1.0 for r in ours)
@@ -50,9 +59,23 @@ def test_quick_grouped_benchmark_writes_results(tmp_path):
 
 def test_serving_throughput_benchmark_runs(tiny_checkpoint, tmp_path):
     """benchmarks/bench_serve.py (the issue's throughput table) runs end to end: quantize, serve, time, report."""
-    command = [sys.executable, str(REPO / "benchmarks" / "bench_serve.py"), "--model", str(tiny_checkpoint),
-               "--recipes", "bf16", "w4a4_nvfp4", "--prompts", "2", "--max-tokens", "4",
-               "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "bench_serve.py"),
+        "--model",
+        str(tiny_checkpoint),
+        "--recipes",
+        "bf16",
+        "w4a4_nvfp4",
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "4",
+        "--work",
+        str(tmp_path / "work"),
+        "--out",
+        str(tmp_path / "out"),
+    ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     (json_file,) = (tmp_path / "out").glob("serve_*.json")
@@ -65,12 +88,14 @@ def test_quick_tile_sweep_checks_and_ranks_every_candidate(tmp_path):
     """benchmarks/tune_tiles.py --quick (a dense and a grouped kernel, both formats: ~40 s on 2 cores): every shape
     class swept with its default and one other candidate, each output within the GEMM tolerance (err/tol <= 1, the
     bound of tests/test_kernels_gemm.py; tiles change speed, never results), and a ranking row per kernel and class."""
-    result, table = run_benchmark("tune_tiles.py", ["--quick", "--kernels", "fp8_block", "nvfp4_grouped"], tmp_path,
-                                  "tiles_*")
+    result, table = run_benchmark(
+        "tune_tiles.py", ["--quick", "--kernels", "fp8_block", "nvfp4_grouped"], tmp_path, "tiles_*"
+    )
     assert result["complete"] and {"device", "date", "torch", "triton", "command"} <= set(result)
     rows = result["rows"]
-    assert {(r["kernel"], r["class"]) for r in rows} == {(k, c) for k in ("fp8_block", "nvfp4_grouped")
-                                                         for c in ("decode", "small", "prefill")}
+    assert {(r["kernel"], r["class"]) for r in rows} == {
+        (k, c) for k in ("fp8_block", "nvfp4_grouped") for c in ("decode", "small", "prefill")
+    }
     assert all(r["status"] == "ok" and 0 < r["err_over_tol"] <= 1.0 for r in rows)
     for kernel, klass in {(r["kernel"], r["class"]) for r in rows}:
         group = [r for r in rows if (r["kernel"], r["class"]) == (kernel, klass)]
@@ -90,6 +115,7 @@ def test_tile_sweep_candidates_are_valid_tiles_for_each_kernel():
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     from quantkit.kernels.gemm_tiles import SHAPE_CLASSES, default_tiles
+
     for kernel in tune_tiles.KERNELS:
         for klass, largest_m in SHAPE_CLASSES:
             default = default_tiles(largest_m or 1 << 20, 128, kernel)
@@ -105,8 +131,9 @@ def test_tile_sweep_candidates_are_valid_tiles_for_each_kernel():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the full sweep runs instead (minutes)")
 def test_full_tile_sweep_refuses_without_a_gpu():
     """Without a GPU only --quick runs: the full sweep exits 2 naming it, instead of hours through the interpreter."""
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tune_tiles.py")], capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "tune_tiles.py")], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 2 and "--quick" in run.stderr
 
 
@@ -114,7 +141,11 @@ def test_fake_quant_cost_checks_its_bits_and_prints_every_shape():
     """benchmarks/fake_quant_cost.py (one repeat: ~30 s, most of it compiling the served fake-quant) exits 0 only if
     `e2m1_round` equals the codes path and the served (compiled) fake-quant the eager one bit for bit on every shape it
     times; it prints one line of figures per (tokens, K)."""
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fake_quant_cost.py"), "--repeats", "1"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "fake_quant_cost.py"), "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert sum("e2m1_round" in line and "served" in line for line in run.stdout.splitlines()) == 8  # 4 x 2 shapes

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from quantkit.quantize.provenance import apply_calibration, calibration_sets, checkpoint_calibration, with_calibration
 from quantkit.calibrate.stats import PAPER_NUM_SEQUENCES
 from quantkit.data import describe_calibration_source
 from quantkit.pipelines.study import Study, load_spec
+from quantkit.quantize.provenance import apply_calibration, calibration_sets, checkpoint_calibration, with_calibration
 from quantkit.quantize.recipe import available_recipes, load_recipe
 from quantkit.report.render import describe_calibration as describe
 
@@ -25,14 +25,29 @@ PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
 
 def test_smoothquant_recipes_default_to_the_paper_count():
     sq = [name for name in available_recipes() if load_recipe(name).smoothquant is not None]
-    assert sorted(sq) == ["mixed_fp8_attn_nvfp4_sq_gptq", "mixed_fp8_attn_nvfp4_sq_gptq_mse", "mixed_fp8_attn_nvfp4_sq_search_gptq_mse", "w4a4_nvfp4_awq", "w4a4_nvfp4_awq_gptq_mse", "w4a4_nvfp4_sq", "w4a4_nvfp4_sq_gptq", "w4a4_nvfp4_sq_gptq_actorder", "w4a4_nvfp4_sq_mse",
-                          "w4a4_nvfp4_sq_noexperts", "w4a4_nvfp4_sq_search", "w4a4_nvfp4_sq_updown", "w4a4_nvfp4_sq_updown_gptq_mse",
-                          "w8a8_fp8_block_sq"]
+    assert sorted(sq) == [
+        "mixed_fp8_attn_nvfp4_sq_gptq",
+        "mixed_fp8_attn_nvfp4_sq_gptq_mse",
+        "mixed_fp8_attn_nvfp4_sq_search_gptq_mse",
+        "w4a4_nvfp4_awq",
+        "w4a4_nvfp4_awq_gptq_mse",
+        "w4a4_nvfp4_sq",
+        "w4a4_nvfp4_sq_gptq",
+        "w4a4_nvfp4_sq_gptq_actorder",
+        "w4a4_nvfp4_sq_mse",
+        "w4a4_nvfp4_sq_noexperts",
+        "w4a4_nvfp4_sq_search",
+        "w4a4_nvfp4_sq_updown",
+        "w4a4_nvfp4_sq_updown_gptq_mse",
+        "w8a8_fp8_block_sq",
+    ]
     for name in sq:  # SmoothQuant's scales: the paper's count; AWQ's: llm-compressor's examples' 256 x 512
         count = 256 if load_recipe(name).smoothquant.scales == "awq" else PAPER_NUM_SEQUENCES
         assert calibration_sets(load_recipe(name))[0] == (  # a model of no known type: prose and code
-            dict(use="smoothquant", source=describe_calibration_source("speeches+code"),
-                 num_sequences=count, seq_len=512))
+            dict(
+                use="smoothquant", source=describe_calibration_source("speeches+code"), num_sequences=count, seq_len=512
+            )
+        )
     assert [s["use"] for s in calibration_sets(load_recipe("w4a4_nvfp4_sq_gptq"))] == ["smoothquant", "gptq"]
     assert PAPER_NUM_SEQUENCES == 4096  # paper 000 App. A.4.2
     # recipes with dynamic activations and no SmoothQuant draw nothing; static scales draw their own set
@@ -67,7 +82,11 @@ def test_the_trained_model_study_loads():
     spec = load_spec(PIPELINES / "real.yaml")
     assert set(spec.models.values()) == {"model:qwen2.5-coder-0.5b-instruct", "model:smollm2-135m-instruct"}
     recipe = Study(spec).recipe("w4a4_nvfp4_sq")
-    assert (recipe.calibration_data, recipe.smoothquant.early_stop, recipe.smoothquant.num_sequences) == ("speeches+code", 0.02, 256)
+    assert (recipe.calibration_data, recipe.smoothquant.early_stop, recipe.smoothquant.num_sequences) == (
+        "speeches+code",
+        0.02,
+        256,
+    )
     suite = load_suite(spec.eval["suite"])
     assert spec.eval["allow_code"] and suite.chat_template
     assert suite.tasks(allow_code=True) == ["qk_humaneval_instruct", "qk_mbpp_500_instruct"]
@@ -88,8 +107,21 @@ def test_the_method_comparison_study_loads_with_one_label_per_method():
     sq_gptq = study.recipe("w4a4_nvfp4_sq_gptq")
     assert (sq_gptq.smoothquant.num_sequences, sq_gptq.gptq.num_sequences, sq_gptq.gptq.seq_len) == (32, 32, 256)
     labels = [_precision(r) for r in spec.recipes]
-    assert labels == ["BF16", "W4A4", "W4A4+MSE", "W4A4+GPTQ", "W4A4+SQ", "W4A4+SQ+GPTQ", "W4A4+Rot", "W4A4+Rot+GPTQ",
-                      "W4A4+Rot16+MSE+GPTQ", "W4A4+AWQ", "W4A4+AWQ+MSE+GPTQ", "W4A4+4/6", "W4A4/W8A8"]
+    assert labels == [
+        "BF16",
+        "W4A4",
+        "W4A4+MSE",
+        "W4A4+GPTQ",
+        "W4A4+SQ",
+        "W4A4+SQ+GPTQ",
+        "W4A4+Rot",
+        "W4A4+Rot+GPTQ",
+        "W4A4+Rot16+MSE+GPTQ",
+        "W4A4+AWQ",
+        "W4A4+AWQ+MSE+GPTQ",
+        "W4A4+4/6",
+        "W4A4/W8A8",
+    ]
 
 
 def test_the_smollm_method_comparison_is_the_affordable_one_with_one_label_per_method():
@@ -110,13 +142,16 @@ def test_the_smollm_method_comparison_is_the_affordable_one_with_one_label_per_m
     assert set(coder_methods) <= set(spec.recipes), "every method of the coder's comparison has a SmolLM2 row"
 
 
-@pytest.mark.parametrize("calibration, message", [
-    ({"num_sequences": 256}, "num_sequences and seq_len together"),
-    ({"num_sequences": 256, "seq_len": 1}, "seq_len >= 2"),
-    ({"data": ""}, "calibration source string"),
-    ({"early_stop": "soon"}, "tolerance >= 0 or null"),
-    ({"speed": 1}, r"unknown calibration key\(s\) \['speed'\]"),
-])
+@pytest.mark.parametrize(
+    "calibration, message",
+    [
+        ({"num_sequences": 256}, "num_sequences and seq_len together"),
+        ({"num_sequences": 256, "seq_len": 1}, "seq_len >= 2"),
+        ({"data": ""}, "calibration source string"),
+        ({"early_stop": "soon"}, "tolerance >= 0 or null"),
+        ({"speed": 1}, r"unknown calibration key\(s\) \['speed'\]"),
+    ],
+)
 def test_a_bad_study_calibration_fails_on_load(calibration, message, tmp_path):
     spec = yaml.safe_load((PIPELINES / "default.yaml").read_text()) | {"calibration": calibration}
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(spec))
@@ -131,7 +166,8 @@ def test_the_row_records_the_set_the_checkpoint_was_made_with(tiny_checkpoint, t
     out = quantize_checkpoint(tiny_checkpoint, recipe, tmp_path / "sq", streaming=False)
     # read from the checkpoint's smoothquant.json, not the recipe: the paper-count recipe still reads 4 x 32
     assert checkpoint_calibration(load_recipe("w4a4_nvfp4_sq"), out) == [
-        dict(use="smoothquant", source=describe_calibration_source("speeches"), num_sequences=4, seq_len=32)]
+        dict(use="smoothquant", source=describe_calibration_source("speeches"), num_sequences=4, seq_len=32)
+    ]
 
 
 def test_a_smoothquant_row_shows_its_own_outlier_figures(tiny_checkpoint, tmp_path):
@@ -140,12 +176,15 @@ def test_a_smoothquant_row_shows_its_own_outlier_figures(tiny_checkpoint, tmp_pa
     from quantkit.pipelines.study import _smoothed_inputs
     from quantkit.quantize.checkpoint import quantize_checkpoint
 
-    sq = quantize_checkpoint(tiny_checkpoint, with_calibration(load_recipe("w4a4_nvfp4_sq"), 4, 32), tmp_path / "sq",
-                             streaming=False)
+    sq = quantize_checkpoint(
+        tiny_checkpoint, with_calibration(load_recipe("w4a4_nvfp4_sq"), 4, 32), tmp_path / "sq", streaming=False
+    )
     mappings = json.loads((sq / "smoothquant.json").read_text())["mappings"]
     figures = _smoothed_inputs(sq)
-    assert figures == {"smoothed_input_max_before": max(m["act_max_before"] for m in mappings),
-                       "smoothed_input_max_after": max(m["act_max_after"] for m in mappings)}
+    assert figures == {
+        "smoothed_input_max_before": max(m["act_max_before"] for m in mappings),
+        "smoothed_input_max_after": max(m["act_max_after"] for m in mappings),
+    }
     assert all(math.isfinite(v) and v > 0 for v in figures.values())
     plain = quantize_checkpoint(tiny_checkpoint, load_recipe("w4a4_nvfp4"), tmp_path / "plain", streaming=False)
     assert _smoothed_inputs(plain) == {}

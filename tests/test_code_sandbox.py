@@ -75,15 +75,16 @@ def test_well_behaved_program_passes(tmp_path):
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not on PATH")
 def test_compiled_program_passes_under_compile_limits():
-    assert run_program("#include <vector>\nint main() { std::vector<int> v(1 << 20); return v[7]; }", "cpp",
-                       timeout=30)
+    assert run_program("#include <vector>\nint main() { std::vector<int> v(1 << 20); return v[7]; }", "cpp", timeout=30)
 
 
 @pytest.mark.parametrize("escape", [False, True], ids=["fork-bomb", "fork-bomb-setsid"])
 def test_fork_bomb_is_contained_and_leaves_nothing(escape):
     if escape and "cgroup" not in sandbox_report()["process_count"]:
-        pytest.skip("no writable pids cgroup here: processes that call setsid() outlive the run "
-                    "(until RLIMIT_CPU), see test_rlimit_cpu_kills_an_escaped_spinner")
+        pytest.skip(
+            "no writable pids cgroup here: processes that call setsid() outlive the run "
+            "(until RLIMIT_CPU), see test_rlimit_cpu_kills_an_escaped_spinner"
+        )
     marker = f"bomb-{uuid.uuid4().hex}"
     bomb = program(f"""
         import os
@@ -124,16 +125,20 @@ def test_memory_hog_fails_fast_and_leaves_the_caller_alone():
     assert len(bytearray(8 << 20)) == 8 << 20
 
 
-@pytest.mark.parametrize("source", [
-    "while True:\n    pass\n",
-    program("""
+@pytest.mark.parametrize(
+    "source",
+    [
+        "while True:\n    pass\n",
+        program("""
         import signal
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU):
             signal.signal(sig, signal.SIG_IGN)
         while True:
             pass
     """),
-], ids=["loop", "loop-ignoring-signals"])
+    ],
+    ids=["loop", "loop-ignoring-signals"],
+)
 def test_infinite_loop_is_stopped_at_the_timeout(source):
     passed, elapsed = timed_run(source, timeout=TIMEOUT)
     assert not passed and TIMEOUT <= elapsed < TIMEOUT + MARGIN
@@ -207,9 +212,10 @@ def test_no_network():
 RUNTIME_ASSERTIONS = {
     "java": "class Problem {{\n    public static void main(String[] args) {{\n    assert({check});\n    }}\n}}\n",
     "cs": "using System.Diagnostics;\nclass Problem {{\n    public static void Main(string[] args) {{\n"
-          "    Debug.Assert({check});\n    }}\n}}\n",
-    "php": "<?php\nif (!({check})) {{ throw new Exception(\"Test failed!\"); }}\n",
-    "ts": "declare var require: any;\nconst assert = require('node:assert');\nconst n: number = 1;\nassert.ok({check});\n",
+    "    Debug.Assert({check});\n    }}\n}}\n",
+    "php": '<?php\nif (!({check})) {{ throw new Exception("Test failed!"); }}\n',
+    "ts": "declare var require: any;\nconst assert = require('node:assert');\nconst n: number = "
+    "1;\nassert.ok({check});\n",
 }
 
 

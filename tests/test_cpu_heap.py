@@ -1,5 +1,6 @@
 """quantkit.serve.cpu_heap: after install(), a block above glibc's largest mmap threshold (32 MiB) comes from the
-heap and, freed, stays in it (the heap is not trimmed) for the next one until release() hands it back; without it (or with
+heap and, freed, stays in it (the heap is not trimmed) for the next one until release() hands it back; without it (or
+with
 QUANTKIT_CPU_HEAP=off) glibc mmaps it. Each case runs in a fresh interpreter, so that this test process's own malloc
 settings do not matter; glibc's mallinfo2() counts the bytes in mmapped blocks (hblkhd) and in the heap (arena):
 exact counts, no timing."""

@@ -24,7 +24,6 @@ from quantkit.serve import cpu_linear
 pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
 
 
-
 def layer_with(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -38,10 +37,16 @@ def test_installs_where_float32_is_the_faster_matmul(monkeypatch):
     force each mode, so both are tested on every CPU."""
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", cpu_linear.vllm_dispatch())  # unwrapped
     monkeypatch.delenv(cpu_linear.SWITCH_ENV, raising=False)
-    lacks = not (torch.cuda.is_available() or torch.cpu._is_avx512_bf16_supported()
-                 or torch.cpu.get_capabilities().get("bf16", False))
-    avx512_bf16_only = (not torch.cuda.is_available() and torch.cpu._is_avx512_bf16_supported()
-                        and not torch.cpu._is_amx_tile_supported())
+    lacks = not (
+        torch.cuda.is_available()
+        or torch.cpu._is_avx512_bf16_supported()
+        or torch.cpu.get_capabilities().get("bf16", False)
+    )
+    avx512_bf16_only = (
+        not torch.cuda.is_available()
+        and torch.cpu._is_avx512_bf16_supported()
+        and not torch.cpu._is_amx_tile_supported()
+    )
     want = 0 if lacks else cpu_linear.FLOAT32_MIN_ROWS if avx512_bf16_only else None
     assert cpu_linear.cpu_lacks_bf16_matmul() == lacks
     assert cpu_linear.float32_min_rows() == want
@@ -69,8 +74,9 @@ def installed(monkeypatch):
     return installed_with(monkeypatch, 0)
 
 
-def within_bound(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> bool:
+def within_bound(
+    got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> bool:
     """The module docstring's per-element bound between two float32-accumulated bf16 results."""
     k = x.shape[-1]
     magnitude = x.float().abs() @ weight.float().abs().T + (0 if bias is None else bias.float().abs())
@@ -171,7 +177,9 @@ def test_split_k_summation_order_is_another_valid_order(monkeypatch):
     want = (F.linear(x32[:, :500], w32[:, :500]) + F.linear(x32[:, 500:], w32[:, 500:]) + bias.float()).bfloat16()
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     one_call = F.linear(x32, w32, bias.float()).bfloat16()
-    assert within_bound(got, F.linear(x, weight, bias), x, weight, bias) and within_bound(got, one_call, x, weight, bias)
+    assert within_bound(got, F.linear(x, weight, bias), x, weight, bias) and within_bound(
+        got, one_call, x, weight, bias
+    )
     assert not torch.equal(got, one_call)
     monkeypatch.setenv(cpu_linear.SUMMATION_ENV, "reversed")
     with pytest.raises(ValueError, match="split-k"):

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from test_pipeline import BASELINE_RESULTS, _spec
 from transformers import AutoModelForCausalLM
 
 import quantkit.models  # noqa: F401  (registers the architecture with AutoModelForCausalLM)
 from quantkit.atomic import LockedError, exclusive_lock
-from test_pipeline import BASELINE_RESULTS, _spec
 
 pytestmark = pytest.mark.slow
 
@@ -65,11 +65,17 @@ def _kill(proc: subprocess.Popen, run_dir: Path) -> None:
 
 def _finished(run_dir: Path) -> dict[str, tuple[int, int]]:
     """(inode, mtime) of every file of every finished stage artifact (temp dirs, named .*, excluded)."""
-    return {str(p.relative_to(run_dir)): (p.stat().st_ino, p.stat().st_mtime_ns) for d in STAGE_DIRS
-            for p in (run_dir / d).rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(run_dir).parts)}
+    return {
+        str(p.relative_to(run_dir)): (p.stat().st_ino, p.stat().st_mtime_ns)
+        for d in STAGE_DIRS
+        for p in (run_dir / d).rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(run_dir).parts)
+    }
 
 
-def _run_and_kill(path: Path, run_dir: Path, log_name: str, condition: Callable[[], bool], what: str) -> dict[str, tuple[int, int]]:
+def _run_and_kill(
+    path: Path, run_dir: Path, log_name: str, condition: Callable[[], bool], what: str
+) -> dict[str, tuple[int, int]]:
     """`quantkit run SPEC`, SIGKILLed (with its children) as soon as `condition()`; its finished artifacts."""
     log = path.parent / log_name
     proc = _start(["run", str(path)], log)
@@ -104,8 +110,9 @@ def assert_resumed(run_dir: Path, killed: dict[str, tuple[int, int]]) -> dict[tu
     _assert_no_half_artifact(run_dir)
     results = json.loads((run_dir / "results.json").read_text())
     baseline = json.loads(BASELINE_RESULTS.read_text())
-    assert [(r["variant"], r["recipe"], sorted(r["scores"])) for r in results["rows"]] == \
-           [(r["variant"], r["recipe"], sorted(r["scores"])) for r in baseline["rows"]]
+    assert [(r["variant"], r["recipe"], sorted(r["scores"])) for r in results["rows"]] == [
+        (r["variant"], r["recipe"], sorted(r["scores"])) for r in baseline["rows"]
+    ]
     assert run_gate(BASELINE_RESULTS, run_dir / "results.json", load_thresholds()) == 0
     timings = results["meta"]["timings"]
     assert list(timings["stages"]) == ["checkpoint", "diagnose", "quantize", "eval", "degradation"]
@@ -124,7 +131,9 @@ def spec(tiny_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
 def killed_in_quantize(spec):
     """The study killed as soon as a checkpoint (temp or finished) appears; its finished artifacts."""
     path, run_dir = spec
-    return _run_and_kill(path, run_dir, "run1.log", lambda: any((run_dir / "checkpoints").glob("*")), "checkpoint being written")
+    return _run_and_kill(
+        path, run_dir, "run1.log", lambda: any((run_dir / "checkpoints").glob("*")), "checkpoint being written"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +192,13 @@ def test_resumed_study_completes_and_reuses(spec, killed_in_eval, timings_before
     _, run_dir = spec
     entries = assert_resumed(run_dir, killed_in_eval)
     before = timings_before_resume[("quantize", "tiny", "bf16")]
-    assert entries[("quantize", "bf16")] == {"stage": "quantize", "model": "tiny", "recipe": "bf16",
-                                             "seconds": before["seconds"], "cached": True}
+    assert entries[("quantize", "bf16")] == {
+        "stage": "quantize",
+        "model": "tiny",
+        "recipe": "bf16",
+        "seconds": before["seconds"],
+        "cached": True,
+    }
     assert not entries[("eval", "w4a4_nvfp4")]["cached"] and entries[("eval", "w4a4_nvfp4")]["seconds"] > 0
 
 
@@ -192,8 +206,9 @@ def test_second_concurrent_run_refuses(spec, resumed):
     second, seconds = resumed
     _, run_dir = spec
     assert second.returncode != 0
-    assert re.search(rf"run directory {re.escape(str(run_dir))} is in use by another quantkit process \(pid \d+",
-                     second.stderr), second.stderr[-3000:]
+    assert re.search(
+        rf"run directory {re.escape(str(run_dir))} is in use by another quantkit process \(pid \d+", second.stderr
+    ), second.stderr[-3000:]
     assert seconds < 120
 
 
@@ -211,4 +226,9 @@ def test_concurrent_zoo_builds_train_once(tmp_path):
     assert all(f"ga: {out}" in log.read_text() for log in logs)
     assert json.loads((out / "metrics.json").read_text())["steps"] == 2
     AutoModelForCausalLM.from_pretrained(out)
-    assert sorted(p.name for p in zoo_dir.iterdir()) == [".ga-tiny.lock", ".tokenizer-2048.lock", "ga-tiny", "tokenizer-2048"]
+    assert sorted(p.name for p in zoo_dir.iterdir()) == [
+        ".ga-tiny.lock",
+        ".tokenizer-2048.lock",
+        "ga-tiny",
+        "tokenizer-2048",
+    ]

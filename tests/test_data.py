@@ -132,7 +132,9 @@ def test_calibration_and_heldout_windows(tiny_checkpoint):
     assert not held & {tuple(row[1:].tolist()) for row in calibration}
     texts = data.stdlib_docstrings()[:50]
     own = data.calibration_windows(tok, 4, 64, texts)
-    assert torch.equal(own, data.spread_windows(data.token_stream(texts, tok), 4, 64, [tok.bos_token_id], "calibration"))
+    assert torch.equal(
+        own, data.spread_windows(data.token_stream(texts, tok), 4, 64, [tok.bos_token_id], "calibration")
+    )
     with pytest.raises(ValueError, match="calibration texts must be a non-empty sequence of strings"):
         data.calibration_windows(tok, 4, 64, [])
 
@@ -150,8 +152,10 @@ def test_calibration_sources_mix_files_and_chat_samples(tmp_path):
     code = data.calibration_windows(tok, 2, 32, "code")
     assert torch.equal(mixed, torch.stack([speeches[0], code[0], speeches[1], code[1], speeches[2]]))
     (tmp_path / "notes.txt").write_text("Release notes. " * 400)
-    lines = [{"text": "def add(a, b):\n    return a + b\n" * 20},
-             {"messages": [{"role": "user", "content": "Sum 2 and 3."}, {"role": "assistant", "content": "5"}]}]
+    lines = [
+        {"text": "def add(a, b):\n    return a + b\n" * 20},
+        {"messages": [{"role": "user", "content": "Sum 2 and 3."}, {"role": "assistant", "content": "5"}]},
+    ]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) * 30)
     both = data.calibration_windows(tok, 4, 16, f"{tmp_path / 'notes.txt'}+{tmp_path / 'chat.jsonl'}")
     assert both.shape == (4, 16)
@@ -165,14 +169,16 @@ def test_calibration_sources_mix_files_and_chat_samples(tmp_path):
     tok.chat_template = None
     with pytest.raises(ValueError, match="line 2: chat messages, but the tokenizer has no chat template"):
         data.calibration_parts(str(tmp_path / "chat.jsonl"), tok)
-    with pytest.raises(FileNotFoundError, match="missing.txt not found"):
+    with pytest.raises(FileNotFoundError, match=r"missing.txt not found"):
         data.calibration_windows(tok, 4, 16, str(tmp_path / "missing.txt"))
 
 
 def test_data_is_upstream_of_models_and_calibration():
     """quantkit.data imports no other quantkit module but the leaves it writes with (atomic writes and their errors);
     calibration gets its data without the zoo."""
-    code = ("import sys, quantkit.data; assert set(m for m in sys.modules if m.startswith('quantkit')) == "
-            "{'quantkit', 'quantkit.data', 'quantkit.atomic', 'quantkit.errors'}; "
-            "import quantkit.calibrate; quantkit.data.heldout_texts(); assert 'quantkit.models.zoo' not in sys.modules")
+    code = (
+        "import sys, quantkit.data; assert set(m for m in sys.modules if m.startswith('quantkit')) == "
+        "{'quantkit', 'quantkit.data', 'quantkit.atomic', 'quantkit.errors'}; "
+        "import quantkit.calibrate; quantkit.data.heldout_texts(); assert 'quantkit.models.zoo' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

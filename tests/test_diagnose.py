@@ -6,18 +6,28 @@ import json
 import pytest
 import torch
 
+from quantkit.diagnose.cli import add_diagnose_parser
 from quantkit.diagnose.plots import figure_svgs
 from quantkit.diagnose.run import diagnose, diagnose_model, write_diagnostics
 from quantkit.errors import NonFiniteStatisticsError
-from quantkit.diagnose.cli import add_diagnose_parser
 from quantkit.models import QuantkitConfig, QuantkitForCausalLM
 
 pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
 
 BOS = 1
-SHAPE = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=128, bos_token_id=BOS, eos_token_id=2,
-             pad_token_id=0)
+SHAPE = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    bos_token_id=BOS,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 
 def _model(seed: int = 0, **flags) -> QuantkitForCausalLM:
@@ -122,8 +132,11 @@ def test_outlier_input_channel_lowers_nvfp4_snr():
     for recipe in recipes:  # the sensitivity table names the module to keep in higher precision
         table = r["sensitivity"][recipe]
         assert table["mlp.down_proj"]["worst_layer"] == 0
-        assert table["mlp.down_proj"]["min_db"] == r["quant_snr_db"][recipe][name] == min(
-            t["min_db"] for t in table.values())
+        assert (
+            table["mlp.down_proj"]["min_db"]
+            == r["quant_snr_db"][recipe][name]
+            == min(t["min_db"] for t in table.values())
+        )
     assert next(iter(r["sensitivity"]["w8a8_fp8_block"])) == "mlp.down_proj"  # lowest mean first
 
 
@@ -133,14 +146,29 @@ def test_sensitivity_groups_projection_kinds_and_folds_experts():
     the layers are left out; kinds come in ascending mean."""
     from quantkit.diagnose.run import sensitivity_by_kind, sensitivity_markdown
 
-    snr = {"model.layers.0.self_attn.q_proj": 20.0, "model.layers.1.self_attn.q_proj": 10.0,
-           "model.layers.0.mlp.experts.0.down_proj": 8.0, "model.layers.0.mlp.experts.7.down_proj": 4.0,
-           "model.layers.1.mlp.experts.3.down_proj": 12.0, "model.layers.1.mlp.shared_expert.up_proj": float("inf"),
-           "lm_head": 1.0}
+    snr = {
+        "model.layers.0.self_attn.q_proj": 20.0,
+        "model.layers.1.self_attn.q_proj": 10.0,
+        "model.layers.0.mlp.experts.0.down_proj": 8.0,
+        "model.layers.0.mlp.experts.7.down_proj": 4.0,
+        "model.layers.1.mlp.experts.3.down_proj": 12.0,
+        "model.layers.1.mlp.shared_expert.up_proj": float("inf"),
+        "lm_head": 1.0,
+    }
     table = sensitivity_by_kind(snr)
     assert list(table) == ["mlp.experts.down_proj", "self_attn.q_proj"]
-    assert table["mlp.experts.down_proj"] == {"mean_db": 8.0, "min_db": 4.0, "worst_layer": 0, "layers": {0: 4.0, 1: 12.0}}
-    assert table["self_attn.q_proj"] == {"mean_db": 15.0, "min_db": 10.0, "worst_layer": 1, "layers": {0: 20.0, 1: 10.0}}
+    assert table["mlp.experts.down_proj"] == {
+        "mean_db": 8.0,
+        "min_db": 4.0,
+        "worst_layer": 0,
+        "layers": {0: 4.0, 1: 12.0},
+    }
+    assert table["self_attn.q_proj"] == {
+        "mean_db": 15.0,
+        "min_db": 10.0,
+        "worst_layer": 1,
+        "layers": {0: 20.0, 1: 10.0},
+    }
     text = sensitivity_markdown({"sensitivity": {"w4a4_nvfp4": table, "w8a8_fp8_block": {}}})
     assert text.splitlines()[2] == "| mlp.experts.down_proj | 8.0 (4.0 @ 0) |"
 
@@ -154,7 +182,7 @@ def test_hooks_removed_and_attention_restored_also_on_error():
     assert model.config._attn_implementation == "sdpa"
     with torch.no_grad():
         model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
-    with pytest.raises(NonFiniteStatisticsError, match="layers.1.mlp.down_proj"):
+    with pytest.raises(NonFiniteStatisticsError, match=r"layers.1.mlp.down_proj"):
         diagnose_model(model, _tokens(n=2), recipes=[])
     assert _all_hooks(model) == 0
     assert model.config._attn_implementation == "sdpa"
@@ -222,10 +250,15 @@ def _close(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("flags", [
-    dict(norm_type="dyt", gated_norm_rank=4), dict(value_scale=True, headwise_rmsnorm=True),
-    dict(attn_output_gate="elementwise", hidden_act="sigmoid"), dict(attention_sink=True, pre_affine=True),
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(norm_type="dyt", gated_norm_rank=4),
+        dict(value_scale=True, headwise_rmsnorm=True),
+        dict(attn_output_gate="elementwise", hidden_act="sigmoid"),
+        dict(attention_sink=True, pre_affine=True),
+    ],
+)
 def test_variant_family(flags):
     model = _model(**flags)
     r = diagnose_model(model, _tokens(n=2, t=20), recipes=["w4a4_nvfp4"])
@@ -259,8 +292,20 @@ def test_stock_checkpoint_cli_outputs(tmp_path, architecture, capsys):
         return
     parser = argparse.ArgumentParser()
     add_diagnose_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["diagnose", str(model_dir), "--out", str(tmp_path / "cli"), "--num-sequences", "1",
-                              "--seq-len", "16", "--recipes", "w8a8_fp8_block"])
+    args = parser.parse_args(
+        [
+            "diagnose",
+            str(model_dir),
+            "--out",
+            str(tmp_path / "cli"),
+            "--num-sequences",
+            "1",
+            "--seq-len",
+            "16",
+            "--recipes",
+            "w8a8_fp8_block",
+        ]
+    )
     assert args.func(args) == 0 and (tmp_path / "cli" / "attention_map.svg").exists()
     printed = capsys.readouterr().out
     assert "| model |" in printed and "| projection (kind) |" in printed
@@ -300,7 +345,9 @@ def test_layer_by_layer_diagnose_equals_the_whole_model(tmp_path, kind):
     if kind == "dense":
         from quantkit.models.tiny import build_tiny_checkpoint
 
-        model_dir = build_tiny_checkpoint(tmp_path / "m", attn_output_gate="headwise", gated_norm_rank=16, attention_sink=True)
+        model_dir = build_tiny_checkpoint(
+            tmp_path / "m", attn_output_gate="headwise", gated_norm_rank=16, attention_sink=True
+        )
     elif kind == "hybrid":
         from quantkit.models.tiny_hybrid import build_tiny_hybrid_checkpoint
 

@@ -22,12 +22,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_gguf import write_tiny_qwen2_gguf
 
 from quantkit.atomic import exclusive_lock
 from quantkit.cli import main
 from quantkit.errors import QuantkitError
 from quantkit.models.tiny import build_tiny_checkpoint
-from tiny_gguf import write_tiny_qwen2_gguf
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER = REPO / "tests" / "fixtures" / "paper000_table2.json"
@@ -61,7 +61,9 @@ def _gpt2(model_dir: Path, tokenizer_dir: Path) -> Path:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(model_dir)
+    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(
+        model_dir
+    )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, model_dir / name)
     return model_dir
@@ -75,27 +77,40 @@ def inputs(tiny_checkpoint, tmp_path_factory) -> SimpleNamespace:
     weights = (tiny_checkpoint / "model.safetensors").read_bytes()
     paper = json.loads(PAPER.read_text())
     (root / "sq_quick.yaml").write_text(
-        "name: sq_quick\nscheme: nvfp4\nsmoothquant: {alpha: 0.5, num_sequences: 4, seq_len: 32}\n")
+        "name: sq_quick\nscheme: nvfp4\nsmoothquant: {alpha: 0.5, num_sequences: 4, seq_len: 32}\n"
+    )
     (root / "bad_recipe.yaml").write_text("name: bad_recipe\nscheme: nvfp4\nsmoothing: true\n")
     (root / "spec.yaml").write_text(DEFAULT_SPEC.read_text() + "nope: 1\n")
-    (root / "spec_calibration.yaml").write_text(DEFAULT_SPEC.read_text().replace("calibration: {num_sequences: 256", "calibration: {num_sequences: 0"))
+    (root / "spec_calibration.yaml").write_text(
+        DEFAULT_SPEC.read_text().replace("calibration: {num_sequences: 256", "calibration: {num_sequences: 0")
+    )
     # data parallel 2 with KL from transformers (engine-side KL refuses dp > 1 first): the Ray executor's own check
-    (root / "dp_spec.yaml").write_text(DEFAULT_SPEC.read_text().replace("data_parallel_size: 1", "data_parallel_size: 2")
-                                       .replace("seq_len: 128}", "seq_len: 128, source: transformers}", 1))
+    (root / "dp_spec.yaml").write_text(
+        DEFAULT_SPEC.read_text()
+        .replace("data_parallel_size: 1", "data_parallel_size: 2")
+        .replace("seq_len: 128}", "seq_len: 128, source: transformers}", 1)
+    )
     (root / "results.json").write_text(json.dumps({"schema_version": 1, "rows": []}))
     (root / "gate.yaml").write_text("max_drop: 1.0\nnope: 2\n")
     (root / "current.json").write_text(json.dumps(dict(paper, rows=[r for r in paper["rows"] if r["id"] != "(7)"])))
-    (root / "python").write_text("#!/bin/sh\necho 'loading the model' >&2\necho 'ValueError: scheme FP8_BLOCK: injected failure' >&2\nexit 3\n")
+    (root / "python").write_text(
+        "#!/bin/sh\necho 'loading the model' >&2\necho 'ValueError: scheme FP8_BLOCK: injected failure' >&2\nexit 3\n"
+    )
     (root / "python").chmod(0o755)
     (root / "no_eval_data").mkdir()
     (root / "a_file").write_text("not a directory\n")
     (root / "syntax.yaml").write_text("name: syntax\nscheme: nvfp4\nsmoothquant: {alpha: 0.5\n")
     (root / "spec_syntax.yaml").write_text(DEFAULT_SPEC.read_text() + "eval: [unclosed\n")
-    for name, settings in {"alpha_half": "smoothquant: {alpha: half}", "block_words": "gptq: {block_size: sixteen}",
-                           "dampening_words": "gptq: {dampening: lots}", "dampening_negative": "gptq: {dampening: -1}"}.items():
+    for name, settings in {
+        "alpha_half": "smoothquant: {alpha: half}",
+        "block_words": "gptq: {block_size: sixteen}",
+        "dampening_words": "gptq: {dampening: lots}",
+        "dampening_negative": "gptq: {dampening: -1}",
+    }.items():
         (root / f"{name}.yaml").write_text(f"name: {name}\nscheme: nvfp4\n{settings}\n")
-    (root / "spec_suite.yaml").write_text(DEFAULT_SPEC.read_text().replace("suite: smoke", "suite: smokey").replace(
-        "suite: mini", "suite: minni"))
+    (root / "spec_suite.yaml").write_text(
+        DEFAULT_SPEC.read_text().replace("suite: smoke", "suite: smokey").replace("suite: mini", "suite: minni")
+    )
     (root / "spec_hf.yaml").write_text(DEFAULT_SPEC.read_text().replace("backend: vllm", "backend: hf"))
     (root / "spec_code.yaml").write_text(DEFAULT_SPEC.read_text().replace("allow_code: false", "allow_code: true"))
     fp8 = root / "fp8"
@@ -110,11 +125,24 @@ def inputs(tiny_checkpoint, tmp_path_factory) -> SimpleNamespace:
         no_config=copy(root / "no_config", lambda d: (d / "config.json").unlink()),
         bad_json=copy(root / "bad_json", lambda d: (d / "config.json").write_text("{not json")),
         no_weights=copy(root / "no_weights", lambda d: (d / "model.safetensors").unlink()),
-        truncated=copy(root / "truncated", lambda d: (d / "model.safetensors").write_bytes(weights[: len(weights) // 2])),
-        fake_quantized=copy(root / "fake_quantized", lambda d: (d / "config.json").write_text(json.dumps(dict(
-            json.loads((d / "config.json").read_text()), quantization_config={"quant_method": "quantkit", "format_version": 2})))),
+        truncated=copy(
+            root / "truncated", lambda d: (d / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+        ),
+        fake_quantized=copy(
+            root / "fake_quantized",
+            lambda d: (d / "config.json").write_text(
+                json.dumps(
+                    dict(
+                        json.loads((d / "config.json").read_text()),
+                        quantization_config={"quant_method": "quantkit", "format_version": 2},
+                    )
+                )
+            ),
+        ),
         nan_weights=copy(root / "nan_weights", _with_nan_norm),
-        no_tokenizer=copy(root / "no_tokenizer", lambda d: [(d / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json")]),
+        no_tokenizer=copy(
+            root / "no_tokenizer", lambda d: [(d / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json")]
+        ),
         gpt2=_gpt2(root / "gpt2", tiny_checkpoint),
         fp8=fp8,
         other=other,
@@ -175,8 +203,12 @@ def test_checkpoint_checked_first(inputs, capsys, tmp_path, command, defect):
 def test_truncated_shard_through_the_installed_command(inputs, tmp_path):
     """The issue's example, through the real `quantkit` executable."""
     quantkit = Path(sys.executable).parent / "quantkit"
-    run = subprocess.run([quantkit, "quantize", inputs.truncated, "w4a4_nvfp4", tmp_path / "out"], capture_output=True, text=True)
-    _assert_named_error(run.returncode, run.stderr, "quantize", r"unreadable safetensors file \(truncated or corrupt\?\)")
+    run = subprocess.run(
+        [quantkit, "quantize", inputs.truncated, "w4a4_nvfp4", tmp_path / "out"], capture_output=True, text=True
+    )
+    _assert_named_error(
+        run.returncode, run.stderr, "quantize", r"unreadable safetensors file \(truncated or corrupt\?\)"
+    )
 
 
 # ------------------------------------------------------------------ the other rows
@@ -209,124 +241,300 @@ def _fail_modelopt_calibration(_, monkeypatch: pytest.MonkeyPatch) -> None:
 
 ROWS = {
     "servable_check": Row("serve", lambda p, t: ["serve", p.fake_quantized], r"format_version 2 is not supported"),
-    "unknown_recipe": Row("quantize", lambda p, t: ["quantize", p.tiny, "w3a3", t / "out"], r"unknown recipe 'w3a3'; available: \["),
-    "bad_recipe_file": Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / "bad_recipe.yaml", t / "out"],
-                           r"unknown recipe key\(s\) \['smoothing'\]"),
-    "output_exists": Row("quantize", lambda p, t: ["quantize", p.tiny, "bf16", p.root], r"exists; pass overwrite=True \(--overwrite\)"),
-    "smoothquant_nan": Row("quantize", lambda p, t: ["quantize", p.nan_weights, p.root / "sq_quick.yaml", t / "out"],
-                           r"SmoothQuant: non-finite activation statistics at the input of model\.layers\.1\.self_attn\.q_proj \(NaN"),
-    "smoothquant_mapping": Row("quantize", lambda p, t: ["quantize", p.gpt2, p.root / "sq_quick.yaml", t / "out"],
-                               r"SmoothQuant cannot map GPT2LMHeadModel: no decoder layers at model\.model\.layers"),
-    "smoothquant_function": Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / "sq_quick.yaml", t / "out"],
-                                r"SmoothQuant changed the logits of QuantkitForCausalLM: .* above the tolerance", _break_the_norm_fold),
-    "llmcompressor_missing": Row("quantize", lambda p, t: ["quantize", p.tiny, "fp8_block_ct", t / "out"],
-                                 r"llmcompressor environment not found at /nonexistent/python: run `make setup-llmcompressor`",
-                                 lambda p, mp: mp.setenv("QUANTKIT_LLMCOMPRESSOR_PYTHON", "/nonexistent/python")),
-    "llmcompressor_failed": Row("quantize", lambda p, t: ["quantize", p.tiny, "fp8_block_ct", t / "out"],
-                                r"llmcompressor failed on .* with recipe fp8_block_ct \(worker .*, exit 3\); the end of its "
-                                r"stderr:\nloading the model\nValueError: scheme FP8_BLOCK: injected failure",
-                                lambda p, mp: mp.setenv("QUANTKIT_LLMCOMPRESSOR_PYTHON", str(p.root / "python"))),
-    "modelopt_missing": Row("quantize", lambda p, t: ["quantize", p.tiny, "nvfp4_modelopt", t / "out"],
-                            r"recipe nvfp4_modelopt needs nvidia-modelopt \(.*\): pip install -e '\.\[backends\]'",
-                            lambda p, mp: mp.setitem(sys.modules, "modelopt.torch.quantization", None)),
-    "modelopt_failed": Row("quantize", lambda p, t: ["quantize", p.tiny, "nvfp4_modelopt", t / "out"],
-                           r"modelopt failed on .* with recipe nvfp4_modelopt: RuntimeError: injected calibration failure",
-                           _fail_modelopt_calibration),
-    "quality_not_quantized": Row("quality", lambda p, t: ["quality", p.tiny, p.tiny], r"has no quantization_config \(not a quantized checkpoint\)"),
-    "diagnose_quantized": Row("diagnose", lambda p, t: ["diagnose", p.fake_quantized, "--out", t / "d"],
-                              r"is a quantized checkpoint; diagnose its unquantized source"),
-    "diagnose_recipe": Row("diagnose", lambda p, t: ["diagnose", p.tiny, "--recipes", "w4a4_nvfp4_sq", "--out", t / "d"],
-                           r"recipe 'w4a4_nvfp4_sq' applies SmoothQuant first"),
-    "diagnose_gptq": Row("diagnose", lambda p, t: ["diagnose", p.tiny, "--recipes", "w4a4_nvfp4_gptq", "--out", t / "d"],
-                         r"recipe 'w4a4_nvfp4_gptq' rounds its weights by GPTQ, which needs calibration"),
-    "diagnose_nan": Row("diagnose", lambda p, t: ["diagnose", p.nan_weights, "--num-sequences", "1", "--seq-len", "16", "--recipes",
-                                                  "--out", t / "d"], r"non-finite value"),
-    "eval_unknown_suite": Row("eval", lambda p, t: ["eval", p.tiny, "--suite", "nope"], r"unknown suite 'nope'; known: "),
-    "eval_no_items": Row("eval", lambda p, t: ["eval", p.tiny, "--out", t / "eval"], r"offline eval items missing or stale in .*: run `make setup`",
-                         lambda p, mp: mp.setenv("QUANTKIT_EVAL_DATA", str(p.root / "no_eval_data"))),
-    "report_schema": Row("report", lambda p, t: ["report", p.root / "results.json", "--out", t / "r"], r"'rows' must be a non-empty list"),
+    "unknown_recipe": Row(
+        "quantize", lambda p, t: ["quantize", p.tiny, "w3a3", t / "out"], r"unknown recipe 'w3a3'; available: \["
+    ),
+    "bad_recipe_file": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.tiny, p.root / "bad_recipe.yaml", t / "out"],
+        r"unknown recipe key\(s\) \['smoothing'\]",
+    ),
+    "output_exists": Row(
+        "quantize", lambda p, t: ["quantize", p.tiny, "bf16", p.root], r"exists; pass overwrite=True \(--overwrite\)"
+    ),
+    "smoothquant_nan": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.nan_weights, p.root / "sq_quick.yaml", t / "out"],
+        r"SmoothQuant: non-finite activation statistics at the input of model\.layers\.1\.self_attn\.q_proj \(NaN",
+    ),
+    "smoothquant_mapping": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.gpt2, p.root / "sq_quick.yaml", t / "out"],
+        r"SmoothQuant cannot map GPT2LMHeadModel: no decoder layers at model\.model\.layers",
+    ),
+    "smoothquant_function": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.tiny, p.root / "sq_quick.yaml", t / "out"],
+        r"SmoothQuant changed the logits of QuantkitForCausalLM: .* above the tolerance",
+        _break_the_norm_fold,
+    ),
+    "llmcompressor_missing": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.tiny, "fp8_block_ct", t / "out"],
+        r"llmcompressor environment not found at /nonexistent/python: run `make setup-llmcompressor`",
+        lambda p, mp: mp.setenv("QUANTKIT_LLMCOMPRESSOR_PYTHON", "/nonexistent/python"),
+    ),
+    "llmcompressor_failed": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.tiny, "fp8_block_ct", t / "out"],
+        r"llmcompressor failed on .* with recipe fp8_block_ct \(worker .*, exit 3\); the end of its "
+        r"stderr:\nloading the model\nValueError: scheme FP8_BLOCK: injected failure",
+        lambda p, mp: mp.setenv("QUANTKIT_LLMCOMPRESSOR_PYTHON", str(p.root / "python")),
+    ),
+    "modelopt_missing": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.tiny, "nvfp4_modelopt", t / "out"],
+        r"recipe nvfp4_modelopt needs nvidia-modelopt \(.*\): pip install -e '\.\[backends\]'",
+        lambda p, mp: mp.setitem(sys.modules, "modelopt.torch.quantization", None),
+    ),
+    "modelopt_failed": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.tiny, "nvfp4_modelopt", t / "out"],
+        r"modelopt failed on .* with recipe nvfp4_modelopt: RuntimeError: injected calibration failure",
+        _fail_modelopt_calibration,
+    ),
+    "quality_not_quantized": Row(
+        "quality",
+        lambda p, t: ["quality", p.tiny, p.tiny],
+        r"has no quantization_config \(not a quantized checkpoint\)",
+    ),
+    "diagnose_quantized": Row(
+        "diagnose",
+        lambda p, t: ["diagnose", p.fake_quantized, "--out", t / "d"],
+        r"is a quantized checkpoint; diagnose its unquantized source",
+    ),
+    "diagnose_recipe": Row(
+        "diagnose",
+        lambda p, t: ["diagnose", p.tiny, "--recipes", "w4a4_nvfp4_sq", "--out", t / "d"],
+        r"recipe 'w4a4_nvfp4_sq' applies SmoothQuant first",
+    ),
+    "diagnose_gptq": Row(
+        "diagnose",
+        lambda p, t: ["diagnose", p.tiny, "--recipes", "w4a4_nvfp4_gptq", "--out", t / "d"],
+        r"recipe 'w4a4_nvfp4_gptq' rounds its weights by GPTQ, which needs calibration",
+    ),
+    "diagnose_nan": Row(
+        "diagnose",
+        lambda p, t: [
+            "diagnose",
+            p.nan_weights,
+            "--num-sequences",
+            "1",
+            "--seq-len",
+            "16",
+            "--recipes",
+            "--out",
+            t / "d",
+        ],
+        r"non-finite value",
+    ),
+    "eval_unknown_suite": Row(
+        "eval", lambda p, t: ["eval", p.tiny, "--suite", "nope"], r"unknown suite 'nope'; known: "
+    ),
+    "eval_no_items": Row(
+        "eval",
+        lambda p, t: ["eval", p.tiny, "--out", t / "eval"],
+        r"offline eval items missing or stale in .*: run `make setup`",
+        lambda p, mp: mp.setenv("QUANTKIT_EVAL_DATA", str(p.root / "no_eval_data")),
+    ),
+    "report_schema": Row(
+        "report", lambda p, t: ["report", p.root / "results.json", "--out", t / "r"], r"'rows' must be a non-empty list"
+    ),
     "report_missing": Row("report", lambda p, t: ["report", t / "none.json"], r"none\.json: no such file"),
-    "gate_thresholds": Row("gate", lambda p, t: ["gate", "--baseline", PAPER, "--current", PAPER, "--config", p.root / "gate.yaml"],
-                           r"unknown threshold\(s\) nope"),
-    "gate_missing_row": Row("gate", lambda p, t: ["gate", "--baseline", PAPER, "--current", p.root / "current.json"],
-                            r"current\.json: missing row variant"),
+    "gate_thresholds": Row(
+        "gate",
+        lambda p, t: ["gate", "--baseline", PAPER, "--current", PAPER, "--config", p.root / "gate.yaml"],
+        r"unknown threshold\(s\) nope",
+    ),
+    "gate_missing_row": Row(
+        "gate",
+        lambda p, t: ["gate", "--baseline", PAPER, "--current", p.root / "current.json"],
+        r"current\.json: missing row variant",
+    ),
     "run_spec_key": Row("run", lambda p, t: ["run", p.root / "spec.yaml"], r"spec\.yaml: unknown key\(s\) \['nope'\]"),
-    "run_spec_calibration": Row("run", lambda p, t: ["run", p.root / "spec_calibration.yaml"],
-                                r"spec_calibration\.yaml: calibration needs num_sequences >= 1 and seq_len >= 2, got 0, 512"),
+    "run_spec_calibration": Row(
+        "run",
+        lambda p, t: ["run", p.root / "spec_calibration.yaml"],
+        r"spec_calibration\.yaml: calibration needs num_sequences >= 1 and seq_len >= 2, got 0, 512",
+    ),
     "run_spec_missing": Row("run", lambda p, t: ["run", t / "none.yaml"], r"pipeline spec .*none\.yaml does not exist"),
-    "run_stage_bad_input": Row("run", lambda p, t: ["run", DEFAULT_SPEC, "--model", p.no_tokenizer, "--run-dir", t / "run",
-                                                    "--until", "quantize"], r"stage '\w+' failed for model 'no_tokenizer'.*tokenizer"),
-    "run_dir_locked": Row("run", lambda p, t: ["run", DEFAULT_SPEC, "--model", p.tiny, "--run-dir", p.root / "locked_run"],
-                          r"run directory .* is in use by another quantkit process \(pid \d+",
-                          lambda p, mp: exclusive_lock(p.root / "locked_run" / ".lock", "this test")),
-    "run_ray_missing": Row("run", lambda p, t: ["run", DEFAULT_SPEC, "--model", p.tiny, "--run-dir", t / "run", "--executor", "ray"],
-                           r"--executor ray needs ray \(.*\): pip install 'quantkit\[ray\]'",
-                           lambda p, mp: mp.setitem(sys.modules, "ray", None)),
-    "run_ray_unreachable": Row("run", lambda p, t: ["run", DEFAULT_SPEC, "--model", p.tiny, "--run-dir", t / "run", "--executor",
-                                                    "ray", "--address", "127.0.0.1:1"],
-                               r"cannot reach a Ray cluster at 127\.0\.0\.1:1: .*is `ray start --head` running there"),
-    "run_ray_data_parallel": Row("run", lambda p, t: ["run", p.root / "dp_spec.yaml", "--model", p.tiny, "--run-dir", t / "run",
-                                                      "--executor", "ray"], r"parallel\.data_parallel_size is 2: .*set data_parallel_size: 1"),
-    "run_address_without_ray": Row("run", lambda p, t: ["run", DEFAULT_SPEC, "--address", "auto"], r"--address .* needs --executor ray"),
+    "run_stage_bad_input": Row(
+        "run",
+        lambda p, t: ["run", DEFAULT_SPEC, "--model", p.no_tokenizer, "--run-dir", t / "run", "--until", "quantize"],
+        r"stage '\w+' failed for model 'no_tokenizer'.*tokenizer",
+    ),
+    "run_dir_locked": Row(
+        "run",
+        lambda p, t: ["run", DEFAULT_SPEC, "--model", p.tiny, "--run-dir", p.root / "locked_run"],
+        r"run directory .* is in use by another quantkit process \(pid \d+",
+        lambda p, mp: exclusive_lock(p.root / "locked_run" / ".lock", "this test"),
+    ),
+    "run_ray_missing": Row(
+        "run",
+        lambda p, t: ["run", DEFAULT_SPEC, "--model", p.tiny, "--run-dir", t / "run", "--executor", "ray"],
+        r"--executor ray needs ray \(.*\): pip install 'quantkit\[ray\]'",
+        lambda p, mp: mp.setitem(sys.modules, "ray", None),
+    ),
+    "run_ray_unreachable": Row(
+        "run",
+        lambda p, t: [
+            "run",
+            DEFAULT_SPEC,
+            "--model",
+            p.tiny,
+            "--run-dir",
+            t / "run",
+            "--executor",
+            "ray",
+            "--address",
+            "127.0.0.1:1",
+        ],
+        r"cannot reach a Ray cluster at 127\.0\.0\.1:1: .*is `ray start --head` running there",
+    ),
+    "run_ray_data_parallel": Row(
+        "run",
+        lambda p, t: ["run", p.root / "dp_spec.yaml", "--model", p.tiny, "--run-dir", t / "run", "--executor", "ray"],
+        r"parallel\.data_parallel_size is 2: .*set data_parallel_size: 1",
+    ),
+    "run_address_without_ray": Row(
+        "run", lambda p, t: ["run", DEFAULT_SPEC, "--address", "auto"], r"--address .* needs --executor ray"
+    ),
     # issue 50: validated before any work
-    "quantize_into_source": Row("quantize", lambda p, t: ["quantize", p.tiny, "w4a4_nvfp4", p.tiny, "--overwrite"],
-                                r"output .* is the input .*: write the result somewhere else"),
-    "quantize_inside_source": Row("quantize", lambda p, t: ["quantize", p.tiny, "w4a4_nvfp4", p.tiny / "q"],
-                                  r"output .* lies inside the input"),
-    "quantize_onto_file": Row("quantize", lambda p, t: ["quantize", p.tiny, "w4a4_nvfp4", p.root / "a_file", "--overwrite"],
-                              r"output .*a_file is a file, not a directory"),
-    "quantize_under_file": Row("quantize", lambda p, t: ["quantize", p.tiny, "w4a4_nvfp4", p.root / "a_file" / "out"],
-                               r"cannot create .*: .*a_file is a file, not a directory"),
-    "quantize_missing_layer": Row("quantize", lambda p, t: ["quantize", p.more_layers, "w4a4_nvfp4", t / "out"],
-                                  r"config\.json does not match the weights: 11 tensor\(s\) the config declares are "
-                                  r"missing \(e\.g\. model\.layers\.2\."),
-    "quantize_streaming_missing_layer": Row("quantize", lambda p, t: ["quantize", p.more_layers, "w4a4_nvfp4", t / "out",
-                                                                      "--streaming"],
-                                            r"config\.json does not match the weights: 11 tensor"),
-    "quantize_mlp_shape": Row("quantize", lambda p, t: ["quantize", p.wider_mlp, "w4a4_nvfp4", t / "out"],
-                              r"tensor\(s\) of another shape \(e\.g\. model\.layers\.0\.mlp\.\w+_proj\.weight is "
-                              r"\(\d+, \d+\) in the weights, \(\d+, \d+\) by config\.json"),
-    "recipe_yaml_syntax": Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / "syntax.yaml", t / "out"],
-                              r"syntax\.yaml: not valid YAML \(line \d+, column \d+\)"),
-    "spec_yaml_syntax": Row("run", lambda p, t: ["run", p.root / "spec_syntax.yaml"],
-                            r"spec_syntax\.yaml: not valid YAML \(line \d+, column \d+\)"),
-    "recipe_alpha_type": Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / "alpha_half.yaml", t / "out"],
-                             r"alpha_half\.yaml: smoothquant\.alpha must be a number, got 'half'"),
-    "recipe_block_size_type": Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / "block_words.yaml", t / "out"],
-                                  r"gptq\.block_size must be an integer, got 'sixteen'"),
-    "recipe_dampening_type": Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / "dampening_words.yaml", t / "out"],
-                                 r"gptq\.dampening must be a number, got 'lots'"),
-    "recipe_dampening_range": Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / "dampening_negative.yaml", t / "out"],
-                                  r"gptq\.dampening must be > 0 .*, got -1"),
-    "quality_garbage_config": Row("quality", lambda p, t: ["quality", p.tiny, p.garbage_qc],
-                                  r"quantization_config must be an object with a quant_method string, got 'garbage'"),
-    "generate_garbage_config": Row("generate", lambda p, t: ["generate", p.garbage_qc, "hello"],
-                                   r"quantization_config must be an object"),
-    "eval_garbage_config": Row("eval", lambda p, t: ["eval", p.garbage_qc, "--out", t / "e"], r"quantization_config must be an object"),
-    "quality_scheme_vs_tensors": Row("quality", lambda p, t: ["quality", p.tiny, p.fp8_says_nvfp4],
-                                     r"quantized module .* \(nvfp4\) has no tensor .*weight_packed"),
-    "quality_other_source": Row("quality", lambda p, t: ["quality", p.other, p.fp8],
-                                r"fp8 was quantized from .*, not from .*other_model .*: pass its source, or --any-source"),
-    "quality_quantized_source": Row("quality", lambda p, t: ["quality", p.fp8, p.fp8], r"fp8 is a quantized checkpoint"),
-    "eval_hf_raw_quantized": Row("eval", lambda p, t: ["eval", p.fp8_no_qc, "--backend", "hf", "--out", t / "e"],
-                                 r"the weights hold quantized tensors .* but config\.json has no quantization_config"),
-    "eval_hf_quantkit": Row("eval", lambda p, t: ["eval", p.fp8, "--backend", "hf", "--out", t / "e"],
-                            r"fp8 is a quantkit checkpoint \(fp8_block\): --backend hf .* evaluates unquantized "
-                            r"checkpoints only"),
-    "gguf_cut_header": Row("import-gguf", lambda p, t: ["import-gguf", p.root / "cut_header.gguf", t / "out"],
-                           r"cut_header\.gguf: truncated or corrupt GGUF file \(4000 bytes"),
-    "gguf_cut_half": Row("import-gguf", lambda p, t: ["import-gguf", p.root / "cut_half.gguf", t / "out"],
-                         r"cut_half\.gguf: truncated or corrupt GGUF file"),
-    "zoo_steps": Row("zoo", lambda p, t: ["zoo", "build", "ga", "--steps", "-3", "--out", t / "zoo"],
-                     r"steps must be a positive integer .*, got -3"),
-    "run_spec_suite": Row("run", lambda p, t: ["run", p.root / "spec_suite.yaml"], r"spec_suite\.yaml: eval\.suite: unknown suite"),
-    "run_spec_hf_quantized": Row("run", lambda p, t: ["run", p.root / "spec_hf.yaml"],
-                                 r"eval\.backend hf \(transformers\) evaluates unquantized checkpoints only; recipes \["),
-    "run_allow_code": Row("run", lambda p, t: ["run", p.root / "spec_code.yaml"],
-                          r"eval\.allow_code is true, so this study executes model-written code .*--allow-code-execution",
-                          lambda p, mp: mp.delenv("QUANTKIT_ALLOW_CODE_EXECUTION", raising=False)),
-    "zoo_preset": Row("zoo", lambda p, t: ["zoo", "build", "ga", "nope", "--out", t / "zoo"], r"unknown zoo variant\(s\) \['nope'\]"),
-    "zoo_size": Row("zoo", lambda p, t: ["zoo", "build", "ga", "--size", "huge", "--out", t / "zoo"], r"unknown zoo size 'huge'"),
+    "quantize_into_source": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.tiny, "w4a4_nvfp4", p.tiny, "--overwrite"],
+        r"output .* is the input .*: write the result somewhere else",
+    ),
+    "quantize_inside_source": Row(
+        "quantize", lambda p, t: ["quantize", p.tiny, "w4a4_nvfp4", p.tiny / "q"], r"output .* lies inside the input"
+    ),
+    "quantize_onto_file": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.tiny, "w4a4_nvfp4", p.root / "a_file", "--overwrite"],
+        r"output .*a_file is a file, not a directory",
+    ),
+    "quantize_under_file": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.tiny, "w4a4_nvfp4", p.root / "a_file" / "out"],
+        r"cannot create .*: .*a_file is a file, not a directory",
+    ),
+    "quantize_missing_layer": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.more_layers, "w4a4_nvfp4", t / "out"],
+        r"config\.json does not match the weights: 11 tensor\(s\) the config declares are "
+        r"missing \(e\.g\. model\.layers\.2\.",
+    ),
+    "quantize_streaming_missing_layer": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.more_layers, "w4a4_nvfp4", t / "out", "--streaming"],
+        r"config\.json does not match the weights: 11 tensor",
+    ),
+    "quantize_mlp_shape": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.wider_mlp, "w4a4_nvfp4", t / "out"],
+        r"tensor\(s\) of another shape \(e\.g\. model\.layers\.0\.mlp\.\w+_proj\.weight is "
+        r"\(\d+, \d+\) in the weights, \(\d+, \d+\) by config\.json",
+    ),
+    "recipe_yaml_syntax": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.tiny, p.root / "syntax.yaml", t / "out"],
+        r"syntax\.yaml: not valid YAML \(line \d+, column \d+\)",
+    ),
+    "spec_yaml_syntax": Row(
+        "run",
+        lambda p, t: ["run", p.root / "spec_syntax.yaml"],
+        r"spec_syntax\.yaml: not valid YAML \(line \d+, column \d+\)",
+    ),
+    "recipe_alpha_type": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.tiny, p.root / "alpha_half.yaml", t / "out"],
+        r"alpha_half\.yaml: smoothquant\.alpha must be a number, got 'half'",
+    ),
+    "recipe_block_size_type": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.tiny, p.root / "block_words.yaml", t / "out"],
+        r"gptq\.block_size must be an integer, got 'sixteen'",
+    ),
+    "recipe_dampening_type": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.tiny, p.root / "dampening_words.yaml", t / "out"],
+        r"gptq\.dampening must be a number, got 'lots'",
+    ),
+    "recipe_dampening_range": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.tiny, p.root / "dampening_negative.yaml", t / "out"],
+        r"gptq\.dampening must be > 0 .*, got -1",
+    ),
+    "quality_garbage_config": Row(
+        "quality",
+        lambda p, t: ["quality", p.tiny, p.garbage_qc],
+        r"quantization_config must be an object with a quant_method string, got 'garbage'",
+    ),
+    "generate_garbage_config": Row(
+        "generate", lambda p, t: ["generate", p.garbage_qc, "hello"], r"quantization_config must be an object"
+    ),
+    "eval_garbage_config": Row(
+        "eval", lambda p, t: ["eval", p.garbage_qc, "--out", t / "e"], r"quantization_config must be an object"
+    ),
+    "quality_scheme_vs_tensors": Row(
+        "quality",
+        lambda p, t: ["quality", p.tiny, p.fp8_says_nvfp4],
+        r"quantized module .* \(nvfp4\) has no tensor .*weight_packed",
+    ),
+    "quality_other_source": Row(
+        "quality",
+        lambda p, t: ["quality", p.other, p.fp8],
+        r"fp8 was quantized from .*, not from .*other_model .*: pass its source, or --any-source",
+    ),
+    "quality_quantized_source": Row(
+        "quality", lambda p, t: ["quality", p.fp8, p.fp8], r"fp8 is a quantized checkpoint"
+    ),
+    "eval_hf_raw_quantized": Row(
+        "eval",
+        lambda p, t: ["eval", p.fp8_no_qc, "--backend", "hf", "--out", t / "e"],
+        r"the weights hold quantized tensors .* but config\.json has no quantization_config",
+    ),
+    "eval_hf_quantkit": Row(
+        "eval",
+        lambda p, t: ["eval", p.fp8, "--backend", "hf", "--out", t / "e"],
+        r"fp8 is a quantkit checkpoint \(fp8_block\): --backend hf .* evaluates unquantized "
+        r"checkpoints only",
+    ),
+    "gguf_cut_header": Row(
+        "import-gguf",
+        lambda p, t: ["import-gguf", p.root / "cut_header.gguf", t / "out"],
+        r"cut_header\.gguf: truncated or corrupt GGUF file \(4000 bytes",
+    ),
+    "gguf_cut_half": Row(
+        "import-gguf",
+        lambda p, t: ["import-gguf", p.root / "cut_half.gguf", t / "out"],
+        r"cut_half\.gguf: truncated or corrupt GGUF file",
+    ),
+    "zoo_steps": Row(
+        "zoo",
+        lambda p, t: ["zoo", "build", "ga", "--steps", "-3", "--out", t / "zoo"],
+        r"steps must be a positive integer .*, got -3",
+    ),
+    "run_spec_suite": Row(
+        "run", lambda p, t: ["run", p.root / "spec_suite.yaml"], r"spec_suite\.yaml: eval\.suite: unknown suite"
+    ),
+    "run_spec_hf_quantized": Row(
+        "run",
+        lambda p, t: ["run", p.root / "spec_hf.yaml"],
+        r"eval\.backend hf \(transformers\) evaluates unquantized checkpoints only; recipes \[",
+    ),
+    "run_allow_code": Row(
+        "run",
+        lambda p, t: ["run", p.root / "spec_code.yaml"],
+        r"eval\.allow_code is true, so this study executes model-written code .*--allow-code-execution",
+        lambda p, mp: mp.delenv("QUANTKIT_ALLOW_CODE_EXECUTION", raising=False),
+    ),
+    "zoo_preset": Row(
+        "zoo", lambda p, t: ["zoo", "build", "ga", "nope", "--out", t / "zoo"], r"unknown zoo variant\(s\) \['nope'\]"
+    ),
+    "zoo_size": Row(
+        "zoo", lambda p, t: ["zoo", "build", "ga", "--size", "huge", "--out", t / "zoo"], r"unknown zoo size 'huge'"
+    ),
 }
 
 

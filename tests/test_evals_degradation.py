@@ -24,7 +24,8 @@ def test_compare_runs_reads_sample_logs(tmp_path):
     for run, scores in (("ref", [1, 1, 0, 1]), ("test", [1, 0, 0, 1])):
         (tmp_path / run / "samples").mkdir(parents=True)
         (tmp_path / run / "samples" / "qk_mmlu.jsonl").write_text(
-            "".join(json.dumps(dict(doc_id=i, score=s, answer=s)) + "\n" for i, s in enumerate(scores)))
+            "".join(json.dumps(dict(doc_id=i, score=s, answer=s)) + "\n" for i, s in enumerate(scores))
+        )
     out = compare_runs(tmp_path / "ref", tmp_path / "test", n_boot=200)
     assert out["qk_mmlu"]["flips"]["right_to_wrong"] == 1
     assert out["qk_mmlu"]["delta"]["delta"] == pytest.approx(-0.25)

@@ -8,11 +8,26 @@ from quantkit.evals import extract as ex
 from quantkit.evals.execution import ALLOW_ENV, CodeExecutionRefused, run_program
 from quantkit.evals.scoring import final_number, normalize_math, numbers_match
 
-COUNTS = {"mmlu": 282, **{f"mmmlu_{lang}": 285 for lang in ex.MMMLU_LANGUAGES}, "gsm8k": 100,
-          **{f"mgsm_{lang}": 100 for lang in ("en", "de", "fr", "ja", "ru", "zh")},
-          "mgsm_sw": 96, "mgsm_te": 93, "mgsm_th": 94, "humaneval": 164, "mbpp": 3, "math": 4, "cruxeval": 4,
-          "arc_easy": 2376, "arc_challenge": 1172, "hellaswag": 10042, "winogrande": 1267, "piqa": 1838,
-          "mbpp_full": 500, "gsm8k_full": 1319}
+COUNTS = {
+    "mmlu": 282,
+    **{f"mmmlu_{lang}": 285 for lang in ex.MMMLU_LANGUAGES},
+    "gsm8k": 100,
+    **{f"mgsm_{lang}": 100 for lang in ("en", "de", "fr", "ja", "ru", "zh")},
+    "mgsm_sw": 96,
+    "mgsm_te": 93,
+    "mgsm_th": 94,
+    "humaneval": 164,
+    "mbpp": 3,
+    "math": 4,
+    "cruxeval": 4,
+    "arc_easy": 2376,
+    "arc_challenge": 1172,
+    "hellaswag": 10042,
+    "winogrande": 1267,
+    "piqa": 1838,
+    "mbpp_full": 500,
+    "gsm8k_full": 1319,
+}
 
 
 def test_extract_counts_idempotent_and_replaces_atomically(tmp_path, monkeypatch):
@@ -46,15 +61,18 @@ def test_missing_sources_and_extraction_tell_the_user_to_run_make_setup(tmp_path
         ex.load_rows("mmlu")
 
 
-@pytest.mark.parametrize("response, gold, expected", [
-    ("5 * 2 = 10, so 10 + 8 = 18.\n#### 18", "18", 1),
-    ("so she started with \\boxed{18}. Next question: 99", "18", 1),
-    ("The answer is 1,000 dollars.", "1000", 1),
-    ("Die Antwort ist \\boxed{0,5}", "0.5", 1),
-    ("\\boxed{-28.5}", "-57/2", 1),
-    ("I think 17 or 19", "18", 0),
-    ("no idea", "18", 0),
-])
+@pytest.mark.parametrize(
+    "response, gold, expected",
+    [
+        ("5 * 2 = 10, so 10 + 8 = 18.\n#### 18", "18", 1),
+        ("so she started with \\boxed{18}. Next question: 99", "18", 1),
+        ("The answer is 1,000 dollars.", "1000", 1),
+        ("Die Antwort ist \\boxed{0,5}", "0.5", 1),
+        ("\\boxed{-28.5}", "-57/2", 1),
+        ("I think 17 or 19", "18", 0),
+        ("no idea", "18", 0),
+    ],
+)
 def test_numeric_answers(response, gold, expected):
     assert numbers_match(response, gold) == expected
 

@@ -58,8 +58,14 @@ def _scores(suite: str, gold: bool, monkeypatch) -> tuple[dict[str, float], int]
     """{task: its primary metric} of `suite` answered by ReferenceLM(gold), and the items scored."""
     tasks, task_manager = _tasks(suite)
     monkeypatch.setenv(ALLOW_ENV, "1")
-    out = lm_eval.simple_evaluate(model=ReferenceLM(gold), tasks=tasks, task_manager=task_manager,
-                                  confirm_run_unsafe_code=True, bootstrap_iters=0, log_samples=False)
+    out = lm_eval.simple_evaluate(
+        model=ReferenceLM(gold),
+        tasks=tasks,
+        task_manager=task_manager,
+        confirm_run_unsafe_code=True,
+        bootstrap_iters=0,
+        log_samples=False,
+    )
     scores = {}
     for task in tasks:
         result = out["results"][task]
@@ -68,8 +74,9 @@ def _scores(suite: str, gold: bool, monkeypatch) -> tuple[dict[str, float], int]
     return scores, sum(out["n-samples"][t]["effective"] for t in tasks)
 
 
-@pytest.mark.parametrize("suite, items", [
-    ("mini", 3435), ("commonsense", 2376 + 1172 + 10042 + 1267 + 1838), ("gsm8k", 1319)])
+@pytest.mark.parametrize(
+    "suite, items", [("mini", 3435), ("commonsense", 2376 + 1172 + 10042 + 1267 + 1838), ("gsm8k", 1319)]
+)
 @pytest.mark.parametrize("gold, expected", [(True, 1.0), (False, 0.0)])
 def test_reference_answers_score_one_and_wrong_answers_zero(suite, items, gold, expected, monkeypatch):
     scores, n = _scores(suite, gold, monkeypatch)

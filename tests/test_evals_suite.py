@@ -34,13 +34,14 @@ def test_a_chat_suite_renders_prompts_through_the_models_chat_template(tiny_chec
     import shutil
 
     extract()
-    with pytest.raises(ValueError, match="chat template, and .* has none"):
+    with pytest.raises(ValueError, match=r"chat template, and .* has none"):
         evaluate(tiny_checkpoint, suite="code", out_dir=tmp_path / "refused", limit=1, allow_code=True)
     model = tmp_path / "chat-model"
     shutil.copytree(tiny_checkpoint, model)
     (model / "chat_template.jinja").write_text(
         "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% if not loop.last or add_generation_prompt %}<|end|>"
-        "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     results = evaluate(model, suite="code", out_dir=tmp_path / "eval", limit=1, allow_code=True)
     assert results["suite"]["chat_template"] is True and results["tasks"]["qk_humaneval_instruct"]["n"] == 1
     record = json.loads((tmp_path / "eval" / "samples" / "qk_humaneval_instruct.jsonl").read_text().splitlines()[0])
@@ -48,8 +49,10 @@ def test_a_chat_suite_renders_prompts_through_the_models_chat_template(tiny_chec
     assert "<|end|><|assistant|>Here is the completed function:\n```python\nfrom typing import List" in record["prompt"]
     assert not record["prompt"].endswith("<|end|>") and record["score"] in (0, 1)
     with pytest.raises(ValueError, match="chat_template must be true or false"):
-        (tmp_path / "bad.yaml").write_text("name: b\nversion: 1\ndescription: d\ntask_configs: mini\n"
-                                           "benchmarks: {HumanEval: [qk_humaneval_instruct]}\nchat_template: yes please\n")
+        (tmp_path / "bad.yaml").write_text(
+            "name: b\nversion: 1\ndescription: d\ntask_configs: mini\n"
+            "benchmarks: {HumanEval: [qk_humaneval_instruct]}\nchat_template: yes please\n"
+        )
         load_suite(tmp_path / "bad.yaml")
 
 

@@ -477,7 +477,8 @@ def test_shape_dtype_and_argument_errors():
 def test_four_over_six_keeps_the_candidate_of_least_squared_error():
     """4/6 (`fake_quant_nvfp4_four_over_six`): every group of 16 is, bit for bit, one of its two NVFP4 encodings on
     the row's scale amax / 1536 -- max to 6 (`quantize_nvfp4` with that global scale) or max to 4 (block scales of
-    1.5 x the group max) -- and it is the one of smaller squared error (`group_squared_error`'s fixed order; a tie keeps 6), so its error is
+    1.5 x the group max) -- and it is the one of smaller squared error (`group_squared_error`'s fixed order; a tie
+    keeps 6), so its error is
     min(err6, err4) exactly; checked on rows spanning 10 decades with a padded last group and a zero row. Then two
     exact cases on the row's largest group, where both block scales are exact E4M3 values (256 and 384): [6, 4.62]
     -> [6, 4.5] (4 wins: 4.62 sits in E2M1's widest step, 4 -> 6) and [6, 1] -> [6, 1] (6 wins)."""

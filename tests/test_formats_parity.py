@@ -57,10 +57,10 @@ with warnings.catch_warnings():
     from modelopt.torch.quantization.qtensor.fp8_tensor import FP8QTensor
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
-from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8  # noqa: E402
-from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize  # noqa: E402
-from compressed_tensors.quantization.quant_scheme import FP8_BLOCK, FP8_DYNAMIC, NVFP4  # noqa: E402
-from compressed_tensors.quantization.utils import (  # noqa: E402
+from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+from compressed_tensors.quantization.quant_scheme import FP8_BLOCK, FP8_DYNAMIC, NVFP4
+from compressed_tensors.quantization.utils import (
     calculate_qparams,
     compute_dynamic_scales_and_zp,
     generate_gparam,
@@ -190,7 +190,9 @@ def test_nvfp4_bit_exact_vs_compressed_tensors_power_of_two_global_scale(x, log2
 @pytest.mark.parametrize("seed", range(4))
 def test_nvfp4_bit_exact_vs_compressed_tensors_data_global_scale(seed):
     gen = torch.Generator().manual_seed(seed)
-    w = (torch.rand(128, 512, generator=gen) * 2 - 1) * torch.rand(128, 1, generator=gen) * 0.05  # same bits on every ISA
+    w = (
+        (torch.rand(128, 512, generator=gen) * 2 - 1) * torch.rand(128, 1, generator=gen) * 0.05
+    )  # same bits on every ISA
     encode = generate_gparam(w.min(), w.max())  # c-t's weight_global_scale: 2688 / amax
     packed, scale = _ct_nvfp4(w, encode)
     ours = quantize_nvfp4(w, 1 / encode)

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-51
 
 causal_conv1d = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d")
 
-LENGTHS = [5, 1, 0, 2, 37, 3]                       # a 1-token prompt, an empty entry, one shorter than the state
-SLOTS = [3, 7, 1, -1, 0, 9]                         # -1: vLLM's PAD_SLOT_ID (no cache slot: state left alone)
+LENGTHS = [5, 1, 0, 2, 37, 3]  # a 1-token prompt, an empty entry, one shorter than the state
+SLOTS = [3, 7, 1, -1, 0, 9]  # -1: vLLM's PAD_SLOT_ID (no cache slot: state left alone)
 HAS_STATE = [True, False, True, True, False, True]  # a resumed chunk reads its slot's state, a new prompt zeros
 
 
@@ -52,11 +52,10 @@ def test_prefill_conv_equals_vllm(with_bias):
     assert bool((diff <= want.float()[:, keep].abs() * 2.0**-7).all())
 
 
-
-DELTA_LENGTHS = [5, 1, 130, 2, 64, 0, 65, 3]          # one token; several 64-token chunks; one chunk; empty
-DELTA_SLOTS = [3, 7, 1, 0, 9, 8, 4, PAD_SLOT_ID]       # the last: a padded request (no slot: starts at zero)
+DELTA_LENGTHS = [5, 1, 130, 2, 64, 0, 65, 3]  # one token; several 64-token chunks; one chunk; empty
+DELTA_SLOTS = [3, 7, 1, 0, 9, 8, 4, PAD_SLOT_ID]  # the last: a padded request (no slot: starts at zero)
 DELTA_HAS_STATE = [True, False, True, True, False, True, True, False]
-HK, HV, DK, DV = 2, 4, 64, 64                          # the tiny hybrid's heads: 2 value heads per key head
+HK, HV, DK, DV = 2, 4, 64, 64  # the tiny hybrid's heads: 2 value heads per key head
 
 
 def delta_rule_inputs():
@@ -105,8 +104,9 @@ def test_delta_rule_is_correctly_rounded(pad_budget):
     allowed as 2^-14 M. Slots of no sequence (and the padded request's) are left bit-identical."""
     q, k, v, gate, beta, state, cu, slots = delta_rule_inputs()
     ours_state = state.clone()
-    out, _ = chunk_gated_delta_rule_prefill(q, k, v, gate, beta, ours_state, True, cu, False, True, slots,
-                                            pad_budget=pad_budget)
+    out, _ = chunk_gated_delta_rule_prefill(
+        q, k, v, gate, beta, ours_state, True, cu, False, True, slots, pad_budget=pad_budget
+    )
     exact_out, exact_states = exact_delta_rule(q, k, v, gate, beta, state, cu)
     scale = max(float(v.abs().max()), float(exact_states.abs().max()))
     assert ((out[0].double() - exact_out).abs() <= 2**-8 * exact_out.abs() + 2**-14 * scale).all()

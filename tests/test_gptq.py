@@ -40,8 +40,14 @@ def correlated_inputs(tokens: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(tokens, 8, generator=gen) @ basis + 0.05 * torch.randn(tokens, k, generator=gen)
 
 
-def reference_gptq(w: torch.Tensor, h: torch.Tensor, scheme: str, dampening: float = 0.01,
-                   search_scales: bool = False, act_order: bool = False) -> torch.Tensor:
+def reference_gptq(
+    w: torch.Tensor,
+    h: torch.Tensor,
+    scheme: str,
+    dampening: float = 0.01,
+    search_scales: bool = False,
+    act_order: bool = False,
+) -> torch.Tensor:
     """Algorithm 1 column by column, no lazy blocks, float64 (the module's dead-channel and dampening rules). With
     act_order: every group's scales first from the weights, then the columns in descending diag(H) order, each
     rounded at its own group's scales, its error spread over the columns not yet quantized in that order."""
@@ -86,7 +92,7 @@ def test_lazy_blocks_equal_the_column_loop_and_the_checkpoint_stores_q(scheme, s
     x = correlated_inputs(512, 272).double()
     w = torch.randn(72, 272, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 0.02
     h = 2 * x.T @ x / x.shape[0]
-    q, scales = gptq_quantize(w, h, scheme, search_scales=search_scales)
+    q, _ = gptq_quantize(w, h, scheme, search_scales=search_scales)
     assert torch.equal(q, reference_gptq(w, h, scheme, search_scales=search_scales))
     q32, scales32 = gptq_quantize(w.float(), h, scheme, search_scales=search_scales)
     s = SCHEMES[scheme]
@@ -101,11 +107,15 @@ def test_act_order_equals_the_column_loop_in_diag_order_and_keeps_the_layout(sch
     to nearest chooses for the unmodified weight (static groups, fixed before GPTQ), and the checkpoint stores it
     exactly in the usual layout. Input energies differ per channel (scaled columns of X), so the order is not
     the identity and the result differs from left-to-right GPTQ."""
-    x = correlated_inputs(512, 272).double() * torch.linspace(0.2, 3.0, 272, dtype=torch.float64)[torch.randperm(
-        272, generator=torch.Generator().manual_seed(4))]
+    x = (
+        correlated_inputs(512, 272).double()
+        * torch.linspace(0.2, 3.0, 272, dtype=torch.float64)[
+            torch.randperm(272, generator=torch.Generator().manual_seed(4))
+        ]
+    )
     w = torch.randn(72, 272, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 0.02
     h = 2 * x.T @ x / x.shape[0]
-    q, scales = gptq_quantize(w, h, scheme, search_scales=search_scales, act_order=True)
+    q, _ = gptq_quantize(w, h, scheme, search_scales=search_scales, act_order=True)
     assert torch.equal(q, reference_gptq(w, h, scheme, search_scales=search_scales, act_order=True))
     assert not torch.equal(q, gptq_quantize(w, h, scheme, search_scales=search_scales)[0])
     s = SCHEMES[scheme]
@@ -145,14 +155,14 @@ def test_act_order_gptq_is_llmcompressors_gptq_bit_for_bit(tmp_path):
     for actorder, (wc, hc) in (("weight", (w, h)), (None, (w[:, descending], h[descending][:, descending]))):
         for scheme in ("fp8_block", "nvfp4"):
             q, scales = gptq_quantize(wc, hc, scheme, act_order=True)
-            cases.append({"scheme": scheme, "actorder": actorder, "w": wc.contiguous(), "h": hc.contiguous(),
-                          **scales})
+            cases.append({"scheme": scheme, "actorder": actorder, "w": wc.contiguous(), "h": hc.contiguous(), **scales})
             ours.append(q)
             rtn.append(gptq_quantize(wc, torch.eye(k, dtype=torch.float64), scheme)[0])
     torch.save(cases, tmp_path / "cases.pt")
     worker = Path(__file__).with_name("llmcompressor_gptq.py")
-    subprocess.run([str(llmcompressor_python()), str(worker), str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
-                   check=True)
+    subprocess.run(
+        [str(llmcompressor_python()), str(worker), str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")], check=True
+    )
     theirs = torch.load(tmp_path / "out.pt")
     for case, q, t, r in zip(cases, ours, theirs, rtn, strict=True):
         label = f"{case['scheme']} actorder={case['actorder']}"
@@ -168,7 +178,7 @@ def test_act_order_is_a_validated_recipe_key():
 
     assert load_recipe("w4a4_nvfp4_sq_gptq_actorder").gptq.act_order
     assert not load_recipe("w4a4_nvfp4_sq_gptq").gptq.act_order
-    with pytest.raises(ValueError, match="gptq.act_order must be true or false"):
+    with pytest.raises(ValueError, match=r"gptq.act_order must be true or false"):
         parse_recipe({"name": "x", "scheme": "nvfp4", "gptq": {"act_order": "yes"}}, "x.yaml")
 
 
@@ -225,13 +235,14 @@ def test_routed_experts_get_per_expert_hessians_and_are_stored_exactly(tmp_path)
     fused model: every expert matrix changed from RTN and is on the grid (encode with GPTQ's scales is exact, tested
     above), and `_layer_hessians` on one layer yields a Hessian per expert matrix reached, gate = up. The streaming
     path writes the same bytes."""
+    from transformers import AutoModelForCausalLM
+
     from quantkit.calibrate.layers import decoder_stack, embed_stream
     from quantkit.formats.experts import expert_matrices, fused_experts_modules
     from quantkit.models.tiny import build_tiny_stock_checkpoint
     from quantkit.quantize.checkpoint import quantize_checkpoint
     from quantkit.quantize.fake_quant import FakeQuantExperts, load_fake_quant_model
     from quantkit.quantize.gptq import _layer_hessians
-    from transformers import AutoModelForCausalLM
 
     source = build_tiny_stock_checkpoint(tmp_path / "moe", "qwen3_moe", seed=0)
     recipe = tmp_path / "gptq_small.yaml"
@@ -255,7 +266,7 @@ def test_routed_experts_get_per_expert_hessians_and_are_stored_exactly(tmp_path)
     fused = {f"{stack}.0.{n}": m for n, m in fused_experts_modules(layers[0]).items()}
     with torch.no_grad():
         hessians = _layer_hessians(layers[0], 0, stream, {}, fused)
-    (name, module), = fused.items()
+    ((name, module),) = fused.items()
     reached = {m for m in expert_matrices(name, module) if m in hessians}
     assert len(reached) == len(expert_matrices(name, module))  # 128 tokens x top-2 over 4 experts reach all
     for e in range(4):
@@ -271,7 +282,9 @@ def test_gptq_with_searched_scales_streams_the_same_bytes(tmp_path):
 
     source = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
     for name, extra in (("gptq_mse", "weight_scales: mse\n"), ("gptq_minmax", "")):
-        (tmp_path / f"{name}.yaml").write_text(f"name: {name}\nscheme: nvfp4\n{extra}gptq: {{num_sequences: 8, seq_len: 32}}\n")
+        (tmp_path / f"{name}.yaml").write_text(
+            f"name: {name}\nscheme: nvfp4\n{extra}gptq: {{num_sequences: 8, seq_len: 32}}\n"
+        )
     whole = state_of(quantize_checkpoint(source, str(tmp_path / "gptq_mse.yaml"), tmp_path / "w", streaming=False))
     stream = state_of(quantize_checkpoint(source, str(tmp_path / "gptq_mse.yaml"), tmp_path / "s", streaming=True))
     minmax = state_of(quantize_checkpoint(source, str(tmp_path / "gptq_minmax.yaml"), tmp_path / "m", streaming=False))

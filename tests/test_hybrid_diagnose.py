@@ -40,7 +40,9 @@ SOFTMAX_LAYER = 3  # Qwen3-Next's full_attention_interval 4: layers 0-2 Gated De
 
 def _model(seed: int = 0) -> QuantkitHybridForCausalLM:
     torch.manual_seed(seed)
-    config = QuantkitHybridConfig(vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=2, pad_token_id=0, **TINY_HYBRID_SHAPE)
+    config = QuantkitHybridConfig(
+        vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=2, pad_token_id=0, **TINY_HYBRID_SHAPE
+    )
     model = QuantkitHybridForCausalLM(config)
     randomize_parameters(model, 0.05, HYBRID_RANDOM_PARAMETER_RULES)
     return model.eval()
@@ -153,8 +155,9 @@ def test_planted_down_proj_outlier_is_found_at_that_expert():
     assert r["summary"]["max_expert_down_input_at"] == f"{name}.{expert}.down_proj"
     for key in ("load", "gate_up_input_max"):
         assert after[name][key] == before[name][key]
-    assert [v for e, v in enumerate(after[name]["down_input_max"]) if e != expert] == \
-           [v for e, v in enumerate(before[name]["down_input_max"]) if e != expert]
+    assert [v for e, v in enumerate(after[name]["down_input_max"]) if e != expert] == [
+        v for e, v in enumerate(before[name]["down_input_max"]) if e != expert
+    ]
     for other in (n for n in before if n != name):
         assert after[other] == before[other]
 
@@ -188,12 +191,27 @@ def test_expert_snr_per_scheme_in_quality_and_diagnose(quantized, tmp_path, caps
     table, rows = quality_table(source, list(dirs.values()), num_sequences=4, seq_len=64)
     parser = argparse.ArgumentParser()
     add_diagnose_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["diagnose", str(source), "--out", str(tmp_path / "d"), "--num-sequences", "4",
-                              "--seq-len", "64", "--recipes", *dirs])
+    args = parser.parse_args(
+        [
+            "diagnose",
+            str(source),
+            "--out",
+            str(tmp_path / "d"),
+            "--num-sequences",
+            "4",
+            "--seq-len",
+            "64",
+            "--recipes",
+            *dirs,
+        ]
+    )
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     assert all(f"attention-sink statistics skip layer {i}: linear attention" in printed for i in (0, 1, 2))
-    assert all((tmp_path / "d" / f"{f}.svg").exists() for f in ("expert_load", "expert_maxima", "expert_snr", "attention_sinks"))
+    assert all(
+        (tmp_path / "d" / f"{f}.svg").exists()
+        for f in ("expert_load", "expert_maxima", "expert_snr", "attention_sinks")
+    )
     diag = json.loads((tmp_path / "d" / "diagnostics.json").read_text())
 
     modules = [f"model.layers.{i}.mlp.experts" for i in range(4)]
@@ -201,7 +219,9 @@ def test_expert_snr_per_scheme_in_quality_and_diagnose(quantized, tmp_path, caps
     assert "| recipe | experts | gate_proj SNR min / median (dB) |" in table
     for row in rows:
         recipe = row["recipe"]
-        quantized_modules = json.loads((dirs[recipe] / "config.json").read_text())["quantization_config"]["quantized_modules"]
+        quantized_modules = json.loads((dirs[recipe] / "config.json").read_text())["quantization_config"][
+            "quantized_modules"
+        ]
         experts = {n for n in row["layer_snr_db"] if EXPERT_MATRIX.match(n)}
         assert experts and experts <= set(quantized_modules)
         assert list(row["expert_snr_db"]) == modules
@@ -218,8 +238,11 @@ def test_expert_snr_per_scheme_in_quality_and_diagnose(quantized, tmp_path, caps
         for module in modules:
             for proj, s in row["expert_snr_db"][module].items():
                 d = diag["expert_snr_db"][recipe][module][proj]
-                assert (d["min"], d["median"], d["experts"]) == (pytest.approx(s["min"], abs=0.01),
-                                                                 pytest.approx(s["median"], abs=0.01), s["experts"])
+                assert (d["min"], d["median"], d["experts"]) == (
+                    pytest.approx(s["min"], abs=0.01),
+                    pytest.approx(s["median"], abs=0.01),
+                    s["experts"],
+                )
     fp8, nvfp4 = rows
     for module in modules:
         for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -233,9 +256,20 @@ def test_dense_model_control_every_layer_softmax_no_experts():
     from quantkit.models import QuantkitConfig, QuantkitForCausalLM
 
     torch.manual_seed(0)
-    model = QuantkitForCausalLM(QuantkitConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, bos_token_id=BOS, pad_token_id=0)).eval()
+    model = QuantkitForCausalLM(
+        QuantkitConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+            bos_token_id=BOS,
+            pad_token_id=0,
+        )
+    ).eval()
     r = diagnose_model(model, _tokens(n=2, t=16), recipes=["w8a8_fp8_block"])
     assert r["attention"]["layers"] == [0, 1] and r["attention"]["skipped"] == []
     assert r["experts"] == {} and r["expert_snr_db"] == {"w8a8_fp8_block": {}}

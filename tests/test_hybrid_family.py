@@ -50,8 +50,8 @@ import math
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from test_variants_vllm import DECODE_TOKENS, PROMPTS, hf_logprobs, max_abs_diff, served_logprobs
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import quantkit.models  # noqa: F401  (registers model_type "quantkit_hybrid")
 from quantkit.models.configuration_hybrid import QuantkitHybridConfig
@@ -168,8 +168,14 @@ def test_save_load_round_trip(tmp_path):
     parameters instead would not be exact on every CPU: safetensors' mmap leaves tensors 8-byte aligned, fresh
     ones are 64-byte aligned, and MKL's AVX-512 GEMMs take other code paths (another summation order) by
     alignment (seen: 288 of 2560 logits 1.2e-7 apart on an AVX-512 EPYC; exact under AVX2 kernels)."""
-    flags = dict(attn_output_gate="headwise", pre_affine=True, gated_norm_rank=16, hidden_act="sigmoid",
-                 value_scale=True, headwise_rmsnorm=True)
+    flags = dict(
+        attn_output_gate="headwise",
+        pre_affine=True,
+        gated_norm_rank=16,
+        hidden_act="sigmoid",
+        value_scale=True,
+        headwise_rmsnorm=True,
+    )
     ckpt = build_tiny_hybrid_checkpoint(tmp_path / "model", **flags)
     config = AutoConfig.from_pretrained(ckpt)
     assert config.model_type == "quantkit_hybrid" and config.architectures == ["QuantkitHybridForCausalLM"]
@@ -212,6 +218,7 @@ def test_stock_weights_in_hybrid_class_give_stock_logits(tmp_path):
 
 # ---------------------------------------------------------------------------------------- vLLM
 
+
 def _zero_fused_gate_rows(model: torch.nn.Module) -> None:
     """Zero the gate half of each head's q_proj rows ([q_h; g_h] per head): sigmoid(0) = 1/2 everywhere."""
     for layer in model.model.layers:
@@ -237,8 +244,7 @@ VLLM_CASES: dict[str, tuple[dict | None, object, str]] = {
     "v_scale": ({"value_scale": True}, {"value_scale": False}, "QuantkitHybridForCausalLM"),
     "headwise_rmsnorm": ({"headwise_rmsnorm": True}, {"headwise_rmsnorm": False}, "QuantkitHybridForCausalLM"),
     "all_flags": (
-        dict(attn_output_gate="headwise", pre_affine=True, gated_norm_rank=16, value_scale=True,
-             headwise_rmsnorm=True),
+        dict(attn_output_gate="headwise", pre_affine=True, gated_norm_rank=16, value_scale=True, headwise_rmsnorm=True),
         dict(attn_output_gate=None, pre_affine=False, gated_norm_rank=0, value_scale=False, headwise_rmsnorm=False),
         "QuantkitHybridForCausalLM",
     ),
@@ -300,14 +306,18 @@ def test_vllm_bf16_matches_transformers(served):
     hf, scale = hf_logprobs_and_scale(served["ckpt"], served["token_ids"])
     tol = TOLERANCE_PER_LOGIT_STD * scale
     worst = max_abs_diff(hf, served["logprobs"])
-    print(f"\n{served['name']} ({served['model_class']}): logit std S = {scale:.3f}, "
-          f"tolerance {tol:.2e}, max |logprob diff| vLLM bf16 vs transformers fp32 = {worst:.2e}")
+    print(
+        f"\n{served['name']} ({served['model_class']}): logit std S = {scale:.3f}, "
+        f"tolerance {tol:.2e}, max |logprob diff| vLLM bf16 vs transformers fp32 = {worst:.2e}"
+    )
     assert max(lp.std().item() for lp in hf) > 3 * tol  # agreement is not trivial
     assert worst <= tol, f"{served['name']}: max |logprob diff| {worst:.2e} > {tol:.2e}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("served", [name for name, (_, control, _) in VLLM_CASES.items() if control is not None], indirect=True)
+@pytest.mark.parametrize(
+    "served", [name for name, (_, control, _) in VLLM_CASES.items() if control is not None], indirect=True
+)
 @pytest.mark.vllm_cpu
 def test_flag_is_active(served):
     """Control: removing the case's flags on the transformers side moves its logprobs beyond the tolerance

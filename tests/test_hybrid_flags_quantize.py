@@ -32,7 +32,7 @@ from test_hybrid_quantize import OUTLIER, RECIPES, logits, relative_change, rout
 from transformers import AutoModelForCausalLM
 
 from quantkit.calibrate import FunctionPreservationError, SmoothQuantMappingError, resolve_mappings, smooth_model
-from quantkit.calibrate.mappings import fold_output, fold_offset_rmsnorm, input_weight, scale_
+from quantkit.calibrate.mappings import fold_offset_rmsnorm, fold_output, input_weight, scale_
 from quantkit.formats.experts import EXPERT_MATRIX
 from quantkit.models.configuration_hybrid import QuantkitHybridConfig
 from quantkit.models.modeling_hybrid import QuantkitHybridForCausalLM, QuantkitHybridNorm
@@ -54,8 +54,9 @@ def v_o_valid(flags: dict) -> bool:
 def tiny_hybrid(flags: dict, seed: int = 0) -> QuantkitHybridForCausalLM:
     """Random float32 hybrid model with `flags`; channel OUTLIER of every residual norm's (1 + w) scale x30."""
     torch.manual_seed(seed)
-    config = QuantkitHybridConfig(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                                  **TINY_HYBRID_SHAPE, **flags)
+    config = QuantkitHybridConfig(
+        vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0, **TINY_HYBRID_SHAPE, **flags
+    )
     model = QuantkitHybridForCausalLM(config)
     randomize_parameters(model, 0.05, HYBRID_RANDOM_PARAMETER_RULES)
     with torch.no_grad():
@@ -138,8 +139,10 @@ def test_routing_unchanged_by_smoothing_every_flag(case):
             if not c.endswith("mlp.gate"):
                 scale_(input_weight(control.get_submodule(c)), s)
     ids_control, _ = routing(control, held_out)
-    changed = [(ids_control[n].sort(-1).values != ids_before[n].sort(-1).values).any(-1).float().mean().item()
-               for n in ids_before]
+    changed = [
+        (ids_control[n].sort(-1).values != ids_before[n].sort(-1).values).any(-1).float().mean().item()
+        for n in ids_before
+    ]
     assert min(changed) > 0.1, changed
 
 
@@ -152,8 +155,11 @@ def test_missing_g_proj_fold_is_caught(monkeypatch):
     attention = mappings_module.SOFTMAX_ATTENTION
     forgetful = dataclasses.replace(
         attention,
-        norm=dataclasses.replace(attention.norm, consumers=tuple(c for c in attention.norm.consumers if "g_proj" not in c)),
-        unsmoothed=attention.unsmoothed + ("self_attn.g_proj?",))
+        norm=dataclasses.replace(
+            attention.norm, consumers=tuple(c for c in attention.norm.consumers if "g_proj" not in c)
+        ),
+        unsmoothed=attention.unsmoothed + ("self_attn.g_proj?",),
+    )
     hybrid = mappings_module.HYBRID
     family = dataclasses.replace(hybrid, slots=((mappings_module.GATED_DELTANET, forgetful), hybrid.slots[1]))
     monkeypatch.setitem(mappings_module.ARCHITECTURES, type(model).__name__, family)
@@ -168,7 +174,9 @@ def tiny_calibration(recipe_name: str):
     """The recipe with calibration cut to 2 x 16 tokens (module docstring)."""
     recipe = load_recipe(recipe_name)
     if recipe.smoothquant is not None:
-        recipe = dataclasses.replace(recipe, smoothquant=dataclasses.replace(recipe.smoothquant, num_sequences=2, seq_len=16))
+        recipe = dataclasses.replace(
+            recipe, smoothquant=dataclasses.replace(recipe.smoothquant, num_sequences=2, seq_len=16)
+        )
     if recipe.activation_scale == "static":
         recipe = dataclasses.replace(recipe, calibration=CalibrationSettings(num_sequences=2, seq_len=16))
     return recipe
@@ -223,8 +231,12 @@ def test_every_recipe_every_flag_writes_a_checked_loadable_checkpoint(sources, t
     assert len([n for n in quantized if EXPERT_MATRIX.match(n)]) == 4 * 8 * 3  # every routed expert matrix
     assert "model.layers.1.mlp.shared_expert_gate" in ignored and "model.layers.1.mlp.gate.weight" in keys
     assert ("model.layers.3.self_attn.g_proj" in quantized) == (flags.get("attn_output_gate") == "headwise")
-    gates = {f"model.layers.{i}.{n}.{g}" for i in range(4) for n in ("input_layernorm", "post_attention_layernorm")
-             for g in ("gate_down", "gate_up")}
+    gates = {
+        f"model.layers.{i}.{n}.{g}"
+        for i in range(4)
+        for n in ("input_layernorm", "post_attention_layernorm")
+        for g in ("gate_down", "gate_up")
+    }
     assert (gates <= ignored) == bool(flags.get("gated_norm_rank")) and not gates & quantized  # GatedNorm gates: BF16
     for extra in ("pre_scale", "v_scale_theta", "o_norm.weight"):  # flag parameters travel unquantized
         present = {k for k in keys if k.endswith(extra)}

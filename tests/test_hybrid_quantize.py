@@ -54,13 +54,26 @@ from quantkit.quantize.recipe import load_recipe
 from quantkit.serve.checkpoint_check import check_servable
 
 SHAPE = dict(
-    hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
     layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
-    linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
-    shared_expert_intermediate_size=96, decoder_sparse_step=1, norm_topk_prob=True,
-    max_position_embeddings=512, tie_word_embeddings=False,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=96,
+    shared_expert_intermediate_size=96,
+    decoder_sparse_step=1,
+    norm_topk_prob=True,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
 )
 VOCAB = 256
 OUTLIER = 5  # the injected channel of every residual norm
@@ -69,7 +82,9 @@ OUTLIER = 5  # the injected channel of every residual norm
 def tiny_qwen3_next(seed: int = 0, outlier: bool = True) -> Qwen3NextForCausalLM:
     """Random float32 Qwen3-Next; `outlier`: channel OUTLIER of every residual norm's effective scale x30."""
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(Qwen3NextConfig(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0, **SHAPE))
+    model = Qwen3NextForCausalLM(
+        Qwen3NextConfig(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0, **SHAPE)
+    )
     randomize_parameters(model, 0.05)
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0.0, 1.0)
@@ -106,8 +121,10 @@ def routing(model: nn.Module, toks: torch.Tensor) -> tuple[dict[str, torch.Tenso
     ids, router_logits = {}, {}
     hooks = []
     for i, layer in enumerate(model.model.layers):
+
         def hook(_m, _args, out, i=i):
             router_logits[f"layer{i}"], _, ids[f"layer{i}"] = out
+
         hooks.append(layer.mlp.gate.register_forward_hook(hook))
     logits(model, toks)
     for h in hooks:
@@ -124,15 +141,20 @@ def test_mappings_cover_every_consumer_of_every_norm():
     deltanet = by_smooth["model.layers.0.input_layernorm"]
     assert deltanet.consumers == ("model.layers.0.linear_attn.in_proj_qkvz", "model.layers.0.linear_attn.in_proj_ba")
     assert by_smooth["model.layers.3.input_layernorm"].consumers == tuple(
-        f"model.layers.3.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj"))
+        f"model.layers.3.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")
+    )
     moe = by_smooth["model.layers.1.post_attention_layernorm"]
-    assert moe.consumers == tuple(f"model.layers.1.mlp.{n}" for n in (
-        "gate", "experts", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate"))
+    assert moe.consumers == tuple(
+        f"model.layers.1.mlp.{n}"
+        for n in ("gate", "experts", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")
+    )
     assert moe.fold_only == ("model.layers.1.mlp.gate", "model.layers.1.mlp.shared_expert_gate")
     assert {m.kind for m in plan.mappings} == {"norm", "v_o", "up_down"}
     assert "model.layers.3.self_attn.v_proj" in by_smooth  # the gated softmax layer is linear in v
     assert "model.layers.2.mlp.shared_expert.up_proj" in by_smooth
-    assert any("Gated DeltaNet" in s for s in plan.skipped) and any("routed experts' up_proj" in s for s in plan.skipped)
+    assert any("Gated DeltaNet" in s for s in plan.skipped) and any(
+        "routed experts' up_proj" in s for s in plan.skipped
+    )
 
     plan = resolve_mappings(tiny_qwen3_next(), experts=False)
     assert all(not m.smooth.endswith("post_attention_layernorm") for m in plan.mappings)
@@ -154,8 +176,10 @@ def test_smoothing_preserves_function(experts):
     model = tiny_qwen3_next()
     held_out = tokens(4, 32, seed=2)
     reference = logits(model, held_out)
-    moe_weights = {n: input_weight(model.get_submodule(n)).detach().clone()
-                   for n in ("model.layers.1.mlp.gate", "model.layers.1.mlp.experts", "model.layers.1.mlp.shared_expert_gate")}
+    moe_weights = {
+        n: input_weight(model.get_submodule(n)).detach().clone()
+        for n in ("model.layers.1.mlp.gate", "model.layers.1.mlp.experts", "model.layers.1.mlp.shared_expert_gate")
+    }
 
     report = smooth_model(model, tokens(8, 32), include_v_o=True, include_up_down=True, experts=experts, progress=False)
 
@@ -195,7 +219,10 @@ def test_routing_is_unchanged_by_smoothing_and_changes_without_the_router_fold()
             if not c.endswith("mlp.gate"):
                 scale_(input_weight(control.get_submodule(c)), s)
     ids_control, _ = routing(control, held_out)
-    changed = [(ids_control[n].sort(-1).values != ids_before[n].sort(-1).values).any(-1).float().mean().item() for n in ids_before]
+    changed = [
+        (ids_control[n].sort(-1).values != ids_before[n].sort(-1).values).any(-1).float().mean().item()
+        for n in ids_before
+    ]
     assert min(changed) > 0.1, changed  # x30 outlier: ~sqrt(30) factor on one channel of the router's input
 
 
@@ -206,9 +233,17 @@ def test_missing_router_fold_breaks_function_preservation_check(monkeypatch):
 
     model = tiny_qwen3_next()
     moe = mappings_module.SPARSE_MOE
-    forgetful = dataclasses.replace(moe, norm=dataclasses.replace(
-        moe.norm, consumers=tuple(c for c in moe.norm.consumers if c != "mlp.gate"), fold_only=("mlp.shared_expert_gate",)))
-    family = dataclasses.replace(mappings_module.HYBRID, slots=(mappings_module.HYBRID.slots[0], (forgetful, mappings_module.GLU_MLP)))
+    forgetful = dataclasses.replace(
+        moe,
+        norm=dataclasses.replace(
+            moe.norm,
+            consumers=tuple(c for c in moe.norm.consumers if c != "mlp.gate"),
+            fold_only=("mlp.shared_expert_gate",),
+        ),
+    )
+    family = dataclasses.replace(
+        mappings_module.HYBRID, slots=(mappings_module.HYBRID.slots[0], (forgetful, mappings_module.GLU_MLP))
+    )
 
     state = {k: v.clone() for k, v in model.state_dict().items()}
     monkeypatch.setitem(mappings_module.ARCHITECTURES, type(model).__name__, family)
@@ -233,7 +268,9 @@ def test_all_experts_statistics_see_every_token():
     experts = model.model.layers[1].mlp.experts
     x_amax = maxima["model.layers.1.mlp.experts.0.gate_proj"]
     assert all(torch.equal(maxima[f"model.layers.1.mlp.experts.{e}.up_proj"], x_amax) for e in range(8))
-    assert all(maxima[f"model.layers.1.mlp.experts.{e}.down_proj"].shape == (experts.down_proj.shape[-1],) for e in range(8))
+    assert all(
+        maxima[f"model.layers.1.mlp.experts.{e}.down_proj"].shape == (experts.down_proj.shape[-1],) for e in range(8)
+    )
 
 
 # --------------------------------------------------------------------------------------- checkpoints
@@ -287,7 +324,7 @@ def test_every_recipe_writes_a_checked_loadable_checkpoint(source, tmp_path, rec
     for kept in ("lm_head", "model.layers.1.mlp.shared_expert_gate", "model.layers.0.linear_attn.in_proj_ba"):
         assert kept in qc["ignored_modules"] and kept not in quantized
     assert "model.layers.1.mlp.gate.weight" in keys  # the router: no Linear, never quantized
-    for suffix, dtype in scheme.checkpoint_tensors(qc["activation_scale"]).items():
+    for suffix in scheme.checkpoint_tensors(qc["activation_scale"]):
         assert f"model.layers.2.mlp.experts.5.down_proj.{suffix}" in keys
 
     model = load_fake_quant_model(out)
@@ -297,8 +334,11 @@ def test_every_recipe_writes_a_checked_loadable_checkpoint(source, tmp_path, rec
     source_state = load_file(source / "model.safetensors")
     intermediate = SHAPE["moe_intermediate_size"]
     for e in (0, 5):
-        for proj, loaded in (("gate_proj", fq.gate_up_proj[e, :intermediate]), ("up_proj", fq.gate_up_proj[e, intermediate:]),
-                             ("down_proj", fq.down_proj[e])):
+        for proj, loaded in (
+            ("gate_proj", fq.gate_up_proj[e, :intermediate]),
+            ("up_proj", fq.gate_up_proj[e, intermediate:]),
+            ("down_proj", fq.down_proj[e]),
+        ):
             name = f"model.layers.2.mlp.experts.{e}.{proj}"
             tensors = {k.rsplit(".", 1)[1]: v for k, v in state.items() if k.rsplit(".", 1)[0] == name}
             decoded = scheme.decode(tensors, loaded.shape[1])
@@ -320,9 +360,21 @@ def test_every_recipe_writes_a_checked_loadable_checkpoint(source, tmp_path, rec
         with torch.no_grad():
             y_ref = source_experts(x, top_k, weights)
             error = ((fq(x, top_k, weights) - y_ref).norm() / y_ref.norm()).item()
-            weight_only = ((FakeQuantExperts(scheme, fq.gate_up_proj, fq.down_proj, fq.act_fn, fq.quantized,
-                                             fq.input_global_scale, quantize_activations=False)(x, top_k, weights)
-                            - y_ref).norm() / y_ref.norm()).item()
+            weight_only = (
+                (
+                    FakeQuantExperts(
+                        scheme,
+                        fq.gate_up_proj,
+                        fq.down_proj,
+                        fq.act_fn,
+                        fq.quantized,
+                        fq.input_global_scale,
+                        quantize_activations=False,
+                    )(x, top_k, weights)
+                    - y_ref
+                ).norm()
+                / y_ref.norm()
+            ).item()
         assert 0 < weight_only < error < BOUND[scheme.name], (weight_only, error)
 
     out_logits = logits(model, toks)  # whole model: routing flips make the error chaotic (see the docstring)
@@ -331,7 +383,9 @@ def test_every_recipe_writes_a_checked_loadable_checkpoint(source, tmp_path, rec
 
 def test_fp8_is_closer_than_nvfp4(source, tmp_path):
     toks = tokens(4, 32, seed=3)
-    reference = torch.log_softmax(logits(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval(), toks), -1)
+    reference = torch.log_softmax(
+        logits(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval(), toks), -1
+    )
     kl = {}
     for name in ("w8a8_fp8_block", "w4a4_nvfp4"):
         out = quantize_checkpoint(source, with_calibration(load_recipe(name), 8, 64), tmp_path / name)
@@ -354,7 +408,9 @@ def test_checker_rejects_incomplete_or_partly_quantized_experts(source, tmp_path
     with pytest.raises(CheckpointError, match=r"experts\.3\.up_proj"):
         check_servable(out)
 
-    broken["model.layers.1.mlp.experts.3.up_proj.weight"] = torch.zeros(SHAPE["moe_intermediate_size"], SHAPE["hidden_size"])
+    broken["model.layers.1.mlp.experts.3.up_proj.weight"] = torch.zeros(
+        SHAPE["moe_intermediate_size"], SHAPE["hidden_size"]
+    )
     save_file(broken, str(out / "model.safetensors"))
     with pytest.raises(CheckpointError, match="partly quantized"):
         check_servable(out)
@@ -380,7 +436,15 @@ def test_recipe_experts_option():
     with pytest.raises(ValueError, match="experts must be true or false"):
         parse_recipe({"name": "x", "scheme": "nvfp4", "smoothquant": {"experts": "yes"}})
     recipe = load_recipe("w8a8_fp8_block")
-    for name in ("model.layers.1.mlp.gate", "model.layers.1.mlp.shared_expert_gate", "model.layers.0.linear_attn.in_proj_ba"):
+    for name in (
+        "model.layers.1.mlp.gate",
+        "model.layers.1.mlp.shared_expert_gate",
+        "model.layers.0.linear_attn.in_proj_ba",
+    ):
         assert recipe.ignores(name), name
-    for name in ("model.layers.1.mlp.gate_proj", "model.layers.1.mlp.experts.0.gate_proj", "model.layers.0.linear_attn.in_proj_qkvz"):
+    for name in (
+        "model.layers.1.mlp.gate_proj",
+        "model.layers.1.mlp.experts.0.gate_proj",
+        "model.layers.0.linear_attn.in_proj_qkvz",
+    ):
         assert not recipe.ignores(name), name

@@ -37,7 +37,8 @@ stored bf16 bits are zero: probability ~2**-4 for non-degenerate values (fewer s
 bf16 bound (c) is a worst-case count, ~10x the measured noise, and on a weakly sensitive member the whole effect of
 activation quantization stays inside it (measured 2026-11-23, ga_gatednorm-fp8_block: weight-only reference 0.050
 nats from vLLM against the 0.054 bound; ga-fp8_block: 0.25 against 0.106), so the weight-only and unquantized
-comparisons are printed, not asserted. The flips are printed, not asserted. (Measured 2026-11-23, this 2-core machine: a plain
+comparisons are printed, not asserted. The flips are printed, not asserted. (Measured 2026-11-23, this 2-core
+machine: a plain
 comparison, codes not held, differed by 0.26 nats on ga-fp8_block, as much as the weight-only control's 0.25: the
 reason for holding the codes.)
 """
@@ -55,8 +56,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from quantkit.models.tiny_hybrid import build_tiny_hybrid_checkpoint, build_tiny_qwen3_next_checkpoint
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import FakeQuantExperts, load_fake_quant_model
-from quantkit.serve.offline import generate, omp_bind_per_rank
 from quantkit.serve.method_parts import CAPTURE_ENV
+from quantkit.serve.offline import generate, omp_bind_per_rank
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +71,8 @@ MEMBERS = {  # name: hybrid flags (None: a stock Qwen3-Next checkpoint)
     "glu": {"hidden_act": "sigmoid"},  # GLU experts: served by GLUExperts, not FusedMoE
     "stock": None,
 }
-# name: (member, recipe[, tensor parallel size, default 1]). SmoothQuant recipes change only the weights (served by the same code); their fold is
+# name: (member, recipe[, tensor parallel size, default 1]). SmoothQuant recipes change only the weights (served by
+# the same code); their fold is
 # verified by tests/test_hybrid_quantize.py, and their hybrid calibration costs ~2 min a case here.
 CASES = {
     "ga-fp8_block": ("ga", "w8a8_fp8_block"),
@@ -132,7 +134,9 @@ def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch)
     capture = tmp_path / "capture"
     capture.mkdir()
     monkeypatch.setenv(CAPTURE_ENV, str(capture))
-    run = generate(quantized, prompts, max_tokens=DECODE_TOKENS, max_model_len=256, dtype="bfloat16", tensor_parallel_size=tp)
+    run = generate(
+        quantized, prompts, max_tokens=DECODE_TOKENS, max_model_len=256, dtype="bfloat16", tensor_parallel_size=tp
+    )
     token_ids = [g.token_ids for g in run.generations]
     served = [torch.tensor(g.logprobs) for g in run.generations]
     assert all(len(g.token_ids) == len(p) + DECODE_TOKENS for g, p in zip(run.generations, prompts))
@@ -144,16 +148,22 @@ def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch)
     assert any(".experts." in prefix for prefix in activations), "vLLM never ran a quantized expert"
     held = HeldCodes(held_model, activations, input_tol=BF16_INPUT_TOL)
     parity = token_diffs(served, reference_logprobs(held_model, token_ids))
-    weight_only = token_diffs(served, reference_logprobs(load_fake_quant_model(quantized, quantize_activations=False), token_ids))
+    weight_only = token_diffs(
+        served, reference_logprobs(load_fake_quant_model(quantized, quantize_activations=False), token_ids)
+    )
     source_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     source_logprobs, scale = logprobs_and_scale(source_model, token_ids)
     unquantized = token_diffs(served, source_logprobs)
     tol = TOLERANCE_PER_LOGIT_STD * scale
-    print(f"{case}: {len(parity)} tokens, tolerance {tol:.3f}; codes held: max {parity.max():.3f} nats, inputs within "
-          f"{held.max_input_diff:.1e} of row max, {held.flips} of {held.elements} activation codes flipped; "
-          f"weight-only: max {weight_only.max():.3f}; unquantized: max {unquantized.max():.3f}")
+    print(
+        f"{case}: {len(parity)} tokens, tolerance {tol:.3f}; codes held: max {parity.max():.3f} nats, inputs within "
+        f"{held.max_input_diff:.1e} of row max, {held.flips} of {held.elements} activation codes flipped; "
+        f"weight-only: max {weight_only.max():.3f}; unquantized: max {unquantized.max():.3f}"
+    )
     assert held.elements > 0
-    assert parity.max() <= tol, f"{case}: with activation codes held equal, vLLM differs from the reference by {parity.max():.3f} nats"
+    assert parity.max() <= tol, (
+        f"{case}: with activation codes held equal, vLLM differs from the reference by {parity.max():.3f} nats"
+    )
     for prefix, (x, xq) in activations.items():
         changed = (x != xq).float().mean().item()
         assert changed > CHANGED_MIN, f"{case}: {prefix}: quantization changed only {changed:.0%} of its input elements"

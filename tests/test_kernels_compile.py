@@ -4,8 +4,8 @@ Triton ships ptxas, so a CPU machine can compile for sm90 ahead of time (a subpr
 runs with TRITON_INTERPRET=1, under which kernels are not compiled). Checked in the PTX:
 - quantizers: every float32 division is ``div.rn.f32`` (IEEE, no flush-to-zero) -- Triton's plain ``/``
   would be the approximate ``div.full.f32`` and break bit-exactness with torch on the GPU;
-- GEMMs at prefill tiles (NVFP4's dequantize-first bf16 GEMM too): Hopper's ``wgmma`` MMA and ``cp.async`` multi-stage loads, given the 16-aligned
-  sizes and strides Triton specializes real layer shapes to.
+- GEMMs at prefill tiles (NVFP4's dequantize-first bf16 GEMM too): Hopper's ``wgmma`` MMA and ``cp.async``
+  multi-stage loads, given the 16-aligned sizes and strides Triton specializes real layer shapes to.
 """
 
 import json
@@ -70,7 +70,8 @@ for m in (1, 4096):
     out[f"nvfp4_gemm M={m}"] = summary(ptx(nvfp4_gemm._nvfp4_gemm_kernel,
         {"a_ptr": "*u8", "a_scale_ptr": "*fp8e4nv", "a_global_ptr": "*fp32", "w_ptr": "*u8", "w_scale_ptr": "*fp8e4nv",
          "w_global_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"},
-        {"HAS_BIAS": True, "TILE": tl.bfloat16, "ROUND_BF16": False}, gemm_tiles.default_tiles(m, nvfp4_gemm.DEFAULT_BLOCK_K, "nvfp4")))
+        {"HAS_BIAS": True, "TILE": tl.bfloat16, "ROUND_BF16": False},
+        gemm_tiles.default_tiles(m, nvfp4_gemm.DEFAULT_BLOCK_K, "nvfp4")))
 out["nvfp4_dequantize"] = summary(ptx(nvfp4_gemm._dequantize_kernel,
     {"packed_ptr": "*u8", "scale_ptr": "*fp8e4nv", "out_ptr": "*bf16"}, {"BLOCK_R": 32, "BLOCK_B": 64}))
 out["nvfp4_dequantized_gemm M=4096"] = summary(ptx(nvfp4_gemm._dequantized_gemm_kernel,

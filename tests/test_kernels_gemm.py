@@ -42,12 +42,12 @@ from quantkit.formats import (
     quantize_nvfp4_weight,
 )
 from quantkit.formats.constants import F8E4M3_DTYPE
+from quantkit.formats.schemes import FP8_BLOCK, NVFP4
 from quantkit.kernels.fp8_gemm import fp8_block_gemm
 from quantkit.kernels.gemm_tiles import GemmTiles
 from quantkit.kernels.nvfp4_gemm import DEQUANTIZE_FIRST_MIN_M, nvfp4_dequantize, nvfp4_gemm
 from quantkit.kernels.quantize_fp8 import quantize_fp8_per_token as kernel_quantize_fp8
 from quantkit.kernels.quantize_nvfp4 import quantize_nvfp4_per_token as kernel_quantize_nvfp4
-from quantkit.formats.schemes import FP8_BLOCK, NVFP4
 
 OUTPUT_REL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 0.0}
 
@@ -191,8 +191,13 @@ def test_nvfp4_gemm_out_dtypes_and_tiles(out_dtype):
     x_deq, w_deq = dequantize_nvfp4(a), dequantize_nvfp4(wt)
     thin = GemmTiles(16, 32, 32, group_m=2)
     # the fused kernel, then the dequantize-first path (its bf16 GEMM's tiles must fit Hopper's shared memory)
-    for tiles, dequantize_first in ((None, False), (thin, False), (GemmTiles(64, 256, 256), False), (None, True),
-                                    (thin, True)):
+    for tiles, dequantize_first in (
+        (None, False),
+        (thin, False),
+        (GemmTiles(64, 256, 256), False),
+        (None, True),
+        (thin, True),
+    ):
         y = _nvfp4_gemm(a, wt, out_dtype=out_dtype, tiles=tiles, dequantize_first=dequantize_first)
         assert y.dtype == out_dtype
         assert_gemm_close(y, x_deq, w_deq)
@@ -210,8 +215,15 @@ def test_nvfp4_dequantize_is_exact_and_paths_switch_at_65_rows():
         assert got.dtype == dtype and torch.equal(got[:, : wt.k].float(), want) and (got[:, wt.k :] == 0).all()
     assert DEQUANTIZE_FIRST_MIN_M == 65
     for m in (64, 65):
-        y = nvfp4_gemm(a.packed[:m], a.block_scale[:m], a.global_scale[:m], wt.packed, wt.block_scale,
-                       wt.global_scale.reshape(1), bias=bias)
+        y = nvfp4_gemm(
+            a.packed[:m],
+            a.block_scale[:m],
+            a.global_scale[:m],
+            wt.packed,
+            wt.block_scale,
+            wt.global_scale.reshape(1),
+            bias=bias,
+        )
         assert_gemm_close(y, dequantize_nvfp4(a)[:m], dequantize_nvfp4(wt), bias)
 
 
@@ -292,7 +304,9 @@ def test_gemms_with_per_row_weight_scales_of_fused_shards():
     """vLLM fuses q/k/v (gate/up) into one layer whose shards keep their own scales: FP8 block scales repeated
     per row (shards not 128-row aligned) and one NVFP4 global scale per shard, given per row."""
     x, _, _ = _data(5, 8, 200, seed=3)
-    shards = [torch.randn(rows, 200, generator=torch.Generator().manual_seed(rows)) * s for rows, s in ((72, 0.05), (40, 3.0))]
+    shards = [
+        torch.randn(rows, 200, generator=torch.Generator().manual_seed(rows)) * s for rows, s in ((72, 0.05), (40, 3.0))
+    ]
     n = sum(w.shape[0] for w in shards)
 
     fp8 = [quantize_fp8_block(w) for w in shards]
@@ -307,6 +321,13 @@ def test_gemms_with_per_row_weight_scales_of_fused_shards():
     w_global = torch.cat([t.global_scale.reshape(1).expand(t.packed.shape[0]) for t in nv])
     assert len(set(w_global.tolist())) == 2 and w_global.shape == (n,)
     a = quantize_nvfp4_activation(x)
-    y = nvfp4_gemm(a.packed, a.block_scale, a.global_scale, torch.cat([t.packed for t in nv]),
-                   torch.cat([t.block_scale for t in nv]), w_global, out_dtype=torch.float32)
+    y = nvfp4_gemm(
+        a.packed,
+        a.block_scale,
+        a.global_scale,
+        torch.cat([t.packed for t in nv]),
+        torch.cat([t.block_scale for t in nv]),
+        w_global,
+        out_dtype=torch.float32,
+    )
     assert_gemm_close(y, dequantize_nvfp4(a), torch.cat([dequantize_nvfp4(t) for t in nv]))

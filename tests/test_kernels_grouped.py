@@ -30,11 +30,18 @@ import pytest
 import torch
 from test_kernels_gemm import assert_gemm_close
 
-from quantkit.formats import (dequantize_fp8_block, dequantize_fp8_per_token, dequantize_nvfp4, quantize_fp8_block,
-                              quantize_fp8_per_token, quantize_nvfp4_activation, quantize_nvfp4_weight)
+from quantkit.formats import (
+    dequantize_fp8_block,
+    dequantize_fp8_per_token,
+    dequantize_nvfp4,
+    quantize_fp8_block,
+    quantize_fp8_per_token,
+    quantize_nvfp4_activation,
+    quantize_nvfp4_weight,
+)
 from quantkit.formats.constants import FP8_WEIGHT_BLOCK
-from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.fp8 import expand_block_scales
+from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.schemes import FP8_BLOCK, NVFP4
 from quantkit.kernels.expert_sort import combine_expert_rows, sort_by_expert
 from quantkit.kernels.gemm_tiles import GemmTiles
@@ -92,8 +99,10 @@ def test_combine_expert_rows_weights_and_sums_each_tokens_slots():
     y[5] = float("nan")  # the pair of no expert: never written by a GEMM, must add nothing
     out = combine_expert_rows(y, sort, weights)
     per_pair = {int(f): float(y[s, 0]) for s, f in enumerate(sort.flat_index.tolist())}
-    expected = [[sum(weights.flatten()[f] * per_pair[f] for f in (2 * t, 2 * t + 1) if topk.flatten()[f] >= 0)] * 3
-                for t in range(3)]
+    expected = [
+        [sum(weights.flatten()[f] * per_pair[f] for f in (2 * t, 2 * t + 1) if topk.flatten()[f] >= 0)] * 3
+        for t in range(3)
+    ]
     assert torch.equal(out, torch.tensor(expected))  # small integers times powers of two: exact
 
 
@@ -118,8 +127,10 @@ def test_expert_tiles_cover_each_experts_rows_once(block_m):
 # --- the grouped GEMMs on their own ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("gather,per_row_scales,out_dtype", [(False, False, torch.bfloat16), (True, False, torch.float32),
-                                                             (False, True, torch.float16)])
+@pytest.mark.parametrize(
+    "gather,per_row_scales,out_dtype",
+    [(False, False, torch.bfloat16), (True, False, torch.float32), (False, True, torch.float16)],
+)
 def test_fp8_block_grouped_gemm(gather, per_row_scales, out_dtype):
     offsets = _offsets(COUNTS)
     s, e = sum(COUNTS), len(COUNTS)
@@ -153,8 +164,16 @@ def test_nvfp4_grouped_gemm(static, w_global_per_row, gather):
     x = _rows(tokens if gather else s + spare, K, seed=5)
     a = quantize_nvfp4_activation(x, "static", torch.tensor(0.01)) if static else quantize_nvfp4_activation(x)
     row_index = torch.randint(0, tokens, (s + spare,), generator=torch.Generator().manual_seed(6)) if gather else None
-    y = nvfp4_grouped_gemm(a.packed, a.block_scale, a.global_scale, torch.stack([t.packed for t in w]),
-                           torch.stack([t.block_scale for t in w]), w_global, offsets, row_index=row_index)
+    y = nvfp4_grouped_gemm(
+        a.packed,
+        a.block_scale,
+        a.global_scale,
+        torch.stack([t.packed for t in w]),
+        torch.stack([t.block_scale for t in w]),
+        w_global,
+        offsets,
+        row_index=row_index,
+    )
     assert y.shape == (s + spare, N) and (y[s:] == 0).all()
     x_deq = dequantize_nvfp4(a)
     x_deq = x_deq if row_index is None else x_deq[row_index]
@@ -173,13 +192,28 @@ def test_grouped_gemms_with_other_tiles():
     w = _weights(e, N, K, seed=8)
     fp8 = [quantize_fp8_block(we) for we in w]
     x_q, x_scale = quantize_fp8_per_token(x)
-    y = fp8_block_grouped_gemm(x_q, x_scale, torch.stack([q for q, _ in fp8]), torch.stack([sc for _, sc in fp8]),
-                               offsets, out_dtype=torch.float32, tiles=GemmTiles(64, 256, 128))
+    y = fp8_block_grouped_gemm(
+        x_q,
+        x_scale,
+        torch.stack([q for q, _ in fp8]),
+        torch.stack([sc for _, sc in fp8]),
+        offsets,
+        out_dtype=torch.float32,
+        tiles=GemmTiles(64, 256, 128),
+    )
     nv = [quantize_nvfp4_weight(we) for we in w]
     a = quantize_nvfp4_activation(x)
-    z = nvfp4_grouped_gemm(a.packed, a.block_scale, a.global_scale, torch.stack([t.packed for t in nv]),
-                           torch.stack([t.block_scale for t in nv]), torch.stack([t.global_scale for t in nv]), offsets,
-                           out_dtype=torch.float32, tiles=GemmTiles(32, 64, 32, group_m=2))
+    z = nvfp4_grouped_gemm(
+        a.packed,
+        a.block_scale,
+        a.global_scale,
+        torch.stack([t.packed for t in nv]),
+        torch.stack([t.block_scale for t in nv]),
+        torch.stack([t.global_scale for t in nv]),
+        offsets,
+        out_dtype=torch.float32,
+        tiles=GemmTiles(32, 64, 32, group_m=2),
+    )
     x_fp8, x_nv = dequantize_fp8_per_token(x_q, x_scale), dequantize_nvfp4(a)
     for i, lo, hi in _segments(offsets):
         assert_gemm_close(y[lo:hi], x_fp8[lo:hi], dequantize_fp8_block(*fp8[i]), fp8_mma=True)
@@ -238,8 +272,10 @@ def test_grouped_quantized_linear_matches_per_expert_fake_quant(scheme, static):
     assert [int(offsets[i + 1] - offsets[i]) for i in (1, 4)] == [0, 1]
     weights, tensors = _stack(scheme, _weights(e, N, K, seed=11))
     scales = torch.logspace(-3, -1, e) if static else None  # each expert's static decode scale
-    stages = {"gate_up": (_rows(tokens, K, seed=12).to(torch.bfloat16), sort.token_index),
-              "down": (_rows(tokens * top_k, K, seed=13).to(torch.bfloat16), None)}
+    stages = {
+        "gate_up": (_rows(tokens, K, seed=12).to(torch.bfloat16), sort.token_index),
+        "down": (_rows(tokens * top_k, K, seed=13).to(torch.bfloat16), None),
+    }
     for x, token_index in stages.values():
         y = grouped_quantized_linear(scheme, x, offsets, weights, token_index=token_index, input_global_scale=scales)
         assert y.shape == (tokens * top_k, N) and y.dtype == torch.bfloat16
@@ -258,26 +294,48 @@ def test_grouped_quantized_linear_fused_gate_up_and_tp_slice(scheme):
     """Served layouts: gate and up (I = 72 rows each, not a multiple of 128) encoded apart and fused per expert
     with per-row scales (FP8 block rows repeated, NVFP4 one global per row); then a K slice under TP, per-token
     scales from the whole row's amax (row_amax)."""
-    tokens, top_k, e, inter = 7, 2, 3, 72
+    tokens, e, inter = 7, 3, 72  # top-2 routing below
     sort = sort_by_expert(torch.tensor([[0, 2]] * 3 + [[2, 1]] * 4), e)
     gate, up = _weights(e, inter, K, seed=20), _weights(e, inter, K, seed=21) * 3
     encoded = [(scheme.encode(gate[i], "g"), scheme.encode(up[i], "u")) for i in range(e)]
     if scheme is FP8_BLOCK:
-        weights = [torch.stack([torch.cat([g["weight"], u["weight"]]) for g, u in encoded]),
-                   torch.stack([torch.cat([expand_block_scales(t["weight_scale"], (FP8_WEIGHT_BLOCK, 1))[:inter]
-                                           for t in (g, u)]) for g, u in encoded])]
+        weights = [
+            torch.stack([torch.cat([g["weight"], u["weight"]]) for g, u in encoded]),
+            torch.stack(
+                [
+                    torch.cat([expand_block_scales(t["weight_scale"], (FP8_WEIGHT_BLOCK, 1))[:inter] for t in (g, u)])
+                    for g, u in encoded
+                ]
+            ),
+        ]
     else:
-        weights = [torch.stack([torch.cat([g[name], u[name]]) for g, u in encoded]) for name in ("weight_packed", "weight_scale")]
-        weights.append(torch.stack([torch.cat([t["weight_global_scale"].expand(inter) for t in (g, u)]) for g, u in encoded]))
+        weights = [
+            torch.stack([torch.cat([g[name], u[name]]) for g, u in encoded])
+            for name in ("weight_packed", "weight_scale")
+        ]
+        weights.append(
+            torch.stack([torch.cat([t["weight_global_scale"].expand(inter) for t in (g, u)]) for g, u in encoded])
+        )
     w_deq = [torch.cat([scheme.decode(g, K), scheme.decode(u, K)]) for g, u in encoded]
     x = _rows(tokens, 2 * K, seed=22).to(torch.bfloat16)
     x_slice, row_amax = x[:, K:], x.float().abs().amax(dim=1, keepdim=True)  # this rank's half of K
-    y = grouped_quantized_linear(scheme, x_slice, sort.expert_offsets, weights, token_index=sort.token_index,
-                                 row_amax=row_amax, out_dtype=torch.float32)
+    y = grouped_quantized_linear(
+        scheme,
+        x_slice,
+        sort.expert_offsets,
+        weights,
+        token_index=sort.token_index,
+        row_amax=row_amax,
+        out_dtype=torch.float32,
+    )
     rows, amax = x_slice[sort.token_index], row_amax[sort.token_index]
     for i, lo, hi in _segments(sort.expert_offsets):
-        assert_gemm_close(y[lo:hi], scheme.fake_quant_activation(rows[lo:hi], row_amax=amax[lo:hi]), w_deq[i],
-                          fp8_mma=scheme is FP8_BLOCK)
+        assert_gemm_close(
+            y[lo:hi],
+            scheme.fake_quant_activation(rows[lo:hi], row_amax=amax[lo:hi]),
+            w_deq[i],
+            fp8_mma=scheme is FP8_BLOCK,
+        )
 
 
 @pytest.mark.parametrize("scheme,static", [(FP8_BLOCK, False), (NVFP4, False), (NVFP4, True)])
@@ -290,17 +348,20 @@ def test_grouped_quantized_linear_online_hadamard_is_the_transformed_input(schem
     weights, _ = _stack(scheme, _weights(e, N, K, seed=25))
     scales = torch.logspace(-3, -1, e) if static else None
     x = _rows(sum(COUNTS), K, seed=26).to(torch.bfloat16)
-    fused = grouped_quantized_linear(scheme, x, offsets, weights, input_global_scale=scales, hadamard=8,
-                                     out_dtype=torch.float32)
-    transformed = grouped_quantized_linear(scheme, block_hadamard(x, 8), offsets, weights, input_global_scale=scales,
-                                           out_dtype=torch.float32)
+    fused = grouped_quantized_linear(
+        scheme, x, offsets, weights, input_global_scale=scales, hadamard=8, out_dtype=torch.float32
+    )
+    transformed = grouped_quantized_linear(
+        scheme, block_hadamard(x, 8), offsets, weights, input_global_scale=scales, out_dtype=torch.float32
+    )
     assert torch.equal(fused, transformed)
     plain = grouped_quantized_linear(scheme, x, offsets, weights, input_global_scale=scales, out_dtype=torch.float32)
     assert not torch.equal(fused, plain)  # the option is not ignored
     if not static:
         with pytest.raises(ValueError, match="transform a tensor-parallel slice"):
-            grouped_quantized_linear(scheme, x, offsets, weights, row_amax=x.float().abs().amax(1, keepdim=True),
-                                     hadamard=8)
+            grouped_quantized_linear(
+                scheme, x, offsets, weights, row_amax=x.float().abs().amax(1, keepdim=True), hadamard=8
+            )
 
 
 def test_nvfp4_quantizer_per_row_static_scales_bit_exact():
@@ -346,8 +407,12 @@ def test_native_launch_harness_keeps_views_and_writes_back(monkeypatch):
 
     offsets = _offsets((3, 0, 4))
     fp8 = [quantize_fp8_block(w) for w in _weights(3, N, K, seed=40)]
-    both = torch.cat([torch.stack([q.view(torch.uint8) for q, _ in fp8]).flatten(),
-                      torch.stack([sc for _, sc in fp8]).flatten().view(torch.uint8)])  # one storage for w_q and w_scale
+    both = torch.cat(
+        [
+            torch.stack([q.view(torch.uint8) for q, _ in fp8]).flatten(),
+            torch.stack([sc for _, sc in fp8]).flatten().view(torch.uint8),
+        ]
+    )  # one storage for w_q and w_scale
     n_q = 3 * N * K
     w_q = both[:n_q].view(torch.float8_e4m3fn).view(3, N, K)
     w_scale = both[n_q:].view(torch.float32).view(3, 2, 2)
@@ -364,7 +429,9 @@ def test_native_launch_harness_keeps_views_and_writes_back(monkeypatch):
     got = fp8_block_grouped_gemm(x_q, x_scale, w_q, w_scale, offsets, row_index=row_index, out_dtype=torch.float32)
     assert launches and torch.equal(got, want)
     copied = [a for a in launches[0] if isinstance(a, torch.Tensor)]
-    assert all(a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() for a in copied for b in (x_q, w_q, got))
+    assert all(
+        a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() for a in copied for b in (x_q, w_q, got)
+    )
 
 
 # --- Hopper: the grouped kernels compile to wgmma ------------------------------------------------------------
@@ -376,19 +443,22 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from quantkit.kernels import gemm_tiles, grouped_gemm
 
-ALIGNED = {"N", "K", "K_BYTES", "stride_xm", "stride_am", "stride_we", "stride_wn", "stride_ym"}  # 16-divisible at real shapes
+# 16-divisible at real shapes
+ALIGNED = {"N", "K", "K_BYTES", "stride_xm", "stride_am", "stride_we", "stride_wn", "stride_ym"}
 
 def ptx(kernel, types, constexprs, tiles):
     constexprs = {**constexprs, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
                   "GROUP_M": tiles.group_m}
     sig = {n: types.get(n, "constexpr" if n in constexprs else "i32") for n in kernel.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items()) if t.startswith("*") or n in ALIGNED}
+    attrs = {(i,): [["tt.divisibility", 16]]
+             for i, (n, t) in enumerate(sig.items()) if t.startswith("*") or n in ALIGNED}
     compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
     text = compiled.asm["ptx"]
     return {"wgmma": "wgmma.mma_async" in text, "cp_async": "cp.async" in text}
 
-index = {"ends_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32", "row_index_ptr": "*i32", "y_ptr": "*bf16"}
+index = {"ends_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32", "row_index_ptr": "*i32",
+         "y_ptr": "*bf16"}
 out = {}
 for m in (1, 4096):
     for gather in (False, True):

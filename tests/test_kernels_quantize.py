@@ -294,8 +294,9 @@ def test_nvfp4_refuses_bad_static_scales_and_short_tiles():
 
 
 @triton.jit
-def _hadamard_kernel(x_ptr, y_ptr, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HADAMARD: tl.constexpr,
-                     SCALE: tl.constexpr):
+def _hadamard_kernel(
+    x_ptr, y_ptr, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HADAMARD: tl.constexpr, SCALE: tl.constexpr
+):
     rows = tl.arange(0, BLOCK_M)[:, None] * K
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)[None, :]
@@ -311,8 +312,7 @@ def test_hadamard_tile_is_the_reference_butterfly_bit_for_bit(block):
     g = torch.Generator().manual_seed(7)
     x = torch.randn(4, 8 * block, generator=g) * torch.logspace(-3, 3, 8 * block)
     y = torch.empty_like(x)
-    _hadamard_kernel[(1,)](x, y, x.shape[1], BLOCK_M=4, BLOCK_K=4 * block, HADAMARD=block,
-                           SCALE=hadamard_scale(block))
+    _hadamard_kernel[(1,)](x, y, x.shape[1], BLOCK_M=4, BLOCK_K=4 * block, HADAMARD=block, SCALE=hadamard_scale(block))
     assert torch.equal(y, block_hadamard(x, block))
 
 

@@ -28,8 +28,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantkit.evals.degradation import (LOGPROBS_FILE, HeldoutLogprobsError, _load_float32, engine_kl, heldout_kl,
-                                        kl_agreement_bound, load_heldout_logprobs, record_heldout_logprobs, topk_kl)
+from quantkit.evals.degradation import (
+    LOGPROBS_FILE,
+    HeldoutLogprobsError,
+    _load_float32,
+    engine_kl,
+    heldout_kl,
+    kl_agreement_bound,
+    load_heldout_logprobs,
+    record_heldout_logprobs,
+    topk_kl,
+)
 from quantkit.metrics import kl_divergence
 
 ETA = 1e-4
@@ -80,8 +89,11 @@ def recorded(tiny_checkpoint, tmp_path_factory):
     shutil.copytree(tiny_checkpoint, noisy)
     state = load_file(str(noisy / "model.safetensors"))
     gen = torch.Generator().manual_seed(0)
-    save_file({k: v + 0.05 * torch.randn(v.shape, generator=gen) if v.dim() == 2 else v for k, v in state.items()},
-              str(noisy / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v + 0.05 * torch.randn(v.shape, generator=gen) if v.dim() == 2 else v for k, v in state.items()},
+        str(noisy / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     tokens = heldout_windows(AutoTokenizer.from_pretrained(tiny_checkpoint), NUM_SEQUENCES, SEQ_LEN)
     dirs = {}
     for name, model in (("ref", tiny_checkpoint), ("noisy", noisy)):
@@ -117,8 +129,11 @@ def test_engine_kl_agrees_with_the_transformers_reference(recorded):
     test, _ = load_heldout_logprobs(dirs["noisy", "full"])
     served = kl_divergence(ref["logprobs"], test["logprobs"])
     bound = kl_agreement_bound(ref_logits, test_logits, ETA)
-    print(f"KL per token: served mean {served.mean():.6g}, reference mean {reference.mean():.6g}; "
-          f"max |served - reference| {(served - reference).abs().max():.3g} against bounds {bound.min():.3g}..{bound.max():.3g}")
+    print(
+        f"KL per token: served mean {served.mean():.6g}, reference mean {reference.mean():.6g}; "
+        f"max |served - reference| {(served - reference).abs().max():.3g} against bounds "
+        f"{bound.min():.3g}..{bound.max():.3g}"
+    )
     assert ((served - reference).abs() <= bound).all()
     assert bound.mean() < reference.mean() / 10  # the bound is tight enough to catch an O(KL) error
     summary = engine_kl(dirs["ref", "full"], dirs["noisy", "full"])
@@ -171,15 +186,18 @@ def test_study_spec_kl_keys(tmp_path):
     assert spec("").kl == dict(num_sequences=16, seq_len=128, source="vllm", top_k=None)
     assert spec("eval: {backend: hf}\n").kl["source"] == "transformers"
     assert spec("kl: {top_k: 64}\n").kl["top_k"] == 64
-    for bad, message in (("kl: {source: hf}", "kl.source must be one of"), ("kl: {top_k: 0}", "kl.top_k must be"),
-                         ("kl: {nope: 1}", r"unknown kl key\(s\) \['nope'\]"),
-                         ("eval: {backend: hf}\nkl: {source: vllm}", "needs eval.backend vllm"),
-                         ("parallel: {data_parallel_size: 2}", "data_parallel_size 1"),
-                         ("eval: {numerics: yes please}", "eval.numerics must be true or false"),
-                         ("eval: {reference: 1}", "eval.reference must be true or false"),
-                         ("eval: {backend: hf, numerics: true}\nkl: {source: transformers}", "numerics .* needs eval.backend vllm"),
-                         ("eval: {limits: {m: 0}}", "eval.limits.m must be a positive integer"),
-                         ("eval: {limits: {x: 5}}", "eval.limits must map model labels")):
+    for bad, message in (
+        ("kl: {source: hf}", "kl.source must be one of"),
+        ("kl: {top_k: 0}", "kl.top_k must be"),
+        ("kl: {nope: 1}", r"unknown kl key\(s\) \['nope'\]"),
+        ("eval: {backend: hf}\nkl: {source: vllm}", "needs eval.backend vllm"),
+        ("parallel: {data_parallel_size: 2}", "data_parallel_size 1"),
+        ("eval: {numerics: yes please}", "eval.numerics must be true or false"),
+        ("eval: {reference: 1}", "eval.reference must be true or false"),
+        ("eval: {backend: hf, numerics: true}\nkl: {source: transformers}", "numerics .* needs eval.backend vllm"),
+        ("eval: {limits: {m: 0}}", "eval.limits.m must be a positive integer"),
+        ("eval: {limits: {x: 5}}", "eval.limits must map model labels"),
+    ):
         with pytest.raises(ValueError, match=message):
             spec(bad + "\n")
     assert spec("eval: {limits: {m: 7}, numerics: true}\n").eval["limits"] == {"m": 7}
@@ -193,8 +211,10 @@ def test_study_spec_suite_per_model(tmp_path):
     path = tmp_path / "spec.yaml"
 
     def spec(suites: str, model: str | None = None):
-        path.write_text(f"name: s\nmodels: {{a: zoo:ga, b: zoo:gatednorm}}\nrecipes: [bf16]\n"
-                        f"eval: {{suite: code, suites: {suites}}}\n")
+        path.write_text(
+            f"name: s\nmodels: {{a: zoo:ga, b: zoo:gatednorm}}\nrecipes: [bf16]\n"
+            f"eval: {{suite: code, suites: {suites}}}\n"
+        )
         return load_spec(path, model)
 
     study = Study(spec("{b: commonsense}"))
@@ -202,7 +222,10 @@ def test_study_spec_suite_per_model(tmp_path):
     assert Study(spec("null")).suite("b") == "code"
     assert Study(spec("{b: commonsense}", model="zoo:gatednorm")).suite("gatednorm") == "commonsense"
     assert Study(spec("{b: commonsense}", model="zoo:dyt")).suite("dyt") == "code"
-    for bad, message in (("{c: commonsense}", r"names model\(s\) \['c'\]"), ("{b: nope}", "unknown suite 'nope'"),
-                         ("[commonsense]", "must map model labels to suites")):
+    for bad, message in (
+        ("{c: commonsense}", r"names model\(s\) \['c'\]"),
+        ("{b: nope}", "unknown suite 'nope'"),
+        ("[commonsense]", "must map model labels to suites"),
+    ):
         with pytest.raises(ValueError, match=message):
             spec(bad)

@@ -41,9 +41,19 @@ def test_lm_eval_sees_a_vllm_version():
 
 
 # Installed import name of each source folder (pyproject.toml [tool.setuptools.package-dir]).
-SOURCE_ROOTS = {"quantkit": "quantkit", "configs": "quantkit.configs", "kernels": "quantkit.kernels",
-                "evals": "quantkit.evals", "pipelines": "quantkit.pipelines"}
-LEAVES = ("quantkit.errors", "quantkit.atomic", "quantkit.checkpoints", "quantkit.yamlfile")  # shared by every layer, import only leaves
+SOURCE_ROOTS = {
+    "quantkit": "quantkit",
+    "configs": "quantkit.configs",
+    "kernels": "quantkit.kernels",
+    "evals": "quantkit.evals",
+    "pipelines": "quantkit.pipelines",
+}
+LEAVES = (
+    "quantkit.errors",
+    "quantkit.atomic",
+    "quantkit.checkpoints",
+    "quantkit.yamlfile",
+)  # shared by every layer, import only leaves
 SERVE_ENTRIES = ("quantkit.serve.engine", "quantkit.serve.checkpoint_check")  # what consumers of serving may use
 
 
@@ -90,8 +100,16 @@ def test_imports_point_one_way():
         "quantkit.kernels": ("quantkit.kernels", "quantkit.formats", *LEAVES),
         **{leaf: LEAVES for leaf in LEAVES},
     }
-    forbidden = {"quantkit.quantize": ("quantkit.serve", "quantkit.kernels", "quantkit.evals", "quantkit.pipelines",
-                                       "quantkit.report", "quantkit.cli")}
+    forbidden = {
+        "quantkit.quantize": (
+            "quantkit.serve",
+            "quantkit.kernels",
+            "quantkit.evals",
+            "quantkit.pipelines",
+            "quantkit.report",
+            "quantkit.cli",
+        )
+    }
     consumers = ("quantkit.evals", "quantkit.pipelines", "quantkit.report")
     wrong = []
     for module, path in _modules().items():
@@ -159,6 +177,8 @@ def test_no_import_circles_between_modules_or_packages():
         module_graph[module] = {d for d in deps if not module.startswith(d + ".")}  # a package's own __init__
     package_graph: dict[str, set[str]] = {}
     for module, deps in module_graph.items():
-        package_graph.setdefault(package(module), set()).update(package(d) for d in deps if package(d) != package(module))
+        package_graph.setdefault(package(module), set()).update(
+            package(d) for d in deps if package(d) != package(module)
+        )
     assert not _cycles(module_graph), f"import circles between modules: {_cycles(module_graph)}"
     assert not _cycles(package_graph), f"import circles between packages: {_cycles(package_graph)}"

@@ -85,8 +85,8 @@ def test_paired_bootstrap_separates_noise_from_regression():
     assert (same.delta, same.ci_low, same.ci_high) == (0.0, 0.0, 0.0) and not is_regression(same)
     rng = np.random.default_rng(1)
     ref = rng.random(400) < 0.6
-    worse = ref & (rng.random(400) < 0.7)           # ~30% of right answers lost: a real drop
-    noisy = ref ^ (rng.random(400) < 0.04)          # symmetric 4% flips: noise
+    worse = ref & (rng.random(400) < 0.7)  # ~30% of right answers lost: a real drop
+    noisy = ref ^ (rng.random(400) < 0.04)  # symmetric 4% flips: noise
     drop = paired_bootstrap(ref, worse)
     assert drop.delta < -0.1 and is_regression(drop) and drop.p_not_worse == 0.0
     assert not is_regression(paired_bootstrap(ref, noisy))
@@ -110,8 +110,9 @@ def test_stratified_bootstrap_of_one_benchmark_is_the_paired_bootstrap_in_points
     rng = np.random.default_rng(3)
     ref, test = rng.integers(0, 2, 200).astype(float), rng.integers(0, 2, 200).astype(float)
     single, avg = paired_bootstrap(ref, test, seed=7), stratified_bootstrap([(ref, test)], seed=7)
-    assert (avg.delta, avg.ci_low, avg.ci_high) == pytest.approx((100 * single.delta, 100 * single.ci_low,
-                                                                  100 * single.ci_high), rel=1e-12, abs=1e-12)
+    assert (avg.delta, avg.ci_low, avg.ci_high) == pytest.approx(
+        (100 * single.delta, 100 * single.ci_low, 100 * single.ci_high), rel=1e-12, abs=1e-12
+    )
     assert avg.n == 200
 
 

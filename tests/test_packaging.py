@@ -56,18 +56,42 @@ def _sources(dest: Path) -> Path:
 def test_installed_wheel_finds_recipes_suites_and_gate(tmp_path):
     src, target, cwd = _sources(tmp_path / "src"), tmp_path / "target", tmp_path / "cwd"
     cwd.mkdir()
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-                    "--quiet", "--target", str(target), str(src)], check=True, capture_output=True, cwd=cwd)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--quiet",
+            "--target",
+            str(target),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=cwd,
+    )
     site = [p for p in sys.path if Path(p).name == "site-packages"]  # the environment's dependencies
-    out = subprocess.run([sys.executable, "-S", "-c", PROBE, json.dumps([str(target), *site])],
-                         cwd=cwd, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", PROBE, json.dumps([str(target), *site])], cwd=cwd, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     found = json.loads(out.stdout)
     assert Path(found["quantkit"]).is_relative_to(target), "quantkit was imported from outside the install"
     assert found["recipes"] == {name: name for name in available_recipes()}
     assert found["suites"] == {name: load_suite(name).name for name in available_suites()}  # full: alias of table2
-    assert found["task_files"] == sorted({str(p.relative_to(TASKS_DIR)) for dirs in TASK_CONFIGS.values()
-                                          for d in dirs for p in d.iterdir() if p.is_file()})
+    assert found["task_files"] == sorted(
+        {
+            str(p.relative_to(TASKS_DIR))
+            for dirs in TASK_CONFIGS.values()
+            for d in dirs
+            for p in d.iterdir()
+            if p.is_file()
+        }
+    )
     assert found["gate_is_default"]
 
 
@@ -78,5 +102,5 @@ def test_llmcompressor_venv_outside_a_checkout_names_the_variable(monkeypatch, t
     monkeypatch.delenv(backend.PYTHON_ENV, raising=False)
     assert backend.CHECKOUT == REPO
     monkeypatch.setattr(backend, "CHECKOUT", tmp_path / "site-packages")
-    with pytest.raises(BackendError, match="outside a source checkout .* set QUANTKIT_LLMCOMPRESSOR_PYTHON"):
+    with pytest.raises(BackendError, match=r"outside a source checkout .* set QUANTKIT_LLMCOMPRESSOR_PYTHON"):
         backend.llmcompressor_python()

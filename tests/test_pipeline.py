@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantkit.pipelines.study import Study, StageError, load_spec
+from quantkit.pipelines.study import StageError, Study, load_spec
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +39,12 @@ def _spec(tmp_path: Path, model: Path, numerics: bool = False) -> Path:
 
 def _mtimes(run_dir: Path) -> dict[str, float]:
     """Modification times of the cached stage artifacts (the report is re-rendered on every run)."""
-    return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for stage in ("checkpoints", "evals", "degradation")
-            for p in (run_dir / stage).rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(run_dir)): p.stat().st_mtime_ns
+        for stage in ("checkpoints", "evals", "degradation")
+        for p in (run_dir / stage).rglob("*")
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +56,19 @@ def study(tiny_checkpoint, tmp_path_factory):
 
 def test_study_writes_every_artifact(study):
     _, run_dir = study
-    for path in ("spec.json", "checkpoints/tiny-bf16/config.json", "checkpoints/tiny-w4a4_nvfp4/config.json",
-                 "evals/tiny-bf16/results.json", "evals/tiny-w4a4_nvfp4/results.json", "degradation/tiny-w4a4_nvfp4.json",
-                 "results.json", "report/report.md", "report/report.html", "report/report.csv", "report/report.json"):
+    for path in (
+        "spec.json",
+        "checkpoints/tiny-bf16/config.json",
+        "checkpoints/tiny-w4a4_nvfp4/config.json",
+        "evals/tiny-bf16/results.json",
+        "evals/tiny-w4a4_nvfp4/results.json",
+        "degradation/tiny-w4a4_nvfp4.json",
+        "results.json",
+        "report/report.md",
+        "report/report.html",
+        "report/report.csv",
+        "report/report.json",
+    ):
         assert (run_dir / path).exists(), path
     results = json.loads((run_dir / "results.json").read_text())
     rows = {r["recipe"]: r for r in results["rows"]}
@@ -73,7 +87,10 @@ def test_study_writes_every_artifact(study):
     timings = results["meta"]["timings"]  # wall seconds per stage, also in timings.json and the report
     assert list(timings["stages"]) == ["checkpoint", "diagnose", "quantize", "eval", "numerics", "degradation"]
     assert timings["total"] == pytest.approx(sum(timings["stages"].values()), abs=0.05)
-    assert {(e["stage"], e["recipe"]) for e in timings["entries"] if not e["cached"]} >= {("eval", "bf16"), ("eval", "w4a4_nvfp4")}
+    assert {(e["stage"], e["recipe"]) for e in timings["entries"] if not e["cached"]} >= {
+        ("eval", "bf16"),
+        ("eval", "w4a4_nvfp4"),
+    }
     assert "Time: checkpoint" in (run_dir / "report" / "report.md").read_text()
 
 
@@ -104,7 +121,10 @@ def test_numerics_floor_and_verdicts_in_words(study):
     assert "## Verdicts" in md and "tiny: numerics floor ±" in md and "tiny W4A4: ΔAvg" in md
     quantized = json.loads((run_dir / "evals" / "tiny-w4a4_nvfp4" / "results.json").read_text())
     history = json.loads((run_dir / "history.json").read_text())
-    assert history["tiny w4a4_nvfp4"][-1]["date"] == quantized["date"] and history["tiny bf16"][-1]["date"] == first["date"]
+    assert (
+        history["tiny w4a4_nvfp4"][-1]["date"] == quantized["date"]
+        and history["tiny bf16"][-1]["date"] == first["date"]
+    )
 
 
 def test_cached_rerun_and_resume_after_crash(study):
@@ -144,7 +164,10 @@ def test_a_partial_run_reports_the_rows_so_far(study, tmp_path):
     partial._report()
     results = json.loads((copy / "results.json").read_text())
     assert [r["recipe"] for r in results["rows"]] == ["bf16"] and results["meta"]["pending"] == ["tiny w4a4_nvfp4"]
-    assert "Pending: 1 row (tiny w4a4_nvfp4): the study is still running or was stopped." in (copy / "report" / "report.md").read_text()
+    assert (
+        "Pending: 1 row (tiny w4a4_nvfp4): the study is still running or was stopped."
+        in (copy / "report" / "report.md").read_text()
+    )
 
 
 def test_the_report_shows_where_the_quantization_noise_sits(study):
@@ -156,14 +179,19 @@ def test_the_report_shows_where_the_quantization_noise_sits(study):
     _, run_dir = study
     results = json.loads((run_dir / "results.json").read_text())
     table = results["meta"]["sensitivity"]["tiny"]["w4a4_nvfp4"]
-    source = json.loads((run_dir / "diagnostics" / "tiny" / "diagnostics.json").read_text())["sensitivity"]["w4a4_nvfp4"]
+    source = json.loads((run_dir / "diagnostics" / "tiny" / "diagnostics.json").read_text())["sensitivity"][
+        "w4a4_nvfp4"
+    ]
     assert list(table) == list(source) and table and all("layers" not in cell for cell in table.values())
     means = [cell["mean_db"] for cell in table.values()]
     assert means == sorted(means)
     kind, cell = next(iter(table.items()))
     for name in ("report.md", "report.html"):
         text = (run_dir / "report" / name).read_text()
-        assert SENSITIVITY_TITLE in text and f"{cell['mean_db']:.1f} ({cell['min_db']:.1f} @ {cell['worst_layer']})" in text
+        assert (
+            SENSITIVITY_TITLE in text
+            and f"{cell['mean_db']:.1f} ({cell['min_db']:.1f} @ {cell['worst_layer']})" in text
+        )
         assert kind in text
 
 
@@ -177,7 +205,7 @@ def test_deleted_checkpoints_are_recreated_and_evals_kept(study, tmp_path):
     shutil.rmtree(copy / "checkpoints")
     evals_before = {k: v for k, v in _mtimes(copy).items() if k.startswith("evals/")}
     partial = Study(studied.spec, copy)
-    with pytest.raises(ValueError, match="no row .* is measured yet"):
+    with pytest.raises(ValueError, match=r"no row .* is measured yet"):
         partial._report()
     partial.run()
     assert {k: v for k, v in _mtimes(copy).items() if k.startswith("evals/")} == evals_before
@@ -203,7 +231,10 @@ def test_failures_name_stage_model_and_recipe(tmp_path, tiny_checkpoint):
     with pytest.raises(StageError, match=r"stage 'diagnose' failed for model 'tiny' \(.*tokenizer"):
         study.run(until="diagnose")
     # with the diagnose stage finished, `--until diagnose` has nothing left to fail
-    write_diagnostics(diagnose(tiny_checkpoint, num_sequences=2, seq_len=32, recipes=[], progress=False), study.dir / "diagnostics" / "tiny")
+    write_diagnostics(
+        diagnose(tiny_checkpoint, num_sequences=2, seq_len=32, recipes=[], progress=False),
+        study.dir / "diagnostics" / "tiny",
+    )
     study.run(until="diagnose")
     bad = tmp_path / "bad.yaml"
     bad.write_text(SPEC.format(model=tiny_checkpoint, runs=tmp_path, numerics="false").replace("w4a4_nvfp4", "w3a3"))
@@ -232,7 +263,9 @@ def test_gate_against_committed_baseline_and_injected_regression(study, tmp_path
             shrink = lambda code: torch.where(code & 0x7 > 0, code - 1, code)  # noqa: E731
             state[name] = (shrink(low) | shrink(high) << 4).to(torch.uint8)
     save_file(state, weights)
-    Study(load_spec(_spec(tmp_path, Path(json.loads((run_dir / "spec.json").read_text())["models"]["tiny"]))), regressed).run()
+    Study(
+        load_spec(_spec(tmp_path, Path(json.loads((run_dir / "spec.json").read_text())["models"]["tiny"]))), regressed
+    ).run()
     assert run_gate(BASELINE_RESULTS, regressed / "results.json", load_thresholds()) == 1
     # the re-evaluated W4A4 row is on record once more (earlier tests of this module may have redone it too); the
     # report names it as moved exactly when its Avg changed from the evaluation before

@@ -45,8 +45,22 @@ from quantkit.evals.suite import TASK_CONFIGS, load_suite
 SUITE = load_suite("table2")
 ROOT = Path(__file__).resolve().parents[1]
 LM_EVAL_TASKS = Path(lm_eval.api.task.__file__).resolve().parent.parent / "tasks"
-MMLU_PRO_CATEGORIES = ["biology", "business", "chemistry", "computer science", "economics", "engineering", "health",
-                       "history", "law", "math", "other", "philosophy", "physics", "psychology"]
+MMLU_PRO_CATEGORIES = [
+    "biology",
+    "business",
+    "chemistry",
+    "computer science",
+    "economics",
+    "engineering",
+    "health",
+    "history",
+    "law",
+    "math",
+    "other",
+    "philosophy",
+    "physics",
+    "psychology",
+]
 MMMLU_SUBJECTS = json.loads((LM_EVAL_TASKS / "openai-mmmlu" / "subjects.json").read_text())
 N = 10  # fixture items per split (per category/subject where lm-eval filters by one): > 8 exemplars + the item
 
@@ -57,12 +71,29 @@ def _row(path: str, name: str | None, i: int, split: str) -> list[dict[str, Any]
     if path == "fxmarty/mmlu-redux-2.0-ok":
         return [dict(question=q, choices=[str(2 * i), "1", "2", "3"], answer=0)]
     if path == "TIGER-Lab/MMLU-Pro":
-        return [dict(question_id=i, question=q, options=[str(2 * i), "1", "2", "3"], answer="A", answer_index=0,
-                     cot_content=f"A: Let's think step by step. {i} + {i} = {2 * i}. The answer is (A).",
-                     category=c, src="fixture") for c in MMLU_PRO_CATEGORIES]
+        return [
+            dict(
+                question_id=i,
+                question=q,
+                options=[str(2 * i), "1", "2", "3"],
+                answer="A",
+                answer_index=0,
+                cot_content=f"A: Let's think step by step. {i} + {i} = {2 * i}. The answer is (A).",
+                category=c,
+                src="fixture",
+            )
+            for c in MMLU_PRO_CATEGORIES
+        ]
     if path == "Idavidrein/gpqa":
-        return [{"Question": q, "Correct Answer": str(2 * i), "Incorrect Answer 1": "1", "Incorrect Answer 2": "2",
-                 "Incorrect Answer 3": "3"}]
+        return [
+            {
+                "Question": q,
+                "Correct Answer": str(2 * i),
+                "Incorrect Answer 1": "1",
+                "Incorrect Answer 2": "2",
+                "Incorrect Answer 3": "3",
+            }
+        ]
     if path == "openai/gsm8k":
         return [dict(question=q, answer=f"{i} + {i} = {2 * i}\n#### {2 * i}")]
     if path == "EleutherAI/hendrycks_math":
@@ -75,12 +106,29 @@ def _row(path: str, name: str | None, i: int, split: str) -> list[dict[str, Any]
         answer = f"Step-by-Step Answer: {i} + {i} = {2 * i}. The answer is {2 * i}." if split == "train" else None
         return [dict(question=q, answer=answer, answer_number=2 * i, equation_solution=f"{i}+{i}={2 * i}")]
     if path == "nuprl/MultiPL-E":
-        return [dict(name=f"fixture_{i}", language="py", prompt=f"def double_{i}(x):\n    \"\"\"{q}\"\"\"\n",
-                     tests=f"\n\nassert double_{i}({i}) == {2 * i}\n", doctests="", original="",
-                     prompt_terminology="", stop_tokens=["\ndef"])]
+        return [
+            dict(
+                name=f"fixture_{i}",
+                language="py",
+                prompt=f'def double_{i}(x):\n    """{q}"""\n',
+                tests=f"\n\nassert double_{i}({i}) == {2 * i}\n",
+                doctests="",
+                original="",
+                prompt_terminology="",
+                stop_tokens=["\ndef"],
+            )
+        ]
     if path == "google-research-datasets/mbpp":
-        return [dict(task_id=100 + i, text=q, code="def add(a, b):\n    return a + b",
-                     test_list=[f"assert add({i}, {i}) == {2 * i}"], test_setup_code="", challenge_test_list=[])]
+        return [
+            dict(
+                task_id=100 + i,
+                text=q,
+                code="def add(a, b):\n    return a + b",
+                test_list=[f"assert add({i}, {i}) == {2 * i}"],
+                test_setup_code="",
+                challenge_test_list=[],
+            )
+        ]
     if path == "m-a-p/SuperGPQA":
         return [dict(question=q, options=[str(2 * i), "1", "2", "3"], answer_letter="A")]
     raise AssertionError(f"no fixture schema for hub dataset {path!r}: a table2 task reads a new dataset")
@@ -90,8 +138,12 @@ def _row(path: str, name: str | None, i: int, split: str) -> list[dict[str, Any]
 def fixture_load_dataset(path: str, name: str | None = None, **_: Any) -> DatasetDict:
     """Stands in for datasets.load_dataset in lm-eval's task module: N fixture items per split. Cached per
     (path, name): lm-eval never assigns into a loaded DatasetDict, and MMMLU's 798 leaves read 14 of them."""
-    return DatasetDict({split: Dataset.from_list([r for i in range(N) for r in _row(path, name, i, split)])
-                        for split in ("train", "validation", "test", "dev")})
+    return DatasetDict(
+        {
+            split: Dataset.from_list([r for i in range(N) for r in _row(path, name, i, split)])
+            for split in ("train", "validation", "test", "dev")
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +181,19 @@ def _expected_gen_kwargs(bench: str, leaf: str) -> dict[str, Any] | None:
 
 
 def test_table_covers_the_paper_columns_and_avg():
-    assert SUITE.avg == ["MMLU-R", "MMLU-P", "S-GPQA", "GPQA-D", "GSM8k", "Math", "Crux", "MultiPL_E", "MBPP",
-                         "MMMLU", "MGSM"]
+    assert SUITE.avg == [
+        "MMLU-R",
+        "MMLU-P",
+        "S-GPQA",
+        "GPQA-D",
+        "GSM8k",
+        "Math",
+        "Crux",
+        "MultiPL_E",
+        "MBPP",
+        "MMMLU",
+        "MGSM",
+    ]
     assert set(SUITE.benchmarks) - set(SUITE.avg) == {"HumanEval"}
     assert load_suite("full") == SUITE  # `full` is an alias
 
@@ -144,8 +207,10 @@ def test_effective_settings_match_the_table(bench, manager):
         cfg = task.config
         assert cfg.num_fewshot == row["num_fewshot"], (name, cfg.num_fewshot)
         assert (cfg.output_type == "generate_until") == (row["generation_kwargs"] is not None), name
-        assert cfg.generation_kwargs == _expected_gen_kwargs(bench, name) or row["generation_kwargs"] is None, \
-            (name, cfg.generation_kwargs)
+        assert cfg.generation_kwargs == _expected_gen_kwargs(bench, name) or row["generation_kwargs"] is None, (
+            name,
+            cfg.generation_kwargs,
+        )
         assert cfg.repeats == 1, name
         assert row["metric"] in _metric_names(task), (name, sorted(_metric_names(task)))
         filters = [f.name for f in task._filters]
@@ -215,10 +280,13 @@ def test_crux_programs_run_in_quantkit_sandbox(manager, monkeypatch):
     the opt-in, and with it each program runs in the sandbox (a passing and a failing assertion: pass@1 0.5)."""
     from quantkit.evals.execution import CodeExecutionRefused
 
-    (_, task), = _built(manager, "Crux")
+    ((_, task),) = _built(manager, "Crux")
     metric = task.config.metric_list[0]["metric"]
     assert Path(metric.__code__.co_filename) == ROOT / "evals" / "tasks" / "table2" / "utils.py"
-    programs = [["def f(x):\n    return x + x\nassert f(2) == 4\n"], ["def f(x):\n    return x + x\nassert f(2) == 5\n"]]
+    programs = [
+        ["def f(x):\n    return x + x\nassert f(2) == 4\n"],
+        ["def f(x):\n    return x + x\nassert f(2) == 5\n"],
+    ]
     monkeypatch.delenv(ALLOW_ENV, raising=False)
     with pytest.raises(CodeExecutionRefused):
         metric(["", ""], programs, k=[1])
@@ -235,8 +303,10 @@ def test_report_avg_is_over_the_paper_columns_only():
 
     base = {b: 40.0 for b in SUITE.benchmarks} | {"HumanEval": 95.0}
     quant = {b: 38.0 for b in SUITE.benchmarks} | {"HumanEval": 10.0}
-    rows = [dict(variant="ga", recipe=r, precision=p, scores=s) for r, p, s in
-            (("bf16", "BF16", base), ("w4a4_nvfp4", "W4A4", quant))]
+    rows = [
+        dict(variant="ga", recipe=r, precision=p, scores=s)
+        for r, p, s in (("bf16", "BF16", base), ("w4a4_nvfp4", "W4A4", quant))
+    ]
     table = build_table(load_results(dict(schema_version=1, suite="table2", rows=rows)))
     assert [r.avg for r in table.rows] == [40.0, 38.0]
     assert table.rows[1].degradation.delta_avg == -2.0 and table.rows[1].degradation.delta["humaneval"] == -85.0
@@ -246,10 +316,13 @@ def test_report_avg_is_over_the_paper_columns_only():
     assert mini.rows[0].avg == (11 * 40.0 + 95.0) / 12 and mini.not_in_avg == ()
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(avg=["MMLU-R", "Nope"]), "avg must list"),
-    (dict(protocol={"MMLU-R": {"num_fewshot": 5}}), "protocol needs one row per benchmark"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(avg=["MMLU-R", "Nope"]), "avg must list"),
+        (dict(protocol={"MMLU-R": {"num_fewshot": 5}}), "protocol needs one row per benchmark"),
+    ],
+)
 def test_suite_avg_and_protocol_are_validated(change, message, tmp_path):
     import yaml
 

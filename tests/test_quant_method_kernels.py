@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.schemes import SCHEMES
 from quantkit.kernels.expert_sort import sort_by_expert
-from quantkit.serve.moe_method import QuantkitExperts, QuantkitGLUExpertsMethod
 from quantkit.serve.method_parts import CAPTURE_ENV, KERNEL_ENV
+from quantkit.serve.moe_method import QuantkitExperts, QuantkitGLUExpertsMethod
 from quantkit.serve.quant_method import QuantkitLinearMethod, QuantkitQuantConfig
 
 N, K = 136, 200  # neither a multiple of 128 nor (K) of the NVFP4 K tile
@@ -80,11 +80,17 @@ def test_kernel_choice_is_validated(monkeypatch):
 
 # ---------------------------------------------------------------------------------------- routed experts
 
-E, H, I = 4, 40, 72  # w13 (E, 144, 40): the up shard starts off the 128 grid; NVFP4 pads H to 48, I to 80
+E, H, I = 4, 40, 72  # noqa: E741 (I: the intermediate size, as the MoE papers write it); w13 (E, 144, 40): the up shard starts off the 128 grid; NVFP4 pads H to 48, I to 80
 # (scheme, activation scale, GLU experts, online Hadamard block of the down inputs: 8 for I = 72, a rotated checkpoint)
-EXPERTS_CASES = [("fp8_block", "per_token", False, 0), ("nvfp4", "per_token", False, 0), ("nvfp4", "static", False, 0),
-                 ("nvfp4", "per_token", True, 0), ("nvfp4", "per_token", False, 8), ("fp8_block", "per_token", True, 8),
-                 ("nvfp4_four_over_six", "per_token", False, 8)]
+EXPERTS_CASES = [
+    ("fp8_block", "per_token", False, 0),
+    ("nvfp4", "per_token", False, 0),
+    ("nvfp4", "static", False, 0),
+    ("nvfp4", "per_token", True, 0),
+    ("nvfp4", "per_token", False, 8),
+    ("fp8_block", "per_token", True, 8),
+    ("nvfp4_four_over_six", "per_token", False, 8),
+]
 ROUTING = torch.tensor([[2, 3], [3, 2], [2, -1], [1, 2], [2, 3], [3, 2], [2, -1], [3, 2]])  # -1: another rank's
 # tokens per expert: 0 (none), 1 (one), 8, 5 (uneven); two pairs of no local expert
 
@@ -93,8 +99,12 @@ def _experts(scheme, activation_scale, kernel, weights, glu, monkeypatch, captur
     """(QuantkitExperts, layer, run(x, ids, topk_weights)): E experts loaded from per-expert `Scheme.encode` tensors
     through vLLM's expert weight_loader; glu: through `QuantkitGLUExpertsMethod` (sigmoid), else silu (FusedMoE);
     hadamard: a rotated checkpoint's online block on every expert's down input."""
-    qc = {"format_version": 1, "scheme": scheme, "activation_scale": activation_scale,
-          "quantized_modules": [f"experts.{e}.{p}" for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")]}
+    qc = {
+        "format_version": 1,
+        "scheme": scheme,
+        "activation_scale": activation_scale,
+        "quantized_modules": [f"experts.{e}.{p}" for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")],
+    }
     if hadamard:
         qc["rotation"] = {"online_hadamard": {f"experts.{e}.down_proj": hadamard for e in range(E)}}
     config = QuantkitQuantConfig(qc)
@@ -167,15 +177,19 @@ def test_experts_triton_path_equals_torch_emulation(scheme, activation_scale, gl
     block_scales = x.abs().amax() / 2688 * torch.tensor([1.0, 0.5, 2.0, 1.0])  # static: expert 1's inputs clip
     weights = {}
     for e in range(E):
-        for proj, shard, shape, scale in (("gate_proj", "w1", (I, H), block_scales[e]),
-                                          ("up_proj", "w3", (I, H), block_scales[e]),
-                                          ("down_proj", "w2", (H, I), down_scales[e])):
+        for proj, shard, shape, scale in (
+            ("gate_proj", "w1", (I, H), block_scales[e]),
+            ("up_proj", "w3", (I, H), block_scales[e]),
+            ("down_proj", "w2", (H, I), down_scales[e]),
+        ):
             weights[e, proj, shard] = (torch.randn(shape, generator=g) * 0.05 * (e + 1), float(scale))
     topk_weights = torch.rand(ROUTING.shape, generator=g) + 0.1
-    emulation, emulation_layer, run_emulation = _experts(scheme, activation_scale, "torch", weights, glu, monkeypatch,
-                                                         tmp_path, hadamard)
-    triton, triton_layer, run_triton = _experts(scheme, activation_scale, "triton", weights, glu, monkeypatch,
-                                                hadamard=hadamard)
+    _, emulation_layer, run_emulation = _experts(
+        scheme, activation_scale, "torch", weights, glu, monkeypatch, tmp_path, hadamard
+    )
+    triton, triton_layer, run_triton = _experts(
+        scheme, activation_scale, "triton", weights, glu, monkeypatch, hadamard=hadamard
+    )
     want = run_emulation(x, ROUTING, topk_weights)
     got = run_triton(x, ROUTING, topk_weights)
     assert got.shape == want.shape == (len(ROUTING), H) and got.dtype == torch.float32
@@ -190,7 +204,7 @@ def test_experts_triton_path_equals_torch_emulation(scheme, activation_scale, gl
     sort = sort_by_expert(ROUTING, E)
     offsets = sort.expert_offsets.tolist()
     h = triton.triton_gate_up(triton_layer, x, sort)
-    assert not h[offsets[E]:].any(), "pairs of no local expert must be zeros"
+    assert not h[offsets[E] :].any(), "pairs of no local expert must be zeros"
     top_k = ROUTING.shape[1]
     pair_weight = topk_weights.reshape(-1)[sort.flat_index].double().abs()
     tol = torch.zeros(len(ROUTING), H, dtype=torch.float64)
@@ -211,8 +225,9 @@ def test_experts_triton_path_equals_torch_emulation(scheme, activation_scale, gl
             a_triton = block_hadamard(a_triton, hadamard)
         static = down_scales[e] if activation_scale == "static" else None
         codes = [scheme_.quantize_activation(a, static)[:-1] for a in (a_triton, a_emulation)]
-        row_flips = torch.stack([(c_t.float() != c_e.float()).reshape(len(a_triton), -1).any(-1)
-                                 for c_t, c_e in zip(*codes)]).any(0)
+        row_flips = torch.stack(
+            [(c_t.float() != c_e.float()).reshape(len(a_triton), -1).any(-1) for c_t, c_e in zip(*codes)]
+        ).any(0)
         tokens = sort.token_index[rows].long()
         flipped[tokens[row_flips]] = True
         xq_triton = scheme_.fake_quant_activation(a_triton, static).double()
@@ -240,10 +255,11 @@ def test_experts_triton_tp_slice_transforms_before_the_reference_quantizer(schem
     import quantkit.serve.moe_method as moe_method
 
     g = torch.Generator().manual_seed(3)
-    weights = {(e, proj, shard): (torch.randn(shape, generator=g) * 0.05, 1.0)
-               for e in range(E)
-               for proj, shard, shape in (("gate_proj", "w1", (I, H)), ("up_proj", "w3", (I, H)),
-                                          ("down_proj", "w2", (H, I)))}
+    weights = {
+        (e, proj, shard): (torch.randn(shape, generator=g) * 0.05, 1.0)
+        for e in range(E)
+        for proj, shard, shape in (("gate_proj", "w1", (I, H)), ("up_proj", "w3", (I, H)), ("down_proj", "w2", (H, I)))
+    }
     experts, _, run = _experts(scheme, "per_token", "triton", weights, False, monkeypatch, hadamard=8)
     x = torch.randn(len(ROUTING), H, generator=g)
     topk_weights = torch.rand(ROUTING.shape, generator=g) + 0.1
@@ -268,12 +284,17 @@ def test_experts_emulation_equals_per_expert_loop(scheme, activation_scale, glu,
     pairs); hadamard: the down input transformed (`block_hadamard`) before it is quantized. ~1 s a case."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(len(ROUTING), H, generator=g) * torch.tensor([0.1, 1.0, 30.0, 3.0] * 2)[:, None]
-    static = {"gate_up": x.abs().amax() / 2688 * torch.tensor([1.0, 0.5, 2.0, 1.0]),
-              "down": torch.tensor([0.002, 0.0005, 0.001, 0.004])}
+    static = {
+        "gate_up": x.abs().amax() / 2688 * torch.tensor([1.0, 0.5, 2.0, 1.0]),
+        "down": torch.tensor([0.002, 0.0005, 0.001, 0.004]),
+    }
     weights = {}
     for e in range(E):
-        for proj, shard, shape, key in (("gate_proj", "w1", (I, H), "gate_up"), ("up_proj", "w3", (I, H), "gate_up"),
-                                        ("down_proj", "w2", (H, I), "down")):
+        for proj, shard, shape, key in (
+            ("gate_proj", "w1", (I, H), "gate_up"),
+            ("up_proj", "w3", (I, H), "gate_up"),
+            ("down_proj", "w2", (H, I), "down"),
+        ):
             weights[e, proj, shard] = (torch.randn(shape, generator=g) * 0.05 * (e + 1), float(static[key][e]))
     topk_weights = torch.rand(ROUTING.shape, generator=g) + 0.1
     _, layer, run = _experts(scheme, activation_scale, "torch", weights, glu, monkeypatch, hadamard=hadamard)
@@ -282,11 +303,13 @@ def test_experts_emulation_equals_per_expert_loop(scheme, activation_scale, glu,
     scheme_, act = SCHEMES[scheme], (torch.sigmoid if glu else F.silu)
     want = torch.zeros(len(ROUTING), H)
     for e in range(E):
-        tokens, slot = torch.where(ROUTING == e)
+        tokens, slot = torch.where(e == ROUTING)
         if not len(tokens):
             continue
         scale = {k: v[e] if activation_scale == "static" else None for k, v in static.items()}
-        gate, up = F.linear(scheme_.fake_quant_activation(x[tokens], scale["gate_up"]), layer.w13_dequantized[e]).chunk(2, -1)
+        gate, up = F.linear(scheme_.fake_quant_activation(x[tokens], scale["gate_up"]), layer.w13_dequantized[e]).chunk(
+            2, -1
+        )
         down_input = act(gate) * up if not hadamard else block_hadamard(act(gate) * up, hadamard)
         y = F.linear(scheme_.fake_quant_activation(down_input, scale["down"]), layer.w2_dequantized[e])
         want.index_put_((tokens,), y * topk_weights[tokens, slot, None], accumulate=True)

@@ -45,7 +45,9 @@ def test_fp8_block_checkpoint_contents(source, tmp_path):
     assert torch.equal(state["model.layers.1.mlp.down_proj.weight"].view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(state["model.layers.1.mlp.down_proj.weight_scale"], s)
     assert torch.equal(state["lm_head.weight"], ref["lm_head.weight"])  # ignored: unchanged
-    assert torch.equal(state["model.layers.0.input_layernorm.gate_down.weight"], ref["model.layers.0.input_layernorm.gate_down.weight"])
+    assert torch.equal(
+        state["model.layers.0.input_layernorm.gate_down.weight"], ref["model.layers.0.input_layernorm.gate_down.weight"]
+    )
 
 
 def test_nvfp4_checkpoint_contents(source, tmp_path):
@@ -86,7 +88,7 @@ def test_bf16_recipe_and_errors(source, tmp_path):
     assert all(t.dtype == torch.bfloat16 for t in load_file(out / "model.safetensors").values())
     with pytest.raises(FileExistsError, match="overwrite"):
         quantize_checkpoint(source, "bf16", out)
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match=r"no config.json"):
         quantize_checkpoint(tmp_path / "nothing", "bf16", tmp_path / "x")
     with pytest.raises(ValueError, match="no quantization_config"):
         load_fake_quant_model(out)
@@ -95,13 +97,20 @@ def test_bf16_recipe_and_errors(source, tmp_path):
 
 def test_cli(source, tmp_path):
     quantkit = Path(sys.executable).parent / "quantkit"
-    out = subprocess.run([quantkit, "quantize", str(source), "w8a8_fp8_block", str(tmp_path / "q")], capture_output=True, text=True)
+    out = subprocess.run(
+        [quantkit, "quantize", str(source), "w8a8_fp8_block", str(tmp_path / "q")], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "q" / "model.safetensors").exists()
-    assert re.search(r"cost: \d+\.\d s \(calibration and quantization\), peak RSS \d+\.\d\d GiB", out.stdout), out.stdout
+    assert re.search(r"cost: \d+\.\d s \(calibration and quantization\), peak RSS \d+\.\d\d GiB", out.stdout), (
+        out.stdout
+    )
     # --calibration resizes SmoothQuant's set (the recipe's 4096 x 512 would take hours) and says so first
-    out = subprocess.run([quantkit, "quantize", str(source), "w8a8_fp8_block_sq", str(tmp_path / "sq"), "--calibration",
-                          "3", "16"], capture_output=True, text=True)
+    out = subprocess.run(
+        [quantkit, "quantize", str(source), "w8a8_fp8_block_sq", str(tmp_path / "sq"), "--calibration", "3", "16"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "calibration (smoothquant): 3 x 16 tokens" in out.stdout
     report = json.loads((tmp_path / "sq" / "smoothquant.json").read_text())
@@ -120,7 +129,10 @@ def test_smoothquant_and_static_recipes(source, tmp_path):
     assert json.loads((out / "config.json").read_text())["quantization_config"]["smoothquant"]["alpha"] == 0.5
     plain = load_file(quantize_checkpoint(source, "w4a4_nvfp4", tmp_path / "plain") / "model.safetensors")
     smoothed = load_file(out / "model.safetensors")
-    assert not torch.equal(smoothed["model.layers.0.mlp.gate_proj.weight_scale"].float(), plain["model.layers.0.mlp.gate_proj.weight_scale"].float())
+    assert not torch.equal(
+        smoothed["model.layers.0.mlp.gate_proj.weight_scale"].float(),
+        plain["model.layers.0.mlp.gate_proj.weight_scale"].float(),
+    )
 
     static = parse_recipe({"name": "st", "scheme": "nvfp4", "activation_scale": "static", "calibration": quick})
     out = quantize_checkpoint(source, static, tmp_path / "static")
@@ -138,12 +150,19 @@ def test_quality_table(source, tmp_path):
     from quantkit.quantize.quality import quality_table
     from quantkit.quantize.recipe import parse_recipe
 
-    sq = parse_recipe({"name": "fp8_sq", "scheme": "fp8_block", "smoothquant": {"alpha": 0.5, "num_sequences": 8, "seq_len": 64}})
-    dirs = [quantize_checkpoint(source, r, tmp_path / n) for n, r in [("fp8", "w8a8_fp8_block"), ("nvfp4", "w4a4_nvfp4"), ("sq", sq)]]
+    sq = parse_recipe(
+        {"name": "fp8_sq", "scheme": "fp8_block", "smoothquant": {"alpha": 0.5, "num_sequences": 8, "seq_len": 64}}
+    )
+    dirs = [
+        quantize_checkpoint(source, r, tmp_path / n)
+        for n, r in [("fp8", "w8a8_fp8_block"), ("nvfp4", "w4a4_nvfp4"), ("sq", sq)]
+    ]
     table, (fp8, nvfp4, fp8_sq) = quality_table(source, dirs, num_sequences=4, seq_len=64)
     assert table.count("\n") == 4 and "| w8a8_fp8_block |" in table
     assert fp8["min_snr_db"] > nvfp4["min_snr_db"] + 6 and 0 < fp8["kl"] < nvfp4["kl"]
-    assert set(fp8["layer_snr_db"]) == set(json.loads((dirs[0] / "config.json").read_text())["quantization_config"]["quantized_modules"])
+    assert set(fp8["layer_snr_db"]) == set(
+        json.loads((dirs[0] / "config.json").read_text())["quantization_config"]["quantized_modules"]
+    )
     # FP8 per-layer SNR ~ 30 dB; with the right (smoothed) reference the SQ checkpoint is comparable, not negative
     assert fp8_sq["min_snr_db"] > 20 and abs(fp8_sq["mean_snr_db"] - fp8["mean_snr_db"]) < 6
 
@@ -170,15 +189,18 @@ def test_layerwise_quality_equals_the_whole_models(source, tmp_path):
     reduction) per GEMM, accumulated over the 4 GEMMs of each of the L layers and the head: a logit moves by at
     most delta = (4L + 1) K u max|logit|. KL(p || q) moves by at most 2 delta through q's logits (its gradient
     q - p has L1 norm <= 2) and 2 delta max|log p - log q| through p's: |dKL| <= 2 delta (1 + max|log p - log q|)."""
+    from transformers import AutoTokenizer
+
     from quantkit.calibrate.mappings import resolve_mappings
     from quantkit.calibrate.smoothquant import fold_mapping
     from quantkit.data import heldout_windows
     from quantkit.quantize.output import read_smoothquant_factors
     from quantkit.quantize.quality import quality
     from quantkit.quantize.recipe import parse_recipe
-    from transformers import AutoTokenizer
 
-    sq = parse_recipe({"name": "nvfp4_sq", "scheme": "nvfp4", "smoothquant": {"alpha": 0.5, "num_sequences": 8, "seq_len": 64}})
+    sq = parse_recipe(
+        {"name": "nvfp4_sq", "scheme": "nvfp4", "smoothquant": {"alpha": 0.5, "num_sequences": 8, "seq_len": 64}}
+    )
     out = quantize_checkpoint(source, sq, tmp_path / "sq")
     tokens = heldout_windows(AutoTokenizer.from_pretrained(source), 10, 64)  # a full batch of 8 and a partial one
     layerwise = quality(source, out, tokens)
@@ -193,15 +215,16 @@ def test_layerwise_quality_equals_the_whole_models(source, tmp_path):
     assert bound < layerwise["kl"] / 2  # the bound is well below the effect measured: a wrong layer would show
     assert len(layerwise["kl_per_window"]) == len(tokens)
     assert all(abs(x - y) <= bound for x, y in zip(layerwise["kl_per_window"], whole_per_window.tolist()))
-    assert set(layerwise["layer_snr_db"]) == set(json.loads((out / "config.json").read_text())["quantization_config"]["quantized_modules"])
+    assert set(layerwise["layer_snr_db"]) == set(
+        json.loads((out / "config.json").read_text())["quantization_config"]["quantized_modules"]
+    )
 
 
 def test_unmappable_model_is_refused_before_its_weights_load(source, tmp_path, monkeypatch):
     """A registered architecture SmoothQuant cannot fold (here: its norm class's fold removed) is refused from
     config.json alone, on the meta device: the weights are never read, and nothing is written."""
     import quantkit.quantize.checkpoint as checkpoint_module
-    from quantkit.calibrate import SmoothQuantMappingError
-    from quantkit.calibrate import mappings
+    from quantkit.calibrate import SmoothQuantMappingError, mappings
     from quantkit.models.modeling import QuantkitNorm
 
     monkeypatch.delitem(mappings._FOLDS, QuantkitNorm)
@@ -240,8 +263,14 @@ def test_llmcompressor_peer_recipes(source, tmp_path):
     assert torch.equal(state[f"{name}.weight"].view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(state[f"{name}.weight_scale"].float(), scale)
 
-    nvfp4_ct = parse_recipe({"name": "nvfp4_ct", "scheme": "NVFP4", "backend": "llmcompressor",
-                             "calibration": {"num_sequences": 4, "seq_len": 64}})
+    nvfp4_ct = parse_recipe(
+        {
+            "name": "nvfp4_ct",
+            "scheme": "NVFP4",
+            "backend": "llmcompressor",
+            "calibration": {"num_sequences": 4, "seq_len": 64},
+        }
+    )
     out = quantize_checkpoint(source, nvfp4_ct, tmp_path / "nvfp4_ct")
     state = load_file(out / "model.safetensors")
     assert f"{name}.input_global_scale" in state  # compressed-tensors' static activation scale (encode convention)
@@ -260,7 +289,9 @@ def test_modelopt_export(source, tmp_path):
 
     w = load_file(source / "model.safetensors")
     calibration = {"num_sequences": 4, "seq_len": 64}
-    nvfp4 = parse_recipe({"name": "nvfp4_modelopt", "backend": "modelopt", "scheme": "NVFP4", "calibration": calibration})
+    nvfp4 = parse_recipe(
+        {"name": "nvfp4_modelopt", "backend": "modelopt", "scheme": "NVFP4", "calibration": calibration}
+    )
     out = quantize_checkpoint(source, nvfp4, tmp_path / "nvfp4_mo")
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "modelopt" and config["quant_algo"] == "NVFP4"
@@ -273,14 +304,18 @@ def test_modelopt_export(source, tmp_path):
         assert state[f"{module}.input_scale"].item() > 0  # static calibrated activation global scale
         ours = quantize_nvfp4(weight.to(torch.bfloat16), state[f"{module}.weight_scale_2"].float().reshape(()))
         assert torch.equal(state[f"{module}.weight"], ours.packed), module
-        assert torch.equal(state[f"{module}.weight_scale"].view(torch.uint8), ours.block_scale.view(torch.uint8)), module
+        assert torch.equal(state[f"{module}.weight_scale"].view(torch.uint8), ours.block_scale.view(torch.uint8)), (
+            module
+        )
         checked += 1
     layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
     assert checked == layers * 8  # q, k, v, o, g_proj, gate, up, down per layer
     for ignored in ("lm_head", "model.layers.0.input_layernorm.gate_down"):
         assert state[f"{ignored}.weight"].dtype == torch.bfloat16 and f"{ignored}.weight_scale" not in state
 
-    fp8 = parse_recipe({"name": "fp8_mo", "backend": "modelopt", "scheme": "FP8_PER_CHANNEL_PER_TOKEN", "calibration": calibration})
+    fp8 = parse_recipe(
+        {"name": "fp8_mo", "backend": "modelopt", "scheme": "FP8_PER_CHANNEL_PER_TOKEN", "calibration": calibration}
+    )
     out = quantize_checkpoint(source, fp8, tmp_path / "fp8_mo")
     state = load_file(out / "model.safetensors")
     name = "model.layers.1.mlp.down_proj"
@@ -290,8 +325,9 @@ def test_modelopt_export(source, tmp_path):
     assert torch.allclose(state[f"{name}.weight_scale"].float().reshape(-1), scale.reshape(-1), rtol=1e-6)
 
 
-@pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3",
-                                          "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "architecture", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2", "gemma3"]
+)
 def test_stock_decoders_quantize_with_every_scheme_and_smoothquant(architecture, tmp_path):
     """The decoders transformers ships (issue 28), tiny and random: FP8 block and NVFP4 checkpoints whose fake-quant
     reference loads, and SmoothQuant (table entry or the traced structural rule; `quantize` raises unless the fold

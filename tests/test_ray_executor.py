@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 
 import pytest
+from test_crash_safety import QUANTKIT, _assert_no_half_artifact, _finished, _poll, assert_resumed
+from test_pipeline import _spec
 
 from quantkit.cli import main
 from quantkit.pipelines.executors import RayExecutor
 from quantkit.pipelines.study import Study, load_spec
-from test_crash_safety import QUANTKIT, _assert_no_half_artifact, _finished, _poll, assert_resumed
-from test_pipeline import _spec
 
 pytestmark = pytest.mark.slow
 
@@ -111,8 +111,12 @@ def test_a_chain_no_node_can_hold_is_refused(tiny_checkpoint, cluster, tmp_path,
     path.write_text(path.read_text() + "parallel: {tensor_parallel_size: 4}\n")  # 4 CPU ranks; the cluster has 2 CPUs
     code = main(["run", str(path), "--executor", "ray"])
     err = capsys.readouterr().err
-    assert code == 2 and "quantkit run: error: a chain asks for 4 CPU(s) on one node (tensor_parallel_size 4); " \
-                         "the cluster's largest node has 2" in err, err[-3000:]
+    assert (
+        code == 2
+        and "quantkit run: error: a chain asks for 4 CPU(s) on one node (tensor_parallel_size 4); "
+        "the cluster's largest node has 2"
+        in err
+    ), err[-3000:]
     assert not (tmp_path / "runs" / "tiny" / "checkpoints").exists()
 
 
@@ -121,15 +125,21 @@ def test_killed_chain_resumes_without_redoing_finished_stages(tiny_checkpoint, c
     path.write_text(path.read_text() + "diagnose: {num_sequences: 2, seq_len: 32}\n")  # the gate reads no diagnostics
     log = tmp_path / "run1.log"
     with open(log, "w") as out:  # a driver of its own, on the module's cluster
-        driver = subprocess.Popen([QUANTKIT, "run", str(path), "--executor", "ray", "--address", cluster],
-                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        driver = subprocess.Popen(
+            [QUANTKIT, "run", str(path), "--executor", "ray", "--address", cluster],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     seen: set[str] = set()  # chain tasks seen running, by process title
 
     def w4a4_eval_half_done() -> bool:
         seen.update(title for title in ("chain tiny bf16", "chain tiny w4a4_nvfp4") if _task_pids(title))
         if not any((run_dir / "evals").glob(".tiny-w4a4_nvfp4.*.tmp/samples/*.jsonl")):
             return False
-        assert not (run_dir / "evals" / "tiny-w4a4_nvfp4").exists(), "the eval finished before the test saw it in flight"
+        assert not (run_dir / "evals" / "tiny-w4a4_nvfp4").exists(), (
+            "the eval finished before the test saw it in flight"
+        )
         return True
 
     _poll(w4a4_eval_half_done, driver, log, "W4A4 eval half done")
@@ -149,6 +159,7 @@ def test_killed_chain_resumes_without_redoing_finished_stages(tiny_checkpoint, c
     with RayExecutor() as executor:  # resumed from this process (its connection to the cluster reused)
         Study(load_spec(path)).run(executor=executor)
     entries = assert_resumed(run_dir, killed)
-    assert entries[("quantize", "w4a4_nvfp4")]["cached"] and entries[("quantize", "w4a4_nvfp4")]["seconds"] > 0, \
+    assert entries[("quantize", "w4a4_nvfp4")]["cached"] and entries[("quantize", "w4a4_nvfp4")]["seconds"] > 0, (
         "the killed task's finished stage kept the time it was recorded with"
+    )
     assert not entries[("eval", "w4a4_nvfp4")]["cached"] and entries[("eval", "w4a4_nvfp4")]["seconds"] > 0

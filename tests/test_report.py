@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.report.render import render_report
-from quantkit.report.results import ResultsError, load_results
 from quantkit.report.benchmarks import resolve
 from quantkit.report.cli import add_report_parser
-from quantkit.report.render import to_markdown
+from quantkit.report.render import render_report, to_markdown
+from quantkit.report.results import ResultsError, load_results
 from quantkit.report.table import build_table
 
 PAPER = Path(__file__).parent / "fixtures" / "paper000_table2.json"
@@ -29,14 +28,36 @@ def mini_results() -> dict:
     bf16 = {"MMLU": 40.0, "MMMLU": 30.0, "GSM8k": 10.0, "MGSM": 8.0, "HumanEval": 12.0, "my_bench": 50.0}
     w4a4 = {"MMLU": 36.0, "MMMLU": 29.0, "GSM8k": 9.0, "MGSM": 5.0, "HumanEval": 12.0, "my_bench": 48.0}
     outliers = {"max_abs_residual": 9.87, "max_abs_linear_input": 15.03}
-    return {"schema_version": 1, "study": "default", "suite": "mini", "suite_version": "1", "created": "2026-01-01",
-            "rows": [
-                {"variant": "ga", "model": "zoo:ga", "recipe": "bf16", "scores": bf16,
-                 "ci95": {"MMLU": [35.0, 45.0]}, "outliers": outliers},
-                {"variant": "ga", "model": "zoo:ga", "recipe": "w4a4_nvfp4", "precision": "W4A4", "scores": w4a4,
-                 "ci95": {"MMLU": [31.0, 41.0]}, "noise_floor": {"GSM8k": 1.5, "MGSM": 2.5},
-                 "flips": {"MMLU": 0.1, "GSM8k": 0.3}, "kl": 0.0104, "outliers": outliers,
-                 "size": {"bytes": 116_000_000, "bf16_ratio": 0.43}}]}
+    return {
+        "schema_version": 1,
+        "study": "default",
+        "suite": "mini",
+        "suite_version": "1",
+        "created": "2026-01-01",
+        "rows": [
+            {
+                "variant": "ga",
+                "model": "zoo:ga",
+                "recipe": "bf16",
+                "scores": bf16,
+                "ci95": {"MMLU": [35.0, 45.0]},
+                "outliers": outliers,
+            },
+            {
+                "variant": "ga",
+                "model": "zoo:ga",
+                "recipe": "w4a4_nvfp4",
+                "precision": "W4A4",
+                "scores": w4a4,
+                "ci95": {"MMLU": [31.0, 41.0]},
+                "noise_floor": {"GSM8k": 1.5, "MGSM": 2.5},
+                "flips": {"MMLU": 0.1, "GSM8k": 0.3},
+                "kl": 0.0104,
+                "outliers": outliers,
+                "size": {"bytes": 116_000_000, "bf16_ratio": 0.43},
+            },
+        ],
+    }
 
 
 def test_paper_fixture_reproduces_every_printed_avg():
@@ -60,10 +81,14 @@ def test_paper_fixture_markdown_looks_like_table2():
     cells = [c.strip() for c in header.strip("|").split("|")]
     assert cells[3:14] == ["Knowledge", "", "", "", "STEM", "", "Code", "", "", "Multilingual", ""]
     assert f"|  |  |  | {' | '.join(f'**{c}**' for c in PAPER_COLUMNS)} |" in md
-    row1 = "| (1) | BF16 | GA | 59.59 | 31.91 | 16.39 | 26.93 | 66.22 | 45.36 | 44.38 | 34.63 | 50.04 | 46.16 | 37.40 | 41.73 |  |"
+    row1 = (
+        "| (1) | BF16 | GA | 59.59 | 31.91 | 16.39 | 26.93 | 66.22 | 45.36 | 44.38 | 34.63 | 50.04 | 46.16 "
+        "| 37.40 | 41.73 |  |"
+    )
     assert row1 in lines
     assert lines.index("| *24B-A3B, 500B tokens, FP4 Quantization* |" + "  |" * 15) < lines.index(
-        next(line for line in lines if line.startswith("| (7) | W4A4 | GA |")))
+        next(line for line in lines if line.startswith("| (7) | W4A4 | GA |"))
+    )
     # the paper's text: FP4 costs PreAffine -2.76 and GatedNorm -1.23 points (rows (10), (12) vs (5), (6))
     assert re.search(r"^\| \(10\) \| W4A4\+SQ \| GA, PreAffine \|.* \| 50\.23 \| -2\.76 \|$", md, re.M)
     assert re.search(r"^\| \(12\) \| W4A4\+SQ \| GA, GatedNorm \|.* \| 53\.56 \| -1\.23 \|$", md, re.M)
@@ -77,8 +102,13 @@ def test_benchmark_table_maps_suite_names_and_keeps_unknown():
     assert (resolve("my_bench").group, resolve("my_bench").label) == ("Other", "my_bench")
     table = build_table(load_results(mini_results()))
     assert [(b.group, b.label) for b in table.columns] == [
-        ("Knowledge", "MMLU"), ("STEM", "GSM8k"), ("Code", "HumanEval"), ("Multilingual", "MMMLU"),
-        ("Multilingual", "MGSM"), ("Other", "my_bench")]
+        ("Knowledge", "MMLU"),
+        ("STEM", "GSM8k"),
+        ("Code", "HumanEval"),
+        ("Multilingual", "MMMLU"),
+        ("Multilingual", "MGSM"),
+        ("Other", "my_bench"),
+    ]
 
 
 def test_mini_results_degradation_noise_and_optional_columns():
@@ -86,8 +116,9 @@ def test_mini_results_degradation_noise_and_optional_columns():
     base, w4 = table.rows
     assert base.degradation is None and base.flips_mean is None
     d = w4.degradation
-    assert d.delta == pytest.approx({"mmlu": -4.0, "mmmlu": -1.0, "gsm8k": -1.0, "mgsm": -3.0, "humaneval": 0.0,
-                                     "my_bench": -2.0})
+    assert d.delta == pytest.approx(
+        {"mmlu": -4.0, "mmmlu": -1.0, "gsm8k": -1.0, "mgsm": -3.0, "humaneval": 0.0, "my_bench": -2.0}
+    )
     assert d.delta_avg == pytest.approx(w4.avg - base.avg) == pytest.approx(-11 / 6)
     # noise_floor where given; from the two CIs (half-widths 5 and 5) where not; unknown elsewhere
     assert d.noise == pytest.approx({"gsm8k": 1.5, "mgsm": 2.5, "mmlu": math.hypot(5, 5)})
@@ -134,9 +165,13 @@ def test_sensitivity_tables_render_and_malformed_ones_are_skipped(tmp_path):
     from quantkit.report.render import SENSITIVITY_TITLE
 
     results = mini_results()
-    good = {"self_attn.o_proj": {"mean_db": 17.11, "min_db": 14.67, "worst_layer": 14},
-            "mlp.up_proj": {"mean_db": 18.03, "min_db": 16.93, "worst_layer": 0}}
-    results["meta"] = {"sensitivity": {"ga": {"w4a4_nvfp4": good, "w8a8_fp8_block": {"mlp.up_proj": {"mean_db": 29.0}}}}}
+    good = {
+        "self_attn.o_proj": {"mean_db": 17.11, "min_db": 14.67, "worst_layer": 14},
+        "mlp.up_proj": {"mean_db": 18.03, "min_db": 16.93, "worst_layer": 0},
+    }
+    results["meta"] = {
+        "sensitivity": {"ga": {"w4a4_nvfp4": good, "w8a8_fp8_block": {"mlp.up_proj": {"mean_db": 29.0}}}}
+    }
     paths = render_report(results, tmp_path / "r")
     md = paths["report.md"].read_text()
     assert f"## {SENSITIVITY_TITLE}" in md and "| projection (kind) | w4a4_nvfp4: mean dB (min @ layer) |" in md
@@ -154,8 +189,12 @@ def test_verdicts_open_the_report_in_words(tmp_path):
     from quantkit.report.render import VERDICTS_TITLE
 
     results = mini_results()
-    results["meta"] = {"verdicts": {"rule": "Holm over k <= 0.05 and beyond the numerics floor",
-                                    "sentences": ["ga W4A4: ΔAvg -10.00 (95% CI -13.00..-7.00); loss real", "x < y"]}}
+    results["meta"] = {
+        "verdicts": {
+            "rule": "Holm over k <= 0.05 and beyond the numerics floor",
+            "sentences": ["ga W4A4: ΔAvg -10.00 (95% CI -13.00..-7.00); loss real", "x < y"],
+        }
+    }
     paths = render_report(results, tmp_path / "r")
     md = paths["report.md"].read_text()
     assert md.index(f"## {VERDICTS_TITLE}") < md.index("Rule: Holm over k") < md.index("- ga W4A4: ΔAvg -10.00")
@@ -182,22 +221,28 @@ def test_bf16_only_results_render_without_plots(tmp_path):
     assert "Degradation vs BF16" not in paths["report.md"].read_text()
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(schema_version=2), "unknown schema_version 2"),
-    (lambda d: d.pop("schema_version"), "unknown schema_version None"),
-    (lambda d: d.update(rows=[]), "'rows' must be a non-empty list"),
-    (lambda d: d["rows"].pop(0), "variant 'ga' has no 'bf16' row"),
-    (lambda d: d["rows"][1]["scores"].update(GSM8k=float("nan")), "scores['GSM8k']: nan is not a finite number"),
-    (lambda d: d["rows"][1]["scores"].update(GSM8k=0.5e3), "scores['GSM8k']: 500.0 is outside [0.0, 100.0]"),
-    (lambda d: d["rows"][1]["scores"].update(gsm8k=9.0), "'scores' names benchmark 'gsm8k' twice"),
-    (lambda d: d["rows"][1].update(noise=1.0), "unknown field(s) 'noise'"),
-    (lambda d: d["rows"][1]["noise_floor"].update(Math=1.0), "'noise_floor' has benchmarks without a score: math"),
-    (lambda d: d["rows"][1].update(kl=-0.1), "'kl'"),
-    (lambda d: d["rows"][1].update(size={"bytes": 1}), "'size': expected {\"bytes\": ..., \"bf16_ratio\": ...}"),
-    (lambda d: d["rows"][1]["ci95"].update(MMLU=[41.0, 31.0]), "low 41.0 > high 31.0"),
-    (lambda d: d["rows"].append(copy.deepcopy(d["rows"][1])), "rows[2]: duplicate row for variant 'ga', recipe 'w4a4_nvfp4'"),
-    (lambda d: d["rows"][1].pop("variant"), "rows[1]: 'variant' must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(schema_version=2), "unknown schema_version 2"),
+        (lambda d: d.pop("schema_version"), "unknown schema_version None"),
+        (lambda d: d.update(rows=[]), "'rows' must be a non-empty list"),
+        (lambda d: d["rows"].pop(0), "variant 'ga' has no 'bf16' row"),
+        (lambda d: d["rows"][1]["scores"].update(GSM8k=float("nan")), "scores['GSM8k']: nan is not a finite number"),
+        (lambda d: d["rows"][1]["scores"].update(GSM8k=0.5e3), "scores['GSM8k']: 500.0 is outside [0.0, 100.0]"),
+        (lambda d: d["rows"][1]["scores"].update(gsm8k=9.0), "'scores' names benchmark 'gsm8k' twice"),
+        (lambda d: d["rows"][1].update(noise=1.0), "unknown field(s) 'noise'"),
+        (lambda d: d["rows"][1]["noise_floor"].update(Math=1.0), "'noise_floor' has benchmarks without a score: math"),
+        (lambda d: d["rows"][1].update(kl=-0.1), "'kl'"),
+        (lambda d: d["rows"][1].update(size={"bytes": 1}), '\'size\': expected {"bytes": ..., "bf16_ratio": ...}'),
+        (lambda d: d["rows"][1]["ci95"].update(MMLU=[41.0, 31.0]), "low 41.0 > high 31.0"),
+        (
+            lambda d: d["rows"].append(copy.deepcopy(d["rows"][1])),
+            "rows[2]: duplicate row for variant 'ga', recipe 'w4a4_nvfp4'",
+        ),
+        (lambda d: d["rows"][1].pop("variant"), "rows[1]: 'variant' must be a non-empty string"),
+    ],
+)
 def test_malformed_results_are_rejected_with_the_problem_named(mutate, message):
     doc = mini_results()
     mutate(doc)

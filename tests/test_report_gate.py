@@ -26,12 +26,25 @@ def gate(*argv: str) -> int:
 
 def mini() -> dict:
     bf16 = {"mmlu": 40.0, "gsm8k": 10.0, "mgsm": 8.0}
-    return {"schema_version": 1, "rows": [
-        {"variant": "ga", "recipe": "bf16", "scores": dict(bf16)},
-        {"variant": "ga", "recipe": "w4a4_nvfp4", "scores": {"mmlu": 38.0, "gsm8k": 9.0, "mgsm": 7.0},
-         "noise_floor": {"mmlu": 4.0, "gsm8k": 0.5, "mgsm": 0.5}, "kl": 0.02},
-        {"variant": "ga", "recipe": "w8a8_fp8_block", "scores": {"mmlu": 40.0, "gsm8k": 10.0, "mgsm": 8.0}, "kl": 0.001},
-    ]}
+    return {
+        "schema_version": 1,
+        "rows": [
+            {"variant": "ga", "recipe": "bf16", "scores": dict(bf16)},
+            {
+                "variant": "ga",
+                "recipe": "w4a4_nvfp4",
+                "scores": {"mmlu": 38.0, "gsm8k": 9.0, "mgsm": 7.0},
+                "noise_floor": {"mmlu": 4.0, "gsm8k": 0.5, "mgsm": 0.5},
+                "kl": 0.02,
+            },
+            {
+                "variant": "ga",
+                "recipe": "w8a8_fp8_block",
+                "scores": {"mmlu": 40.0, "gsm8k": 10.0, "mgsm": 8.0},
+                "kl": 0.001,
+            },
+        ],
+    }
 
 
 def write(tmp_path: Path, name: str, doc: dict) -> str:
@@ -51,10 +64,18 @@ def test_injected_w4a4_regression_fails_with_a_readable_diff(tmp_path, capsys):
     current = paper_with(tmp_path, "(11)", "MGSM", -2.5)  # W4A4 GA+GatedNorm: MGSM degradation -2.94 -> -5.44
     assert gate("--baseline", str(PAPER), "--current", current) == 1
     out = capsys.readouterr().out
-    header, rule, line, *rest = out.splitlines()
+    header, _rule, line, *rest = out.splitlines()
     assert header.split() == ["variant", "recipe", "benchmark", "baseline", "current", "change", "allowed", "verdict"]
-    assert line.split() == ["moe-24b-a3b/ga+gatednorm", "w4a4_nvfp4", "MGSM", "-2.94", "-5.44", "-2.50", "-2.00",
-                            "REGRESSION"]
+    assert line.split() == [
+        "moe-24b-a3b/ga+gatednorm",
+        "w4a4_nvfp4",
+        "MGSM",
+        "-2.94",
+        "-5.44",
+        "-2.50",
+        "-2.00",
+        "REGRESSION",
+    ]
     assert rest[0].startswith("gate: FAIL: 1 regression(s) in 72 checks of 6 quantized row(s)")
 
 
@@ -63,10 +84,15 @@ def test_improvement_and_small_changes_pass(tmp_path, capsys):
     assert gate("--baseline", str(PAPER), "--current", paper_with(tmp_path, "(7)", "MGSM", -1.9)) == 0
     assert capsys.readouterr().out.count("gate: PASS: 72 checks of 6 quantized row(s)") == 2
     # the same -1.9 fails a tighter flag, and a YAML per-benchmark limit loosens it again
-    assert gate("--baseline", str(PAPER), "--current", paper_with(tmp_path, "(7)", "MGSM", -1.9), "--max-drop", "1.5") == 1
+    assert (
+        gate("--baseline", str(PAPER), "--current", paper_with(tmp_path, "(7)", "MGSM", -1.9), "--max-drop", "1.5") == 1
+    )
     config = tmp_path / "gate.yaml"
     config.write_text("max_drop: 1.5\nbenchmarks: {MGSM: 2.0}\n")
-    assert gate("--baseline", str(PAPER), "--current", paper_with(tmp_path, "(7)", "MGSM", -1.9), "--config", str(config)) == 0
+    assert (
+        gate("--baseline", str(PAPER), "--current", paper_with(tmp_path, "(7)", "MGSM", -1.9), "--config", str(config))
+        == 0
+    )
 
 
 def test_avg_threshold_catches_spread_out_regressions(tmp_path):
@@ -111,15 +137,20 @@ def test_rows_only_in_current_are_reported_not_gated(tmp_path, capsys):
     assert "not gated (only in current): ga/w8a8_fp8_block" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d["rows"].pop(2), "missing row variant 'ga', recipe 'w8a8_fp8_block'"),
-    (lambda d: d["rows"].pop(0), "variant 'ga' has no 'bf16' row"),
-    (lambda d: d["rows"][1]["scores"].update(mmlu=float("nan")), "nan is not a finite number"),
-    (lambda d: d.update(schema_version="2"), "unknown schema_version '2'"),
-    (lambda d: [r[k].pop("mgsm", None) for r in d["rows"] for k in ("scores", "noise_floor") if k in r],
-     "ga/w4a4_nvfp4 lacks benchmark(s) MGSM"),
-    (lambda d: d["rows"][1].pop("kl"), "ga/w4a4_nvfp4 has no 'kl'"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d["rows"].pop(2), "missing row variant 'ga', recipe 'w8a8_fp8_block'"),
+        (lambda d: d["rows"].pop(0), "variant 'ga' has no 'bf16' row"),
+        (lambda d: d["rows"][1]["scores"].update(mmlu=float("nan")), "nan is not a finite number"),
+        (lambda d: d.update(schema_version="2"), "unknown schema_version '2'"),
+        (
+            lambda d: [r[k].pop("mgsm", None) for r in d["rows"] for k in ("scores", "noise_floor") if k in r],
+            "ga/w4a4_nvfp4 lacks benchmark(s) MGSM",
+        ),
+        (lambda d: d["rows"][1].pop("kl"), "ga/w4a4_nvfp4 has no 'kl'"),
+    ],
+)
 def test_malformed_current_exits_2(tmp_path, capsys, mutate, message):
     cur = copy.deepcopy(mini())
     mutate(cur)

@@ -28,8 +28,14 @@ def study(deltas: dict[tuple[str, str], tuple[float, float]], kl: bool = True) -
         if variant not in seen:
             seen.add(variant)
             rows.append({"variant": variant, "recipe": "bf16", "scores": {"MMLU": 50.0}, "calibration": []})
-        row = {"variant": variant, "recipe": precision.lower(), "precision": precision,
-               "scores": {"MMLU": 50.0 + delta}, "noise_floor": {"MMLU": noise}, "calibration": CALIBRATION}
+        row = {
+            "variant": variant,
+            "recipe": precision.lower(),
+            "precision": precision,
+            "scores": {"MMLU": 50.0 + delta},
+            "noise_floor": {"MMLU": noise},
+            "calibration": CALIBRATION,
+        }
         if kl:
             row["kl"] = 0.01
         rows.append(row)
@@ -38,14 +44,21 @@ def study(deltas: dict[tuple[str, str], tuple[float, float]], kl: bool = True) -
 
 # W4A4: gn -0.2 (inside its 0.3), ga -1.0, pa -1.3; steps 0.8 > 0.424 (significant), 0.3 <= 0.424 (not).
 # W8A8: ga -0.5 ±0.1, pa -0.05 ±0.1 (n.s.), step 0.45 > 0.141 (significant).
-DELTAS = {("ga", "W4A4"): (-1.0, 0.3), ("pa", "W4A4"): (-1.3, 0.3), ("gn", "W4A4"): (-0.2, 0.3),
-          ("ga", "W8A8"): (-0.5, 0.1), ("pa", "W8A8"): (-0.05, 0.1)}
+DELTAS = {
+    ("ga", "W4A4"): (-1.0, 0.3),
+    ("pa", "W4A4"): (-1.3, 0.3),
+    ("gn", "W4A4"): (-0.2, 0.3),
+    ("ga", "W8A8"): (-0.5, 0.1),
+    ("pa", "W8A8"): (-0.05, 0.1),
+}
 
 
 def test_variants_are_ranked_per_precision_with_significant_steps():
     ranked = rank_variants(build_table(load_results(study(DELTAS))))
     assert [(r.precision, [x.row.variant for x in r.rows], list(r.steps)) for r in ranked] == [
-        ("W4A4", ["gn", "ga", "pa"], [True, False]), ("W8A8", ["pa", "ga"], [True])]
+        ("W4A4", ["gn", "ga", "pa"], [True, False]),
+        ("W8A8", ["pa", "ga"], [True]),
+    ]
 
 
 def test_summary_paragraph_states_the_ordering_and_its_significance():
@@ -75,7 +88,11 @@ def test_table2_marks_n_s_and_diagnostics_hold_kl_and_calibration(tmp_path):
     paths = render_report(study(DELTAS), tmp_path)
     page = paths["report.html"].read_text()
     assert page.count("<svg") == 3 and "KL vs BF16 per variant and precision" in page
-    assert page.index("Delta Avg vs BF16 per variant") < page.index("KL vs BF16 per variant") < page.index("</div>", page.index('class="figs"'))
+    assert (
+        page.index("Delta Avg vs BF16 per variant")
+        < page.index("KL vs BF16 per variant")
+        < page.index("</div>", page.index('class="figs"'))
+    )
     doc = json.loads(paths["report.json"].read_text())
     gn = next(r for r in doc["rows"] if r["variant"] == "gn" and r["recipe"] == "w4a4")
     assert gn["delta_avg_significant"] is False and gn["significant"] == {"mmlu": False}
@@ -84,12 +101,15 @@ def test_table2_marks_n_s_and_diagnostics_hold_kl_and_calibration(tmp_path):
     assert render_report(study(DELTAS, kl=False), tmp_path / "nokl")["report.html"].read_text().count("<svg") == 2
 
 
-@pytest.mark.parametrize("calibration, message", [
-    ({"use": "smoothquant"}, "expected a list of calibration sets"),
-    ([{"use": "smoothquant", "num_sequences": 4}], "exactly num_sequences, seq_len, source, use"),
-    ([dict(CALIBRATION[0], num_sequences=0)], "'num_sequences' must be a positive integer"),
-    ([dict(CALIBRATION[0], seq_len=True)], "'seq_len' must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "calibration, message",
+    [
+        ({"use": "smoothquant"}, "expected a list of calibration sets"),
+        ([{"use": "smoothquant", "num_sequences": 4}], "exactly num_sequences, seq_len, source, use"),
+        ([dict(CALIBRATION[0], num_sequences=0)], "'num_sequences' must be a positive integer"),
+        ([dict(CALIBRATION[0], seq_len=True)], "'seq_len' must be a positive integer"),
+    ],
+)
 def test_malformed_calibration_is_rejected(calibration, message):
     doc = study(DELTAS)
     doc["rows"][1]["calibration"] = calibration

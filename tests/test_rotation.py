@@ -180,7 +180,7 @@ def test_a_rotated_checkpoint_records_and_applies_the_online_transform(tmp_path)
     x = torch.randn(3, down.weight.shape[1])
     expected = torch.nn.functional.linear(down.scheme.fake_quant_activation(block_hadamard(x, 512)), down.weight)
     assert torch.equal(down(x), expected)
-    with pytest.raises(CheckpointError, match="rotation.online_hadamard names"):
+    with pytest.raises(CheckpointError, match=r"rotation.online_hadamard names"):
         scheme_from_config({**qc, "rotation": {"online_hadamard": {"lm_head": 512}}})
     with pytest.raises(CheckpointError, match="not powers of two"):
         scheme_from_config({**qc, "rotation": {"online_hadamard": {"model.layers.0.mlp.down_proj": 24}}})
@@ -238,7 +238,7 @@ def test_what_rotation_cannot_do_is_refused_by_name(tmp_path):
     bf16_down = parse_recipe(
         {"name": "x", "scheme": "nvfp4", "rotation": {}, "module_schemes": [{"down_proj": "bf16"}]}
     )
-    with pytest.raises(ValueError, match="online Hadamard needs model.layers.0.mlp.down_proj quantized"):
+    with pytest.raises(ValueError, match=r"online Hadamard needs model.layers.0.mlp.down_proj quantized"):
         quantize_checkpoint(source, bf16_down, tmp_path / "b", streaming=False)
     for bad, message in [
         ({"seed": -1}, "rotation.seed must be an integer >= 0"),
@@ -251,7 +251,7 @@ def test_what_rotation_cannot_do_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="rotation applies to quantkit's own quantized schemes only"):
         parse_recipe({"name": "x", "scheme": "bf16", "rotation": {}})
     up_down = {"name": "x", "scheme": "nvfp4", "smoothquant": {"include_up_down": True}}
-    with pytest.raises(ValueError, match="include_up_down does not compose with rotation.online"):
+    with pytest.raises(ValueError, match=r"include_up_down does not compose with rotation.online"):
         parse_recipe({**up_down, "rotation": {"online": True}})
     assert parse_recipe({**up_down, "rotation": {"online": False}}).rotation is not None  # no transform between them
 
@@ -263,12 +263,12 @@ def test_quality_reads_a_rotated_tied_checkpoint_as_the_whole_models_do(tmp_path
     derives it: |dKL| <= 2 delta (1 + max|log p - log q|), delta = (4L + 1) K u max|logit| (float32 summation order
     of batches of different size). Rotated layers have no SNR (their inputs are not the reference's)."""
     from safetensors.torch import load_file, save_file
+    from test_quantize_checkpoint import whole_model_kl
     from transformers import AutoTokenizer
 
     from quantkit.data import heldout_windows
     from quantkit.quantize.fake_quant import load_fake_quant_model
     from quantkit.quantize.quality import quality
-    from test_quantize_checkpoint import whole_model_kl
 
     source = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
     state = load_file(str(source / "model.safetensors"))

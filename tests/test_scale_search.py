@@ -126,7 +126,7 @@ def test_searched_scales_keep_every_contract():
     bad = w.clone()
     bad[3, 5] = math.nan
     for scheme in SCHEMES.values():
-        with pytest.raises(ValueError, match="model.x.weight.*non-finite"):
+        with pytest.raises(ValueError, match=r"model.x.weight.*non-finite"):
             scheme.encode(bad, "model.x.weight", WeightScales.MSE)
 
 
@@ -142,8 +142,14 @@ def test_recipes_compose_and_refuse_what_they_cannot_do(tmp_path):
     with pytest.raises(ValueError, match="weight_scales applies to quantkit's own quantized schemes"):
         parse_recipe({"name": "x", "scheme": "bf16", "weight_scales": "mse"})
     with pytest.raises(ValueError, match="weight_scales four_over_six is not defined for scheme fp8_block"):
-        parse_recipe({"name": "x", "scheme": "nvfp4", "weight_scales": "four_over_six",
-                      "module_schemes": [{"re:.*self_attn.*": "fp8_block"}]})
+        parse_recipe(
+            {
+                "name": "x",
+                "scheme": "nvfp4",
+                "weight_scales": "four_over_six",
+                "module_schemes": [{"re:.*self_attn.*": "fp8_block"}],
+            }
+        )
     with pytest.raises(ValueError, match="four_over_six does not compose with gptq"):
         parse_recipe({"name": "x", "scheme": "nvfp4", "weight_scales": "four_over_six", "gptq": {}})
     assert load_recipe("w4a4_nvfp4_w46").weight_scales == WeightScales.FOUR_OVER_SIX

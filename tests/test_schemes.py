@@ -45,7 +45,9 @@ def test_registry_names_and_bf16():
     assert SCHEME_NAMES == ["fp8_block", "nvfp4", "nvfp4_four_over_six"]
     assert all(SCHEMES[name].name == name for name in SCHEMES)
     assert scheme_for(UNQUANTIZED) is None and scheme_for("nvfp4") is NVFP4 and get_scheme("fp8_block") is FP8_BLOCK
-    with pytest.raises(ValueError, match=r"unknown scheme 'int3'; expected one of \['fp8_block', 'nvfp4', 'nvfp4_four_over_six'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown scheme 'int3'; expected one of \['fp8_block', 'nvfp4', 'nvfp4_four_over_six'\]"
+    ):
         get_scheme("int3")
     assert set(KERNELS) == set(SCHEMES)  # every scheme can be served on CUDA
 
@@ -60,7 +62,8 @@ def test_encode_writes_the_contract(name, tmp_path):
     save_file({f"layer.{s}": t.contiguous() for s, t in tensors.items()}, str(tmp_path / "model.safetensors"))
     headers = tensor_headers(tmp_path)
     assert {n: dtype for n, (dtype, _) in headers.items()} == {
-        f"layer.{s}": dtype for s, dtype in scheme.checkpoint_tensors(activation_scale).items()}
+        f"layer.{s}": dtype for s, dtype in scheme.checkpoint_tensors(activation_scale).items()
+    }
     assert scheme.shape_problem("layer", {n.split(".", 1)[1]: shape for n, (_, shape) in headers.items()}) is None
     assert scheme.marker in tensors
 
@@ -87,24 +90,41 @@ def test_quantization_config_round_trip(name):
     for activation_scale in scheme.activation_scales:
         qc = {**scheme.quantization_config(activation_scale), "quantized_modules": ["layer"]}
         assert scheme_from_config(qc) is scheme and qc["activation_scale"] == activation_scale
-        assert set(qc) == {"format_version", "scheme", "weight_block_size", "group_size", "activation_scale",
-                           "quantized_modules"}
+        assert set(qc) == {
+            "format_version",
+            "scheme",
+            "weight_block_size",
+            "group_size",
+            "activation_scale",
+            "quantized_modules",
+        }
     assert scheme.quantization_config(None)["activation_scale"] == scheme.activation_scale(None)
     good = {**scheme.quantization_config(scheme.activation_scales[0]), "quantized_modules": ["layer"]}
-    for edit, message in [({"format_version": 2}, "format_version 2 is not supported"),
-                          ({"scheme": "int3"}, "scheme 'int3' is not one of"),
-                          ({"activation_scale": "per_tensor"}, "activation_scale 'per_tensor' is not valid"),
-                          ({"quantized_modules": []}, "quantized_modules is empty")]:
+    for edit, message in [
+        ({"format_version": 2}, "format_version 2 is not supported"),
+        ({"scheme": "int3"}, "scheme 'int3' is not one of"),
+        ({"activation_scale": "per_tensor"}, "activation_scale 'per_tensor' is not valid"),
+        ({"quantized_modules": []}, "quantized_modules is empty"),
+    ]:
         with pytest.raises(CheckpointError, match=message):
             scheme_from_config({**good, **edit})
 
 
 def test_configs_written_for_each_scheme():
-    assert FP8_BLOCK.quantization_config("static") == {"format_version": 1, "scheme": "fp8_block",
-                                                       "weight_block_size": [128, 128], "group_size": None,
-                                                       "activation_scale": "per_token"}
-    assert NVFP4.quantization_config("static") == {"format_version": 1, "scheme": "nvfp4", "weight_block_size": None,
-                                                   "group_size": 16, "activation_scale": "static"}
+    assert FP8_BLOCK.quantization_config("static") == {
+        "format_version": 1,
+        "scheme": "fp8_block",
+        "weight_block_size": [128, 128],
+        "group_size": None,
+        "activation_scale": "per_token",
+    }
+    assert NVFP4.quantization_config("static") == {
+        "format_version": 1,
+        "scheme": "nvfp4",
+        "weight_block_size": None,
+        "group_size": 16,
+        "activation_scale": "static",
+    }
     with pytest.raises(ValueError, match="no static activation scale"):
         FP8_BLOCK.static_activation_tensors(torch.tensor([1.0]))
 
@@ -136,8 +156,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # FP8 compared bit for bit
 
 
-@pytest.mark.parametrize("name, static", [(n, s) for n in SCHEME_NAMES for s in (False, True)
-                                          if not s or "static" in SCHEMES[n].activation_scales])
+@pytest.mark.parametrize(
+    "name, static",
+    [(n, s) for n in SCHEME_NAMES for s in (False, True) if not s or "static" in SCHEMES[n].activation_scales],
+)
 def test_activation_operands_equal_the_kernel_quantizer(name, static):
     scheme = SCHEMES[name]
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(4)) * torch.tensor([0.1, 1, 3, 30, 0])[:, None]

@@ -56,8 +56,8 @@ from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import FakeQuantExperts, FakeQuantLinear, load_fake_quant_model
 from quantkit.quantize.provenance import with_calibration
 from quantkit.quantize.recipe import load_recipe
-from quantkit.serve.offline import generate, omp_bind_per_rank
 from quantkit.serve.method_parts import CAPTURE_ENV
+from quantkit.serve.offline import generate, omp_bind_per_rank
 
 pytestmark = pytest.mark.slow
 
@@ -66,12 +66,17 @@ PROMPTS = [
     "The logging module defines functions and classes which implement a flexible event logging system.",
 ]
 DECODE_TOKENS = 4
-EXACT = 1e-4              # nats: float32 summation order once the activation codes are equal, see (c)
-INPUT_TOL = 1e-4          # of the row's max |x|: float32 noise of the quantizers' inputs, see (a)
+EXACT = 1e-4  # nats: float32 summation order once the activation codes are equal, see (c)
+INPUT_TOL = 1e-4  # of the row's max |x|: float32 noise of the quantizers' inputs, see (a)
 CONTROL_MAX_EXACT_FRACTION = 0.5
 VARIANT = dict(attn_output_gate="headwise", gated_norm_rank=16)  # GA + GatedNorm: the paper's best row
-FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-              "up_proj": "gate_up_proj"}  # checkpoint module -> vLLM's fused layer (packed_modules_mapping)
+FUSED_INTO = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}  # checkpoint module -> vLLM's fused layer (packed_modules_mapping)
 ROW_PARALLEL = ("o_proj", "down_proj", "out_proj", ".down")  # under TP each rank holds a slice of their input
 # columns (dense and hybrid: attention / DeltaNet output projections, MLP and shared-expert down, routed experts' down)
 
@@ -85,7 +90,11 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
     # Mixtral's MoE block is `mlp` in transformers 5 (quantkit.serve.stock_names); Gemma 2 soft-caps attention
     # logits, which the reference applies only with eager attention (quantkit.models.attention)
     "llama-nvfp4": ("llama", "w4a4_nvfp4", 1),
-    "llama-nvfp4_mse": ("llama", "w4a4_nvfp4_mse", 1),  # searched weight scales (issue 31): only the stored scales differ
+    "llama-nvfp4_mse": (
+        "llama",
+        "w4a4_nvfp4_mse",
+        1,
+    ),  # searched weight scales (issue 31): only the stored scales differ
     "qwen3-nvfp4_gptq": ("qwen3", "w4a4_nvfp4_gptq", 1),  # GPTQ rounding (issue 31): only the stored weights differ
     # mixed precision by module (issue 31): FP8 attention, NVFP4 MLP / routed experts, each layer its own scheme
     "llama-mixed": ("llama", "mixed_fp8_attn_nvfp4", 1),
@@ -117,8 +126,10 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
 def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("sources")
     stock = {arch for arch, _, _ in CASES.values()} - {"variant"}
-    return {"variant": build_tiny_checkpoint(root / "variant", seed=0, **VARIANT),
-            **{arch: build_tiny_stock_checkpoint(root / arch, arch, seed=0) for arch in sorted(stock)}}
+    return {
+        "variant": build_tiny_checkpoint(root / "variant", seed=0, **VARIANT),
+        **{arch: build_tiny_stock_checkpoint(root / arch, arch, seed=0) for arch in sorted(stock)},
+    }
 
 
 def reference_logprobs(model: torch.nn.Module, token_ids: list[list[int]]) -> list[torch.Tensor]:
@@ -179,8 +190,9 @@ class HeldCodes:
     `input_tol` of their max |x|) and (b) of the module docstring. Experts: the served prefix of expert e's inputs is
     `<experts>.<e>.gate_up` / `.down` (`quantkit.serve.moe_method`)."""
 
-    def __init__(self, model: torch.nn.Module, served: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                 input_tol: float = INPUT_TOL) -> None:
+    def __init__(
+        self, model: torch.nn.Module, served: dict[str, tuple[torch.Tensor, torch.Tensor]], input_tol: float = INPUT_TOL
+    ) -> None:
         self.served, self.input_tol = served, input_tol
         self.max_input_diff = 0.0
         self.elements = self.flips = 0
@@ -200,11 +212,15 @@ class HeldCodes:
         relative = distance / rows.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny)
         self.max_input_diff = max(self.max_input_diff, relative.max().item())
         assert relative.max() <= self.input_tol, (
-            f"{prefix}: a reference input row differs from every served row by {relative.max():.1e} of its max |x|")
+            f"{prefix}: a reference input row differs from every served row by {relative.max():.1e} of its max |x|"
+        )
         matched_x, matched_xq = served_x[index], served_xq[index]
         assert torch.equal(matched_xq, scheme.fake_quant_activation(matched_x, input_global_scale)), (
-            f"{prefix}: vLLM's quantized activation is not fake_quant_activation of its own input")
-        codes = activation_codes(scheme.name, rows, input_global_scale) != activation_codes(scheme.name, matched_x, input_global_scale)
+            f"{prefix}: vLLM's quantized activation is not fake_quant_activation of its own input"
+        )
+        codes = activation_codes(scheme.name, rows, input_global_scale) != activation_codes(
+            scheme.name, matched_x, input_global_scale
+        )
         self.elements += codes.numel()
         self.flips += int(codes.sum())
         return matched_xq.reshape(x.shape)
@@ -242,7 +258,9 @@ def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch)
     capture = tmp_path / "capture"
     capture.mkdir()
     monkeypatch.setenv(CAPTURE_ENV, str(capture))
-    run = generate(quantized, prompts, max_tokens=DECODE_TOKENS, tensor_parallel_size=tp, max_model_len=256, dtype="float32")
+    run = generate(
+        quantized, prompts, max_tokens=DECODE_TOKENS, tensor_parallel_size=tp, max_model_len=256, dtype="float32"
+    )
     token_ids = [g.token_ids for g in run.generations]
     served = [torch.tensor(g.logprobs) for g in run.generations]
     assert all(len(g.token_ids) == len(p) + DECODE_TOKENS for g, p in zip(run.generations, prompts))
@@ -253,18 +271,29 @@ def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch)
     held = HeldCodes(held_model, served_activations(capture))
     parity = token_diffs(served, reference_logprobs(held_model, token_ids))
     plain = token_diffs(served, reference_logprobs(load_fake_quant_model(quantized), token_ids))
-    weight_only = token_diffs(served, reference_logprobs(load_fake_quant_model(quantized, quantize_activations=False), token_ids))
+    weight_only = token_diffs(
+        served, reference_logprobs(load_fake_quant_model(quantized, quantize_activations=False), token_ids)
+    )
     source_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     unquantized = token_diffs(served, reference_logprobs(source_model, token_ids))
-    exact = {k: (d <= EXACT).float().mean().item() for k, d in
-             [("plain", plain), ("weight_only", weight_only), ("unquantized", unquantized)]}
-    print(f"{case}: {len(parity)} tokens; codes held: max {parity.max():.1e} nats, inputs within {held.max_input_diff:.1e}, "
-          f"{held.flips} of {held.elements} activation codes flipped; codes not held: {exact['plain']:.0%} exact, "
-          f"max {plain.max():.1e}; weight-only: {exact['weight_only']:.0%} exact, max {weight_only.max():.3f}; "
-          f"unquantized: {exact['unquantized']:.0%} exact, max {unquantized.max():.3f}")
+    exact = {
+        k: (d <= EXACT).float().mean().item()
+        for k, d in [("plain", plain), ("weight_only", weight_only), ("unquantized", unquantized)]
+    }
+    print(
+        f"{case}: {len(parity)} tokens; codes held: max {parity.max():.1e} nats, inputs within "
+        f"{held.max_input_diff:.1e}, "
+        f"{held.flips} of {held.elements} activation codes flipped; codes not held: {exact['plain']:.0%} exact, "
+        f"max {plain.max():.1e}; weight-only: {exact['weight_only']:.0%} exact, max {weight_only.max():.3f}; "
+        f"unquantized: {exact['unquantized']:.0%} exact, max {unquantized.max():.3f}"
+    )
     assert held.elements > 0
-    assert parity.max() <= EXACT, f"{case}: with activation codes held equal, vLLM differs from the reference by {parity.max():.2e} nats"
-    assert exact["weight_only"] < CONTROL_MAX_EXACT_FRACTION, f"{case}: the weight-only model matches too: activations not quantized?"
+    assert parity.max() <= EXACT, (
+        f"{case}: with activation codes held equal, vLLM differs from the reference by {parity.max():.2e} nats"
+    )
+    assert exact["weight_only"] < CONTROL_MAX_EXACT_FRACTION, (
+        f"{case}: the weight-only model matches too: activations not quantized?"
+    )
     assert exact["unquantized"] < CONTROL_MAX_EXACT_FRACTION
 
 
@@ -279,8 +308,9 @@ def test_smoothquant_folds_served_unrounded(sources, tmp_path):
     from quantkit.evals.harness import open_lm
 
     recipe = tmp_path / "sq_small.yaml"
-    recipe.write_text("name: sq_small\nscheme: fp8_block\n"
-                      "smoothquant: {alpha: 0.5, num_sequences: 2, seq_len: 32, experts: true}\n")
+    recipe.write_text(
+        "name: sq_small\nscheme: fp8_block\nsmoothquant: {alpha: 0.5, num_sequences: 2, seq_len: 32, experts: true}\n"
+    )
     out = quantize_checkpoint(sources["variant"], str(recipe), tmp_path / "sq")
     state = load_file(out / "model.safetensors")
     names = [k for k in state if k.endswith(("layernorm.weight", "gate_down.weight")) and ".layers." in k]
@@ -334,11 +364,27 @@ def test_checkpoint_errors(sources, tmp_path):
         (variant("no_config", lambda c: c.pop("quantization_config")), "no quantization_config"),
         (variant("bad_version", lambda c: c["quantization_config"].update(format_version=7)), "format_version 7"),
         (variant("bad_scheme", lambda c: c["quantization_config"].update(scheme="int3")), "scheme 'int3'"),
-        (variant("fp8_claimed", lambda c: c["quantization_config"].update(scheme="fp8_block")), "has no tensor .*weight"),
-        (variant("missing_scale", edit_state=lambda s: s.pop(f"{module}.weight_global_scale")), "no tensor .*weight_global_scale"),
-        (variant("bad_shape", edit_state=lambda s: s.update({f"{module}.weight_scale": s[f"{module}.weight_scale"][:, :3].contiguous()})),
-         "weight_scale has shape"),
-        (variant("unlisted", lambda c: c["quantization_config"]["quantized_modules"].remove(module)), "not in quantization_config"),
+        (
+            variant("fp8_claimed", lambda c: c["quantization_config"].update(scheme="fp8_block")),
+            "has no tensor .*weight",
+        ),
+        (
+            variant("missing_scale", edit_state=lambda s: s.pop(f"{module}.weight_global_scale")),
+            "no tensor .*weight_global_scale",
+        ),
+        (
+            variant(
+                "bad_shape",
+                edit_state=lambda s: s.update(
+                    {f"{module}.weight_scale": s[f"{module}.weight_scale"][:, :3].contiguous()}
+                ),
+            ),
+            "weight_scale has shape",
+        ),
+        (
+            variant("unlisted", lambda c: c["quantization_config"]["quantized_modules"].remove(module)),
+            "not in quantization_config",
+        ),
     ]
     for bad, message in cases:
         with pytest.raises(CheckpointError, match=message):
@@ -348,7 +394,7 @@ def test_checkpoint_errors(sources, tmp_path):
     (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(CheckpointError, match="unreadable safetensors"):
         check_servable(tmp_path / "corrupt")
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match=r"no config.json"):
         check_servable(tmp_path / "nothing")
 
 
@@ -363,12 +409,22 @@ def test_quantkit_serve_openai_server(sources, tmp_path):
     from pathlib import Path
 
     quantized = quantize_checkpoint(sources["variant"], "w4a4_nvfp4", tmp_path / "nvfp4")
-    offline = generate(quantized, [PROMPTS[0]], max_tokens=8, max_model_len=256, with_logprobs=False).generations[0].text
+    offline = (
+        generate(quantized, [PROMPTS[0]], max_tokens=8, max_model_len=256, with_logprobs=False).generations[0].text
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp_path / "server.log"
-    command = [str(Path(sys.executable).parent / "quantkit"), "serve", str(quantized), "--port", str(port), "--max-model-len", "256"]
+    command = [
+        str(Path(sys.executable).parent / "quantkit"),
+        "serve",
+        str(quantized),
+        "--port",
+        str(port),
+        "--max-model-len",
+        "256",
+    ]
     with open(log, "w") as out:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -381,8 +437,12 @@ def test_quantkit_serve_openai_server(sources, tmp_path):
             except OSError:
                 assert time.time() < deadline, "server did not come up:\n" + log.read_text()[-3000:]
                 time.sleep(2)
-        body = json.dumps({"model": str(quantized), "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body.encode(), {"Content-Type": "application/json"})
+        body = json.dumps(
+            {"model": str(quantized), "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+        )
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", body.encode(), {"Content-Type": "application/json"}
+        )
         reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
         assert reply["choices"][0]["text"] == offline
     finally:
@@ -390,7 +450,9 @@ def test_quantkit_serve_openai_server(sources, tmp_path):
         server.wait(timeout=60)
     text = log.read_text()
     assert "quant_method quantkit, recipe w4a4_nvfp4, scheme nvfp4" in text
-    assert "quantkit: model.layers.0.self_attn.qkv_proj scheme=nvfp4 activations=per_token kernel=torch-emulation" in text
+    assert (
+        "quantkit: model.layers.0.self_attn.qkv_proj scheme=nvfp4 activations=per_token kernel=torch-emulation" in text
+    )
 
 
 def test_cli_refuses_bad_checkpoints(tmp_path):
@@ -401,11 +463,17 @@ def test_cli_refuses_bad_checkpoints(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     quantkit = Path(sys.executable).parent / "quantkit"
     for command in ("serve", "generate"):
-        run = subprocess.run([str(quantkit), command, str(tmp_path)] + (["hi"] if command == "generate" else []), capture_output=True, text=True)
+        run = subprocess.run(
+            [str(quantkit), command, str(tmp_path)] + (["hi"] if command == "generate" else []),
+            capture_output=True,
+            text=True,
+        )
         assert run.returncode == 2 and "no *.safetensors weights" in run.stderr, run.stderr[-2000:]
 
 
-@pytest.mark.parametrize("recipe, kernel", [("fp8_block_ct", "EmulationFp8BlockScaledMMKernel"), ("nvfp4_ct", "EmulationNvFp4LinearKernel")])
+@pytest.mark.parametrize(
+    "recipe, kernel", [("fp8_block_ct", "EmulationFp8BlockScaledMMKernel"), ("nvfp4_ct", "EmulationNvFp4LinearKernel")]
+)
 def test_peer_checkpoints_served_on_cpu(recipe, kernel, sources, tmp_path, capfd, monkeypatch):
     """The peers' compressed-tensors checkpoints (llmcompressor) are served on CPU by the emulation kernels the plugin
     registers; the log names the kernel; the output is quantized (differs from the source) but close to it.
@@ -416,11 +484,19 @@ def test_peer_checkpoints_served_on_cpu(recipe, kernel, sources, tmp_path, capfd
     from quantkit.quantize.recipe import parse_recipe
 
     settings = {k: v for k, v in vars(load_recipe(recipe)).items() if k in ("name", "scheme", "backend")}
-    quantized = quantize_checkpoint(sources["variant"], parse_recipe({**settings, "calibration": {"num_sequences": 4, "seq_len": 64}}),
-                                    tmp_path / recipe)
-    assert json.loads((quantized / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
+    quantized = quantize_checkpoint(
+        sources["variant"],
+        parse_recipe({**settings, "calibration": {"num_sequences": 4, "seq_len": 64}}),
+        tmp_path / recipe,
+    )
+    assert (
+        json.loads((quantized / "config.json").read_text())["quantization_config"]["quant_method"]
+        == "compressed-tensors"
+    )
     tok = AutoTokenizer.from_pretrained(quantized)
-    run = generate(quantized, [tok(p)["input_ids"] for p in PROMPTS], max_tokens=DECODE_TOKENS, max_model_len=256, dtype="float32")
+    run = generate(
+        quantized, [tok(p)["input_ids"] for p in PROMPTS], max_tokens=DECODE_TOKENS, max_model_len=256, dtype="float32"
+    )
     assert f"Using {kernel}" in capfd.readouterr().out
     token_ids = [g.token_ids for g in run.generations]
     source = AutoModelForCausalLM.from_pretrained(sources["variant"], dtype=torch.float32).eval()

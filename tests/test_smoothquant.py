@@ -50,9 +50,18 @@ from quantkit.models.tiny import randomize_parameters
 pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
 
 SHAPE = dict(
-    vocab_size=96, hidden_size=72, intermediate_size=136, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
-    bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    vocab_size=96,
+    hidden_size=72,
+    intermediate_size=136,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
 )
 VARIANTS = {
     "baseline": {},
@@ -71,7 +80,10 @@ NO_V_O = {"v_scale", "headwise_rmsnorm"}  # attention not linear in v: v_proj ->
 OUTLIER = {"input_layernorm": 5, "post_attention_layernorm": 7, "v_proj": 3, "up_proj": 9}
 
 
-INJECTIONS = {"norms": ("input_layernorm", "post_attention_layernorm"), "projections": ("self_attn.v_proj", "mlp.up_proj")}
+INJECTIONS = {
+    "norms": ("input_layernorm", "post_attention_layernorm"),
+    "projections": ("self_attn.v_proj", "mlp.up_proj"),
+}
 
 
 def randomize(model: nn.Module, injection: str | None = "norms") -> nn.Module:
@@ -130,9 +142,15 @@ def check_preserved_and_smoothed(model: nn.Module, include_v_o: bool, injection:
             # the control: the injected channel is the largest, and smoothing shrinks it and the spread
             j = before.argmax()
             smooth = m.smooth.rsplit(".", 1)[-1]
-            assert (j % m.head_dim if m.kind == "v_o" else j) == OUTLIER[smooth], f"{m.name}: largest channel {j} is not the injected one"
-            assert after[j] < before[j] / 2, f"{m.name}: outlier channel {j} did not shrink ({before[j]:.3g} -> {after[j]:.3g})"
-            assert after.max() / after.median() < (before.max() / before.median()) / 2, f"{m.name}: spread did not shrink"
+            assert (j % m.head_dim if m.kind == "v_o" else j) == OUTLIER[smooth], (
+                f"{m.name}: largest channel {j} is not the injected one"
+            )
+            assert after[j] < before[j] / 2, (
+                f"{m.name}: outlier channel {j} did not shrink ({before[j]:.3g} -> {after[j]:.3g})"
+            )
+            assert after.max() / after.median() < (before.max() / before.median()) / 2, (
+                f"{m.name}: spread did not shrink"
+            )
             checked += 1
         # the report's prediction max|X|/s matches the measured range after smoothing
         assert r.act_max_after == pytest.approx(after.max().item(), rel=1e-4)
@@ -159,8 +177,9 @@ def test_smoothing_preserves_function_and_shrinks_outliers(variant, injection):
 def test_power_of_two_factors_fold_bit_exactly_in_bf16(variant):
     model = quantkit_model(**VARIANTS[variant]).to(torch.bfloat16)
     reference = logits(model, tokens(4, 32, seed=2))
-    report = smooth_model(model, tokens(8, 32), include_v_o=variant not in NO_V_O, include_up_down=True,
-                          power_of_two=True, progress=False)
+    report = smooth_model(
+        model, tokens(8, 32), include_v_o=variant not in NO_V_O, include_up_down=True, power_of_two=True, progress=False
+    )
     assert report.tolerance == 1e-3
     assert torch.equal(logits(model, tokens(4, 32, seed=2)), reference)
     s = torch.cat(list(report.scales.values()))
@@ -229,8 +248,12 @@ def test_unknown_structure_errors_name_the_modules():
     model = UnregisteredLM(QuantkitConfig(**SHAPE))
     traced = resolve_mappings(model).mappings
     assert {m.kind for m in traced} == {"norm"}
-    assert [(m.smooth, m.consumers) for m in traced] == [(m.smooth, m.consumers) for m in resolve_mappings(quantkit_model()).mappings]
-    with pytest.raises(SmoothQuantMappingError, match=r"up_proj -> down_proj smoothing needs a registered architecture"):
+    assert [(m.smooth, m.consumers) for m in traced] == [
+        (m.smooth, m.consumers) for m in resolve_mappings(quantkit_model()).mappings
+    ]
+    with pytest.raises(
+        SmoothQuantMappingError, match=r"up_proj -> down_proj smoothing needs a registered architecture"
+    ):
         resolve_mappings(model, include_up_down=True)
     with pytest.raises(SmoothQuantMappingError, match="v_proj -> o_proj smoothing needs a registered architecture"):
         resolve_mappings(model, include_v_o=True)
@@ -265,8 +288,9 @@ def test_gated_norm_needs_the_gate_down_fold():
 
 
 def test_gated_norm_without_gate_fold_fails_the_check_and_is_undone(monkeypatch):
-    monkeypatch.setitem(mappings_module._FOLDS, QuantkitNorm,
-                        functools.partial(mappings_module.fold_quantkit_norm, fold_gate=False))
+    monkeypatch.setitem(
+        mappings_module._FOLDS, QuantkitNorm, functools.partial(mappings_module.fold_quantkit_norm, fold_gate=False)
+    )
     model = quantkit_model(gated_norm_rank=16)
     state = copy.deepcopy(model.state_dict())
     with pytest.raises(FunctionPreservationError, match=r"max \|logit change\| .* above the tolerance 0\.001"):
@@ -283,7 +307,9 @@ def test_smoothing_factors_formula_and_clamps():
     assert s[2] == 1 and s[3] == 1  # dead activation / zero weight column: nothing to migrate
     assert s[4] == 1e4  # clamped to SCALE_MAX
     torch.testing.assert_close(smoothing_factors(x[:2], w[:2], alpha=1.0), x[:2])
-    torch.testing.assert_close(smoothing_factors(torch.tensor([3.0]), torch.tensor([1.0]), power_of_two=True), torch.tensor([2.0]))
+    torch.testing.assert_close(
+        smoothing_factors(torch.tensor([3.0]), torch.tensor([1.0]), power_of_two=True), torch.tensor([2.0])
+    )
     with pytest.raises(ValueError, match="alpha must be in"):
         smoothing_factors(x, w, alpha=1.5)
 
@@ -303,7 +329,9 @@ def test_calibration_windows_from_the_training_speeches(caplog):
 
     # end to end from text (a quantkit model's default: the training speeches), on the variant that needs BOS first
     torch.manual_seed(0)
-    model = randomize(QuantkitForCausalLM(QuantkitConfig(**{**SHAPE, "vocab_size": len(tokenizer)}, attention_sink=True)))
+    model = randomize(
+        QuantkitForCausalLM(QuantkitConfig(**{**SHAPE, "vocab_size": len(tokenizer)}, attention_sink=True))
+    )
     report = smooth_model(model, None, tokenizer, num_sequences=8, seq_len=64, progress=False)
     assert (report.num_sequences, report.seq_len) == (8, 64)
     assert report.relative_logit_change < 1e-4
@@ -327,15 +355,17 @@ def test_structural_rule_maps_gemma3_sandwich_norms(tmp_path):
     norms, and `quantize` verifies the function is preserved (it raises otherwise). Streaming traces its meta
     skeleton and writes the same checkpoint; a norm with no fold is refused naming it and the recipes that still
     work."""
+    from transformers import AutoModelForCausalLM
+
     from quantkit.models.tiny import build_tiny_stock_checkpoint
     from quantkit.quantize.checkpoint import quantize_checkpoint
-    from transformers import AutoModelForCausalLM
 
     source = build_tiny_stock_checkpoint(tmp_path / "gemma3", "gemma3")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     plan = resolve_mappings(model)
     assert [(m.smooth.split(".", 3)[-1], tuple(c.rsplit(".", 1)[-1] for c in m.consumers)) for m in plan.mappings] == [
-        ("input_layernorm", ("q_proj", "k_proj", "v_proj")), ("pre_feedforward_layernorm", ("gate_proj", "up_proj")),
+        ("input_layernorm", ("q_proj", "k_proj", "v_proj")),
+        ("pre_feedforward_layernorm", ("gate_proj", "up_proj")),
     ] * model.config.num_hidden_layers
     recipe = tmp_path / "sq_tiny.yaml"
     recipe.write_text("name: sq_tiny\nscheme: fp8_block\nsmoothquant: {alpha: 0.5, num_sequences: 4, seq_len: 32}\n")
@@ -358,8 +388,11 @@ def test_structural_rule_maps_gemma3_sandwich_norms(tmp_path):
             return x * self.weight
 
     model.model.layers[0].input_layernorm = Mystery(model.model.layers[0].input_layernorm)
-    with pytest.raises(SmoothQuantMappingError, match=r"layers\.0\.input_layernorm \(Mystery: no fold registered\)"
-                                                      r".*Recipes without SmoothQuant .* still work"):
+    with pytest.raises(
+        SmoothQuantMappingError,
+        match=r"layers\.0\.input_layernorm \(Mystery: no fold registered\)"
+        r".*Recipes without SmoothQuant .* still work",
+    ):
         resolve_mappings(model)
 
 

@@ -16,7 +16,8 @@ RECIPES = {
     "fp8_sq": "scheme: fp8_block\nsmoothquant: {num_sequences: 48, seq_len: 32, early_stop: 0.5}\n",
     "nvfp4_sq": "scheme: nvfp4\nsmoothquant: {num_sequences: 48, seq_len: 32, early_stop: 0.5}\n",
     "nvfp4_sq_more": "scheme: nvfp4\nsmoothquant: {num_sequences: 56, seq_len: 32, early_stop: 0.5}\n",
-    "nvfp4_sq_search": "scheme: nvfp4\nsmoothquant: {num_sequences: 48, seq_len: 32, early_stop: 0.5, search_alpha: true}\n",
+    "nvfp4_sq_search": "scheme: nvfp4\nsmoothquant: "
+    "{num_sequences: 48, seq_len: 32, early_stop: 0.5, search_alpha: true}\n",
 }
 
 

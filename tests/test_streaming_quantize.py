@@ -1,4 +1,5 @@
-"""Streaming quantization (`quantkit.quantize.streaming`): the same tensors as the whole-model path, one layer in memory.
+"""Streaming quantization (`quantkit.quantize.streaming`): the same tensors as the whole-model path, one layer in
+memory.
 
 Exactness, not tolerance: the streaming path runs every decoder layer with the same float32 operations, on the same
 batches (8 windows) and the same keyword arguments as the whole model's forward does, reads the same values (bf16 or
@@ -28,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_benchmarks import run_benchmark
 
 from quantkit.calibrate import mappings as mappings_module
 from quantkit.calibrate.smoothquant import FunctionPreservationError
@@ -40,14 +42,15 @@ from quantkit.quantize.recipe import RotationSettings, load_recipe
 from quantkit.quantize.rotation import TOLERANCE as ROTATION_TOLERANCE
 from quantkit.quantize.streaming import quantize_streaming
 from quantkit.serve.checkpoint_check import check_servable
-from test_benchmarks import run_benchmark
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = torch.tensor([[0, 5, 9, 44, 100, 7, 300, 12, 81, 3]])
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_quantize_memory", REPO / "benchmarks" / "bench_quantize_memory.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_quantize_memory", REPO / "benchmarks" / "bench_quantize_memory.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -79,8 +82,9 @@ def assert_same_checkpoint(whole: Path, streamed: Path) -> None:
 def dense(tmp_path_factory):
     from quantkit.models.tiny import build_tiny_checkpoint
 
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("dense") / "m", attn_output_gate="headwise", gated_norm_rank=16,
-                                 attention_sink=True)
+    return build_tiny_checkpoint(
+        tmp_path_factory.mktemp("dense") / "m", attn_output_gate="headwise", gated_norm_rank=16, attention_sink=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -91,22 +95,36 @@ def hybrid(tmp_path_factory):
 
 
 # 12 windows: a full batch of 8 and a partial one; spill 0: every stream on disk; 1 MiB shards: several
-DENSE = [("bf16", None), ("w8a8_fp8_block", None), ("w4a4_nvfp4", None), ("w4a4_nvfp4_static", 0),
-         ("w8a8_fp8_block_sq", None), ("w4a4_nvfp4_sq", 0), ("w4a4_nvfp4_sq_updown", None), ("w4a4_nvfp4_46", None)]
+DENSE = [
+    ("bf16", None),
+    ("w8a8_fp8_block", None),
+    ("w4a4_nvfp4", None),
+    ("w4a4_nvfp4_static", 0),
+    ("w8a8_fp8_block_sq", None),
+    ("w4a4_nvfp4_sq", 0),
+    ("w4a4_nvfp4_sq_updown", None),
+    ("w4a4_nvfp4_46", None),
+]
 
 
 @pytest.mark.parametrize("recipe_name,spill", DENSE)
 def test_dense_streaming_is_bit_identical(dense, tmp_path, recipe_name, spill):
     recipe = with_calibration(load_recipe(recipe_name), 12, 64)
     whole = quantize_checkpoint(dense, recipe, tmp_path / "whole", streaming=False)
-    streamed = quantize_streaming(dense, recipe, tmp_path / "stream", max_shard_bytes=2**20,
-                                  **({} if spill is None else {"spill_bytes": spill}))
+    streamed = quantize_streaming(
+        dense, recipe, tmp_path / "stream", max_shard_bytes=2**20, **({} if spill is None else {"spill_bytes": spill})
+    )
     assert_same_checkpoint(whole, streamed)
     index = json.loads((streamed / "model.safetensors.index.json").read_text())
     files = weight_files(streamed)
-    assert len(files) > 1 and [f.name for f in files] == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    assert len(files) > 1 and [f.name for f in files] == [
+        f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)
+    ]
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in read_state(streamed).values())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["stream", "whole"]  # no temporaries or spilled activations left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "stream",
+        "whole",
+    ]  # no temporaries or spilled activations left
     if recipe.scheme == "bf16":
         return
     assert check_servable(streamed)["quantized_modules"]
@@ -114,8 +132,10 @@ def test_dense_streaming_is_bit_identical(dense, tmp_path, recipe_name, spill):
         assert torch.equal(load_fake_quant_model(streamed)(IDS).logits, load_fake_quant_model(whole)(IDS).logits)
 
 
-@pytest.mark.parametrize("recipe_name", ["w8a8_fp8_block", "w4a4_nvfp4_static", "w4a4_nvfp4_sq", "w4a4_nvfp4_sq_noexperts",
-                                         "w4a4_nvfp4_sq_updown"])
+@pytest.mark.parametrize(
+    "recipe_name",
+    ["w8a8_fp8_block", "w4a4_nvfp4_static", "w4a4_nvfp4_sq", "w4a4_nvfp4_sq_noexperts", "w4a4_nvfp4_sq_updown"],
+)
 def test_hybrid_moe_streaming_is_bit_identical(hybrid, tmp_path, recipe_name):
     """Gated DeltaNet + softmax layers, routed experts fused in the model and per-expert in the checkpoint (all-experts
     statistics for the static scales, the MoE norm smoothed into router, experts and shared expert)."""
@@ -140,13 +160,16 @@ def tied_llama(tmp_path_factory):
     return source
 
 
-@pytest.mark.parametrize("model,recipe_name", [
-    ("gated", "w4a4_nvfp4_rot"),  # the zoo's dense family: gated attention, sinks (no GatedNorm: not rotatable)
-    ("gated", "w8a8_fp8_block_rot"),  # online block 128
-    ("tied", "w4a4_nvfp4_rot_gptq"),  # untied embeddings, GPTQ on the rotated layers
-    ("tied", "w4a4_nvfp4_sq+rot"),  # SmoothQuant on the rotated layers, its check through the rotated head
-    ("hybrid", "w4a4_nvfp4_rot"),  # Gated DeltaNet, router and experts rotated, the shared expert's online Hadamard
-])
+@pytest.mark.parametrize(
+    "model,recipe_name",
+    [
+        ("gated", "w4a4_nvfp4_rot"),  # the zoo's dense family: gated attention, sinks (no GatedNorm: not rotatable)
+        ("gated", "w8a8_fp8_block_rot"),  # online block 128
+        ("tied", "w4a4_nvfp4_rot_gptq"),  # untied embeddings, GPTQ on the rotated layers
+        ("tied", "w4a4_nvfp4_sq+rot"),  # SmoothQuant on the rotated layers, its check through the rotated head
+        ("hybrid", "w4a4_nvfp4_rot"),  # Gated DeltaNet, router and experts rotated, the shared expert's online Hadamard
+    ],
+)
 def test_rotation_streaming_is_bit_identical(model, recipe_name, hybrid, tied_llama, tmp_path):
     """Rotation layer by layer: the outside modules rotated in memory first, each layer rotated as it is loaded
     (the same float64 products as the whole-model path, in the same order), so the same bytes."""
@@ -202,17 +225,28 @@ def test_early_stop_ends_the_windows_in_both_paths(dense, tmp_path):
     layers = len(report["windows_per_layer"])
     assert (report["windows_drawn"], report["num_sequences"], report["windows_per_layer"]) == (64, 32, [32] * layers)
     for stop in (0.0, None):
-        out = quantize_streaming(dense, apply_calibration(base, {"num_sequences": 64, "seq_len": 32, "early_stop": stop}),
-                                 tmp_path / f"all-{stop}")
+        out = quantize_streaming(
+            dense,
+            apply_calibration(base, {"num_sequences": 64, "seq_len": 32, "early_stop": stop}),
+            tmp_path / f"all-{stop}",
+        )
         report = json.loads((out / "smoothquant.json").read_text())
-        assert report["num_sequences"] == 64 and report["windows_per_layer"] == [64] * layers and report["early_stop"] == stop
+        assert (
+            report["num_sequences"] == 64
+            and report["windows_per_layer"] == [64] * layers
+            and report["early_stop"] == stop
+        )
 
 
 def test_function_preservation_failure_writes_nothing(dense, tmp_path, monkeypatch):
     """A fold that is not function-preserving (GatedNorm without its gate fold) fails the carried logit check."""
-    monkeypatch.setitem(mappings_module._FOLDS, QuantkitNorm, functools.partial(mappings_module.fold_quantkit_norm, fold_gate=False))
+    monkeypatch.setitem(
+        mappings_module._FOLDS, QuantkitNorm, functools.partial(mappings_module.fold_quantkit_norm, fold_gate=False)
+    )
     with pytest.raises(FunctionPreservationError, match=r"above the tolerance 0\.001; nothing was written"):
-        quantize_streaming(dense, with_calibration(load_recipe("w8a8_fp8_block_sq"), 8, 32), tmp_path / "out", spill_bytes=0)
+        quantize_streaming(
+            dense, with_calibration(load_recipe("w8a8_fp8_block_sq"), 8, 32), tmp_path / "out", spill_bytes=0
+        )
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
 
 
@@ -243,10 +277,15 @@ def test_sharded_readers(dense, tmp_path):
 
 def test_cli_streaming_flag(dense, tmp_path):
     quantkit = Path(sys.executable).parent / "quantkit"
-    run = subprocess.run([quantkit, "quantize", str(dense), "w8a8_fp8_block", str(tmp_path / "q"), "--streaming"],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [quantkit, "quantize", str(dense), "w8a8_fp8_block", str(tmp_path / "q"), "--streaming"],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert (tmp_path / "q" / "model.safetensors.index.json").exists() and not (tmp_path / "q" / "model.safetensors").exists()
+    assert (tmp_path / "q" / "model.safetensors.index.json").exists() and not (
+        tmp_path / "q" / "model.safetensors"
+    ).exists()
     with pytest.raises(ValueError, match="quantkit's own backend only"):
         quantize_checkpoint(dense, "fp8_block_ct", tmp_path / "ct", streaming=True)
 
@@ -277,16 +316,34 @@ def test_quantize_under_an_address_space_limit(tmp_path):
     env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
     runs = {}
     for path, streaming in (("streaming", "1"), ("whole", "0")):
-        runs[path] = subprocess.run([sys.executable, "-c", _LIMITED, str(warm), str(model), str(tmp_path / path), streaming,
-                                     str(float32_bytes // 2)], capture_output=True, text=True, env=env, timeout=900)
+        runs[path] = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _LIMITED,
+                str(warm),
+                str(model),
+                str(tmp_path / path),
+                streaming,
+                str(float32_bytes // 2),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=900,
+        )
     assert runs["streaming"].returncode == 0, runs["streaming"].stderr[-3000:]
     assert check_servable(tmp_path / "streaming")["quantized_modules"]
     assert runs["whole"].returncode != 0, "the whole-model path fit under the limit: the test proves nothing"
-    assert any(s in runs["whole"].stderr for s in ("can't allocate memory", "MemoryError", "Cannot allocate memory")), runs["whole"].stderr[-3000:]
+    assert any(s in runs["whole"].stderr for s in ("can't allocate memory", "MemoryError", "Cannot allocate memory")), (
+        runs["whole"].stderr[-3000:]
+    )
 
 
 def test_memory_benchmark_quick(tmp_path):
-    result, table = run_benchmark("bench_quantize_memory.py", ["--quick"], tmp_path, "quantize_memory_*_quick", timeout=900)
+    result, table = run_benchmark(
+        "bench_quantize_memory.py", ["--quick"], tmp_path, "quantize_memory_*_quick", timeout=900
+    )
     assert {"machine", "date", "command", "rows", "summary"} <= set(result)
     assert [r["layers"] for r in result["rows"]] == [2, 4]
     assert all(r["streaming_peak_rss_gb"] > 0 and r["whole_peak_rss_gb"] > 0 for r in result["rows"])
@@ -305,6 +362,6 @@ def test_model_without_decoder_layers_is_refused(dense, tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=600, n_positions=64)).save_pretrained(src)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(dense / name, src / name)
-    with pytest.raises(StreamingError, match="GPT2LMHeadModel has no decoder layers at model.model.layers"):
+    with pytest.raises(StreamingError, match=r"GPT2LMHeadModel has no decoder layers at model.model.layers"):
         quantize_checkpoint(src, "w8a8_fp8_block", tmp_path / "out", streaming=True)
     assert not (tmp_path / "out").exists()

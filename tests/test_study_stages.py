@@ -19,16 +19,33 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _study(tmp_path: Path) -> Study:
-    return Study(StudySpec(name="t", models={"a": "zoo:ga", "b": "zoo:gatednorm"}, recipes=["bf16", "w4a4_nvfp4"]),
-                 tmp_path / "run")
+    return Study(
+        StudySpec(name="t", models={"a": "zoo:ga", "b": "zoo:gatednorm"}, recipes=["bf16", "w4a4_nvfp4"]),
+        tmp_path / "run",
+    )
 
 
 def test_the_table_in_order_with_scopes_and_artifacts():
-    assert STAGE_NAMES == ("checkpoint", "diagnose", "quantize", "eval", "numerics", "reference", "degradation",
-                           "report")
-    assert {s.name: s.scope for s in STAGES} == {"checkpoint": "model", "diagnose": "model", "quantize": "recipe",
-                                                 "eval": "recipe", "numerics": "baseline", "reference": "baseline",
-                                                 "degradation": "quantized", "report": "study"}
+    assert STAGE_NAMES == (
+        "checkpoint",
+        "diagnose",
+        "quantize",
+        "eval",
+        "numerics",
+        "reference",
+        "degradation",
+        "report",
+    )
+    assert {s.name: s.scope for s in STAGES} == {
+        "checkpoint": "model",
+        "diagnose": "model",
+        "quantize": "recipe",
+        "eval": "recipe",
+        "numerics": "baseline",
+        "reference": "baseline",
+        "degradation": "quantized",
+        "report": "study",
+    }
     assert all(s.scope in SCOPES and callable(s.run) for s in STAGES) and STAGE_BY_NAME["eval"] is STAGES[3]
     with pytest.raises(ValueError, match="unknown scope 'per_layer'"):
         Stage("x", "per_layer", None, Study._report)
@@ -37,7 +54,12 @@ def test_the_table_in_order_with_scopes_and_artifacts():
 def test_targets_follow_each_scope(tmp_path):
     study = _study(tmp_path)
     assert study.targets(STAGE_BY_NAME["diagnose"]) == [("a", None), ("b", None)]
-    assert study.targets(STAGE_BY_NAME["eval"]) == [("a", "bf16"), ("a", "w4a4_nvfp4"), ("b", "bf16"), ("b", "w4a4_nvfp4")]
+    assert study.targets(STAGE_BY_NAME["eval"]) == [
+        ("a", "bf16"),
+        ("a", "w4a4_nvfp4"),
+        ("b", "bf16"),
+        ("b", "w4a4_nvfp4"),
+    ]
     assert study.targets(STAGE_BY_NAME["degradation"]) == [("a", "w4a4_nvfp4"), ("b", "w4a4_nvfp4")]
     assert study.targets(STAGE_BY_NAME["report"]) == [(None, None)]
     assert study.targets(STAGE_BY_NAME["numerics"]) == [] and study.targets(STAGE_BY_NAME["reference"]) == []
@@ -46,15 +68,24 @@ def test_targets_follow_each_scope(tmp_path):
 def test_baseline_stages_run_where_the_spec_asks(tmp_path):
     """numerics (eval.numerics) for every model's bf16 row, right after its eval; reference (eval.reference) only for
     a trained model whose makers publish a score in a protocol quantkit runs (the coder: HumanEval, code-evalplus)."""
-    spec = StudySpec(name="t", models={"a": "zoo:ga", "coder": "model:qwen2.5-coder-0.5b-instruct"},
-                     recipes=["bf16", "w4a4_nvfp4"], eval=dict(numerics=True, reference=True))
+    spec = StudySpec(
+        name="t",
+        models={"a": "zoo:ga", "coder": "model:qwen2.5-coder-0.5b-instruct"},
+        recipes=["bf16", "w4a4_nvfp4"],
+        eval=dict(numerics=True, reference=True),
+    )
     study = Study(spec, tmp_path / "run")
     assert study.targets(STAGE_BY_NAME["numerics"]) == [("a", "bf16"), ("coder", "bf16")]
     assert study.targets(STAGE_BY_NAME["reference"]) == [("coder", "bf16")]
     assert study.reference("coder").suite == "code-evalplus" and study.reference("a") is None
     work = [(stage.name, label, recipe) for stage, label, recipe in study.work(STAGES)]
-    assert work[:5] == [("checkpoint", "a", None), ("quantize", "a", "bf16"), ("eval", "a", "bf16"),
-                        ("numerics", "a", "bf16"), ("diagnose", "a", None)]
+    assert work[:5] == [
+        ("checkpoint", "a", None),
+        ("quantize", "a", "bf16"),
+        ("eval", "a", "bf16"),
+        ("numerics", "a", "bf16"),
+        ("diagnose", "a", None),
+    ]
     coder_bf16 = work.index(("eval", "coder", "bf16"))
     assert work[coder_bf16 + 1 : coder_bf16 + 3] == [("numerics", "coder", "bf16"), ("reference", "coder", "bf16")]
     assert study.artifact("numerics", "a", "bf16") == study.dir / "evals" / "a-bf16-numerics" / "results.json"
@@ -66,16 +97,30 @@ def test_rows_arrive_early(tmp_path):
     the bf16 row (and the model's diagnostics) first, then each quantized chain; `--until` keeps that order."""
     study = _study(tmp_path)
     work = [(stage.name, label, recipe) for stage, label, recipe in study.work(STAGES)]
-    assert work[:9] == [("checkpoint", "a", None), ("quantize", "a", "bf16"), ("eval", "a", "bf16"),
-                        ("diagnose", "a", None), ("report", None, None), ("quantize", "a", "w4a4_nvfp4"),
-                        ("eval", "a", "w4a4_nvfp4"), ("degradation", "a", "w4a4_nvfp4"), ("report", None, None)]
+    assert work[:9] == [
+        ("checkpoint", "a", None),
+        ("quantize", "a", "bf16"),
+        ("eval", "a", "bf16"),
+        ("diagnose", "a", None),
+        ("report", None, None),
+        ("quantize", "a", "w4a4_nvfp4"),
+        ("eval", "a", "w4a4_nvfp4"),
+        ("degradation", "a", "w4a4_nvfp4"),
+        ("report", None, None),
+    ]
     assert len(work) == 18 and sorted(set(work)) == sorted({(s.name, *t) for s in STAGES for t in study.targets(s)})
     until_quantize = [(stage.name, label, recipe) for stage, label, recipe in study.work(STAGES[:3])]
-    assert until_quantize[:4] == [("checkpoint", "a", None), ("quantize", "a", "bf16"), ("diagnose", "a", None),
-                                  ("quantize", "a", "w4a4_nvfp4")]
+    assert until_quantize[:4] == [
+        ("checkpoint", "a", None),
+        ("quantize", "a", "bf16"),
+        ("diagnose", "a", None),
+        ("quantize", "a", "w4a4_nvfp4"),
+    ]
     assert study.left(study.work(STAGES)[-2:]) == "left: 1 degradation, 1 report (~0 min + stages not yet timed)"
-    study.timings = {("degradation", "a", "w4a4_nvfp4"): {"seconds": 90.0, "cached": False},
-                     ("report", "", ""): {"seconds": 30.0, "cached": False}}
+    study.timings = {
+        ("degradation", "a", "w4a4_nvfp4"): {"seconds": 90.0, "cached": False},
+        ("report", "", ""): {"seconds": 30.0, "cached": False},
+    }
     assert study.left(study.work(STAGES)[-2:]) == "left: 1 degradation, 1 report (~2 min)"
     assert study.expected("degradation") == ", expect ~1.5 min (mean of 1 earlier degradation stage)"
     assert study.expected("eval") == ""  # nothing measured: no promise
@@ -90,7 +135,10 @@ def test_artifacts_are_the_run_directory_layout(tmp_path):
     assert study.artifact("eval", "b", "w4a4_nvfp4") == run / "evals" / "b-w4a4_nvfp4" / "results.json"
     assert study.artifact("degradation", "b", "w4a4_nvfp4") == run / "degradation" / "b-w4a4_nvfp4.json"
     assert study.checkpoint_dir("a", "bf16") == run / "checkpoints" / "a-bf16"
-    assert study.eval_dir("a", "bf16") == run / "evals" / "a-bf16" and study.diagnostics_dir("a") == run / "diagnostics" / "a"
+    assert (
+        study.eval_dir("a", "bf16") == run / "evals" / "a-bf16"
+        and study.diagnostics_dir("a") == run / "diagnostics" / "a"
+    )
 
 
 def test_until_takes_the_table_names(capsys):

@@ -56,8 +56,10 @@ NUM_SEQUENCES, SEQ_LEN = 4, 64
 F32_EPS = math.sqrt(19 * 30 + 3) * 2.0**-24 / math.sqrt(3) * math.sqrt(1536 / 2)  # module docstring: 2.3e-5
 F32_TOLERANCE_PER_LOGIT_STD = 6 * math.sqrt(2) * F32_EPS
 F32_INPUT_TOL = 6 * F32_EPS
-BYTES = {"w8a8_fp8_block": lambda n, k: n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128),
-         "w4a4_nvfp4": lambda n, k: n * k // 2 + n * k // 16 + 4}
+BYTES = {
+    "w8a8_fp8_block": lambda n, k: n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128),
+    "w4a4_nvfp4": lambda n, k: n * k // 2 + n * k // 16 + 4,
+}
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,9 @@ def test_fetch_imports_and_reuses_the_cache(fetched, capsys):
     assert served_prefix(tok) == [] and tok.bos_token_id is not None
     windows = heldout_windows(tok, 2, 16)
     stream = token_stream(["x"], tok)
-    assert stream.tolist() == tok("x", add_special_tokens=False)["input_ids"] and (windows[:, 0] != tok.bos_token_id).all()
+    assert (
+        stream.tolist() == tok("x", add_special_tokens=False)["input_ids"] and (windows[:, 0] != tok.bos_token_id).all()
+    )
     start = time.monotonic()
     assert trained.fetch(NAME, root) == path  # cached: no download, no import
     assert time.monotonic() - start < 5 and "fetching" not in capsys.readouterr().out
@@ -100,7 +104,7 @@ def test_fetch_imports_and_reuses_the_cache(fetched, capsys):
 
 
 def test_unknown_names_and_bad_files_are_named_errors(tmp_path):
-    with pytest.raises(trained.TrainedModelError, match="unknown trained model 'nope'.*smollm2-135m-instruct"):
+    with pytest.raises(trained.TrainedModelError, match=r"unknown trained model 'nope'.*smollm2-135m-instruct"):
         trained.fetch("model:nope", tmp_path)
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file")
@@ -141,7 +145,12 @@ def test_served_kl_against_bf16_is_the_references_within_the_derived_bound(fetch
     from vllm import SamplingParams
 
     from quantkit.data import heldout_windows
-    from quantkit.evals.degradation import LOGPROBS_FILE, kl_agreement_bound, load_heldout_logprobs, record_heldout_logprobs
+    from quantkit.evals.degradation import (
+        LOGPROBS_FILE,
+        kl_agreement_bound,
+        load_heldout_logprobs,
+        record_heldout_logprobs,
+    )
     from quantkit.evals.harness import open_lm
     from quantkit.metrics import kl_divergence
     from quantkit.quantize.fake_quant import load_fake_quant_model
@@ -183,10 +192,13 @@ def test_served_kl_against_bf16_is_the_references_within_the_derived_bound(fetch
         kl_reference = kl_divergence(source_logits, held_logits)
         bound = kl_agreement_bound(source_logits, held_logits, tolerance)
         kl[recipe] = kl_served.mean().item()
-        print(f"{recipe}: KL served {kl[recipe]:.5f}, reference {kl_reference.mean():.5f}, max per-token gap "
-              f"{(kl_served - kl_reference).abs().max():.2e} against bounds >= {bound.min():.2e} (mean {bound.mean():.2e}); "
-              f"codes held: max |served - reference| {error:.2e} nats, inputs within {held.max_input_diff:.1e}, "
-              f"{held.flips} of {held.elements} activation codes flipped; codes not held: max {plain:.2f} nats")
+        print(
+            f"{recipe}: KL served {kl[recipe]:.5f}, reference {kl_reference.mean():.5f}, max per-token gap "
+            f"{(kl_served - kl_reference).abs().max():.2e} against bounds >= {bound.min():.2e} (mean "
+            f"{bound.mean():.2e}); "
+            f"codes held: max |served - reference| {error:.2e} nats, inputs within {held.max_input_diff:.1e}, "
+            f"{held.flips} of {held.elements} activation codes flipped; codes not held: max {plain:.2f} nats"
+        )
         assert held.elements > 0 and error <= tolerance, (recipe, error, tolerance)
         assert ((kl_served - kl_reference).abs() <= bound).all(), recipe
         assert bound.mean() < kl_reference.mean() / 5, recipe  # the bound resolves the scheme's KL
@@ -214,8 +226,9 @@ def test_smoothquant_norms_stay_float32_in_the_checkpoint_and_in_vllm(fetched, t
 
     _, source = fetched
     recipe = tmp_path / "sq_small.yaml"
-    recipe.write_text("name: sq_small\nscheme: fp8_block\n"
-                      "smoothquant: {alpha: 0.5, num_sequences: 2, seq_len: 32, experts: true}\n")
+    recipe.write_text(
+        "name: sq_small\nscheme: fp8_block\nsmoothquant: {alpha: 0.5, num_sequences: 2, seq_len: 32, experts: true}\n"
+    )
     out = quantize_checkpoint(source, str(recipe), tmp_path / "sq", streaming=False)
     headers = tensor_headers(out)
     layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
@@ -231,14 +244,20 @@ def test_smoothquant_norms_stay_float32_in_the_checkpoint_and_in_vllm(fetched, t
     from quantkit.evals.harness import open_lm
 
     def norms(model) -> dict:
-        return {"layers": {i: layer.post_attention_layernorm.weight.detach().cpu().clone()
-                           for i, layer in enumerate(model.model.layers)},
-                "final": model.model.norm.weight.detach().cpu().clone()}
+        return {
+            "layers": {
+                i: layer.post_attention_layernorm.weight.detach().cpu().clone()
+                for i, layer in enumerate(model.model.layers)
+            },
+            "final": model.model.norm.weight.detach().cpu().clone(),
+        }
 
     with open_lm(out, "vllm", dtype="bfloat16", max_model_len=128) as lm:
         served = lm.model.apply_model(norms)[0]
-    assert all(served["layers"][i].dtype == torch.float32 and torch.equal(served["layers"][i], smoothed[i])
-               for i in range(layers))
+    assert all(
+        served["layers"][i].dtype == torch.float32 and torch.equal(served["layers"][i], smoothed[i])
+        for i in range(layers)
+    )
     assert served["final"].dtype == torch.bfloat16
 
 

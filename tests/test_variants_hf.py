@@ -52,7 +52,9 @@ def test_bad_configs_name_the_problem(flags, message):
 def test_save_load_round_trip_is_exact(name, tmp_path):
     path = build_tiny_checkpoint(tmp_path / name, **VARIANTS[name])
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    assert isinstance(model, QuantkitForCausalLM) and model.config.variant_name == _config(**VARIANTS[name]).variant_name
+    assert (
+        isinstance(model, QuantkitForCausalLM) and model.config.variant_name == _config(**VARIANTS[name]).variant_name
+    )
     saved = load_file(path / "model.safetensors")
     state = model.state_dict()
     assert set(saved) == set(state)
@@ -66,7 +68,7 @@ def test_every_flag_changes_the_function(name):
     with_flag = QuantkitForCausalLM(_config(**VARIANTS[name]))
     randomize_parameters(with_flag, 0.05)
     without = QuantkitForCausalLM(_config())
-    missing, unexpected = without.load_state_dict(with_flag.state_dict(), strict=False)[:2]
+    missing, _unexpected = without.load_state_dict(with_flag.state_dict(), strict=False)[:2]
     assert not missing  # the baseline's parameters are a subset of every variant's
     ids = torch.randint(1, 300, (1, 12))
     ids[0, 0] = 0  # BOS at position 0
@@ -169,4 +171,6 @@ def test_output_gate_and_headwise_rmsnorm(gate):
         attn.o_norm.weight.fill_(2.0)
     attn(x, rope, mask, position_ids=pos)
     heads = captured["o"].view(1, t, config.num_attention_heads, -1)
-    torch.testing.assert_close(heads.pow(2).mean(-1).sqrt(), torch.full((1, t, config.num_attention_heads), 1.0), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        heads.pow(2).mean(-1).sqrt(), torch.full((1, t, config.num_attention_heads), 1.0), rtol=1e-4, atol=1e-4
+    )

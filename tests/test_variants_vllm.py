@@ -48,8 +48,13 @@ LOGPROB_ATOL = 1e-3  # parity: vLLM vs transformers, both float32
 CONTROL_MIN_DIFF = 1e-2  # control: vLLM vs transformers with the flag switched off
 
 ALL_RMSNORM_FLAGS = dict(
-    attn_output_gate="elementwise", pre_affine=True, gated_norm_rank=16, hidden_act="sigmoid",
-    value_scale=True, headwise_rmsnorm=True, attention_sink=True,
+    attn_output_gate="elementwise",
+    pre_affine=True,
+    gated_norm_rank=16,
+    hidden_act="sigmoid",
+    value_scale=True,
+    headwise_rmsnorm=True,
+    attention_sink=True,
 )
 
 # name -> (config overrides of the checkpoint, overrides that switch the variant's own flag off or None,
@@ -76,8 +81,7 @@ def _omp_bind_per_rank(tp: int) -> str | None:
     if len(cores) < tp:
         return None
     per_rank = len(cores) // tp
-    return "|".join(",".join(map(str, cores[r * per_rank:(r + 1) * per_rank])) for r in range(tp))
-
+    return "|".join(",".join(map(str, cores[r * per_rank : (r + 1) * per_rank])) for r in range(tp))
 
 
 def served_logprobs(prompts: list[list[int]], outputs) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -92,6 +96,7 @@ def served_logprobs(prompts: list[list[int]], outputs) -> tuple[list[list[int]],
         token_ids.append(ids + list(gen.token_ids))
         logprobs.append(torch.tensor(lp))
     return token_ids, logprobs
+
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def served(request, tmp_path_factory):
@@ -122,7 +127,11 @@ def served(request, tmp_path_factory):
         for key, value in env.items():
             mp.setenv(key, value)
         llm = LLM(
-            model=str(ckpt), dtype="float32", max_model_len=256, seed=0, tensor_parallel_size=tp,
+            model=str(ckpt),
+            dtype="float32",
+            max_model_len=256,
+            seed=0,
+            tensor_parallel_size=tp,
             **cpu_engine_kwargs(),
         )
     try:

@@ -35,8 +35,11 @@ def test_compare_runs_pairs_items_per_benchmark_and_pools_flips(tmp_path):
     he = [1.0] * 80 + [0.0] * 20
     mbpp = [1.0] * 50 + [0.0] * 50
     a = write_run(tmp_path, "a", {"HumanEval": {"he_instruct": he}, "MBPP": {"mbpp": mbpp}})
-    b = write_run(tmp_path, "b", {"HumanEval": {"he_evalplus": [1.0] * 60 + [0.0] * 40},
-                                  "MBPP": {"mbpp": [1.0] * 40 + [0.0] * 60}})
+    b = write_run(
+        tmp_path,
+        "b",
+        {"HumanEval": {"he_evalplus": [1.0] * 60 + [0.0] * 40}, "MBPP": {"mbpp": [1.0] * 40 + [0.0] * 60}},
+    )
     c = v.compare_runs(a, b, seed=0)
     assert c["delta"] == pytest.approx(-15.0) and c["recovery"] == pytest.approx(77.5) and c["n"] == 200
     assert c["flip_rate"] == pytest.approx(30 / 200) and c["flips"]["right_to_wrong"] == 30
@@ -49,8 +52,16 @@ def test_compare_runs_pairs_items_per_benchmark_and_pools_flips(tmp_path):
 
 
 def comparison(delta: float, p: float, low: float | None = None, high: float | None = None) -> dict:
-    return dict(delta=delta, ci_low=delta - 2 if low is None else low, ci_high=delta + 2 if high is None else high,
-                p_two_sided=p, recovery=90.0, recovery_low=85.0, recovery_high=95.0, n=600)
+    return dict(
+        delta=delta,
+        ci_low=delta - 2 if low is None else low,
+        ci_high=delta + 2 if high is None else high,
+        p_two_sided=p,
+        recovery=90.0,
+        recovery_low=85.0,
+        recovery_high=95.0,
+        n=600,
+    )
 
 
 def test_judge_applies_holm_and_both_floors():
@@ -73,14 +84,20 @@ def test_sentences_say_the_verdict_in_words():
     names = {"w4a4_nvfp4": "W4A4", "w4a4_nvfp4_sq": "W4A4+SQ"}
     vs_bf16 = v.judge({"w4a4_nvfp4": comparison(-10.0, 0.0001), "w4a4_nvfp4_sq": comparison(-6.0, 0.001)}, 2.0)
     methods = v.judge({"w4a4_nvfp4_sq": comparison(4.0, 0.2)}, 2.0)
-    entry = dict(numerics=dict(comparison(0.3, 0.8, -1.5, 1.8), flip_rate=0.06), numerics_floor=1.8,
-                 vs_bf16=vs_bf16, vs_baseline={"w4a4_nvfp4": methods})
+    entry = dict(
+        numerics=dict(comparison(0.3, 0.8, -1.5, 1.8), flip_rate=0.06),
+        numerics_floor=1.8,
+        vs_bf16=vs_bf16,
+        vs_baseline={"w4a4_nvfp4": methods},
+    )
     lines = v.model_sentences("coder", entry, names)
     assert lines[0].startswith("coder: numerics floor ±1.80 points") and "flips 6.0% of 600 items" in lines[0]
     assert "coder W4A4: ΔAvg -10.00" in lines[1] and "loss real (beyond both floors" in lines[1]
     assert "recovery 90.0% (CI 85.0..95.0)" in lines[1]
     assert "least loss measured: W4A4+SQ" in lines[3]
-    assert "W4A4+SQ vs W4A4: +4.00" in lines[4] and "not resolved by the items" in lines[4] and "not separable" in lines[4]
+    assert (
+        "W4A4+SQ vs W4A4: +4.00" in lines[4] and "not resolved by the items" in lines[4] and "not separable" in lines[4]
+    )
     assert "numerics floor not measured" in v.model_sentences("x", dict(vs_bf16={}), names)[0]
 
 

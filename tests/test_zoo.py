@@ -57,7 +57,9 @@ def test_unknown_variant_group_and_size_are_refused(tmp_path):
         zoo.build("gated_attention", zoo_dir=tmp_path)
     with pytest.raises(zoo.ZooError, match="unknown zoo size 'huge'"):
         zoo.build("ga", size="huge", zoo_dir=tmp_path)
-    with pytest.raises(zoo.ZooError, match=r"unknown zoo size 'small' for hybrid preset 'hybrid_ga'; sizes: \['tiny'\]"):
+    with pytest.raises(
+        zoo.ZooError, match=r"unknown zoo size 'small' for hybrid preset 'hybrid_ga'; sizes: \['tiny'\]"
+    ):
         zoo.build("hybrid_ga", size="small", zoo_dir=tmp_path)
     with pytest.raises(zoo.ZooError, match=r"unknown zoo variant\(s\) \['table3'\]"):
         zoo.expand(["table2-hybrid", "table3"])
@@ -66,7 +68,9 @@ def test_unknown_variant_group_and_size_are_refused(tmp_path):
 
 
 def test_cli_lists_presets_with_family():
-    out = subprocess.run([Path(sys.executable).parent / "quantkit", "zoo", "list"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [Path(sys.executable).parent / "quantkit", "zoo", "list"], capture_output=True, text=True, check=True
+    )
     rows = {line.split()[0]: line.split()[1] for line in out.stdout.splitlines() if line.split()[0] in zoo.PRESETS}
     assert rows == {name: ("hybrid" if name in zoo.HYBRID_PRESETS else "dense") for name in zoo.PRESETS}
     assert set(zoo.HYBRID_PRESETS) == {"hybrid_ga", "hybrid_ga_preaffine", "hybrid_ga_gatednorm"}
@@ -110,7 +114,9 @@ def test_hybrid_preset_builds_loads_and_learns(hybrid_build):
     assert metrics["family"] == "hybrid" and metrics["variant_name"] == "GA(elementwise)+GatedNorm(r16)"
 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    assert type(model).__name__ == "QuantkitHybridForCausalLM" and model.config.architectures == ["QuantkitHybridForCausalLM"]
+    assert type(model).__name__ == "QuantkitHybridForCausalLM" and model.config.architectures == [
+        "QuantkitHybridForCausalLM"
+    ]
     assert model.config.architectures[0] in ARCHITECTURES  # what the vLLM plugin registers
     assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     assert (model.config.num_experts, model.config.num_experts_per_tok, model.config.head_dim) == (8, 2, 64)
@@ -122,7 +128,9 @@ def test_hybrid_preset_builds_loads_and_learns(hybrid_build):
     assert reloaded["loss"] == pytest.approx(metrics["heldout"]["loss"], rel=1e-5)
     # the routing too; a top-2 choice could only flip at a router-probability tie within float32 rounding
     # (~1e-7): allow 8 of the 8192 held-out assignments per layer (1e-3)
-    torch.testing.assert_close(torch.tensor(reloaded["expert_load"]), torch.tensor(metrics["heldout"]["expert_load"]), atol=1e-3, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(reloaded["expert_load"]), torch.tensor(metrics["heldout"]["expert_load"]), atol=1e-3, rtol=0
+    )
 
 
 def test_hybrid_card_records_router_balance(hybrid_build):
@@ -151,7 +159,9 @@ def test_zoo_source_resolves_hybrid_preset_for_the_study(hybrid_build, zoo_dir):
     """`zoo:<hybrid preset>` in a study spec resolves to the zoo checkpoint (the finished build is reused)."""
     from quantkit.pipelines.study import StudySpec, resolve_source
 
-    spec = StudySpec(name="t", models={"h": f"zoo:{HYBRID}"}, recipes=["bf16"], zoo={"size": "tiny", "dir": str(zoo_dir)})
+    spec = StudySpec(
+        name="t", models={"h": f"zoo:{HYBRID}"}, recipes=["bf16"], zoo={"size": "tiny", "dir": str(zoo_dir)}
+    )
     stamp = (hybrid_build / "metrics.json").stat().st_mtime_ns
     assert resolve_source(f"zoo:{HYBRID}", spec) == hybrid_build
     assert (hybrid_build / "metrics.json").stat().st_mtime_ns == stamp

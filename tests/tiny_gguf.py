@@ -14,7 +14,9 @@ import numpy as np
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 128
 
 
-def write_tiny_qwen2_gguf(path: Path, tokenizer_json: Path, *, add_bos: bool | None, add_eos: bool | None = None) -> Path:
+def write_tiny_qwen2_gguf(
+    path: Path, tokenizer_json: Path, *, add_bos: bool | None, add_eos: bool | None = None
+) -> Path:
     import gguf
 
     tok = json.loads(Path(tokenizer_json).read_text())
