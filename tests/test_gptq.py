@@ -23,7 +23,7 @@ import torch
 
 from quantkit.formats.constants import WeightScales
 from quantkit.formats.schemes import SCHEMES
-from quantkit.quantize.gptq import _Grid, gptq_quantize
+from quantkit.quantize.gptq import _grid, gptq_quantize
 
 
 def state_of(model_dir) -> dict[str, torch.Tensor]:
@@ -57,7 +57,7 @@ def reference_gptq(
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     h += dampening * torch.diag(h).mean() * torch.eye(k, dtype=torch.float64)
-    grid, q = _Grid(scheme, w, search_scales, static=act_order), torch.zeros_like(w)
+    grid, q = _grid(scheme, w, search_scales, static=act_order), torch.zeros_like(w)
     order = sorted(range(k), key=lambda j: -float(h[j, j])) if act_order else list(range(k))
     hp = h[order][:, order]
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hp)), upper=True)

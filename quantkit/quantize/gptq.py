@@ -82,7 +82,7 @@ def gptq_quantize(
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     h += dampening * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
-    grid = _Grid(scheme, w, search_scales, static=act_order)
+    grid = _grid(scheme, w, search_scales, static=act_order)
     order = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else torch.arange(k)
     columns = order.tolist()  # position j of the loop quantizes original column columns[j]
     if act_order:
@@ -106,71 +106,122 @@ def gptq_quantize(
 
 
 class _Grid:
-    """The scheme's scale groups along K and its column quantizer (module docstring). `static`: every group's
-    scales set now from `w` (act-order), else each by `start_group` as GPTQ reaches it."""
+    """A weight grid's scale groups along K and its column quantizer (module docstring). `static`: every group's
+    scales set now from `w` (act-order), else each by `start_group` as GPTQ reaches it. A subclass per grid
+    (`GRIDS`, keyed by `Scheme.weight_grid`) says how a group's scales are chosen, how a column is rounded and
+    which scale tensors it returns."""
 
-    def __init__(self, scheme: str, w: torch.Tensor, search_scales: bool = False, static: bool = False) -> None:
-        grid = SCHEMES[scheme].weight_grid if scheme in SCHEMES else ""
-        if grid not in ("fp8_block", "nvfp4"):
-            raise ValueError(f"GPTQ: unknown scheme {scheme!r}; expected one of {list(SCHEMES)}")
-        scheme = grid  # the grid decides the rounding: schemes that differ only in activations share it
-        self.scheme, self.search_scales, (n, k) = scheme, search_scales, w.shape
-        self.group = FP8_WEIGHT_BLOCK if scheme == "fp8_block" else NVFP4_GROUP
-        groups = -(-k // self.group)
-        if scheme == "fp8_block":
-            self.block_scales = torch.ones(-(-n // FP8_WEIGHT_BLOCK), groups)
-        else:
-            self.global_scale = nvfp4_global_scale(w.abs().amax())
-            self.group_scales = torch.ones(n, groups).to(torch.float8_e4m3fn)
+    group = 1  # columns per scale group along K
+
+    def __init__(self, w: torch.Tensor, search_scales: bool = False, static: bool = False) -> None:
+        self.search_scales, (n, k) = search_scales, w.shape
+        self.groups = -(-k // self.group)
         self.current = -1  # the group whose decode scale per row `row_scale` holds
         self.row_scale = torch.ones(n)
-        if static:
-            for j in range(0, k, self.group):
-                self.start_group(j, w)
+
+    def set_all(self, w: torch.Tensor) -> None:
+        """Every group's scales from `w` (act-order's static groups)."""
+        for j in range(0, w.shape[1], self.group):
+            self.start_group(j, w)
 
     def start_group(self, j: int, w: torch.Tensor) -> None:
         """At a group's first column j (of `w`'s original column order): its scales from `w` (min-max, or
         searched)."""
         if j % self.group:
             return
-        group = w[:, j : j + self.group]  # (N, <= group); searched: a short last group padded with exact zeros
-        g, n = j // self.group, group.shape[0]
-        if self.scheme == "fp8_block":
-            if self.search_scales:
-                self.block_scales[:, g] = fp8_block_scales_mse(group.float())[:, 0]
-            else:
-                cols = group.abs().amax(dim=1)
-                rows = torch.nn.functional.pad(cols, (0, -n % FP8_WEIGHT_BLOCK)).view(-1, FP8_WEIGHT_BLOCK).amax(dim=1)
-                self.block_scales[:, g] = fp8_scale_from_amax(rows)
-        else:
-            if self.search_scales:
-                padded = torch.nn.functional.pad(group.float(), (0, self.group - group.shape[1]))
-                self.group_scales[:, g] = nvfp4_block_scales_mse(padded[:, None, :], self.global_scale)[:, 0]
-            else:
-                self.group_scales[:, g] = nvfp4_block_scales(group.abs().amax(dim=1), self.global_scale)
+        self.set_group(j // self.group, w[:, j : j + self.group])  # (N, <= group)
         self.current = -1  # the group's scales changed: `quantize_column` reads them again
 
     def quantize_column(self, j: int, column: torch.Tensor) -> torch.Tensor:
         """Round original column j's values (N,) to the grid at its group's scales; dequantized (N,) in the column's
-        dtype. The decode scale per row (NVFP4: group scale x global scale) is exact in float64 and rounded once to
-        the column's dtype, so a float64 column's values are exactly code x scale (float32: the same bits as the
-        float32 product)."""
+        dtype. The decode scale per row is exact in float64 and rounded once to the column's dtype, so a float64
+        column's values are exactly code x scale (float32: the same bits as the float32 product)."""
         g = j // self.group
         if g != self.current:
-            if self.scheme == "fp8_block":
-                row_scale = self.block_scales[:, g].repeat_interleave(FP8_WEIGHT_BLOCK)[: column.shape[0]]
-            else:
-                row_scale = self.group_scales[:, g].double() * self.global_scale.double()
-            self.row_scale, self.current = row_scale.to(column.dtype), g
-        if self.scheme == "fp8_block":
-            return to_e4m3(column / self.row_scale).to(column.dtype) * self.row_scale
-        return e2m1_round(column / self.row_scale).to(column.dtype) * self.row_scale
+            self.row_scale, self.current = self.scale_per_row(g, column.shape[0]).to(column.dtype), g
+        return self.round(column / self.row_scale).to(column.dtype) * self.row_scale
+
+    def set_group(self, g: int, group: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def scale_per_row(self, g: int, n: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def round(self, scaled: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def scales(self) -> dict[str, torch.Tensor]:
         """The decode scales chosen, under their checkpoint tensor names."""
-        if self.scheme == "fp8_block":
-            return {"weight_scale": self.block_scales}
+        raise NotImplementedError
+
+
+class _FP8BlockGrid(_Grid):
+    """FP8 E4M3 in 128 x 128 blocks: one float32 decode scale per block (min-max amax / 448, or searched)."""
+
+    group = FP8_WEIGHT_BLOCK
+
+    def __init__(self, w: torch.Tensor, search_scales: bool = False, static: bool = False) -> None:
+        super().__init__(w, search_scales, static)
+        self.block_scales = torch.ones(-(-w.shape[0] // FP8_WEIGHT_BLOCK), self.groups)
+        if static:
+            self.set_all(w)
+
+    def set_group(self, g: int, group: torch.Tensor) -> None:
+        if self.search_scales:  # a short last group padded with exact zeros
+            self.block_scales[:, g] = fp8_block_scales_mse(group.float())[:, 0]
+        else:
+            cols = group.abs().amax(dim=1)
+            rows = torch.nn.functional.pad(cols, (0, -group.shape[0] % FP8_WEIGHT_BLOCK))
+            self.block_scales[:, g] = fp8_scale_from_amax(rows.view(-1, FP8_WEIGHT_BLOCK).amax(dim=1))
+
+    def scale_per_row(self, g: int, n: int) -> torch.Tensor:
+        return self.block_scales[:, g].repeat_interleave(FP8_WEIGHT_BLOCK)[:n]
+
+    def round(self, scaled: torch.Tensor) -> torch.Tensor:
+        return to_e4m3(scaled)
+
+    def scales(self) -> dict[str, torch.Tensor]:
+        return {"weight_scale": self.block_scales}
+
+
+class _NVFP4Grid(_Grid):
+    """NVFP4: E2M1 in groups of 16, an E4M3 decode scale per row and group on the per-tensor amax(|W|) / 2688."""
+
+    group = NVFP4_GROUP
+
+    def __init__(self, w: torch.Tensor, search_scales: bool = False, static: bool = False) -> None:
+        super().__init__(w, search_scales, static)
+        self.global_scale = nvfp4_global_scale(w.abs().amax())
+        self.group_scales = torch.ones(w.shape[0], self.groups).to(torch.float8_e4m3fn)
+        if static:
+            self.set_all(w)
+
+    def set_group(self, g: int, group: torch.Tensor) -> None:
+        if self.search_scales:  # a short last group padded with exact zeros
+            padded = torch.nn.functional.pad(group.float(), (0, self.group - group.shape[1]))
+            self.group_scales[:, g] = nvfp4_block_scales_mse(padded[:, None, :], self.global_scale)[:, 0]
+        else:
+            self.group_scales[:, g] = nvfp4_block_scales(group.abs().amax(dim=1), self.global_scale)
+
+    def scale_per_row(self, g: int, n: int) -> torch.Tensor:
+        return self.group_scales[:, g].double() * self.global_scale.double()
+
+    def round(self, scaled: torch.Tensor) -> torch.Tensor:
+        return e2m1_round(scaled)
+
+    def scales(self) -> dict[str, torch.Tensor]:
         return {"weight_scale": self.group_scales, "weight_global_scale": self.global_scale.reshape(1)}
+
+
+GRIDS: dict[str, type[_Grid]] = {"fp8_block": _FP8BlockGrid, "nvfp4": _NVFP4Grid}  # by `Scheme.weight_grid`
+
+
+def _grid(scheme: str, w: torch.Tensor, search_scales: bool, static: bool) -> _Grid:
+    """The grid GPTQ rounds `scheme`'s weights on (schemes that differ only in their activations share one)."""
+    grid = GRIDS.get(SCHEMES[scheme].weight_grid) if scheme in SCHEMES else None
+    if grid is None:
+        raise ValueError(f"GPTQ: unknown scheme {scheme!r}; expected one of {list(SCHEMES)}")
+    return grid(w, search_scales, static)
 
 
 def gptq_layers(
