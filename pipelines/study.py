@@ -55,6 +55,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -76,7 +77,7 @@ EVAL_DEFAULTS = dict(
     suite="mini",
     suites=None,
     limits=None,  # {model label: items per task}: a model's own limit instead of `limit`
-    backend="vllm",
+    backend=EvalBackend.VLLM,
     limit=None,
     allow_code=False,
     seed=1234,
@@ -85,7 +86,16 @@ EVAL_DEFAULTS = dict(
     reference=False,  # the reference stage: BF16 under the makers' prompt protocol (trained models that publish one)
 )
 KL_DEFAULTS = dict(num_sequences=16, seq_len=128, source=None, top_k=None)  # source None: vllm with the vllm backend
-KL_SOURCES = ("vllm", "transformers")
+
+
+class KLSource(StrEnum):
+    """Who computes the KL stage's logits (the study's `kl.source`; equal to its string)."""
+
+    VLLM = "vllm"  # the served engine (quantkit's plugin): the numerics the evals see
+    TRANSFORMERS = "transformers"  # the pure-torch fake-quant reference
+
+
+KL_SOURCES = tuple(KLSource)
 
 
 class StageError(RuntimeError):
@@ -105,7 +115,7 @@ class StudySpec:
     recipes: list[str]
     zoo: dict[str, Any] = field(default_factory=lambda: dict(size="tiny", dir="zoo"))
     eval: dict[str, Any] = field(default_factory=lambda: dict(EVAL_DEFAULTS))
-    kl: dict[str, Any] = field(default_factory=lambda: dict(KL_DEFAULTS, source="vllm"))
+    kl: dict[str, Any] = field(default_factory=lambda: dict(KL_DEFAULTS, source=KLSource.VLLM))
     diagnose: dict[str, int] = field(default_factory=lambda: dict(num_sequences=16, seq_len=128))
     parallel: dict[str, int] = field(default_factory=lambda: dict(tensor_parallel_size=1, data_parallel_size=1))
     runs_dir: str = "runs"
@@ -152,7 +162,7 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     _check_eval(path, spec.eval)
     spec.eval["suites"] = _model_suites(path, spec.eval["suites"], spec.models)
     spec.eval["limits"] = _model_limits(path, spec.eval["limits"], spec.models)
-    if spec.eval["numerics"] and spec.eval["backend"] != "vllm":
+    if spec.eval["numerics"] and spec.eval["backend"] != EvalBackend.VLLM:
         raise ValueError(
             f"{path}: eval.numerics re-runs BF16 in vLLM's second CPU summation order: it needs eval.backend vllm"
         )
@@ -164,10 +174,14 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     spec.kl = {**KL_DEFAULTS, **(data.get("kl") or {})}
     if unknown := sorted(set(spec.kl) - set(KL_DEFAULTS)):
         raise ValueError(f"{path}: unknown kl key(s) {unknown}; known: {sorted(KL_DEFAULTS)}")
-    spec.kl["source"] = spec.kl["source"] or ("vllm" if spec.eval["backend"] == "vllm" else "transformers")
+    spec.kl["source"] = spec.kl["source"] or (
+        KLSource.VLLM if spec.eval["backend"] == EvalBackend.VLLM else KLSource.TRANSFORMERS
+    )
     if spec.kl["source"] not in KL_SOURCES:
-        raise ValueError(f"{path}: kl.source must be one of {list(KL_SOURCES)}, not {spec.kl['source']!r}")
-    if spec.kl["source"] == "vllm" and (spec.eval["backend"] != "vllm" or spec.parallel["data_parallel_size"] != 1):
+        raise ValueError(f"{path}: kl.source must be one of {[str(s) for s in KL_SOURCES]}, not {spec.kl['source']!r}")
+    if spec.kl["source"] == KLSource.VLLM and (
+        spec.eval["backend"] != EvalBackend.VLLM or spec.parallel["data_parallel_size"] != 1
+    ):
         raise ValueError(
             f"{path}: kl.source vllm reads the eval engine's logprobs: it needs eval.backend vllm and "
             "parallel.data_parallel_size 1 (else set kl.source: transformers)"
@@ -496,7 +510,7 @@ class Study:
         kl = self.spec.kl
         heldout = (
             dict(num_sequences=kl["num_sequences"], seq_len=kl["seq_len"], top_k=kl["top_k"])
-            if kl["source"] == "vllm"
+            if kl["source"] == KLSource.VLLM
             else None
         )  # the KL's logprobs, from this same engine
         self._evaluate(
@@ -543,7 +557,7 @@ class Study:
         from quantkit.evals.suite import evaluate
 
         e = self.spec.eval
-        if e["backend"] == "vllm":  # a checkpoint vLLM would refuse fails here, before any engine or temp dir
+        if e["backend"] == EvalBackend.VLLM:  # a checkpoint vLLM would refuse fails here, before any engine or temp dir
             from quantkit.serve.checkpoint_check import check_servable
 
             check_servable(checkpoint)
@@ -561,7 +575,9 @@ class Study:
                 **self.spec.parallel,
             )
             _atomic_json(tmp / "results.json", {**results, "out_dir": str(out.resolve())})  # not the temp dir
-        if e["backend"] == "vllm":  # the next row's engine opens in this process: free this one's memory first
+        if (
+            e["backend"] == EvalBackend.VLLM
+        ):  # the next row's engine opens in this process: free this one's memory first
             from quantkit.serve.engine import release_engine_memory
 
             release_engine_memory()
@@ -688,7 +704,7 @@ def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
         )
         for name, (flips, delta) in compared.items()
     }
-    if study.spec.kl["source"] == "vllm":
+    if study.spec.kl["source"] == KLSource.VLLM:
         kl = engine_kl(base_dir, test_dir)
         settings = study.spec.kl
         if (kl["tokens"], kl["mode"], kl.get("top_k")) != (
@@ -708,7 +724,7 @@ def degradation(study: Study, label: str, recipe: str) -> dict[str, Any]:
                 num_sequences=study.spec.kl["num_sequences"],
                 seq_len=study.spec.kl["seq_len"],
             ),
-            source="transformers",
+            source=KLSource.TRANSFORMERS,
             mode="full",
         )
     return dict(model=label, recipe=recipe, benchmarks=per_benchmark, kl=kl)

@@ -80,6 +80,10 @@ def cluster(tiny_checkpoint) -> str:
     the committed baseline's model was built without it."""
     import ray
 
+    # Ray runs its workers at niceness 15: beside another job on the same cores (the other xdist worker, the
+    # trained-model gate) a chain then gets almost no CPU and the killed-chain test's deadlines ran out (900 s,
+    # 2026-11-28). At 0 they share the cores as the test's own processes do.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     before = _descendants(os.getpid())
     context = ray.init(num_cpus=2, include_dashboard=False)
     started = _descendants(os.getpid()) - before
