@@ -10,7 +10,6 @@ per token or with the expert matrix's static scale, as vLLM's FusedMoE method mu
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -21,7 +20,13 @@ import quantkit.models  # noqa: F401
 from quantkit.calibrate.alpha_search import QuantizedProduct
 from quantkit.checkpoints import check_checkpoint_dir, read_state
 from quantkit.formats.checkpoint_tensors import check_quantized_tensors
-from quantkit.formats.experts import expert_matrices, fuse_expert_matrices, fused_experts_modules
+from quantkit.formats.experts import (
+    expert_matrices,
+    fuse_expert_matrices,
+    fused_experts_modules,
+    per_expert,
+    routed_experts_forward,
+)
 from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.schemes import (
     Scheme,
@@ -141,67 +146,6 @@ class FakeQuantExperts(torch.nn.Module):
             per_expert(self.fake_quant_input),
         )
         return out.to(hidden_states.dtype)
-
-
-# A routed-experts activation quantizer: fake_quant(rows (S, K), segments, which) -> rows as the matmuls read them.
-# rows are grouped by expert, `segments` lists (expert, start, stop) of each group in order; which = 0: the block
-# input (gate/up), 1: down_proj's input.
-Segments = list[tuple[int, int, int]]
-RowsQuantizer = Callable[[torch.Tensor, Segments, int], torch.Tensor]
-
-
-def per_expert(fake_quant: Callable[[torch.Tensor, int, int], torch.Tensor]) -> RowsQuantizer:
-    """A `RowsQuantizer` from a per-expert one, fake_quant(rows, e, which): one call per segment."""
-
-    def quantize(rows: torch.Tensor, segments: Segments, which: int) -> torch.Tensor:
-        return torch.cat([fake_quant(rows[start:stop], e, which) for e, start, stop in segments])
-
-    return quantize
-
-
-def routed_experts_forward(
-    x: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    act_fn: Callable[[torch.Tensor], torch.Tensor],
-    fake_quant: RowsQuantizer,
-) -> torch.Tensor:
-    """The routed experts of quantkit's MoE numerics, shared by the transformers reference (`FakeQuantExperts`) and
-    vLLM's torch-emulation FusedMoE method, so the two compute the same thing by construction.
-
-    x (T, H) any float dtype; top_k_index (T, k) expert ids (an id < 0 or >= E is skipped: not this rank's);
-    top_k_weights (T, k); gate_up (E, 2I, H) and down (E, H, I) weights (rows [0, I) of gate_up are the gate).
-    Per expert e hit by some token: y = down_e(fq(act(g) * u, e, 1)), [g; u] = gate_up_e(fq(x, e, 0)). The (token,
-    slot) pairs are grouped by expert (stable: token order within an expert), and each input is quantized by ONE
-    `fake_quant` call over all pairs' rows with their segments (`RowsQuantizer`; `per_expert` adapts a per-expert
-    quantizer); the matmuls run per expert in the dtype it returns: float32 rows and decoded float32 weights for
-    quantized experts, or the rows unchanged with weights of their dtype for unquantized ones. Returns float32
-    (T, H) = sum over a token's experts, in expert order, of routing weight * y.
-    """
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    num_experts = gate_up.shape[0]
-    token_idx, slot = ((top_k_index >= 0) & (top_k_index < num_experts)).nonzero(as_tuple=True)
-    if token_idx.numel() == 0:
-        return out
-    experts, order = top_k_index[token_idx, slot].long().sort(stable=True)
-    token_idx, slot = token_idx[order], slot[order]
-    counts = torch.bincount(experts, minlength=num_experts).tolist()
-    stops = torch.tensor(counts).cumsum(0).tolist()
-    segments = [(e, stop - n, stop) for e, (n, stop) in enumerate(zip(counts, stops)) if n]
-    xq = fake_quant(x[token_idx], segments, 0)
-    h = [
-        act_fn(gate) * up
-        for gate, up in (
-            torch.nn.functional.linear(xq[start:stop], gate_up[e]).chunk(2, dim=-1) for e, start, stop in segments
-        )
-    ]
-    hq = fake_quant(torch.cat(h), segments, 1)
-    y = torch.cat([torch.nn.functional.linear(hq[start:stop], down[e]) for e, start, stop in segments])
-    # index_put_, not index_add_: the latter's 2-thread CPU kernel took ~50 ms a call (vs 20 us) on a busy machine
-    out.index_put_((token_idx,), y * top_k_weights[token_idx, slot, None].float(), accumulate=True)
-    return out
 
 
 def quantized_product(recipe: Recipe) -> QuantizedProduct:

@@ -39,11 +39,16 @@ from quantkit.calibrate.layers import decoder_stack
 from quantkit.calibrate.mappings import ARCHITECTURES, OFFSET_NORMS, LayerPart, input_weight
 from quantkit.calibrate.smoothquant import FunctionPreservationError
 from quantkit.errors import QuantkitError
-from quantkit.formats.experts import ONLINE_HADAMARD, fused_experts_modules, is_fused_experts
+from quantkit.formats.experts import (
+    ONLINE_HADAMARD,
+    Segments,
+    fused_experts_modules,
+    is_fused_experts,
+    routed_experts_forward,
+)
 from quantkit.formats.hadamard import block_hadamard, online_block, residual_rotation
 from quantkit.models.modeling import QuantkitNorm
 from quantkit.models.modeling_hybrid import QuantkitHybridNorm
-from quantkit.quantize.fake_quant import Segments, routed_experts_forward
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

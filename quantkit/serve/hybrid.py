@@ -51,9 +51,9 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 
+from quantkit.formats.experts import routed_experts_forward
 from quantkit.models.configuration_hybrid import DELTANET_CONV_ACT
 from quantkit.models.modeling import rms_normalize, value_scale
-from quantkit.quantize.fake_quant import routed_experts_forward
 from quantkit.serve.float32_norms import mark_float32_loadable
 from quantkit.serve.models import (
     HeadwiseRMSNorm,

@@ -12,7 +12,7 @@ shards experts); vLLM's expert mapping sends checkpoint `experts.<e>.gate_proj.<
 w1, global expert e; `expert_map` decides which rank holds it), `up_proj` to shard w3, `down_proj` to `w2_<suffix>`.
 
 Kernel (logged at load like the Linear method's, QUANTKIT_KERNEL):
-- "torch-emulation" (CPU): weights decoded once to float32; `quantkit.quantize.fake_quant.routed_experts_forward`,
+- "torch-emulation" (CPU): weights decoded once to float32; `quantkit.formats.experts.routed_experts_forward`,
   the transformers reference's own function: per expert hit, the block input quantized per token (or with the
   expert's static scale) before gate/up, act(gate) * up quantized again before down, float32 matmuls. Per-token
   quantization runs once per layer and input over all (token, expert) rows (it is row by row, so this equals one
@@ -55,10 +55,10 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
 from quantkit.formats.constants import ActivationScale
+from quantkit.formats.experts import Segments, routed_experts_forward
 from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.schemes import LayerTensor, experts_online_block
 from quantkit.kernels.expert_sort import ExpertSort, combine_expert_rows, sort_by_expert
-from quantkit.quantize.fake_quant import Segments, routed_experts_forward
 from quantkit.serve.method_parts import CAPTURE_ENV, Kernel, copy_checkpoint_part, emulated_activation, select_kernel
 
 logger = init_logger(f"vllm.{__name__}")
