@@ -8,7 +8,7 @@ contract with the vLLM model (`quantkit.serve.models`), which loads the same saf
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -136,44 +136,74 @@ class QuantkitAttention(Qwen3Attention):
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-
-        if hasattr(self, "v_scale_theta"):
-            value_states = value_scale(value_states, self.v_scale_theta[None, :, None, None], self.head_dim)
-        if hasattr(self, "sink_key"):
-            if position_ids is None:
-                raise ValueError("attention_sink needs position_ids to find position 0")
-            at_zero = (position_ids == 0)[:, None, :, None]  # (B, 1, T, 1)
-            key_states = torch.where(at_zero, self.sink_key[None, :, None, :].to(key_states.dtype), key_states)
-            value_states = torch.where(at_zero, self.sink_value[None, :, None, :].to(value_states.dtype), value_states)
-
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
+        gate = None  # (B, T, H, D) or (B, T, H, 1), pre-sigmoid
+        if self.output_gate is not None:
+            gate = self.g_proj(hidden_states).view(*input_shape, query_states.shape[1], -1)  # head-major
+        return attend(
             self,
             query_states,
             key_states,
             value_states,
             attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
+            past_key_values,
+            gate,
+            eager_attention_forward,
+            position_ids=position_ids,
             **kwargs,
-        )  # (B, T, H, D)
+        )
 
-        if hasattr(self, "o_norm"):
-            attn_output = (
-                cast(nn.Parameter, self.o_norm.weight) * rms_normalize(attn_output, self.config.rms_norm_eps)
-            ).to(attn_output.dtype)
-        if self.output_gate is not None:
-            gate = torch.sigmoid(self.g_proj(hidden_states))  # (B, T, H) or (B, T, H*D), head-major
-            attn_output = attn_output * gate.view(*input_shape, attn_output.shape[2], -1)
 
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+def attend(
+    module: Any,  # QuantkitAttention or QuantkitHybridAttention
+    query_states: torch.Tensor,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values,
+    gate: torch.Tensor | None,
+    eager: Callable,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What both families' attention does after RoPE (`QuantkitAttention`, `QuantkitHybridAttention`): q (B, H, T, D),
+    k and v (B, KVH, T, D) -> V-scale on v -> sink k', v' at position 0 (modules with `sink_key`; needs
+    position_ids) -> this step's k, v into `past_key_values` -> the configured attention (`eager`: the family's
+    eager implementation) -> head-wise RMSNorm -> output gate (`gate` pre-sigmoid, broadcast over (B, T, H, D)) ->
+    o_proj: (o_proj output (B, T, hidden), attention weights or None). The flags are the module's attributes."""
+    input_shape = query_states.shape[:1] + query_states.shape[2:3]  # (B, T)
+    if hasattr(module, "v_scale_theta"):
+        value_states = value_scale(value_states, module.v_scale_theta[None, :, None, None], module.head_dim)
+    if hasattr(module, "sink_key"):
+        if position_ids is None:
+            raise ValueError("attention_sink needs position_ids to find position 0")
+        at_zero = (position_ids == 0)[:, None, :, None]  # (B, 1, T, 1)
+        key_states = torch.where(at_zero, module.sink_key[None, :, None, :].to(key_states.dtype), key_states)
+        value_states = torch.where(at_zero, module.sink_value[None, :, None, :].to(value_states.dtype), value_states)
+
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, module.layer_idx)
+
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager)
+    window = {"sliding_window": module.sliding_window} if hasattr(module, "sliding_window") else {}
+    attn_output, attn_weights = attention_interface(
+        module,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not module.training else module.attention_dropout,
+        scaling=module.scaling,
+        **window,
+        **kwargs,
+    )  # (B, T, H, D)
+
+    if hasattr(module, "o_norm"):
+        normed = rms_normalize(attn_output, module.config.rms_norm_eps)
+        attn_output = (cast(nn.Parameter, module.o_norm.weight) * normed).to(attn_output.dtype)
+    if gate is not None:
+        attn_output = attn_output * torch.sigmoid(gate)
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return module.o_proj(attn_output), attn_weights
 
 
 def value_scale(v: torch.Tensor, theta: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3_next.modeling_qwen3_next import (
-    ALL_ATTENTION_FUNCTIONS,
     Qwen3NextAttention,
     Qwen3NextForCausalLM,
     Qwen3NextRMSNorm,
@@ -25,7 +24,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 from quantkit.models.configuration_hybrid import DELTANET_CONV_ACT, QuantkitHybridConfig
-from quantkit.models.modeling import rms_normalize, value_scale
+from quantkit.models.modeling import attend
 
 
 def has_norm_flags(config: QuantkitHybridConfig) -> bool:
@@ -121,33 +120,17 @@ class QuantkitHybridAttention(Qwen3NextAttention):
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        if hasattr(self, "v_scale_theta"):
-            value_states = value_scale(value_states, self.v_scale_theta[None, :, None, None], self.head_dim)
-
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
+        return attend(
             self,
             query_states,
             key_states,
             value_states,
             attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
+            past_key_values,
+            gate,
+            eager_attention_forward,
             **kwargs,
-        )  # (B, T, H, D)
-
-        if hasattr(self, "o_norm"):
-            normed = rms_normalize(attn_output, self.config.rms_norm_eps)
-            attn_output = (cast(nn.Parameter, self.o_norm.weight) * normed).to(attn_output.dtype)
-        if gate is not None:
-            attn_output = attn_output * torch.sigmoid(gate)
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+        )
 
 
 class QuantkitHybridForCausalLM(Qwen3NextForCausalLM):
