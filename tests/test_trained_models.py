@@ -263,24 +263,24 @@ def test_smoothquant_norms_stay_float32_in_the_checkpoint_and_in_vllm(fetched, t
 
 def test_bf16_answers_the_commonsense_suite_above_chance(fetched, tmp_path):
     """The suite pipelines/real.yaml gives SmolLM2 (it solves no HumanEval problem and answers MMLU at chance):
-    the model as shipped, served by vLLM, answers the first 200 ARC-Easy (4 choices) and PIQA (2 choices) items
-    above chance. Bound: chance p0 plus 3.3 binomial standard deviations of an n-item score at chance,
-    p0 + 3.3 sqrt(p0 (1 - p0) / n) (a chance-level model exceeds it with probability < 5e-4): ARC-E 0.351,
-    PIQA 0.617. The scores are deterministic (greedy log-likelihoods of a fixed model); measured 2026-11-26:
-    ARC-E 0.515, PIQA 0.655 (7 items above the PIQA bound; summation order between CPU ISAs moves an item only
-    when two answers' log-likelihoods tie within rounding)."""
+    the model as shipped, served by vLLM, answers the first 200 ARC-Easy items (4 choices) above chance. Bound:
+    chance p0 plus 3.3 binomial standard deviations of an n-item score at chance, p0 + 3.3 sqrt(p0 (1 - p0) / n)
+    (a chance-level model exceeds it with probability < 5e-4): 0.351. The score is deterministic (greedy
+    log-likelihoods of a fixed model); measured 2026-11-26: 0.515, 33 items above the bound (summation order
+    between CPU ISAs moves an item only when two answers' log-likelihoods tie within rounding). PIQA, measured
+    0.655 against its bound 0.617 (7 items), is left to the tasks' own tests (test_evals_full_tasks): it doubled
+    this test's cost for a thinner margin."""
     from quantkit.evals.suite import evaluate
 
     _, source = fetched
-    n = 200
-    suite = tmp_path / "arc_e_piqa.yaml"  # the commonsense suite's two tasks with a bound below (its other three:
-    suite.write_text(  # HellaSwag alone costs more than both; their tasks are checked in test_evals_full_tasks)
-        "name: arc_e_piqa\nversion: 1\ndescription: ARC-Easy and PIQA of the commonsense suite\ntask_configs: mini\n"
-        "limit: null\nbenchmarks:\n  ARC-E: [qk_arc_easy]\n  PIQA: [qk_piqa]\n"
+    n, chance = 200, 0.25
+    suite = tmp_path / "arc_e.yaml"  # the commonsense suite's ARC-Easy task
+    suite.write_text(
+        "name: arc_e\nversion: 1\ndescription: ARC-Easy of the commonsense suite\ntask_configs: mini\n"
+        "limit: null\nbenchmarks:\n  ARC-E: [qk_arc_easy]\n"
     )
     results = evaluate(source, suite=suite, backend="vllm", out_dir=tmp_path / "eval", limit=n, dtype="bfloat16")
-    print({b: v["score"] for b, v in results["benchmarks"].items()})
-    for benchmark, chance in (("ARC-E", 0.25), ("PIQA", 0.5)):
-        scored = results["benchmarks"][benchmark]
-        assert scored["n"] == n
-        assert scored["score"] > chance + 3.3 * math.sqrt(chance * (1 - chance) / n), (benchmark, scored)
+    scored = results["benchmarks"]["ARC-E"]
+    print(scored["score"])
+    assert scored["n"] == n
+    assert scored["score"] > chance + 3.3 * math.sqrt(chance * (1 - chance) / n), scored
