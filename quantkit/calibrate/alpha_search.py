@@ -75,12 +75,12 @@ class AlphaSearch:
 
 class RowSampler:
     """Forward pre-hooks keeping every ROW_STRIDE-th row of named modules' inputs, up to `max_rows` each, float32,
-    and the sum of |x| per input column over every row (AWQ's mean).
+    and, with `means`, the sum of |x| per input column over every row (AWQ's mean).
 
     Use as a context manager; `rows[name]` is (rows, K) once the module was called, `mean_abs(name)` (K,)."""
 
-    def __init__(self, model: nn.Module, module_names: Sequence[str], max_rows: int) -> None:
-        self.model, self.names, self.max_rows = model, list(dict.fromkeys(module_names)), max_rows
+    def __init__(self, model: nn.Module, module_names: Sequence[str], max_rows: int, means: bool = False) -> None:
+        self.model, self.names, self.max_rows, self.means = model, list(dict.fromkeys(module_names)), max_rows, means
         self.rows: dict[str, torch.Tensor] = {}
         self.abs_sum: dict[str, torch.Tensor] = {}  # float64 (K,): sum of |x| over every row seen
         self.count: dict[str, int] = {}
@@ -104,9 +104,10 @@ class RowSampler:
         def hook(_module: nn.Module, args: tuple) -> None:
             x = args[0].detach()
             flat = x.reshape(-1, x.shape[-1])
-            total = flat.abs().sum(0, dtype=torch.float64)
-            self.abs_sum[name] = total if name not in self.abs_sum else self.abs_sum[name] + total
-            self.count[name] = self.count.get(name, 0) + flat.shape[0]
+            if self.means:  # a pass over every row: only AWQ reads it
+                total = flat.abs().sum(0, dtype=torch.float64)
+                self.abs_sum[name] = total if name not in self.abs_sum else self.abs_sum[name] + total
+                self.count[name] = self.count.get(name, 0) + flat.shape[0]
             kept = self.rows.get(name)
             room = self.max_rows - (0 if kept is None else len(kept))
             if room <= 0:

@@ -402,7 +402,9 @@ def layer_factors(
         sample_at = [m.consumers[0] for m in searched]
         with (
             ChannelMaxObserver(model, consumers) as observer,
-            RowSampler(model, sample_at, search.max_rows if search else 0) as sampler,
+            RowSampler(
+                model, sample_at, search.max_rows if search else 0, means=search is not None and search.rule == Rule.AWQ
+            ) as sampler,
         ):
             settling = Settling(observer, early_stop)
             chunks = stream.chunks
