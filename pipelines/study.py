@@ -476,6 +476,7 @@ class Study:
                 and rec.smoothquant is None
                 and rec.rotation is None
                 and rec.gptq is None
+                and rec.bit_budget is None
             )
 
         recipes = [r for r in self.spec.recipes if diagnosed(load_recipe(r))]
@@ -496,11 +497,12 @@ class Study:
         return apply_calibration(recipe, self.spec.calibration) if self.spec.calibration else recipe
 
     def _quantize(self, label: str, recipe: str) -> None:
+        from quantkit.diagnose.budget import resolve_bit_budget
         from quantkit.quantize.checkpoint import quantize_checkpoint
 
         quantize_checkpoint(
             self._source(label),
-            self.recipe(recipe),
+            resolve_bit_budget(self._source(label), self.recipe(recipe), progress=False),
             self.checkpoint_dir(label, recipe),
             overwrite=True,
             statistics_cache=self.dir / "cache" / "smoothquant",  # the model's SQ rows share their statistics
@@ -899,6 +901,7 @@ def timing_summary(timings: dict[tuple[str, str, str], dict[str, Any]]) -> dict[
 
 def _precision(recipe: str) -> str:
     from quantkit.calibrate.alpha_search import Rule
+    from quantkit.diagnose.budget import candidate_schemes
     from quantkit.formats.constants import WeightScales
     from quantkit.formats.schemes import SCHEMES
     from quantkit.quantize.recipe import load_recipe
@@ -906,7 +909,8 @@ def _precision(recipe: str) -> str:
     r = load_recipe(recipe)
     scheme = SCHEMES.get(r.scheme)
     label = "BF16" if r.scheme == UNQUANTIZED else scheme.precision if scheme is not None else r.name
-    mixed = sorted({SCHEMES[s].precision for _, s in r.module_schemes if s in SCHEMES} - {label})
+    chosen = [s for _, s in r.module_schemes] + list(candidate_schemes(r) if r.bit_budget else [])
+    mixed = sorted({SCHEMES[s].precision if s in SCHEMES else "BF16" for s in chosen} - {label}, reverse=True)
     label = "/".join([label, *mixed])  # mixed precision by module: e.g. W4A4/W8A8
     smoothing = "" if r.smoothquant is None else "+AWQ" if r.smoothquant.scales == Rule.AWQ else "+SQ"
     return (
@@ -920,6 +924,7 @@ def _precision(recipe: str) -> str:
         + ("+GPTQ" if r.gptq else "")
         + ("(act-order)" if r.gptq and r.gptq.act_order else "")
         + (" (static)" if r.static_activations else "")
+        + (f"@{r.bit_budget.avg_bits:g}b" if r.bit_budget else "")
     )
 
 

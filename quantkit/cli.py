@@ -108,11 +108,14 @@ def _quantize(args: argparse.Namespace) -> int:
     from quantkit.checkpoints import check_checkpoint_dir
 
     config, _ = check_checkpoint_dir(args.model)  # before the slow imports
+    from quantkit.diagnose.budget import resolve_bit_budget
     from quantkit.quantize.checkpoint import quantize_checkpoint
     from quantkit.quantize.provenance import calibration_sets, with_calibration, with_calibration_data, with_early_stop
-    from quantkit.quantize.recipe import SmoothQuantSettings, load_recipe
+    from quantkit.quantize.recipe import SmoothQuantSettings, load_recipe, with_bit_budget
 
     recipe = load_recipe(args.recipe)
+    if args.avg_bits is not None:
+        recipe = with_bit_budget(recipe, args.avg_bits)
     if args.calibration:
         recipe = with_calibration(recipe, *args.calibration)
     if args.calibration_data:
@@ -128,6 +131,7 @@ def _quantize(args: argparse.Namespace) -> int:
             flush=True,
         )
     started = time.perf_counter()
+    recipe = resolve_bit_budget(args.model, recipe)  # a bit budget: its schemes per module, chosen and printed
     out = quantize_checkpoint(
         args.model,
         recipe,
@@ -337,6 +341,14 @@ def _add_quantize_parser(sub: Subparsers) -> None:
         help="SmoothQuant: reuse the per-channel statistics an earlier quantization of this source on the same "
         "windows kept in DIR, or keep them there (the same checkpoint either way; a study does this in its run "
         "directory's cache/smoothquant)",
+    )
+    quantize.add_argument(
+        "--avg-bits",
+        type=float,
+        metavar="BITS",
+        help="choose each served layer's format (the recipe's scheme, fp8_block or bf16) from its measured output "
+        "noise so that the weights store at most BITS bits a weight on average, e.g. 5.0 (docs/recipes.md, "
+        "'Bit budget'); the map is printed and recorded in quantization_config.bit_budget",
     )
     quantize.set_defaults(func=_quantize)
 

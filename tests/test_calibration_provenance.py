@@ -121,6 +121,7 @@ def test_the_method_comparison_study_loads_with_one_label_per_method():
         "W4A4+AWQ+MSE+GPTQ",
         "W4A4+4/6",
         "W4A4/W8A8",
+        "W4A4/W8A8/BF16@5b",
     ]
 
 

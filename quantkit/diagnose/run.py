@@ -71,12 +71,13 @@ TOP_K = 8
 NORM_PARAMS = {"weight": 1.0, "pre_scale": 1.0, "bias": 0.0, "alpha": None}  # parameter -> neutral value
 
 
-def resolve_recipes(names: Sequence[str]) -> list[Recipe]:
-    """Recipes whose quantization error diagnose can emulate: backend quantkit, fp8_block or nvfp4, no SmoothQuant,
-    rotation or GPTQ (round to nearest, the recipe's weight scales and module schemes)."""
+def resolve_recipes(names: Sequence[str | Recipe]) -> list[Recipe]:
+    """Recipes (by name, or given) whose quantization error diagnose can emulate: backend quantkit, one of its
+    schemes, no SmoothQuant, rotation, GPTQ or unresolved bit budget (round to nearest, the recipe's weight scales and
+    module schemes)."""
     recipes = []
     for name in names:
-        recipe = load_recipe(name)  # ValueError for an unknown name
+        recipe = name if isinstance(name, Recipe) else load_recipe(name)  # ValueError for an unknown name
         if recipe.backend != "quantkit" or recipe.scheme not in SCHEMES:
             raise ValueError(
                 f"recipe {recipe.name!r} (backend {recipe.backend}, scheme {recipe.scheme}): diagnose "
@@ -92,6 +93,11 @@ def resolve_recipes(names: Sequence[str]) -> list[Recipe]:
                 f"recipe {recipe.name!r} rounds its weights by GPTQ, which needs calibration; diagnose rounds to "
                 "nearest: use the recipe without it (e.g. w4a4_nvfp4)"
             )
+        if recipe.bit_budget is not None and recipe.bit_budget_choice is None:
+            raise ValueError(
+                f"recipe {recipe.name!r} chooses its schemes per module from diagnose's own figures; "
+                "diagnose the recipe's scheme (e.g. w4a4_nvfp4)"
+            )
         recipes.append(recipe)
     return recipes
 
@@ -100,7 +106,7 @@ def diagnose(
     model_dir: str | Path,
     num_sequences: int = DEFAULT_NUM_SEQUENCES,
     seq_len: int = DEFAULT_SEQ_LEN,
-    recipes: Sequence[str] = DEFAULT_RECIPES,
+    recipes: Sequence[str | Recipe] = DEFAULT_RECIPES,
     batch_size: int = 8,
     massive_ratio: float = MASSIVE_RATIO,
     progress: bool = True,

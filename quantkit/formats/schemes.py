@@ -147,6 +147,11 @@ class Scheme(ABC):
     def decode(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
         """Checkpoint tensors of one Linear -> float32 weight (N, K)."""
 
+    @abstractmethod
+    def stored_bits(self, n: int, k: int) -> int:
+        """Bits the checkpoint stores for an (n, k) weight in this scheme: its codes and every decode scale (what
+        `encode` writes; static activation tensors not counted)."""
+
     def fake_quant_weight(self, weight: torch.Tensor, name: str) -> torch.Tensor:
         """decode(encode(weight)) with min-max scales: weight (N, K) -> float32 (N, K) as served."""
         return self.decode(self.encode(weight, name), weight.shape[1])
@@ -216,6 +221,10 @@ class FP8BlockScheme(Scheme):
     def decode(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
         """weight * its 128x128 block's decode scale -> float32 (N, K); `in_features` unused (K is stored unpadded)."""
         return dequantize_fp8_block(tensors["weight"], tensors["weight_scale"])
+
+    def stored_bits(self, n: int, k: int) -> int:
+        """8 bits a weight, 32 a 128x128 block's scale."""
+        return 8 * n * k + 32 * -(-n // FP8_WEIGHT_BLOCK) * -(-k // FP8_WEIGHT_BLOCK)
 
     def quantize_activation(
         self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None
@@ -312,6 +321,11 @@ class NVFP4Scheme(Scheme):
                 in_features,
             )
         )
+
+    def stored_bits(self, n: int, k: int) -> int:
+        """4 bits a weight (K padded to groups of 16), 8 a group's E4M3 scale, 32 the tensor's global scale."""
+        k_pad = -(-k // NVFP4_GROUP) * NVFP4_GROUP
+        return 4 * n * k_pad + 8 * n * (k_pad // NVFP4_GROUP) + 32
 
     def fake_quant_weight(self, weight: torch.Tensor, name: str) -> torch.Tensor:
         """decode(encode(weight)) with min-max scales, equal bit for bit, without the packing round trip."""

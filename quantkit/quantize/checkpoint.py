@@ -143,6 +143,11 @@ def quantize_checkpoint(
             f"recipe {recipe.name}: streaming quantization runs quantkit's own backend only, "
             f"not {str(recipe.backend)!r}"
         )
+    if recipe.bit_budget is not None and recipe.bit_budget_choice is None:
+        raise ValueError(
+            f"recipe {recipe.name} has a bit budget: choose its schemes on this source first "
+            "(quantkit.diagnose.budget.resolve_bit_budget; `quantkit quantize` and the study do)"
+        )
     return _quantize(model_dir, recipe, out_dir, overwrite=overwrite, streaming=streaming, cache_dir=statistics_cache)
 
 

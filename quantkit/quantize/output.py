@@ -95,21 +95,29 @@ def quantization_config(recipe: Recipe, quantized: list[str], ignored: list[str]
         "smoothquant": None if recipe.smoothquant is None else vars(recipe.smoothquant),
         "weight_scales": str(recipe.weight_scales),
         "module_schemes": {m: recipe.scheme_of(m) for m in quantized if recipe.scheme_of(m) != recipe.scheme},
+        **({"bit_budget": recipe.bit_budget_choice} if recipe.bit_budget_choice is not None else {}),
     }
 
 
 _FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one vLLM layer each
 
 
+def served_unit(name: str) -> str:
+    """The vLLM layer that serves matrix `name`: its routed-experts module for an expert matrix
+    (`<experts>.<e>.<proj>`), `<parent>.q_proj+k_proj+v_proj` / `<parent>.gate_proj+up_proj` for a fused
+    projection, else the name itself. The matrices of one unit share one scheme."""
+    if expert := EXPERT_MATRIX.match(name):
+        return expert.group("experts")
+    parent, _, leaf = name.rpartition(".")
+    fused = next((g for g in _FUSED_GROUPS if leaf in g), None)
+    return f"{parent}.{'+'.join(fused)}" if fused else name
+
+
 def _check_one_scheme_per_fused_group(recipe: Recipe, quantized: list[str]) -> None:
     """Every experts module, and every q/k/v and gate/up group, in one scheme (ValueError naming the split)."""
     groups: dict[str, set[str]] = {}
     for name in quantized:
-        expert = EXPERT_MATRIX.match(name)
-        parent, _, leaf = name.rpartition(".")
-        fused = next((g for g in _FUSED_GROUPS if leaf in g), None)
-        key = expert.group("experts") if expert else f"{parent}.{fused}" if fused else name
-        groups.setdefault(key, set()).add(recipe.scheme_of(name))
+        groups.setdefault(served_unit(name), set()).add(recipe.scheme_of(name))
     if split := {k: sorted(v) for k, v in groups.items() if len(v) > 1}:
         first = next(iter(split))
         raise ValueError(

@@ -29,6 +29,10 @@ A recipe names a scheme and what happens before it:
                                  # power of two dividing K; serving with TP t needs t x block | K); block: the
                                  # residual rotation block-diagonal of that size (MR-GPTQ: the group size, 16 for
                                  # NVFP4; also the online block when online_block is null), null = full width
+    bit_budget: {avg_bits: 5.0, num_sequences: 8, seq_len: 256}
+                                 # formats per module under a budget (quantkit.quantize.budget): each layer vLLM
+                                 # serves gets `scheme`, fp8_block or bf16 by its measured output noise, stored
+                                 # bits a weight <= avg_bits; resolved on the source into module_schemes
     module_schemes:              # mixed precision by module: the first matching pattern's scheme (bf16: kept
       - "re:.*\\.(self_attn|linear_attn)\\..*": fp8_block   # unquantized), else `scheme`; the same pattern
                                  # syntax as `ignore`; expert matrices match as <experts>.<e>.<proj>
@@ -55,7 +59,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from enum import StrEnum
 from pathlib import Path
@@ -107,6 +111,7 @@ _KEYS = {
     "module_schemes",
     "gptq",
     "rotation",
+    "bit_budget",
 }
 DEFAULT_EARLY_STOP = 0.02  # SmoothQuant: settled when the maxima moved < 2% (relative L2) in 2 batches
 
@@ -172,6 +177,16 @@ class RotationSettings:
 
 
 @dataclass(frozen=True)
+class BitBudgetSettings:
+    """Formats per module under a budget (`quantkit.quantize.budget`): avg_bits stored bits a weight over the
+    decided matrices; the sensitivities measured on num_sequences x seq_len held-out tokens."""
+
+    avg_bits: float = 0.0  # required (parse_recipe checks it)
+    num_sequences: int = 8
+    seq_len: int = 256
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     scheme: str
@@ -186,6 +201,9 @@ class Recipe:
     module_schemes: tuple[tuple[str, str], ...] = ()  # (pattern, scheme) in order: mixed precision by module
     gptq: GPTQSettings | None = None  # weight rounding by GPTQ instead of to nearest
     rotation: RotationSettings | None = None  # QuaRot rotation, before SmoothQuant and GPTQ
+    bit_budget: BitBudgetSettings | None = None  # schemes per module chosen under a budget (quantize.budget)
+    # the budget's resolved choice (quantize.budget.budget_record), set with module_schemes by resolve_bit_budget
+    bit_budget_choice: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
     def calibration_source(self, model_type: str | None) -> str:
         """What this recipe's calibration reads for a model of `model_type` (`quantkit.data`)."""
@@ -209,6 +227,7 @@ class Recipe:
             and self.smoothquant is None
             and self.rotation is None
             and self.gptq is None
+            and self.bit_budget is None
         )
 
     def smoothing_search(self, product: QuantizedProduct) -> AlphaSearch | None:
@@ -348,6 +367,7 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
             )
     if weight_scales == WeightScales.FOUR_OVER_SIX and gptq is not None:
         raise ValueError(f"{source}: weight_scales four_over_six does not compose with gptq yet (GPTQ sets the scales)")
+    bit_budget = _bit_budget(data.get("bit_budget"), scheme, backend, module_schemes, rotation, source)
     return Recipe(
         name=data["name"],
         scheme=scheme,
@@ -362,7 +382,42 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         module_schemes=module_schemes,
         gptq=gptq,
         rotation=rotation,
+        bit_budget=bit_budget,
     )
+
+
+def _bit_budget(
+    value: Any,
+    scheme: str,
+    backend: Backend,
+    module_schemes: tuple[tuple[str, str], ...],
+    rotation: RotationSettings | None,
+    source: str,
+) -> BitBudgetSettings | None:
+    """A recipe's `bit_budget` mapping -> BitBudgetSettings; ValueError when it is malformed or cannot apply."""
+    settings = _settings(BitBudgetSettings, value, f"{source}: bit_budget")
+    if settings is None:
+        return None
+    if "avg_bits" not in value:
+        raise ValueError(f"{source}: bit_budget needs avg_bits (stored bits a weight, e.g. 5.0)")
+    if backend != Backend.QUANTKIT or scheme not in SCHEMES:
+        raise ValueError(f"{source}: bit_budget needs one of quantkit's quantized schemes {list(SCHEMES)} as `scheme`")
+    if module_schemes:
+        raise ValueError(f"{source}: bit_budget chooses every module's scheme; drop module_schemes")
+    if rotation is not None:
+        raise ValueError(
+            f"{source}: bit_budget measures the unrotated source's sensitivities; it does not compose with rotation"
+        )
+    return settings
+
+
+def with_bit_budget(recipe: Recipe, avg_bits: float) -> Recipe:
+    """`recipe` with a bit budget of `avg_bits` (`quantkit quantize --avg-bits`), keeping its own budget's windows;
+    ValueError as for the recipe key."""
+    value = {**vars(recipe.bit_budget or BitBudgetSettings()), "avg_bits": avg_bits}
+    where = f"recipe {recipe.name} with --avg-bits"
+    settings = _bit_budget(value, recipe.scheme, recipe.backend, recipe.module_schemes, recipe.rotation, where)
+    return replace(recipe, bit_budget=settings)
 
 
 def _rotation(value: Any, backend: Backend, scheme: str, source: str) -> RotationSettings | None:
@@ -412,6 +467,7 @@ _RANGES: dict[tuple[type, str], tuple[Callable[[float], bool], str]] = {
     (SmoothQuantSettings, "scales"): (lambda v: v in list(Rule), f"one of {[str(r) for r in Rule]}"),
     (GPTQSettings, "block_size"): (lambda v: v >= 1, "an integer >= 1"),
     (GPTQSettings, "dampening"): (lambda v: v > 0, "> 0 (a fraction of mean(diag H))"),
+    (BitBudgetSettings, "avg_bits"): (lambda v: 0 < v < 16, "between 0 and 16 (stored bits a weight)"),
 }
 
 
