@@ -7,6 +7,26 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _cores_of_this_worker() -> None:
+    """Under pytest-xdist (`make test`: TEST_WORKERS workers) on a machine with at least one core per worker, each
+    worker's OpenMP threads get cores of their own: its vLLM engines bind to them (VLLM_CPU_OMP_THREADS_BIND, which
+    `offline_environment` leaves as set) and its torch ops and the processes it starts use that many threads
+    (OMP_NUM_THREADS, set before torch is imported). Two engines each bound to every core spin at each other's
+    OpenMP barriers: two concurrent SmolLM2 engines on 2 cores took 158 s each to generate what they generate in
+    50 s on a core each (2026-11-28, docs/results/ci-timings.md). The process affinity stays whole, so a
+    tensor-parallel test still binds one rank per core. Values set by the user win."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    cores = sorted(os.sched_getaffinity(0))
+    if not worker or count < 2 or len(cores) < count:
+        return
+    mine = cores[int(worker.removeprefix("gw")) % count :: count]
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(len(mine)))
+
+
+_cores_of_this_worker()
+
 import pytest
 
 from quantkit.data import STREAM_CACHE_ENV
