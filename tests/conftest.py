@@ -27,10 +27,10 @@ def _cores_of_this_worker() -> None:
 
 _cores_of_this_worker()
 
-import pytest
+import pytest  # noqa: E402  (after the environment above)
 
-from quantkit.data import STREAM_CACHE_ENV
-from quantkit.serve.engine import offline_environment
+from quantkit.data import STREAM_CACHE_ENV  # noqa: E402
+from quantkit.serve.engine import offline_environment  # noqa: E402
 
 # The CPU emulation's activation fake-quant stays eager in tests unless a test asks for the compiled one
 # (`compiled_emulation`): on the tests' tiny models each inductor compile (~2.3 s, one per scheme and input shape)
