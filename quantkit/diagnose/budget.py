@@ -110,7 +110,7 @@ def choose_schemes(units: Sequence[Unit], schemes: Sequence[str], avg_bits: floa
             f"weight with {schemes[0]} everywhere"
         )
     step = room / GRANULES if room > 0 else 1.0
-    cost = np.array([[math.ceil((u.bits[s] - u.bits[schemes[0]]) / step - 1e-9) for s in schemes] for u in units])
+    cost = np.array([[math.ceil((u.bits[s] - u.bits[schemes[0]]) / step) for s in schemes] for u in units])
     loss = np.array([[u.nsr[s] for s in schemes] for u in units])
     capacity = GRANULES if room > 0 else 0
     best = np.zeros(capacity + 1)  # best[c]: least summed NSR of the units so far within c steps
