@@ -66,7 +66,7 @@ from quantkit.checkpoints import describe_architecture
 from quantkit.errors import BAD_INPUT
 from quantkit.evals.harness import BACKENDS, EvalBackend
 from quantkit.formats.schemes import UNQUANTIZED
-from quantkit.quantize.recipe import Backend, Recipe
+from quantkit.quantize.recipe import Recipe
 from quantkit.yamlfile import read_yaml
 
 logger = logging.getLogger(__name__)
@@ -466,20 +466,11 @@ class Study:
         return self.sources[label]
 
     def _diagnose(self, label: str, _: None) -> None:
-        from quantkit.diagnose.run import diagnose, write_diagnostics
+        from quantkit.diagnose.run import diagnose, why_not_diagnosable, write_diagnostics
         from quantkit.quantize.recipe import load_recipe
 
-        def diagnosed(rec: Recipe) -> bool:  # quantkit's own schemes rounded to nearest (no SQ, rotation, GPTQ)
-            return (
-                rec.backend == Backend.QUANTKIT
-                and rec.scheme != UNQUANTIZED
-                and rec.smoothquant is None
-                and rec.rotation is None
-                and rec.gptq is None
-                and rec.bit_budget is None
-            )
-
-        recipes = [r for r in self.spec.recipes if diagnosed(load_recipe(r))]
+        # quantkit's own schemes rounded to nearest: the study's other recipes are left out, not refused
+        recipes = [r for r in self.spec.recipes if why_not_diagnosable(load_recipe(r)) is None]
         result = diagnose(self._source(label), recipes=recipes, progress=False, **self.spec.diagnose)
         with atomic_dir(self.diagnostics_dir(label), overwrite=True) as tmp:
             write_diagnostics(result, tmp)

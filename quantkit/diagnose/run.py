@@ -71,33 +71,41 @@ TOP_K = 8
 NORM_PARAMS = {"weight": 1.0, "pre_scale": 1.0, "bias": 0.0, "alpha": None}  # parameter -> neutral value
 
 
-def resolve_recipes(names: Sequence[str | Recipe]) -> list[Recipe]:
-    """Recipes (by name, or given) whose quantization error diagnose can emulate: backend quantkit, one of its
+def why_not_diagnosable(recipe: Recipe) -> str | None:
+    """Why diagnose cannot emulate `recipe`'s quantization error, or None when it can: backend quantkit, one of its
     schemes, no SmoothQuant, rotation, GPTQ or unresolved bit budget (round to nearest, the recipe's weight scales and
     module schemes)."""
+    if recipe.backend != "quantkit" or recipe.scheme not in SCHEMES:
+        return (
+            f"recipe {recipe.name!r} (backend {recipe.backend}, scheme {recipe.scheme}): diagnose "
+            f"emulates quantkit's schemes ({', '.join(SCHEMES)}) only"
+        )
+    if recipe.smoothquant is not None or recipe.rotation is not None:
+        return (
+            f"recipe {recipe.name!r} applies {'SmoothQuant' if recipe.smoothquant else 'rotation'} first; "
+            "diagnose measures the checkpoint as it is: use the recipe without it (e.g. w4a4_nvfp4)"
+        )
+    if recipe.gptq is not None:
+        return (
+            f"recipe {recipe.name!r} rounds its weights by GPTQ, which needs calibration; diagnose rounds to "
+            "nearest: use the recipe without it (e.g. w4a4_nvfp4)"
+        )
+    if recipe.bit_budget is not None and recipe.bit_budget_choice is None:
+        return (
+            f"recipe {recipe.name!r} chooses its schemes per module from diagnose's own figures; "
+            "diagnose the recipe's scheme (e.g. w4a4_nvfp4)"
+        )
+    return None
+
+
+def resolve_recipes(names: Sequence[str | Recipe]) -> list[Recipe]:
+    """Recipes (by name, or given) whose quantization error diagnose can emulate (`why_not_diagnosable`); ValueError
+    naming the first it cannot."""
     recipes = []
     for name in names:
         recipe = name if isinstance(name, Recipe) else load_recipe(name)  # ValueError for an unknown name
-        if recipe.backend != "quantkit" or recipe.scheme not in SCHEMES:
-            raise ValueError(
-                f"recipe {recipe.name!r} (backend {recipe.backend}, scheme {recipe.scheme}): diagnose "
-                f"emulates quantkit's schemes ({', '.join(SCHEMES)}) only"
-            )
-        if recipe.smoothquant is not None or recipe.rotation is not None:
-            raise ValueError(
-                f"recipe {recipe.name!r} applies {'SmoothQuant' if recipe.smoothquant else 'rotation'} first; "
-                "diagnose measures the checkpoint as it is: use the recipe without it (e.g. w4a4_nvfp4)"
-            )
-        if recipe.gptq is not None:
-            raise ValueError(
-                f"recipe {recipe.name!r} rounds its weights by GPTQ, which needs calibration; diagnose rounds to "
-                "nearest: use the recipe without it (e.g. w4a4_nvfp4)"
-            )
-        if recipe.bit_budget is not None and recipe.bit_budget_choice is None:
-            raise ValueError(
-                f"recipe {recipe.name!r} chooses its schemes per module from diagnose's own figures; "
-                "diagnose the recipe's scheme (e.g. w4a4_nvfp4)"
-            )
+        if (reason := why_not_diagnosable(recipe)) is not None:
+            raise ValueError(reason)
         recipes.append(recipe)
     return recipes
 
