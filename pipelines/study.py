@@ -906,7 +906,7 @@ def _precision(recipe: str) -> str:
     smoothing = "" if r.smoothquant is None else "+AWQ" if r.smoothquant.scales == Rule.AWQ else "+SQ"
     return (
         label
-        + ("" if r.rotation is None else f"+Rot{r.rotation.block or ''}")
+        + _rotation_label(r.rotation)
         + smoothing
         + ("(search)" if r.smoothquant and r.smoothquant.search_alpha else "")
         + (f"+{scheme.method}" if scheme is not None and scheme.method else "")
@@ -917,6 +917,16 @@ def _precision(recipe: str) -> str:
         + (" (static)" if r.static_activations else "")
         + (f"@{r.bit_budget.avg_bits:g}b" if r.bit_budget else "")
     )
+
+
+def _rotation_label(rotation) -> str:
+    """+Rot (residual rotation; +Rot16 block-diagonal of 16), +Had16 (no residual rotation: the online Hadamard of 16
+    at every quantized input), "" without rotation."""
+    if rotation is None:
+        return ""
+    if not rotation.residual:
+        return f"+Had{rotation.down_block or ''}"
+    return f"+Rot{rotation.block or ''}"
 
 
 OUTLIER_FIGURES = (

@@ -17,6 +17,11 @@ Asserted, with the reason each bound holds:
   per-expert recomputation (`routed_expert_passes`: GPTQ's Hessians, diagnose) matches the module's output within
   diagnose's EXPERTS_CHECK_RTOL (the same float32 products summed in another order: (H + I + k) 2**-24 relative at
   worst, ~1e-5 at these widths; a recomputation without the transform is off by O(1)).
+- Without a residual rotation (`residual: false`) on Gemma 3, which refuses a residual one (sandwich norms): every
+  quantized Linear's weight is exactly block_hadamard(W, 16) of the float32 weight (the same function, so bit
+  equality), the norms, embedding and head are untouched, the logits agree within TOLERANCE (the transform and its
+  inverse in float32: a few u32 relative per matmul), both quantize paths write the same bytes (the same float32
+  operations on the same tensors) and the fake-quant reference transforms each recorded input.
 - The checkpoint names each down_proj's block; the fake-quant reference applies the transform; the checker refuses
   a config naming an unquantized module; unsupported norms, architectures, streaming and an online transform on an
   unquantized down_proj are refused by name. vLLM parity: tests/test_serve_quantized.py cases *_rot.
@@ -216,6 +221,57 @@ def test_a_rotated_hybrid_checkpoint_transforms_every_experts_down_input(tmp_pat
         scheme_from_config({**qc, "rotation": {"online_hadamard": {**online, f"{name}.1.down_proj": 2}}})
 
 
+def test_input_rotation_transforms_every_quantized_input_of_gemma3_and_both_paths_agree(tmp_path):
+    from safetensors.torch import load_file
+
+    from quantkit.quantize.fake_quant import FakeQuantLinear, load_fake_quant_model
+
+    source = build_tiny_stock_checkpoint(tmp_path / "gemma3", "gemma3", seed=0)
+    model = load_reference_model(source, torch.float32)
+    tokens = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RotationError, match=r"Gemma3ForCausalLM is not a registered decoder.*residual: false"):
+        rotate_model(model, 0, True, tokens)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.layers")]
+    with torch.no_grad():
+        logits = model(tokens).logits
+    report = rotate_model(model, 0, True, tokens, block=16, residual=False, quantized=linears)
+    assert report.online_hadamard == dict.fromkeys(linears, 16)
+    assert report.to_dict()["residual"] is False and "residual_block" not in report.to_dict()
+    after = model.state_dict()
+    for key, value in after.items():
+        module = key.rsplit(".", 1)[0]
+        expected = block_hadamard(before[key], 16) if module in linears else before[key]
+        assert torch.equal(value, expected), key
+    with torch.no_grad():
+        assert (model(tokens).logits - logits).abs().max() <= TOLERANCE * logits.abs().max()
+
+    recipe = parse_recipe(
+        {
+            "name": "had16_gptq",
+            "scheme": "nvfp4",
+            "weight_scales": "mse",
+            "rotation": {"block": 16, "residual": False},
+            "gptq": {"num_sequences": 4, "seq_len": 64},
+        }
+    )
+    whole = quantize_checkpoint(source, recipe, tmp_path / "whole", streaming=False)
+    streamed = quantize_checkpoint(source, recipe, tmp_path / "streamed", streaming=True)
+    a, b = load_file(whole / "model.safetensors"), {}
+    for shard in streamed.glob("*.safetensors"):
+        b.update(load_file(shard))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    qc = json.loads((whole / "config.json").read_text())["quantization_config"]
+    assert qc["rotation"]["residual"] is False
+    assert qc["rotation"]["online_hadamard"] == dict.fromkeys(linears, 16)
+    fakes = {n: m for n, m in load_fake_quant_model(whole).named_modules() if isinstance(m, FakeQuantLinear)}
+    assert {n for n, m in fakes.items() if m.online_hadamard == 16} == set(linears)
+    q = fakes[linears[0]]
+    x = torch.randn(3, q.weight.shape[1])
+    expected = torch.nn.functional.linear(q.scheme.fake_quant_activation(block_hadamard(x, 16)), q.weight)
+    assert torch.equal(q(x), expected)
+
+
 def test_what_rotation_cannot_do_is_refused_by_name(tmp_path):
     tokens = torch.randint(0, 500, (1, 8))
     for flags, what in [(dict(pre_affine=True), "pre_scale"), (dict(gated_norm_rank=8), "gate_down")]:
@@ -245,6 +301,8 @@ def test_what_rotation_cannot_do_is_refused_by_name(tmp_path):
         ({"online": "yes"}, "rotation.online must be true or false"),
         ({"online_block": 24}, "rotation.online_block must be a power of two"),
         ({"angle": 3}, "rotation must be a mapping with keys"),
+        ({"residual": "no"}, "rotation.residual must be true or false"),
+        ({"residual": False, "online": False}, "rotation.residual false with online false rotates nothing"),
     ]:
         with pytest.raises(ValueError, match=message):
             parse_recipe({"name": "x", "scheme": "nvfp4", "rotation": bad})
@@ -254,6 +312,8 @@ def test_what_rotation_cannot_do_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"include_up_down does not compose with rotation.online"):
         parse_recipe({**up_down, "rotation": {"online": True}})
     assert parse_recipe({**up_down, "rotation": {"online": False}}).rotation is not None  # no transform between them
+    with pytest.raises(ValueError, match=r"smoothquant does not compose with rotation.residual false"):
+        parse_recipe({"name": "x", "scheme": "nvfp4", "smoothquant": {}, "rotation": {"residual": False}})
 
 
 def test_quality_reads_a_rotated_tied_checkpoint_as_the_whole_models_do(tmp_path):

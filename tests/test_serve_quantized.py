@@ -114,7 +114,10 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
     "mistral-fp8_block": ("mistral", "w8a8_fp8_block", 1),
     "qwen2-nvfp4": ("qwen2", "w4a4_nvfp4", 1),
     "qwen2-nvfp4_46": ("qwen2", "w4a4_nvfp4_46", 1),  # Four Over Six weights and activations
-    "gemma3-nvfp4": ("gemma3", "w4a4_nvfp4", 1),
+    # Gemma 3 with the online Hadamard of 16 at every quantized input (issue 51 item 6: no residual rotation, its
+    # sandwich norms allow none): vLLM's fused qkv_proj / gate_up_proj read one transformed input; also Gemma 3's
+    # plain NVFP4 path (the transform sits before the same quantizer)
+    "gemma3-nvfp4_had16": ("gemma3", "w4a4_nvfp4_had16", 1),
     "gemma2-fp8_block": ("gemma2", "w8a8_fp8_block", 1),
     "qwen3_moe-fp8_block": ("qwen3_moe", "w8a8_fp8_block", 1),
     "ga_gatednorm-fp8_block-tp2": ("variant", "w8a8_fp8_block", 2),

@@ -173,7 +173,10 @@ def _quantize(
         refuse_unmappable_early(model_dir, recipe)
     model = load_reference_model(model_dir, torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rotation = _rotate(model, tokenizer, recipe) if recipe.rotation is not None else None
+    scheme = scheme_for(recipe.scheme)  # None: bf16, nothing quantized
+    weights = quantizable_weights(model)
+    quantized_names = [n for n in weights if not recipe.ignores(n)] if scheme is not None else []
+    rotation = _rotate(model, tokenizer, recipe, quantized_names) if recipe.rotation is not None else None
     smoothquant_report = None
     if recipe.smoothquant is not None:  # folds into the float32 weights; verified function-preserving
         sq = recipe.smoothquant
@@ -191,9 +194,8 @@ def _quantize(
             search=recipe.smoothing_search(quantized_product(recipe)),
             statistics_cache=cache,
         )
-    scheme = scheme_for(recipe.scheme)  # None: bf16, nothing quantized
-    weights = quantizable_weights(model)
-    quantized = {n: w for n, w in weights.items() if not recipe.ignores(n)} if scheme is not None else {}
+    weights = quantizable_weights(model)  # again: rotation may have replaced a tied head's tensor
+    quantized = {n: weights[n] for n in quantized_names}
     if rotation is not None:
         check_online_quantized(recipe.name, rotation.online_hadamard, quantized)
     gptq_scales = _gptq(model, tokenizer, recipe, set(quantized)) if recipe.gptq is not None else {}
@@ -229,9 +231,9 @@ def _quantize(
     return out_dir
 
 
-def _rotate(model, tokenizer, recipe: Recipe) -> RotationReport:
+def _rotate(model, tokenizer, recipe: Recipe, quantized: list[str]) -> RotationReport:
     """Rotate the float32 model in place (`quantkit.quantize.rotation`), its function checked on 2 calibration
-    windows of up to 128 tokens."""
+    windows of up to 128 tokens; `quantized`: the matrices the recipe quantizes (full names)."""
     settings = cast(RotationSettings, recipe.rotation)
     verify = calibration_windows(
         tokenizer,
@@ -239,7 +241,16 @@ def _rotate(model, tokenizer, recipe: Recipe) -> RotationReport:
         min(128, model.config.max_position_embeddings),
         recipe.calibration_source(model.config.model_type),
     )
-    return rotate_model(model, settings.seed, settings.online, verify, settings.down_block, settings.block)
+    return rotate_model(
+        model,
+        settings.seed,
+        settings.online,
+        verify,
+        settings.down_block,
+        settings.block,
+        settings.residual,
+        quantized,
+    )
 
 
 def _gptq(model, tokenizer, recipe: Recipe, quantized: set[str]) -> dict[str, dict[str, torch.Tensor]]:

@@ -23,12 +23,15 @@ A recipe names a scheme and what happens before it:
     gptq: {num_sequences: 128, seq_len: 512, block_size: 128, dampening: 0.01, act_order: false}
                                  # GPTQ rounding (quantkit.quantize.gptq), layer by layer (streaming too);
                                  # act_order: columns by descending diag(H), group scales fixed first
-    rotation: {seed: 0, online: true, online_block: null, block: null}  # QuaRot rotation before everything else
-                                 # (quantkit.quantize.rotation): residual stream rotated offline; online: block
-                                 # Hadamard at dense down_proj inputs (online_block: its block, null = the largest
-                                 # power of two dividing K; serving with TP t needs t x block | K); block: the
-                                 # residual rotation block-diagonal of that size (MR-GPTQ: the group size, 16 for
-                                 # NVFP4; also the online block when online_block is null), null = full width
+    rotation: {seed: 0, online: true, online_block: null, block: null, residual: true}
+                                 # QuaRot rotation before everything else (quantkit.quantize.rotation): residual
+                                 # stream rotated offline; online: block Hadamard at dense down_proj inputs
+                                 # (online_block: its block, null = the largest power of two dividing K; serving
+                                 # with TP t needs t x block | K); block: the residual rotation block-diagonal of
+                                 # that size (MR-GPTQ: the group size, 16 for NVFP4; also the online block when
+                                 # online_block is null), null = full width; residual: false rotates no residual:
+                                 # every quantized linear's input gets the online block Hadamard instead (FP-Quant's
+                                 # per-linear transform; any decoder, Gemma 3's sandwich norms included)
     bit_budget: {avg_bits: 5.0, num_sequences: 8, seq_len: 256}
                                  # formats per module under a budget (quantkit.quantize.budget): each layer vLLM
                                  # serves gets `scheme`, fp8_block or bf16 by its measured output noise, stored
@@ -161,18 +164,19 @@ class GPTQSettings:
 
 @dataclass(frozen=True)
 class RotationSettings:
-    """The residual rotation's seed and whether dense down_projs get the online Hadamard
-    (`quantkit.quantize.rotation`)."""
+    """The residual rotation's seed and whether dense down_projs get the online Hadamard; or, with residual False,
+    no residual rotation and the online Hadamard at every quantized linear's input (`quantkit.quantize.rotation`)."""
 
     seed: int = 0
     online: bool = True
     online_block: int | None = None  # None: `block`, else the largest power of two dividing K (`online_block`), <= 4096
     block: int | None = None  # the residual rotation's block (`residual_rotation`); None: full width (QuaRot)
+    residual: bool = True  # False: no residual Q; every quantized linear's input transformed online instead
 
     @property
     def down_block(self) -> int | None:
-        """The online Hadamard's block at down_proj inputs: online_block, else the residual block, else None (the
-        largest power of two dividing K)."""
+        """The online Hadamard's block (at down_proj inputs; with residual False at every quantized linear's
+        input): online_block, else `block`, else None (the largest power of two dividing K)."""
         return self.online_block if self.online_block is not None else self.block
 
 
@@ -349,6 +353,11 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     if rotation is not None and smoothquant is not None and smoothquant.searched:
         key = "search_alpha" if smoothquant.search_alpha else "scales: awq"
         raise ValueError(f"{source}: smoothquant.{key} measures unrotated products; it does not compose with rotation")
+    if rotation is not None and not rotation.residual and smoothquant is not None:
+        raise ValueError(
+            f"{source}: smoothquant does not compose with rotation.residual false (each linear's input is "
+            "transformed online before it is read: a per-channel smoothing factor does not fold through that)"
+        )
     if rotation is not None and rotation.online and smoothquant is not None and smoothquant.include_up_down:
         raise ValueError(
             f"{source}: smoothquant.include_up_down does not compose with rotation.online (the online Hadamard sits "
@@ -426,16 +435,20 @@ def _rotation(value: Any, backend: Backend, scheme: str, source: str) -> Rotatio
         return None
     if backend != Backend.QUANTKIT or scheme == UNQUANTIZED:
         raise ValueError(f"{source}: rotation applies to quantkit's own quantized schemes only")
-    if not isinstance(value, dict) or set(value) - {"seed", "online", "online_block", "block"}:
+    if not isinstance(value, dict) or set(value) - {"seed", "online", "online_block", "block", "residual"}:
         raise ValueError(
             f"{source}: rotation must be a mapping with keys seed (integer), online (true/false), online_block "
-            "and block (powers of two)"
+            "and block (powers of two), residual (true/false)"
         )
     settings = RotationSettings(**value)
     if not isinstance(settings.seed, int) or isinstance(settings.seed, bool) or settings.seed < 0:
         raise ValueError(f"{source}: rotation.seed must be an integer >= 0, got {settings.seed!r}")
     if not isinstance(settings.online, bool):
         raise ValueError(f"{source}: rotation.online must be true or false, got {settings.online!r}")
+    if not isinstance(settings.residual, bool):
+        raise ValueError(f"{source}: rotation.residual must be true or false, got {settings.residual!r}")
+    if not settings.residual and not settings.online:
+        raise ValueError(f"{source}: rotation.residual false with online false rotates nothing; set online true")
     for key, low in (("online_block", 1), ("block", 2)):
         block = getattr(settings, key)
         if block is not None and (type(block) is not int or block < low or block & (block - 1)):

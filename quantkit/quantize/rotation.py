@@ -15,6 +15,15 @@ RMSNorm(x Q) = RMSNorm(x) Q. So, on the float32 model, in place:
    (`<experts>.<e>.down_proj`), and the module computes act(gate) * up transformed before down_proj
    (`online_experts_forward`; its `online_hadamard` attribute tells `routed_expert_passes` the same).
 Q is `residual_rotation(hidden, seed)`, float64; each weight is rotated in float64 and rounded once to float32.
+
+Without a residual rotation (`residual=False`; FP-Quant's per-linear transform for MR-GPTQ, Egiazarian et al.,
+arXiv 2509.23202): no norm is folded and the residual stream is untouched; every quantized Linear of the decoder
+layers has W <- W (I (x) H_b) and the pre-hook x <- x (I (x) H_b) (and fused routed experts their down_proj, as in
+3.), all recorded under `online_hadamard`. Exact in real arithmetic on any decoder, which is what a residual
+rotation cannot be on Gemma 2/3: their sandwich norms (post_attention_layernorm, post_feedforward_layernorm)
+normalize a writer's output and scale it per channel by (1 + w) before it joins the residual, and
+RMSNorm(o Q) (1 + w) differs from RMSNorm(o) (1 + w) Q unless w is uniform; no fold into the writer helps, since
+the RMS is of the unscaled output.
 The logits of a few windows before and after must agree within `TOLERANCE` of the logit scale, or
 FunctionPreservationError (the caller discards the model).
 
@@ -74,12 +83,15 @@ class RotationReport:
     max_logit_change: float
     logit_scale: float
     residual_block: int | None = None  # Q block-diagonal of this size (`residual_rotation`); None: full width
+    residual: bool = True  # False: no residual Q, the online transform at every quantized linear's input
 
     def to_dict(self) -> dict:
         block = {} if self.residual_block is None else {"residual_block": self.residual_block}
+        no_residual = {} if self.residual else {"residual": False}
         return {
             "seed": self.seed,
             **block,
+            **no_residual,
             "online_hadamard": self.online_hadamard,
             "max_logit_change": self.max_logit_change,
             "logit_scale": self.logit_scale,
@@ -90,7 +102,8 @@ class RotationReport:
 class RotationPlan:
     """What a rotation changes, resolved and checked before any weight changes (`plan_rotation`): the decoder
     stack (`stack_name`, `layers`), each layer's norm/reader/writer parts, the modules outside the layers, and the
-    online Hadamard block of each dense down_proj (by module name; {} without the online transform)."""
+    online Hadamard block of each transformed input (by module name: dense down_projs, or with `residual` False
+    every quantized Linear of the layers; {} without the online transform). residual False: no Q (`slots` empty)."""
 
     stack_name: str
     layers: nn.ModuleList
@@ -99,15 +112,30 @@ class RotationPlan:
     head: nn.Module
     final_norm: nn.Module
     online_hadamard: dict[str, int]
+    residual: bool = True
 
 
-def plan_rotation(model: PreTrainedModel, online: bool, block: int | None = None) -> RotationPlan:
+def plan_rotation(
+    model: PreTrainedModel,
+    online: bool,
+    block: int | None = None,
+    residual: bool = True,
+    quantized: Iterable[str] = (),
+) -> RotationPlan:
     """Check that `model` can be rotated (architecture, head, every norm, the online blocks) and say how; works on
-    a model on the meta device (the streaming path's skeleton). RotationError naming the first problem."""
+    a model on the meta device (the streaming path's skeleton). residual False: no residual Q, any decoder; the
+    online transform at the input of every Linear of the decoder layers named in `quantized` (full names).
+    RotationError naming the first problem."""
+    if not residual:
+        return _plan_input_rotation(model, block, set(quantized))
     architecture = type(model).__name__
     family = ARCHITECTURES.get(architecture)
     if family is None:
-        raise RotationError(f"rotation: {architecture} is not a registered decoder; known: {sorted(ARCHITECTURES)}")
+        raise RotationError(
+            f"rotation: {architecture} is not a registered decoder for a residual rotation (known: "
+            f"{sorted(ARCHITECTURES)}); `rotation: {{residual: false}}` transforms each quantized linear's input "
+            "online instead and works on any decoder (recipe w4a4_nvfp4_had16)"
+        )
     stack_name, layers = decoder_stack(model)
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     final_norm = cast(nn.Module, model.get_submodule(stack_name.rsplit(".", 1)[0] + ".norm"))
@@ -139,10 +167,44 @@ def plan_rotation(model: PreTrainedModel, online: bool, block: int | None = None
     return RotationPlan(stack_name, layers, family.slots, embed, head, final_norm, online_blocks)
 
 
+def _plan_input_rotation(model: PreTrainedModel, block: int | None, quantized: set[str]) -> RotationPlan:
+    """`plan_rotation` without a residual Q: the online block of every quantized Linear in the decoder layers (its
+    in_features' `online_block`, or `block`) and of each fused routed experts module's down_proj."""
+    stack_name, layers = decoder_stack(model)
+    online_blocks: dict[str, int] = {}
+    for i, layer in enumerate(layers):
+        prefix = f"{stack_name}.{i}."
+        for name, module in layer.named_modules():
+            if isinstance(module, nn.Linear) and prefix + name in quantized:
+                online_blocks[prefix + name] = _input_block(module.in_features, block, prefix + name)
+        for name, experts in fused_experts_modules(layer).items():
+            if any(m.startswith(f"{prefix}{name}.") for m in quantized):
+                num_experts, _, intermediate = cast(torch.Tensor, experts.down_proj).shape  # (E, H, I)
+                b = _input_block(intermediate, block, f"{prefix}{name}'s down_proj")
+                online_blocks.update({f"{prefix}{name}.{e}.down_proj": b for e in range(num_experts)})
+    if not online_blocks:
+        raise RotationError("rotation: residual false transforms quantized linears' inputs, but none is quantized")
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    final_norm = cast(nn.Module, model.get_submodule(stack_name.rsplit(".", 1)[0] + ".norm"))
+    return RotationPlan(stack_name, layers, (), embed, head, final_norm, online_blocks, residual=False)
+
+
+def _input_block(k: int, block: int | None, where: str) -> int:
+    """The online Hadamard block of an input of k features: `block`, else `online_block(k)`; RotationError when
+    `block` does not divide k."""
+    b = online_block(k) if block is None else block
+    if k % b:
+        raise RotationError(f"rotation: online_block {b} does not divide {where}'s {k} inputs")
+    return b
+
+
 @torch.no_grad()
 def rotate_outside(model: PreTrainedModel, plan: RotationPlan, q: torch.Tensor) -> None:
     """Rotate the modules outside the decoder layers in place: E <- E Q, the final norm folded into lm_head,
-    lm_head <- lm_head Q; tied embeddings untied first (config.tie_word_embeddings becomes False)."""
+    lm_head <- lm_head Q; tied embeddings untied first (config.tie_word_embeddings becomes False). Nothing
+    without a residual rotation."""
+    if not plan.residual:
+        return
     head, embed = plan.head, plan.embed
     if head.weight is embed.weight:  # tied: lm_head becomes E diag(w) Q, the embedding E Q
         head.weight = nn.Parameter(cast(torch.Tensor, head.weight).detach().clone())
@@ -155,8 +217,8 @@ def rotate_outside(model: PreTrainedModel, plan: RotationPlan, q: torch.Tensor) 
 @torch.no_grad()
 def rotate_layer(plan: RotationPlan, i: int, q: torch.Tensor) -> None:
     """Rotate decoder layer i in place (float32 weights loaded): its norms folded into their readers, readers
-    W <- W Q, writers W <- Q^T W, and each dense down_proj of `plan.online_hadamard` W <- W (I (x) H_b) with the
-    forward pre-hook that transforms its input; each fused experts module's down_proj likewise, with
+    W <- W Q, writers W <- Q^T W (with a residual Q), and each Linear of `plan.online_hadamard` W <- W (I (x) H_b)
+    with the forward pre-hook that transforms its input; each fused experts module's down_proj likewise, with
     `online_experts_forward` as its forward."""
     layer, prefix = plan.layers[i], f"{plan.stack_name}.{i}."
     for part in _parts(layer, plan.slots):
@@ -168,11 +230,10 @@ def rotate_layer(plan: RotationPlan, i: int, q: torch.Tensor) -> None:
         writers += [r for r in readers if is_fused_experts(r)]
         for writer in writers:
             _rotate_out(writer, q)
-    for path in DENSE_DOWN:
-        if (b := plan.online_hadamard.get(prefix + path)) is not None:
-            down = cast(nn.Linear, layer.get_submodule(path))
-            down.weight.copy_(block_hadamard(down.weight, b))
-            down.register_forward_pre_hook(_online_hook(b))
+    for name, module in layer.named_modules():  # dense down_projs; without a residual Q every quantized Linear
+        if isinstance(module, nn.Linear) and (b := plan.online_hadamard.get(prefix + name)) is not None:
+            module.weight.copy_(block_hadamard(module.weight, b))
+            module.register_forward_pre_hook(_online_hook(b))
     for name, experts in fused_experts_modules(layer).items():
         if (b := plan.online_hadamard.get(f"{prefix}{name}.0.down_proj")) is not None:
             down_proj = cast(torch.Tensor, experts.down_proj)
@@ -189,17 +250,21 @@ def rotate_model(
     verify_tokens: torch.Tensor,
     block: int | None = None,
     residual_block: int | None = None,
+    residual: bool = True,
+    quantized: Iterable[str] = (),
 ) -> RotationReport:
     """Rotate the float32 causal LM `model` in place (module docstring); verify_tokens (B, T) for the function
     check. online: also the online Hadamard on each dense down_proj (weights folded, pre-hook installed), of
     `block` (a power of two dividing its in_features; None: `online_block(in_features)`). residual_block: Q
-    block-diagonal of that size (`residual_rotation`), None: full width.
+    block-diagonal of that size (`residual_rotation`), None: full width. residual False: no Q; the online
+    Hadamard at the input of every Linear named in `quantized` instead.
     RotationError for an architecture or norm it cannot rotate; FunctionPreservationError if the logits moved."""
-    plan = plan_rotation(model, online, block)  # every check before any weight changes: a refusal leaves the model
+    plan = plan_rotation(model, online, block, residual, quantized)  # every check first: a refusal leaves the model
     was_training = model.training
     model.eval()
     reference = model(verify_tokens).logits.float()
-    q = residual_rotation(cast(torch.Tensor, plan.embed.weight).shape[1], seed, residual_block)
+    hidden = cast(torch.Tensor, plan.embed.weight).shape[1]
+    q = residual_rotation(hidden, seed, residual_block) if residual else torch.empty(0)
     rotate_outside(model, plan, q)
     for i in range(len(plan.layers)):
         rotate_layer(plan, i, q)
@@ -210,7 +275,7 @@ def rotate_model(
     logger.info(
         "rotation: %s rotated (seed %d), max |logit change| %.3g of %.3g", type(model).__name__, seed, change, scale
     )
-    return RotationReport(seed, plan.online_hadamard, change, scale, residual_block)
+    return RotationReport(seed, plan.online_hadamard, change, scale, residual_block if residual else None, residual)
 
 
 def check_online_quantized(recipe: str, online_hadamard: dict[str, int], quantized: Iterable[str]) -> None:

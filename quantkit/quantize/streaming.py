@@ -248,9 +248,12 @@ def quantize_streaming(
             if job.rotation is not None:  # outside rotated in memory (the head kept for the check), then written
                 load_outside(job.skeleton, job.reader, before_head + head_keys, tied)
                 unrotated = embed_stream(job.skeleton, job.layers, "unrotated", job.rotation_tokens, None)
-                rotate_outside(job.skeleton, job.rotation, job.rotation_q)
-                job.config.tie_word_embeddings = False
-                job.write_outside(writer, tied, loaded=True)
+                if job.rotation.residual:
+                    rotate_outside(job.skeleton, job.rotation, job.rotation_q)
+                    job.config.tie_word_embeddings = False
+                    job.write_outside(writer, tied, loaded=True)
+                else:  # no residual Q: nothing outside the layers changes (a tied head stays tied)
+                    job.write_outside(writer, tied)
             else:
                 job.write_outside(writer, tied)
                 if job.sq is not None or job.static_tokens is not None or job.gptq_tokens is not None:
@@ -369,9 +372,10 @@ class _StreamingJob:
         rotation, rotation_q, rotation_tokens = None, torch.empty(0), torch.empty(0, dtype=torch.long)
         if recipe.rotation is not None:  # checked on the skeleton: a refusal before anything is read or written
             settings = recipe.rotation
-            rotation = plan_rotation(skeleton, settings.online, settings.down_block)
+            rotation = plan_rotation(skeleton, settings.online, settings.down_block, settings.residual, quantized)
             check_online_quantized(recipe.name, rotation.online_hadamard, quantized)
-            rotation_q = residual_rotation(config.hidden_size, settings.seed, settings.block)
+            if settings.residual:  # else no Q: rotate_outside leaves the outside as it is
+                rotation_q = residual_rotation(config.hidden_size, settings.seed, settings.block)
             # the whole-model path's check windows (`quantkit.quantize.checkpoint._rotate`)
             rotation_tokens = calibration_windows(tokenizer, 2, min(128, max_positions), source)
         return cls(
@@ -547,14 +551,16 @@ class _StreamingJob:
         are the source model's logits in exact arithmetic; within `quantkit.quantize.rotation.TOLERANCE` of the
         logit scale, else FunctionPreservationError (nothing written). The figures differ from the whole-model
         path's (that one compares whole forwards), the weights do not."""
-        q = self.rotation_q
-        expected = [(unrotated.hidden[b].double() @ q).float() for b in range(len(unrotated.hidden))]
+        q = self.rotation_q  # empty without a residual rotation: the hidden states themselves are expected
+        hidden = [unrotated.hidden[b] for b in range(len(unrotated.hidden))]
+        expected = [(h.double() @ q).float() if q.numel() else h for h in hidden]
         architecture = type(self.skeleton).__name__
         change, scale = logit_change(self.skeleton, self.layers, expected, rotated.hidden, architecture)
         check_rotation_preserved(architecture, change, scale)
         settings = cast(RotationSettings, self.recipe.rotation)
         plan = cast(RotationPlan, self.rotation)
-        return RotationReport(settings.seed, plan.online_hadamard, change, scale, settings.block)
+        block = settings.block if settings.residual else None
+        return RotationReport(settings.seed, plan.online_hadamard, change, scale, block, settings.residual)
 
 
 def _verify(

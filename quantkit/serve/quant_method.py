@@ -118,6 +118,18 @@ class QuantkitQuantConfig(QuantizationConfig):
             )
         return schemes.pop()
 
+    def online_block_of(self, names: list[str], prefix: str) -> int | None:
+        """The online Hadamard block of the input of the layer `prefix` that vLLM serves for the checkpoint modules
+        `names` (a fused layer's shards read one input: one block), None for none; ValueError when the shards
+        disagree (some transformed, some not, or different blocks)."""
+        blocks = {self.online_hadamard.get(n) for n in names}
+        if len(blocks) > 1:
+            raise ValueError(
+                f"{prefix}: vLLM serves {names} as one layer reading one input, but the checkpoint's online "
+                f"Hadamard blocks differ ({[self.online_hadamard.get(n) for n in names]})"
+            )
+        return blocks.pop()
+
     def checkpoint_names(self, prefix: str) -> list[str]:
         """vLLM layer prefix -> the checkpoint's module names (a fused layer has one per shard)."""
         parent, _, leaf = prefix.rpartition(".")
@@ -166,7 +178,9 @@ class QuantkitLinearMethod(LinearMethodBase):
         self.prefix = prefix
         # this layer's scheme (mixed precision by module: `module_schemes`; fused shards must agree)
         self.scheme, self.activation_scale = config.scheme_of(config.checkpoint_names(prefix), prefix)
-        self.online_hadamard = config.online_hadamard.get(prefix)  # a rotated down_proj: its input's Hadamard block
+        # a rotated down_proj (or, without a residual rotation, any quantized layer): its input's Hadamard block
+        whole = prefix in config.quantized_modules  # stored as one matrix (Phi-3's qkv_proj), or its shards' names
+        self.online_hadamard = config.online_block_of([prefix] if whole else config.checkpoint_names(prefix), prefix)
         self.kernel: Kernel | None = None  # chosen after loading (select_kernel)
         self.capture_dir = os.environ.get(CAPTURE_ENV)
         self.calls = 0
