@@ -229,7 +229,8 @@ def test_input_rotation_transforms_every_quantized_input_of_gemma3_and_both_path
     source = build_tiny_stock_checkpoint(tmp_path / "gemma3", "gemma3", seed=0)
     model = load_reference_model(source, torch.float32)
     tokens = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(RotationError, match=r"Gemma3ForCausalLM is not a registered decoder.*residual: false"):
+    refusal = r"Gemma3ForCausalLM takes no residual rotation: its sandwich norms.*residual: false"
+    with pytest.raises(RotationError, match=refusal):
         rotate_model(model, 0, True, tokens)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.layers")]

@@ -349,14 +349,15 @@ def test_token_input_validation():
     assert report.num_sequences == 8
 
 
-def test_structural_rule_maps_gemma3_sandwich_norms(tmp_path):
-    """Gemma 3 has no table entry: the traced rule finds input_layernorm -> q/k/v and pre_feedforward_layernorm ->
-    gate/up (its post-attention and post-feedforward norms feed the residual, not a linear), folds the (1 + w)
-    norms, and `quantize` verifies the function is preserved (it raises otherwise). Streaming traces its meta
-    skeleton and writes the same checkpoint; a norm with no fold is refused naming it and the recipes that still
-    work."""
+def test_gemma3_table_entry_maps_its_sandwich_norms_as_the_structural_rule_does(tmp_path):
+    """Gemma 3's table entry (`SANDWICH`) maps input_layernorm -> q/k/v and pre_feedforward_layernorm -> gate/up (its
+    post-attention and post-feedforward norms feed the residual, not a linear): the same norm mappings the traced
+    structural rule finds on it. v_proj -> o_proj (softmax attention) and up_proj -> down_proj (a GLU) come on top,
+    one each per layer; `quantize` verifies the function is preserved (it raises otherwise). Streaming writes the
+    same checkpoint."""
     from transformers import AutoModelForCausalLM
 
+    from quantkit.calibrate.mappings import traced_mappings
     from quantkit.models.tiny import build_tiny_stock_checkpoint
     from quantkit.quantize.checkpoint import quantize_checkpoint
 
@@ -367,6 +368,18 @@ def test_structural_rule_maps_gemma3_sandwich_norms(tmp_path):
         ("input_layernorm", ("q_proj", "k_proj", "v_proj")),
         ("pre_feedforward_layernorm", ("gate_proj", "up_proj")),
     ] * model.config.num_hidden_layers
+    traced = traced_mappings(model, "Gemma3ForCausalLM", model.model.layers)
+    assert [(m.smooth, m.consumers) for m in traced.mappings] == [(m.smooth, m.consumers) for m in plan.mappings]
+    full = resolve_mappings(model, include_v_o=True, include_up_down=True)
+    leaf = lambda name: name.rsplit(".", 1)[-1]  # noqa: E731
+    pairs = [(leaf(m.smooth), leaf(m.consumers[0])) for m in full.mappings if m.kind != "norm"]
+    assert sorted(pairs) == sorted([("v_proj", "o_proj"), ("up_proj", "down_proj")] * model.config.num_hidden_layers)
+    updown = tmp_path / "sq_updown.yaml"
+    updown.write_text(
+        "name: sq_updown\nscheme: nvfp4\nsmoothquant: {alpha: 0.5, num_sequences: 4, seq_len: 32, "
+        "include_v_o: true, include_up_down: true}\n"
+    )
+    quantize_checkpoint(source, str(updown), tmp_path / "updown", streaming=False)  # raises unless preserved
     recipe = tmp_path / "sq_tiny.yaml"
     recipe.write_text("name: sq_tiny\nscheme: fp8_block\nsmoothquant: {alpha: 0.5, num_sequences: 4, seq_len: 32}\n")
     out = quantize_checkpoint(source, str(recipe), tmp_path / "q", streaming=False)

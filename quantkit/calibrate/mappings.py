@@ -21,11 +21,16 @@ offers, the linears it quantizes unsmoothed): `SOFTMAX_ATTENTION`, `GLU_MLP` her
 `SPARSE_MOE` below; `ARCHITECTURES` gives each registered architecture its `DecoderFamily` (parts per slot, the
 attention / MLP classes v->o and up->down are valid for). A decoder of the same shape is one line there.
 
-Architectures with no ARCHITECTURES entry (Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE, ...) take the structural rule,
+Gemma 2 and 3 (`SANDWICH`) have four norms a layer: input_layernorm -> q/k/v, pre_feedforward_layernorm -> gate/up;
+their post_attention_layernorm and post_feedforward_layernorm normalize o_proj's and down_proj's outputs before the
+residual add and feed no linear (not smoothed). Their attention is softmax (Gemma 2's logit soft-capping acts on
+q k^T, not on v) and their MLP a GLU (gelu-tanh), so v -> o and up -> down hold as for Llama.
+
+Architectures with no ARCHITECTURES entry (Phi-3, Mixtral, Qwen3-MoE, ...) take the structural rule,
 `traced_mappings`: each decoder layer runs once on 8 random positions with hooks, which find which of its norms
-feeds which linears (routers, fused experts) by equal values at the consumers' inputs, so Gemma's sandwich norms
-map pre_feedforward_layernorm -> gate/up and leave the post-attention / post-feedforward norms (they feed the
-residual) alone. Norm mappings only; a norm without a registered fold is refused by name. A layer on the meta
+feeds which linears (routers, fused experts) by equal values at the consumers' inputs (on Gemma it finds the
+table's norm mappings: pre_feedforward_layernorm -> gate/up, the post-attention / post-feedforward norms left
+alone). Norm mappings only; a norm without a registered fold is refused by name. A layer on the meta
 device (the streaming skeleton, the check before loading) gets random weights for its pass: no weight is read.
 
 v_proj -> o_proj needs everything between the two to commute with a per-channel scale of v. Softmax
@@ -87,8 +92,8 @@ from typing import TYPE_CHECKING, TypeGuard, TypeVar, cast
 import torch
 from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
-from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention, Gemma2MLP, Gemma2RMSNorm
+from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention, Gemma3MLP, Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 from transformers.models.mistral.modeling_mistral import MistralAttention, MistralMLP, MistralRMSNorm
 from transformers.models.mixtral.modeling_mixtral import MixtralRMSNorm
@@ -352,6 +357,7 @@ class DecoderFamily:
     glu_mlps: tuple[type, ...]
     slots: tuple[tuple[LayerPart, ...], ...] = ((SOFTMAX_ATTENTION,), (GLU_MLP,))
     subclasses: bool = False
+    no_residual_rotation: str | None = None  # why a residual rotation cannot preserve the function, None: it can
 
 
 _STOCK = DecoderFamily(
@@ -366,7 +372,26 @@ HYBRID = DecoderFamily(
     slots=((GATED_DELTANET, SOFTMAX_ATTENTION), (SPARSE_MOE, GLU_MLP)),
     subclasses=True,
 )
+# Gemma 2 / 3: the MLP reads pre_feedforward_layernorm; post_attention_layernorm and post_feedforward_layernorm
+# normalize the writers' outputs (sandwich norms) and feed no linear.
+SANDWICH_GLU_MLP = LayerPart(
+    NormGroup("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    up_down="mlp",
+    unsmoothed=("mlp.down_proj",),
+)
+SANDWICH = DecoderFamily(
+    linear_attention=(Gemma2Attention, Gemma3Attention),
+    glu_mlps=(Gemma2MLP, Gemma3MLP),
+    slots=((SOFTMAX_ATTENTION,), (SANDWICH_GLU_MLP,)),
+    no_residual_rotation=(
+        "its sandwich norms (post_attention_layernorm, post_feedforward_layernorm) normalize o_proj's and "
+        "down_proj's outputs and scale them per channel by (1 + w) before the residual add: RMSNorm(o Q) (1 + w) "
+        "is not RMSNorm(o) (1 + w) Q unless w is uniform, and no fold into the writer restores it"
+    ),
+)
 ARCHITECTURES: dict[str, DecoderFamily] = {
+    "Gemma2ForCausalLM": SANDWICH,
+    "Gemma3ForCausalLM": SANDWICH,
     "LlamaForCausalLM": _STOCK,
     "Qwen2ForCausalLM": _STOCK,
     "Qwen3ForCausalLM": _STOCK,

@@ -130,12 +130,18 @@ def plan_rotation(
         return _plan_input_rotation(model, block, set(quantized))
     architecture = type(model).__name__
     family = ARCHITECTURES.get(architecture)
+    instead = (
+        "`rotation: {residual: false}` transforms each quantized linear's input online instead and works on any "
+        "decoder (recipe w4a4_nvfp4_had16)"
+    )
     if family is None:
         raise RotationError(
             f"rotation: {architecture} is not a registered decoder for a residual rotation (known: "
-            f"{sorted(ARCHITECTURES)}); `rotation: {{residual: false}}` transforms each quantized linear's input "
-            "online instead and works on any decoder (recipe w4a4_nvfp4_had16)"
+            f"{sorted(ARCHITECTURES)}); {instead}"
         )
+    if family.no_residual_rotation is not None:
+        reason = family.no_residual_rotation
+        raise RotationError(f"rotation: {architecture} takes no residual rotation: {reason}; {instead}")
     stack_name, layers = decoder_stack(model)
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     final_norm = cast(nn.Module, model.get_submodule(stack_name.rsplit(".", 1)[0] + ".norm"))
