@@ -55,7 +55,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.model_executor.layers.mamba.ops.cpu import causal_conv1d, gdn_attention
 
-    from quantkit.serve import gdn_cpu, moe_method
+    from quantkit.serve import moe_method
+    from quantkit.serve.cpu import gdn as gdn_cpu
 
     batched = moe_method.QuantkitExperts._fake_quant
     vllm_delta_rule = torch.ops._C.chunk_gated_delta_rule_cpu

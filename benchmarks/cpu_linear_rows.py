@@ -1,5 +1,5 @@
 """Where a float32 matmul beats vLLM's oneDNN bf16 kernel on this CPU (the row threshold of
-`quantkit.serve.cpu_linear`, benchmarks/README.md "Measurements behind design choices").
+`quantkit.serve.cpu.linear`, benchmarks/README.md "Measurements behind design choices").
 
 For each rows count M and weight shape (N, K): GFLOP/s of vLLM's `onednn_mm` on a prepacked bf16 weight, of
 `F.linear(x.float(), w32).to(bfloat16)` (what cpu_linear computes, the conversions included), and their ratio

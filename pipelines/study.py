@@ -512,7 +512,7 @@ class Study:
 
     def _numerics(self, label: str, recipe: str) -> None:
         """The BF16 checkpoint's suite again, every half-precision Linear summed in the second order (split-k,
-        `quantkit.serve.cpu_linear`): its answer flips against the eval stage's BF16 are the numerics floor."""
+        `quantkit.serve.cpu.linear`): its answer flips against the eval stage's BF16 are the numerics floor."""
         from quantkit.serve.engine import SUMMATION_ENV
 
         self._checkpoint_ready(label, recipe)

@@ -1,4 +1,4 @@
-"""quantkit.serve.cpu_heap: after install(), a block above glibc's largest mmap threshold (32 MiB) comes from the
+"""quantkit.serve.cpu.heap: after install(), a block above glibc's largest mmap threshold (32 MiB) comes from the
 heap and, freed, stays in it (the heap is not trimmed) for the next one until release() hands it back; without it (or
 with
 QUANTKIT_CPU_HEAP=off) glibc mmaps it. Each case runs in a fresh interpreter, so that this test process's own malloc
@@ -15,12 +15,12 @@ import sys
 import pytest
 import torch
 
-from quantkit.serve import cpu_heap
+from quantkit.serve.cpu import heap as cpu_heap
 
 PROBE = """
 import ctypes, json, sys
 import torch
-from quantkit.serve import cpu_heap
+from quantkit.serve.cpu import heap as cpu_heap
 
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
@@ -42,7 +42,7 @@ print(json.dumps(dict(installed=installed, again=again, mmapped=mmapped, kept=ke
 RELEASE_PROBE = """
 import json, os, sys
 import torch
-from quantkit.serve import cpu_heap
+from quantkit.serve.cpu import heap as cpu_heap
 
 def rss() -> int:
     with open("/proc/self/statm") as f:

@@ -1,4 +1,4 @@
-"""quantkit's float32 compute for unquantized bf16 Linears (`quantkit.serve.cpu_linear`), through vLLM's own CPU GEMM
+"""quantkit's float32 compute for unquantized bf16 Linears (`quantkit.serve.cpu.linear`), through vLLM's own CPU GEMM
 dispatch: on CPUs without a bf16 matmul for every call, on AVX-512 BF16 CPUs without AMX for calls of at least
 `FLOAT32_MIN_ROWS` rows; against PyTorch's bf16 `F.linear`.
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from vllm.model_executor.layers import utils
 
-from quantkit.serve import cpu_linear
+from quantkit.serve.cpu import linear as cpu_linear
 
 pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
 

@@ -1,4 +1,4 @@
-"""quantkit's CPU Gated DeltaNet prefill (`quantkit.serve.gdn_cpu`) against vLLM's own functions, on packed sequences
+"""quantkit's CPU Gated DeltaNet prefill (`quantkit.serve.cpu.gdn`) against vLLM's own functions, on packed sequences
 of every kind vLLM sends: the batched conv against `causal_conv1d_fn_cpu` (what it replaces), the chunked delta rule
 against float64 truth and vLLM's C++ `chunk_gated_delta_rule_cpu` (test_delta_rule_*, tolerances derived there).
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quantkit.serve.gdn_cpu import PAD_SLOT_ID, causal_conv1d_prefill, chunk_gated_delta_rule_prefill, length_groups
+from quantkit.serve.cpu.gdn import PAD_SLOT_ID, causal_conv1d_prefill, chunk_gated_delta_rule_prefill, length_groups
 
 pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
 

@@ -102,7 +102,7 @@ def test_numerics_floor_and_verdicts_in_words(study):
     (tests/test_cpu_linear.py checks the order itself)."""
     import os
 
-    from quantkit.serve.cpu_linear import SUMMATION_ENV
+    from quantkit.serve.cpu.linear import SUMMATION_ENV
 
     _, run_dir = study
     assert SUMMATION_ENV not in os.environ

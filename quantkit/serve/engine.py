@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from quantkit.serve.cpu_linear import SUMMATION_ENV, summation_order  # noqa: F401  (public: the numerics floor's order)
+from quantkit.serve.cpu.linear import SUMMATION_ENV, summation_order  # noqa: F401  (public: the numerics floor's order)
 
 KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache: ample for tiny models and short prompts
 
@@ -55,8 +55,8 @@ def cpu_engine_kwargs() -> dict[str, Any]:
 def release_engine_memory() -> None:
     """After an engine has closed and its last reference is dropped: collect it now (its model sits in reference
     cycles, which only the cyclic collector frees) and, on CPU, hand the freed heap back to the machine
-    (`quantkit.serve.cpu_heap.release`) before the next stage runs in this process."""
-    from quantkit.serve import cpu_heap
+    (`quantkit.serve.cpu.heap.release`) before the next stage runs in this process."""
+    from quantkit.serve.cpu import heap as cpu_heap
 
     gc.collect()
     cpu_heap.release()

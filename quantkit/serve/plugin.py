@@ -25,15 +25,18 @@ def register() -> None:
     (`quant_method: "quantkit"`), CPU emulation kernels for the peers' formats, float32 loading of SmoothQuant's folded
     norm weights (`quantkit.serve.float32_norms`), the module names of transformers 5 for vLLM's stock classes
     (`quantkit.serve.stock_names`), and, on CPUs without bf16 matmuls,
-    the batched Gated DeltaNet prefill conv (`quantkit.serve.gdn_cpu`) and float32 compute for unquantized bf16
-    Linears (`quantkit.serve.cpu_linear`) with vLLM; on machines without CUDA, large tensors from malloc's heap
-    (`quantkit.serve.cpu_heap`) (idempotent)."""
+    the batched Gated DeltaNet prefill conv (`quantkit.serve.cpu.gdn`) and float32 compute for unquantized bf16
+    Linears (`quantkit.serve.cpu.linear`) with vLLM; on machines without CUDA, large tensors from malloc's heap
+    (`quantkit.serve.cpu.heap`) (idempotent)."""
     from vllm import ModelRegistry
 
     import quantkit.models
     import quantkit.serve.quant_method  # noqa: F401  (@register_quantization_config("quantkit"))
-    from quantkit.serve import cpu_heap, cpu_linear, float32_norms, gdn_cpu, stock_names
-    from quantkit.serve.peer_kernels import register_cpu_emulation_kernels
+    from quantkit.serve import float32_norms, stock_names
+    from quantkit.serve.cpu import gdn as gdn_cpu
+    from quantkit.serve.cpu import heap as cpu_heap
+    from quantkit.serve.cpu import linear as cpu_linear
+    from quantkit.serve.cpu.peer_kernels import register_cpu_emulation_kernels
 
     register_cpu_emulation_kernels()
     float32_norms.install()

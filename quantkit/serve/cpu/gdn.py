@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quantkit.serve.cpu_linear import cpu_lacks_bf16_matmul
+from quantkit.serve.cpu.linear import cpu_lacks_bf16_matmul
 
 PAD_SLOT_ID = -1  # vLLM's `vllm.v1.attention.backends.utils.PAD_SLOT_ID`: a padded request, no cache slot
 
