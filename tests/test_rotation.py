@@ -322,7 +322,8 @@ def test_quality_reads_a_rotated_tied_checkpoint_as_the_whole_models_do(tmp_path
     own rotated embeddings and ends at its untied head, so its layer-by-layer KL equals the whole models' (source vs
     `load_fake_quant_model`). Bound as tests/test_quantize_checkpoint.py::test_layerwise_quality_equals_the_whole_models
     derives it: |dKL| <= 2 delta (1 + max|log p - log q|), delta = (4L + 1) K u max|logit| (float32 summation order
-    of batches of different size). Rotated layers have no SNR (their inputs are not the reference's)."""
+    of batches of different size). Rotated layers have no SNR (their inputs are not the reference's); without a
+    residual rotation (`w4a4_nvfp4_had16`) every quantized layer has one."""
     from safetensors.torch import load_file, save_file
     from test_quantize_checkpoint import whole_model_kl
     from transformers import AutoTokenizer
@@ -347,3 +348,12 @@ def test_quality_reads_a_rotated_tied_checkpoint_as_the_whole_models_do(tmp_path
     whole_kl = per_window.mean().item()
     assert abs(layerwise["kl"] - whole_kl) <= bound, (layerwise["kl"], whole_kl, bound)
     assert bound < layerwise["kl"] / 2
+
+    # no residual rotation: the tie is kept, each layer reads the reference's input (transformed inside): SNR too
+    had = quantize_checkpoint(source, "w4a4_nvfp4_had16", tmp_path / "had", streaming=False)
+    assert "lm_head.weight" not in load_file(str(had / "model.safetensors"))
+    layerwise = quality(source, had, tokens)
+    qc = json.loads((had / "config.json").read_text())["quantization_config"]
+    assert set(layerwise["layer_snr_db"]) == set(qc["quantized_modules"]) == set(qc["rotation"]["online_hadamard"])
+    per_window, bound = whole_model_kl(load_reference_model(source, torch.float32), load_fake_quant_model(had), tokens)
+    assert abs(layerwise["kl"] - per_window.mean().item()) <= bound

@@ -15,7 +15,8 @@
   `quantkit.metrics.kl_divergence`, float64).
 - Rotated checkpoints (`quantkit.quantize.rotation`): the quantized stream starts from the checkpoint's own (rotated)
   embeddings and ends at its own head; their layers read rotated inputs that no unrotated reference layer sees, so
-  they have KL only (no layer SNR).
+  they have KL only (no layer SNR). Without a residual rotation (`residual: false`) each quantized layer reads the
+  reference's input and transforms it itself: layer SNR as for any checkpoint.
 
 Both models run one decoder layer at a time (`quantkit.calibrate.layers`), so memory does not grow with depth.
 
@@ -99,7 +100,8 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     before_head, head_keys = outside_keys(reference)
     head = head_name(reference)
     load_outside(reference, source, before_head, tied)
-    rotated = bool(qc.get("rotation"))
+    # a residual rotation (not `residual: false`, whose layers read the reference's inputs and transform them inside)
+    rotated = bool(qc.get("rotation")) and qc["rotation"].get("residual", True)
     streams = [embed_stream(reference, ref_layers, "reference", tokens, None)]
     if rotated:  # its own rotated embeddings (and every other tensor before the layers)
         _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=before_head)
