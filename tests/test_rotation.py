@@ -51,6 +51,18 @@ U32, U64 = 2.0**-24, 2.0**-53
 pytestmark = pytest.mark.cpu_isa  # float32 forwards and folds: run again with AVX2 kernels forced (README, "Tests")
 
 
+def quantize_both_paths(source, recipe, tmp_path):
+    """Quantize `source` by the whole-model and the streaming path; assert they wrote the same tensors, bit for bit
+    (the same float64 folds / float32 transforms rounded once, in the same order); the whole-model checkpoint."""
+    from quantkit.checkpoints import read_state
+
+    whole = quantize_checkpoint(source, recipe, tmp_path / "whole", streaming=False)
+    streamed = quantize_checkpoint(source, recipe, tmp_path / "streamed", streaming=True)
+    a, b = read_state(whole), read_state(streamed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return whole
+
+
 @pytest.mark.parametrize("n", [64, 192, 576, 896])
 def test_residual_rotation_is_orthogonal_seeded_and_mixes_every_channel(n):
     q = residual_rotation(n, seed=0)
@@ -144,7 +156,6 @@ def test_block_rotation_preserves_the_function_and_both_paths_write_the_same_byt
     """`rotation: {block: 16}` on the tiny model (hidden 256): the residual Q is block-diagonal (the embedding is
     E Q of that Q), the online blocks default to 16, the logits stay within TOLERANCE, and the streaming and
     whole-model paths write the same bytes (the same float64 folds, rounded once)."""
-    from safetensors.torch import load_file
 
     source = build_tiny_checkpoint(tmp_path / "tiny", seed=0)
     recipe = parse_recipe({"name": "rot16", "scheme": "nvfp4", "rotation": {"seed": 2, "block": 16}})
@@ -155,12 +166,7 @@ def test_block_rotation_preserves_the_function_and_both_paths_write_the_same_byt
     assert torch.equal(model.get_input_embeddings().weight, (embed.double() @ residual_rotation(256, 2, 16)).float())
     assert set(report.online_hadamard.values()) == {16} and report.to_dict()["residual_block"] == 16
     assert report.max_logit_change <= TOLERANCE * report.logit_scale
-    whole = quantize_checkpoint(source, recipe, tmp_path / "whole", streaming=False)
-    streamed = quantize_checkpoint(source, recipe, tmp_path / "streamed", streaming=True)
-    a, b = load_file(whole / "model.safetensors"), {}
-    for shard in streamed.glob("*.safetensors"):
-        b.update(load_file(shard))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    whole = quantize_both_paths(source, recipe, tmp_path)
     config = json.loads((whole / "config.json").read_text())["quantization_config"]["rotation"]
     assert config["residual_block"] == 16 and set(config["online_hadamard"].values()) == {16}
 
@@ -222,7 +228,6 @@ def test_a_rotated_hybrid_checkpoint_transforms_every_experts_down_input(tmp_pat
 
 
 def test_input_rotation_transforms_every_quantized_input_of_gemma3_and_both_paths_agree(tmp_path):
-    from safetensors.torch import load_file
 
     from quantkit.quantize.fake_quant import FakeQuantLinear, load_fake_quant_model
 
@@ -256,12 +261,7 @@ def test_input_rotation_transforms_every_quantized_input_of_gemma3_and_both_path
             "gptq": {"num_sequences": 4, "seq_len": 64},
         }
     )
-    whole = quantize_checkpoint(source, recipe, tmp_path / "whole", streaming=False)
-    streamed = quantize_checkpoint(source, recipe, tmp_path / "streamed", streaming=True)
-    a, b = load_file(whole / "model.safetensors"), {}
-    for shard in streamed.glob("*.safetensors"):
-        b.update(load_file(shard))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    whole = quantize_both_paths(source, recipe, tmp_path)
     qc = json.loads((whole / "config.json").read_text())["quantization_config"]
     assert qc["rotation"]["residual"] is False
     assert qc["rotation"]["online_hadamard"] == dict.fromkeys(linears, 16)
