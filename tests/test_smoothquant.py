@@ -349,26 +349,27 @@ def test_token_input_validation():
     assert report.num_sequences == 8
 
 
-def test_gemma3_table_entry_maps_its_sandwich_norms_as_the_structural_rule_does(tmp_path):
-    """Gemma 3's table entry (`SANDWICH`) maps input_layernorm -> q/k/v and pre_feedforward_layernorm -> gate/up (its
-    post-attention and post-feedforward norms feed the residual, not a linear): the same norm mappings the traced
-    structural rule finds on it. v_proj -> o_proj (softmax attention) and up_proj -> down_proj (a GLU) come on top,
-    one each per layer; `quantize` verifies the function is preserved (it raises otherwise). Streaming writes the
-    same checkpoint."""
+@pytest.mark.parametrize("architecture", ["gemma2", "gemma3"])
+def test_gemma_table_entry_maps_its_sandwich_norms_as_the_structural_rule_does(architecture, tmp_path):
+    """The table entry of Gemma 2 and 3 (`SANDWICH`) maps input_layernorm -> q/k/v and pre_feedforward_layernorm ->
+    gate/up (their post-attention and post-feedforward norms feed the residual, not a linear): the same norm mappings
+    the traced structural rule finds on each. v_proj -> o_proj (softmax attention; Gemma 2's soft-capping acts on the
+    logits) and up_proj -> down_proj (a GLU) come on top, one each per layer; `quantize` verifies the function is
+    preserved (it raises otherwise). Streaming writes the same checkpoint."""
     from transformers import AutoModelForCausalLM
 
     from quantkit.calibrate.mappings import traced_mappings
     from quantkit.models.tiny import build_tiny_stock_checkpoint
     from quantkit.quantize.checkpoint import quantize_checkpoint
 
-    source = build_tiny_stock_checkpoint(tmp_path / "gemma3", "gemma3")
+    source = build_tiny_stock_checkpoint(tmp_path / architecture, architecture)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     plan = resolve_mappings(model)
     assert [(m.smooth.split(".", 3)[-1], tuple(c.rsplit(".", 1)[-1] for c in m.consumers)) for m in plan.mappings] == [
         ("input_layernorm", ("q_proj", "k_proj", "v_proj")),
         ("pre_feedforward_layernorm", ("gate_proj", "up_proj")),
     ] * model.config.num_hidden_layers
-    traced = traced_mappings(model, "Gemma3ForCausalLM", model.model.layers)
+    traced = traced_mappings(model, type(model).__name__, model.model.layers)
     assert [(m.smooth, m.consumers) for m in traced.mappings] == [(m.smooth, m.consumers) for m in plan.mappings]
     full = resolve_mappings(model, include_v_o=True, include_up_down=True)
     leaf = lambda name: name.rsplit(".", 1)[-1]  # noqa: E731
@@ -383,8 +384,8 @@ def test_gemma3_table_entry_maps_its_sandwich_norms_as_the_structural_rule_does(
     recipe = tmp_path / "sq_tiny.yaml"
     recipe.write_text("name: sq_tiny\nscheme: fp8_block\nsmoothquant: {alpha: 0.5, num_sequences: 4, seq_len: 32}\n")
     out = quantize_checkpoint(source, str(recipe), tmp_path / "q", streaming=False)
-    assert json.loads((out / "smoothquant.json").read_text())["architecture"] == "Gemma3ForCausalLM"
-    # the streaming path traces its meta skeleton one layer at a time (random weights): the same checkpoint
+    assert json.loads((out / "smoothquant.json").read_text())["architecture"] == type(model).__name__
+    # the streaming path maps its meta skeleton by the same table, one layer at a time: the same checkpoint
     from quantkit.checkpoints import read_state
 
     streamed = quantize_checkpoint(source, str(recipe), tmp_path / "q2", streaming=True)
