@@ -16,7 +16,7 @@ from quantkit.diagnose.budget import GRANULES, BudgetError, Unit, choose_schemes
 from quantkit.formats.constants import WeightScales
 from quantkit.formats.schemes import SCHEMES
 from quantkit.quantize.checkpoint import quantize_checkpoint
-from quantkit.quantize.output import served_unit
+from quantkit.quantize.plan import served_unit
 from quantkit.quantize.recipe import load_recipe, parse_recipe, with_bit_budget
 
 SCHEME_ORDER = ("nvfp4", "fp8_block", "bf16")

@@ -40,7 +40,8 @@ from quantkit.diagnose.run import diagnose
 from quantkit.formats.constants import WeightScales
 from quantkit.formats.experts import EXPERT_MATRIX
 from quantkit.formats.schemes import SCHEMES, UNQUANTIZED
-from quantkit.quantize.output import quantizable_weights, served_unit
+from quantkit.quantize.output import quantizable_weights
+from quantkit.quantize.plan import served_unit
 from quantkit.quantize.recipe import Backend, Recipe
 
 GRANULES = 4096  # steps of the budget above the all-lowest assignment (the DP's resolution)

@@ -25,11 +25,7 @@ from quantkit.calibrate.layers import check_weights_match_config, skeleton_model
 from quantkit.calibrate.mappings import resolve_mappings
 from quantkit.calibrate.stats_cache import CacheLocation
 from quantkit.checkpoints import check_checkpoint_dir
-from quantkit.data import calibration_windows
-from quantkit.formats.constants import WeightScales
-from quantkit.formats.schemes import scheme_for
 from quantkit.models.attention import load_reference_model
-from quantkit.quantize.fake_quant import quantized_product
 from quantkit.quantize.llmcompressor_backend import quantize_with_llmcompressor
 from quantkit.quantize.modelopt_backend import quantize_with_modelopt
 from quantkit.quantize.output import (
@@ -41,13 +37,10 @@ from quantkit.quantize.output import (
     unquantized_to_source_dtype,
     write_side_files,
 )
+from quantkit.quantize.plan import GPTQStep, QuantPlan, RotationStep
 from quantkit.quantize.recipe import (
     Backend,
-    CalibrationSettings,
-    GPTQSettings,
     Recipe,
-    RotationSettings,
-    SmoothQuantSettings,
     load_recipe,
 )
 from quantkit.quantize.rotation import RotationReport, check_online_quantized, rotate_model
@@ -97,20 +90,10 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def refuse_unmappable_early(model_dir: Path, recipe: Recipe) -> None:
-    """SmoothQuant's mappings resolved on the model built from config.json alone (meta device; the traced rule
-    gives one layer at a time random weights), so that a model SmoothQuant cannot fold is refused in seconds, not
-    after loading it: SmoothQuantMappingError."""
-    resolve_mappings(
-        skeleton_model(AutoConfig.from_pretrained(model_dir)),
-        **cast(SmoothQuantSettings, recipe.smoothquant).mapping_flags(),  # SmoothQuant recipes only (the caller checks)
-    )
-
-
-def statistics_location(root: str | Path | None, model_dir: Path, recipe: Recipe) -> CacheLocation | None:
-    """Where `recipe`'s SmoothQuant statistics of `model_dir` may be cached: None without a root, without
+def statistics_location(root: str | Path | None, model_dir: Path, plan: QuantPlan) -> CacheLocation | None:
+    """Where the plan's SmoothQuant statistics of `model_dir` may be cached: None without a root, without
     SmoothQuant, or with rotation (its statistics are of the rotated model, not of `model_dir`'s)."""
-    if root is None or recipe.smoothquant is None or recipe.rotation is not None:
+    if root is None or plan.smoothquant is None or plan.rotation is not None:
         return None
     return CacheLocation(Path(root), model_dir)
 
@@ -143,11 +126,6 @@ def quantize_checkpoint(
             f"recipe {recipe.name}: streaming quantization runs quantkit's own backend only, "
             f"not {str(recipe.backend)!r}"
         )
-    if recipe.bit_budget is not None and recipe.bit_budget_choice is None:
-        raise ValueError(
-            f"recipe {recipe.name} has a bit budget: choose its schemes on this source first "
-            "(quantkit.diagnose.budget.resolve_bit_budget; `quantkit quantize` and the study do)"
-        )
     return _quantize(model_dir, recipe, out_dir, overwrite=overwrite, streaming=streaming, cache_dir=statistics_cache)
 
 
@@ -157,6 +135,11 @@ def _quantize(
     """`quantize_checkpoint` after its checks: the peer backend's, the streaming or the whole-model path."""
     if recipe.backend in PEER_BACKENDS:
         return PEER_BACKENDS[recipe.backend](model_dir, recipe, out_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    skeleton = skeleton_model(config)  # meta device: names and structure, so that a refusal comes in seconds
+    plan = QuantPlan.resolve(recipe, config, list(quantizable_weights(skeleton)))
+    if plan.smoothquant is not None:  # SmoothQuant's mappings resolved on the skeleton: SmoothQuantMappingError
+        resolve_mappings(skeleton, **plan.smoothquant.settings.mapping_flags())
     need, have = whole_model_bytes(model_dir, recipe), available_memory_bytes()
     if streaming is None:
         streaming = need > have
@@ -165,64 +148,52 @@ def _quantize(
         f"quantize: {path}; the whole-model path would need ~{need / 1e9:.1f} GB, {have / 1e9:.1f} GB available",
         flush=True,
     )
-    cache = statistics_location(cache_dir, model_dir, recipe)
+    cache = statistics_location(cache_dir, model_dir, plan)
     if streaming:
-        return quantize_streaming(model_dir, recipe, out_dir, overwrite=overwrite, statistics_cache=cache)
+        return quantize_streaming(model_dir, plan, out_dir, overwrite=overwrite, statistics_cache=cache)
 
-    if recipe.smoothquant is not None:
-        refuse_unmappable_early(model_dir, recipe)
     model = load_reference_model(model_dir, torch.float32)
+    if tuple(quantizable_weights(model)) != plan.matrices:
+        raise RuntimeError(f"{model_dir}: the loaded model's matrices differ from those of its config's skeleton")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    scheme = scheme_for(recipe.scheme)  # None: bf16, nothing quantized
-    weights = quantizable_weights(model)
-    quantized_names = [n for n in weights if not recipe.ignores(n)] if scheme is not None else []
-    rotation = _rotate(model, tokenizer, recipe, quantized_names) if recipe.rotation is not None else None
+    rotation = None
+    if plan.rotation is not None:
+        rotation = _rotate(model, tokenizer, plan.rotation, plan.quantized)
     smoothquant_report = None
-    if recipe.smoothquant is not None:  # folds into the float32 weights; verified function-preserving
-        sq = recipe.smoothquant
+    if plan.smoothquant is not None:  # folds into the float32 weights; verified function-preserving
+        sq = plan.smoothquant.settings
         smoothquant_report = smooth_model(
             model,
-            recipe.calibration_source(model.config.model_type),
-            tokenizer,
+            plan.smoothquant.windows.tokens(tokenizer),
             alpha=sq.alpha,
-            num_sequences=sq.num_sequences,
-            seq_len=sq.seq_len,
-            early_stop=sq.early_stop_rule(),
             include_v_o=sq.include_v_o,
             include_up_down=sq.include_up_down,
             experts=sq.experts,
-            search=recipe.smoothing_search(quantized_product(recipe)),
+            early_stop=sq.early_stop_rule(),
+            search=plan.smoothquant.search,
             statistics_cache=cache,
         )
     weights = quantizable_weights(model)  # again: rotation may have replaced a tied head's tensor
-    quantized = {n: weights[n] for n in quantized_names}
+    quantized = {n: weights[n] for n in plan.quantized}
     if rotation is not None:
         check_online_quantized(recipe.name, rotation.online_hadamard, quantized)
-    gptq_scales = _gptq(model, tokenizer, recipe, set(quantized)) if recipe.gptq is not None else {}
+    gptq_scales = _gptq(model, tokenizer, plan) if plan.gptq is not None else {}
     input_amax = {}
-    if recipe.static_activations:  # compressed-tensors convention: one calibrated scale per tensor
-        cal = recipe.calibration or CalibrationSettings()
-        tokens = calibration_windows(
-            tokenizer,
-            cal.num_sequences,
-            min(cal.seq_len, model.config.max_position_embeddings),
-            recipe.calibration_source(model.config.model_type),
-        )
+    if plan.static_scales is not None:  # compressed-tensors convention: one calibrated scale per tensor
+        tokens = plan.static_scales.tokens(tokenizer)
         # expert matrices: every token through every expert (calibrate-all-experts mode, quantkit.calibrate.stats)
         maxima = channel_max(model, tokens, list(quantized), desc="static activation calibration")
         input_amax = {name: m.max().reshape(1) for name, m in maxima.items()}
     state = checkpoint_state(model)
-    if scheme is not None:
+    if plan.scheme is not None:
         smoothed = [] if smoothquant_report is None else [m.smooth for m in smoothquant_report.mappings]
         _, source = check_checkpoint_dir(model_dir)
         unquantized_to_source_dtype(state, list(quantized), source, model.config, smoothed_norm_keys(smoothed, state))
-        encode_matrices(state, quantized, recipe, input_amax, f"quantize {recipe.name}", scales=gptq_scales)
+        encode_matrices(state, quantized, plan, input_amax, f"quantize {recipe.name}", scales=gptq_scales)
     else:
         state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
 
-    config = output_config(
-        model.config, type(model).__name__, recipe, list(quantized), [n for n in weights if n not in quantized]
-    )
+    config = output_config(model.config, type(model).__name__, plan)
     if rotation is not None:
         config["quantization_config"]["rotation"] = rotation.to_dict()
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
@@ -231,21 +202,15 @@ def _quantize(
     return out_dir
 
 
-def _rotate(model, tokenizer, recipe: Recipe, quantized: list[str]) -> RotationReport:
-    """Rotate the float32 model in place (`quantkit.quantize.rotation`), its function checked on 2 calibration
-    windows of up to 128 tokens; `quantized`: the matrices the recipe quantizes (full names)."""
-    settings = cast(RotationSettings, recipe.rotation)
-    verify = calibration_windows(
-        tokenizer,
-        2,
-        min(128, model.config.max_position_embeddings),
-        recipe.calibration_source(model.config.model_type),
-    )
+def _rotate(model, tokenizer, step: RotationStep, quantized: list[str]) -> RotationReport:
+    """Rotate the float32 model in place (`quantkit.quantize.rotation`), its function checked on the step's check
+    windows; `quantized`: the matrices the plan quantizes (full names)."""
+    settings = step.settings
     return rotate_model(
         model,
         settings.seed,
         settings.online,
-        verify,
+        step.check.tokens(tokenizer),
         settings.down_block,
         settings.block,
         settings.residual,
@@ -253,25 +218,19 @@ def _rotate(model, tokenizer, recipe: Recipe, quantized: list[str]) -> RotationR
     )
 
 
-def _gptq(model, tokenizer, recipe: Recipe, quantized: set[str]) -> dict[str, dict[str, torch.Tensor]]:
+def _gptq(model, tokenizer, plan: QuantPlan) -> dict[str, dict[str, torch.Tensor]]:
     """GPTQ every quantized Linear and routed expert matrix of the decoder layers in place
-    (`quantkit.quantize.gptq.gptq_layers`) on the recipe's calibration windows; their decode scales by name."""
+    (`quantkit.quantize.gptq.gptq_layers`) on the plan's GPTQ windows; their decode scales by name."""
     from quantkit.quantize.gptq import gptq_layers
 
-    g = cast(GPTQSettings, recipe.gptq)
-    tokens = calibration_windows(
-        tokenizer,
-        g.num_sequences,
-        min(g.seq_len, model.config.max_position_embeddings),
-        recipe.calibration_source(model.config.model_type),
-    )
+    step = cast(GPTQStep, plan.gptq)
     with torch.no_grad():
         return gptq_layers(
             model,
-            tokens,
-            lambda n: recipe.scheme_of(n) if n in quantized else None,
-            g.block_size,
-            g.dampening,
-            search_scales=recipe.weight_scales == WeightScales.MSE,
-            act_order=g.act_order,
+            step.windows.tokens(tokenizer),
+            plan.scheme_of,
+            step.settings.block_size,
+            step.settings.dampening,
+            search_scales=plan.mse_scales,
+            act_order=step.settings.act_order,
         )

@@ -18,9 +18,9 @@ from transformers import PretrainedConfig
 from quantkit.calibrate import SmoothQuantReport
 from quantkit.checkpoints import SAFETENSORS_DTYPES, CheckpointError, TensorHeaders, write_source_record
 from quantkit.formats.constants import ActivationScale
-from quantkit.formats.experts import EXPERT_MATRIX, expert_matrices, fused_experts_modules
-from quantkit.formats.schemes import UNQUANTIZED, Scheme, get_scheme, scheme_for
-from quantkit.quantize.recipe import Recipe
+from quantkit.formats.experts import expert_matrices, fused_experts_modules
+from quantkit.formats.schemes import get_scheme
+from quantkit.quantize.plan import QuantPlan
 
 # SmoothQuant's factors beside the weights (torch.save; not *.safetensors, which vLLM and transformers would load
 # as weights)
@@ -80,85 +80,38 @@ def smoothed_norm_keys(plan_smooth_modules: list[str], state: dict[str, torch.Te
     return {key for key in state if key.startswith(prefixes)} if prefixes else set()
 
 
-def quantization_config(recipe: Recipe, quantized: list[str], ignored: list[str]) -> dict:
-    """The `quantization_config` entry of config.json (the scheme's keys: `quantkit.formats.schemes`); ValueError
-    when `module_schemes` split one experts module (fused: one GEMM, one scheme) or fused projections vLLM serves
-    as one layer (q/k/v, gate/up)."""
-    _check_one_scheme_per_fused_group(recipe, quantized)
-    return {
-        "quant_method": "quantkit",
-        "recipe": recipe.name,
-        # quantized recipes only: the caller writes no quantization_config for UNQUANTIZED (scheme_for: None)
-        **cast(Scheme, scheme_for(recipe.scheme)).quantization_config(recipe.activation_scale),
-        "quantized_modules": quantized,
-        "ignored_modules": ignored,
-        "smoothquant": None if recipe.smoothquant is None else vars(recipe.smoothquant),
-        "weight_scales": str(recipe.weight_scales),
-        "module_schemes": {m: recipe.scheme_of(m) for m in quantized if recipe.scheme_of(m) != recipe.scheme},
-        **({"bit_budget": recipe.bit_budget_choice} if recipe.bit_budget_choice is not None else {}),
-    }
-
-
-_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one vLLM layer each
-
-
-def served_unit(name: str) -> str:
-    """The vLLM layer that serves matrix `name`: its routed-experts module for an expert matrix
-    (`<experts>.<e>.<proj>`), `<parent>.q_proj+k_proj+v_proj` / `<parent>.gate_proj+up_proj` for a fused
-    projection, else the name itself. The matrices of one unit share one scheme."""
-    if expert := EXPERT_MATRIX.match(name):
-        return expert.group("experts")
-    parent, _, leaf = name.rpartition(".")
-    fused = next((g for g in _FUSED_GROUPS if leaf in g), None)
-    return f"{parent}.{'+'.join(fused)}" if fused else name
-
-
-def _check_one_scheme_per_fused_group(recipe: Recipe, quantized: list[str]) -> None:
-    """Every experts module, and every q/k/v and gate/up group, in one scheme (ValueError naming the split)."""
-    groups: dict[str, set[str]] = {}
-    for name in quantized:
-        groups.setdefault(served_unit(name), set()).add(recipe.scheme_of(name))
-    if split := {k: sorted(v) for k, v in groups.items() if len(v) > 1}:
-        first = next(iter(split))
-        raise ValueError(
-            f"recipe {recipe.name}: module_schemes gives {first} schemes {split[first]} ({len(split)} such groups); "
-            "vLLM serves an experts module, q/k/v and gate/up as one layer each: give them one scheme"
-        )
-
-
 def encode_matrices(
     state: dict[str, torch.Tensor],
     quantized: dict[str, torch.Tensor],
-    recipe: Recipe,
+    plan: QuantPlan,
     input_amax: dict[str, torch.Tensor],
     desc: str,
     progress: bool = True,
     scales: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> None:
-    """Replace each quantized matrix's `<name>.weight` in `state` by its scheme's tensors (`recipe.scheme_of`, weight
-    decode scales as `recipe.weight_scales` says, or as `scales` gives them for that matrix (GPTQ's); plus its
-    static activation tensors where `input_amax` has the calibrated max |x|, shape (1,), and the scheme has a
+    """Replace each quantized matrix's `<name>.weight` in `state` by its scheme's tensors (`plan.scheme_of`, weight
+    decode scales min-max or MSE-searched as the plan says, or as `scales` gives them for that matrix (GPTQ's); plus
+    its static activation tensors where `input_amax` has the calibrated max |x|, shape (1,), and the scheme has a
     static mode), in place."""
     scales = scales or {}
     for name, weight in tqdm(quantized.items(), desc=desc, unit="matrix", disable=not (progress and quantized)):
-        scheme = get_scheme(recipe.scheme_of(name))
+        scheme = get_scheme(cast(str, plan.scheme_of(name)))
         state.pop(f"{name}.weight")
-        tensors = scheme.encode(weight.detach().contiguous(), name, recipe.weight_scales, scales.get(name))
+        tensors = scheme.encode(weight.detach().contiguous(), name, plan.weight_scales, scales.get(name))
         if name in input_amax and ActivationScale.STATIC in scheme.activation_scales:
             tensors.update(scheme.static_activation_tensors(input_amax[name]))
         for suffix, tensor in tensors.items():
             state[f"{name}.{suffix}"] = tensor.contiguous()
 
 
-def output_config(
-    config: PretrainedConfig, architecture: str, recipe: Recipe, quantized: list[str], ignored: list[str]
-) -> dict:
-    """config.json of the quantized checkpoint: the source's, with its class, dtype and quantization_config."""
+def output_config(config: PretrainedConfig, architecture: str, plan: QuantPlan) -> dict:
+    """config.json of the quantized checkpoint: the source's, with its class, dtype and quantization_config (none
+    for a plan that quantizes nothing)."""
     out = config.to_dict()
     out["architectures"] = [architecture]
-    out["dtype"] = "bfloat16" if recipe.scheme == UNQUANTIZED else "float32"
-    if recipe.scheme != UNQUANTIZED:
-        out["quantization_config"] = quantization_config(recipe, sorted(quantized), sorted(ignored))
+    out["dtype"] = "bfloat16" if plan.scheme is None else "float32"
+    if plan.scheme is not None:
+        out["quantization_config"] = plan.quantization_config()
     return out
 
 

@@ -18,17 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from quantkit.data import describe_calibration_source
-from quantkit.quantize.recipe import Backend, CalibrationSettings, Recipe
-
-
-def _calibrates_scales(recipe: Recipe) -> bool:
-    """Whether quantizing with `recipe` calibrates static activation scales (the backends' own rules)."""
-    if recipe.backend == Backend.QUANTKIT:
-        return recipe.static_activations
-    if recipe.backend == Backend.LLMCOMPRESSOR:
-        return recipe.scheme == "NVFP4"  # FP8_BLOCK's activations are dynamic: no calibration pass
-    return True  # modelopt calibrates every preset
+from quantkit.quantize.plan import calibrates_scales, calibration_windows_of
+from quantkit.quantize.recipe import CalibrationSettings, Recipe
 
 
 def with_calibration(recipe: Recipe, num_sequences: int, seq_len: int) -> Recipe:
@@ -41,7 +32,7 @@ def with_calibration(recipe: Recipe, num_sequences: int, seq_len: int) -> Recipe
         changes["smoothquant"] = dataclasses.replace(recipe.smoothquant, num_sequences=num_sequences, seq_len=seq_len)
     if recipe.gptq is not None:
         changes["gptq"] = dataclasses.replace(recipe.gptq, num_sequences=num_sequences, seq_len=seq_len)
-    if _calibrates_scales(recipe):
+    if calibrates_scales(recipe):
         changes["calibration"] = CalibrationSettings(num_sequences=num_sequences, seq_len=seq_len)
     return dataclasses.replace(recipe, **changes) if changes else recipe
 
@@ -87,22 +78,9 @@ def calibration_sets(
     recipe: Recipe, max_positions: int | None = None, model_type: str | None = None
 ) -> list[dict[str, Any]]:
     """The calibration sets quantizing with `recipe` draws for a model of `model_type`, one dict per use:
-    {"use", "source", "num_sequences", "seq_len"} (seq_len as drawn: quantkit's and modelopt's static scales cut
-    it to the model's `max_positions`); [] for a recipe that calibrates nothing."""
-    sets = []
-    if recipe.smoothquant is not None:
-        sets.append(("smoothquant", recipe.smoothquant.num_sequences, recipe.smoothquant.seq_len))
-    if recipe.gptq is not None:
-        sets.append(("gptq", recipe.gptq.num_sequences, recipe.gptq.seq_len))
-    if _calibrates_scales(recipe):
-        cal = recipe.calibration or CalibrationSettings()
-        # llmcompressor's job takes T as given
-        seq_len = (
-            min(cal.seq_len, max_positions) if max_positions and recipe.backend != "llmcompressor" else cal.seq_len
-        )
-        sets.append(("activation scales", cal.num_sequences, seq_len))
-    source = describe_calibration_source(recipe.calibration_source(model_type))
-    return [dict(use=use, source=source, num_sequences=n, seq_len=t) for use, n, t in sets]
+    {"use", "source", "num_sequences", "seq_len"} (seq_len as drawn: `quantkit.quantize.plan.calibration_windows_of`,
+    the windows the plan draws); [] for a recipe that calibrates nothing."""
+    return [w.record() for w in calibration_windows_of(recipe, max_positions, model_type)]
 
 
 def checkpoint_calibration(recipe: Recipe, checkpoint_dir: str | Path) -> list[dict[str, Any]]:

@@ -68,7 +68,6 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 import quantkit.models  # noqa: F401  (registers quantkit's model types)
 from quantkit.atomic import atomic_dir
-from quantkit.calibrate.alpha_search import AlphaSearch
 from quantkit.calibrate.layers import (
     LayerwiseError,
     Stream,
@@ -92,7 +91,6 @@ from quantkit.calibrate.smoothquant import (
     DEFAULT_VERIFY_SEQUENCES,
     LayerFactors,
     SmoothQuantReport,
-    calibration_tokens,
     check_preserved,
     fold_layer,
     layer_factors,
@@ -104,11 +102,7 @@ from quantkit.calibrate.smoothquant import (
 from quantkit.calibrate.stats import ChannelMaxObserver
 from quantkit.calibrate.stats_cache import CacheLocation, LayerStatistics, StatisticsCache, reuse_or_record
 from quantkit.checkpoints import SAFETENSORS_DTYPES, tensor_headers
-from quantkit.data import calibration_windows
-from quantkit.formats.constants import WeightScales
 from quantkit.formats.hadamard import residual_rotation
-from quantkit.formats.schemes import Scheme, scheme_for
-from quantkit.quantize.fake_quant import quantized_product
 from quantkit.quantize.gptq import gptq_layer
 from quantkit.quantize.output import (
     checkpoint_state,
@@ -119,7 +113,8 @@ from quantkit.quantize.output import (
     unquantized_to_source_dtype,
     write_side_files,
 )
-from quantkit.quantize.recipe import CalibrationSettings, GPTQSettings, Recipe, RotationSettings, SmoothQuantSettings
+from quantkit.quantize.plan import QuantPlan, RotationStep, SmoothQuantStep
+from quantkit.quantize.recipe import Recipe, SmoothQuantSettings
 from quantkit.quantize.rotation import (
     RotationPlan,
     RotationReport,
@@ -217,7 +212,7 @@ class ShardWriter:
 
 def quantize_streaming(
     model_dir: str | Path,
-    recipe: Recipe,
+    recipe: Recipe | QuantPlan,
     out_dir: str | Path,
     *,
     overwrite: bool = False,
@@ -225,7 +220,8 @@ def quantize_streaming(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     statistics_cache: CacheLocation | None = None,
 ) -> Path:
-    """Quantize `model_dir` with `recipe` one decoder layer at a time (module docstring); write `out_dir` atomically.
+    """Quantize `model_dir` with `recipe` (or its plan, `quantkit.quantize.plan`, resolved on this model) one decoder
+    layer at a time (module docstring); write `out_dir` atomically.
 
     spill_bytes: a calibration stream whose hidden states (N x T x hidden x 4 bytes) exceed this is kept on disk;
     max_shard_bytes: the output shard size; statistics_cache: SmoothQuant's statistics reused from / kept there
@@ -234,7 +230,7 @@ def quantize_streaming(
     pin_mmap_threshold()
     job = _StreamingJob.resolve(Path(model_dir), recipe)
     out_dir = Path(out_dir)
-    metadata = {"format": "pt", "quantkit_recipe": recipe.name}
+    metadata = {"format": "pt", "quantkit_recipe": job.plan.name}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # named like atomic_dir's temporaries: a SIGKILLed run's hidden states are removed by the next writer of out_dir
     spill_root = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", suffix=".tmp", dir=out_dir.parent))
@@ -247,7 +243,7 @@ def quantize_streaming(
             unrotated = None
             if job.rotation is not None:  # outside rotated in memory (the head kept for the check), then written
                 load_outside(job.skeleton, job.reader, before_head + head_keys, tied)
-                unrotated = embed_stream(job.skeleton, job.layers, "unrotated", job.rotation_tokens, None)
+                unrotated = embed_stream(job.skeleton, job.layers, "unrotated", job.tokens["rotation check"], None)
                 if job.rotation.residual:
                     rotate_outside(job.skeleton, job.rotation, job.rotation_q)
                     job.config.tie_word_embeddings = False
@@ -256,22 +252,23 @@ def quantize_streaming(
                     job.write_outside(writer, tied)
             else:
                 job.write_outside(writer, tied)
-                if job.sq is not None or job.static_tokens is not None or job.gptq_tokens is not None:
+                if job.tokens:
                     load_outside(job.skeleton, job.reader, before_head, tied)
             calibrated: list[LayerFactors] = []
             with reuse_or_record(job.statistics_entry(statistics_cache), len(job.layers)) as (cached, recorder):
                 streams = job.open_streams(spill_root, spill_bytes, observe=cached is None)
                 if unrotated is not None:
                     streams["unrotated"] = unrotated
-                    streams["rotated"] = embed_stream(job.skeleton, job.layers, "rotated", job.rotation_tokens, None)
-                desc = f"quantize {recipe.name} (streaming{', cached statistics' if cached else ''})"
+                    check = job.tokens["rotation check"]
+                    streams["rotated"] = embed_stream(job.skeleton, job.layers, "rotated", check, None)
+                desc = f"quantize {job.plan.name} (streaming{', cached statistics' if cached else ''})"
                 for i in tqdm(range(len(job.layers)), desc=desc, unit="layer"):
                     job.quantize_layer(i, streams, writer, calibrated, None if cached is None else cached[i])
                     if recorder is not None:
                         recorder.save(i, calibrated[-1].statistics)
             rotation = None if job.rotation is None else job.verify_rotation(streams["unrotated"], streams["rotated"])
             report = None
-            if job.sq is not None:
+            if (sq := job.plan.smoothquant) is not None:
                 if job.rotation is None:  # a rotated head is in memory already
                     load_outside(job.skeleton, job.reader, head_keys, tied)
                 report = _verify(
@@ -279,21 +276,13 @@ def quantize_streaming(
                     job.layers,
                     streams["ref"],
                     streams["smoothed"],
-                    cast(MappingPlan, job.plan),  # set with sq
-                    job.sq,
-                    cast(torch.Tensor, job.sq_tokens),  # set with sq
+                    cast(MappingPlan, job.mappings),  # set with sq
+                    sq,
+                    job.tokens["smoothquant"],
                     calibrated,
-                    job.recipe.smoothing_search(quantized_product(job.recipe)),
                 )
             writer.finish()
-            quantized = set(job.quantized)
-            config_out = output_config(
-                job.config,
-                type(job.skeleton).__name__,
-                recipe,
-                job.quantized,
-                [n for n in job.weights if n not in quantized],
-            )
+            config_out = output_config(job.config, type(job.skeleton).__name__, job.plan)
             if rotation is not None:
                 config_out["quantization_config"]["rotation"] = rotation.to_dict()
             write_side_files(tmp, config_out, job.tokenizer, report, model_dir)
@@ -304,38 +293,34 @@ def quantize_streaming(
 
 @dataclass
 class _StreamingJob:
-    """What `quantize_streaming` works from, resolved before any weight is read: the model on the meta device
-    (`skeleton`, its decoder `layers` under `stack_name`), the Linears to quantize (`quantized`; `outside` those
-    outside the decoder layers), the SmoothQuant mappings (`plan`, `per_layer`) and the calibration windows
-    (`sq_tokens` for SmoothQuant's statistics, `static_tokens` for static activation scales; (N, T) int64), and for
-    rotation recipes the plan (`rotation`), the residual rotation `rotation_q` and the check's `rotation_tokens`."""
+    """What `quantize_streaming` works from, resolved before any weight is read: the quantization `plan`
+    (`quantkit.quantize.plan`), the model on the meta device (`skeleton`, its decoder `layers` under `stack_name`),
+    the quantized matrices outside the decoder layers (`outside`), the SmoothQuant mappings (`mappings`,
+    `per_layer`), each calibration set's (N, T) int64 windows by use (`tokens`: the plan's "smoothquant", "gptq",
+    "activation scales", "rotation check"), and for rotation recipes the rotation's plan on the skeleton
+    (`rotation`) and the residual rotation `rotation_q`."""
 
     model_dir: Path
-    recipe: Recipe
+    plan: QuantPlan
     config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
     reader: Any
     skeleton: PreTrainedModel
     stack_name: str
     layers: nn.ModuleList
-    scheme: Scheme | None
-    weights: list[str]
-    quantized: list[str]
     outside: list[str]
-    plan: MappingPlan | None
+    mappings: MappingPlan | None
     per_layer: list[tuple[SmoothMapping, ...]] | None
-    sq_tokens: torch.Tensor | None
-    static_tokens: torch.Tensor | None
-    gptq_tokens: torch.Tensor | None
+    tokens: dict[str, torch.Tensor]
     source_headers: dict[str, tuple[str, tuple[int, ...]]]
     smoothed: list[str]
     rotation: RotationPlan | None
     rotation_q: torch.Tensor
-    rotation_tokens: torch.Tensor
 
     @classmethod
-    def resolve(cls, model_dir: Path, recipe: Recipe) -> _StreamingJob:
-        """Read config, tokenizer and tensor headers; refuse what streaming cannot do (StreamingError)."""
+    def resolve(cls, model_dir: Path, recipe: Recipe | QuantPlan) -> _StreamingJob:
+        """Read config, tokenizer and tensor headers; resolve the plan (unless given); refuse what streaming cannot
+        do (StreamingError)."""
         config = AutoConfig.from_pretrained(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         reader = open_source(model_dir, config.model_type)  # under the model's names (e.g. Mixtral's hub layout)
@@ -344,69 +329,50 @@ class _StreamingJob:
             stack_name, layers = decoder_stack(skeleton)
         except LayerwiseError as err:
             raise StreamingError(f"{err}; use the whole-model path (--no-streaming)") from err
-        scheme = scheme_for(recipe.scheme)
-        weights = list(quantizable_weights(skeleton))  # meta tensors: names only
-        quantized = [n for n in weights if not recipe.ignores(n)] if scheme is not None else []
-        outside = [n for n in quantized if not n.startswith(f"{stack_name}.")]
-        if outside and recipe.static_activations:
+        if isinstance(recipe, QuantPlan):
+            plan = recipe
+        else:  # meta tensors: names only
+            plan = QuantPlan.resolve(recipe, config, list(quantizable_weights(skeleton)))
+        outside = [n for n in plan.quantized if not n.startswith(f"{stack_name}.")]
+        if outside and plan.static_scales is not None:
             raise StreamingError(
                 f"static activation scales for matrices outside the decoder layers ({outside[:3]}) are "
                 "not calibrated by the streaming path; use the whole-model path (--no-streaming)"
             )
-        sq = recipe.smoothquant
-        plan = resolve_mappings(skeleton, **sq.mapping_flags()) if sq is not None else None
-        per_layer = layer_mappings(plan, stack_name, len(layers)) if plan is not None else None
-        max_positions = config.max_position_embeddings
-        source = recipe.calibration_source(config.model_type)
-        static_tokens = None
-        if recipe.static_activations:
-            cal = recipe.calibration or CalibrationSettings()
-            static_tokens = calibration_windows(tokenizer, cal.num_sequences, min(cal.seq_len, max_positions), source)
-        sq_tokens = None
-        if sq is not None:
-            sq_tokens = calibration_tokens(source, tokenizer, sq.num_sequences, sq.seq_len, max_positions)
-        gptq_tokens = None
-        if recipe.gptq is not None:  # the same windows as the whole-model path (`quantkit.quantize.checkpoint._gptq`)
-            g = recipe.gptq
-            gptq_tokens = calibration_windows(tokenizer, g.num_sequences, min(g.seq_len, max_positions), source)
-        rotation, rotation_q, rotation_tokens = None, torch.empty(0), torch.empty(0, dtype=torch.long)
-        if recipe.rotation is not None:  # checked on the skeleton: a refusal before anything is read or written
-            settings = recipe.rotation
-            rotation = plan_rotation(skeleton, settings.online, settings.down_block, settings.residual, quantized)
-            check_online_quantized(recipe.name, rotation.online_hadamard, quantized)
+        sq = plan.smoothquant
+        mappings = resolve_mappings(skeleton, **sq.settings.mapping_flags()) if sq is not None else None
+        per_layer = layer_mappings(mappings, stack_name, len(layers)) if mappings is not None else None
+        windows = [*plan.calibration_windows, *([plan.rotation.check] if plan.rotation is not None else [])]
+        rotation, rotation_q = None, torch.empty(0)
+        if plan.rotation is not None:  # checked on the skeleton: a refusal before anything is read or written
+            settings = plan.rotation.settings
+            rotation = plan_rotation(skeleton, settings.online, settings.down_block, settings.residual, plan.quantized)
+            check_online_quantized(plan.name, rotation.online_hadamard, plan.quantized)
             if settings.residual:  # else no Q: rotate_outside leaves the outside as it is
                 rotation_q = residual_rotation(config.hidden_size, settings.seed, settings.block)
-            # the whole-model path's check windows (`quantkit.quantize.checkpoint._rotate`)
-            rotation_tokens = calibration_windows(tokenizer, 2, min(128, max_positions), source)
         return cls(
             model_dir=model_dir,
-            recipe=recipe,
+            plan=plan,
             config=config,
             tokenizer=tokenizer,
             reader=reader,
             skeleton=skeleton,
             stack_name=stack_name,
             layers=layers,
-            scheme=scheme,
-            weights=weights,
-            quantized=quantized,
             outside=outside,
-            plan=plan,
+            mappings=mappings,
             per_layer=per_layer,
-            sq_tokens=sq_tokens,
-            static_tokens=static_tokens,
-            gptq_tokens=gptq_tokens,
+            tokens={w.use: w.tokens(tokenizer) for w in windows},
             source_headers=tensor_headers(model_dir),
-            smoothed=[] if plan is None else [m.smooth for m in plan.mappings],
+            smoothed=[] if mappings is None else [m.smooth for m in mappings.mappings],
             rotation=rotation,
             rotation_q=rotation_q,
-            rotation_tokens=rotation_tokens,
         )
 
     @property
     def sq(self) -> SmoothQuantSettings | None:
-        """The recipe's SmoothQuant settings (None: no SmoothQuant)."""
-        return self.recipe.smoothquant
+        """The plan's SmoothQuant settings (None: no SmoothQuant)."""
+        return None if self.plan.smoothquant is None else self.plan.smoothquant.settings
 
     def finish_state(
         self,
@@ -417,11 +383,11 @@ class _StreamingJob:
     ) -> dict[str, torch.Tensor]:
         """A module's checkpoint tensors: `matrices` encoded with the scheme (`amax`: their static input amax;
         `scales`: GPTQ's decode scales by matrix), the rest in the source dtype (bf16 for the bf16 recipe)."""
-        if self.scheme is None:
+        if self.plan.scheme is None:
             return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
         norm_keys = smoothed_norm_keys(self.smoothed, state)
         unquantized_to_source_dtype(state, list(matrices), self.source_headers, self.config, norm_keys)
-        encode_matrices(state, matrices, self.recipe, amax, desc="", progress=False, scales=scales)
+        encode_matrices(state, matrices, self.plan, amax, desc="", progress=False, scales=scales)
         return state
 
     def write_outside(self, writer: ShardWriter, tied: dict[str, str], loaded: bool = False) -> None:
@@ -444,10 +410,11 @@ class _StreamingJob:
 
     def statistics_entry(self, location: CacheLocation | None) -> StatisticsCache | None:
         """SmoothQuant's statistics cache entry for this job (`smoothquant.statistics_entry`), None without one."""
-        if self.sq is None or self.sq_tokens is None or self.per_layer is None:
+        step = self.plan.smoothquant
+        if step is None or self.per_layer is None:
             return None
-        search = self.recipe.smoothing_search(quantized_product(self.recipe))
-        return statistics_entry(location, self.sq_tokens, self.per_layer, self.sq.early_stop_rule(), BATCH_SIZE, search)
+        tokens, early_stop = self.tokens["smoothquant"], step.settings.early_stop_rule()
+        return statistics_entry(location, tokens, self.per_layer, early_stop, BATCH_SIZE, step.search)
 
     def open_streams(self, spill_root: Path, spill_bytes: int, observe: bool = True) -> dict[str, Stream]:
         """The calibration streams: "sq" (SmoothQuant's statistics; not with `observe` False: cached ones), "ref"
@@ -456,12 +423,13 @@ class _StreamingJob:
         hidden states lives under `spill_root`."""
         streams: dict[str, Stream] = {}
         spill: dict[str, Path | None] = {}
-        ref_tokens = None if self.sq_tokens is None else self.sq_tokens[:DEFAULT_VERIFY_SEQUENCES]
+        sq_tokens = self.tokens.get("smoothquant")
+        ref_tokens = None if sq_tokens is None else sq_tokens[:DEFAULT_VERIFY_SEQUENCES]
         for name, tokens in (
-            ("sq", self.sq_tokens if observe else None),
+            ("sq", sq_tokens if observe else None),
             ("ref", ref_tokens),
-            ("gptq", self.gptq_tokens),
-            ("static", self.static_tokens),
+            ("gptq", self.tokens.get("gptq")),
+            ("static", self.tokens.get("activation scales")),
         ):
             if tokens is None:
                 continue
@@ -492,9 +460,8 @@ class _StreamingJob:
             advance_stream(streams["unrotated"], layer, i)
             rotate_layer(self.rotation, i, self.rotation_q)
             advance_stream(streams["rotated"], layer, i)
-        if self.sq is not None:  # the statistics' stream passes layer i unsmoothed, the reference too
-            mappings = cast(list[tuple[SmoothMapping, ...]], self.per_layer)[i]  # set with sq
-            early_stop = self.sq.early_stop_rule()
+        if (sq := self.plan.smoothquant) is not None:  # the statistics' stream passes layer i unsmoothed, the
+            mappings = cast(list[tuple[SmoothMapping, ...]], self.per_layer)[i]  # reference too (per_layer: with sq)
             calibrated.append(
                 layer_factors(
                     self.skeleton,
@@ -502,9 +469,9 @@ class _StreamingJob:
                     i,
                     streams.get("sq"),
                     mappings,
-                    self.sq.alpha,
-                    early_stop=early_stop,
-                    search=self.recipe.smoothing_search(quantized_product(self.recipe)),
+                    sq.settings.alpha,
+                    early_stop=sq.settings.early_stop_rule(),
+                    search=sq.search,
                     statistics=statistics,
                 )
             )
@@ -515,28 +482,22 @@ class _StreamingJob:
         if i == 0 and embeddings is not None:  # every stream is embedded now: the (vocabulary-sized) table is
             embeddings.to("meta")  # not needed again
         gptq_scales = {}
-        if self.gptq_tokens is not None:  # as the whole-model path: after SmoothQuant's fold, before static scales
-            g = cast(GPTQSettings, self.recipe.gptq)
-            quantized_here = set(self.quantized)
-
-            def scheme_of(name: str) -> str | None:
-                return self.recipe.scheme_of(name) if name in quantized_here else None
-
-            search = self.recipe.weight_scales == WeightScales.MSE
+        if self.plan.gptq is not None:  # as the whole-model path: after SmoothQuant's fold, before static scales
+            g, search = self.plan.gptq.settings, self.plan.mse_scales
             gptq_scales = gptq_layer(
-                layer, prefix, i, streams["gptq"], scheme_of, g.block_size, g.dampening, search, g.act_order
+                layer, prefix, i, streams["gptq"], self.plan.scheme_of, g.block_size, g.dampening, search, g.act_order
             )
             advance_stream(streams["gptq"], layer, i)
         amax = {}
-        if self.static_tokens is not None:
-            names = [n for n in self.quantized if n.startswith(prefix)]
+        if self.plan.static_scales is not None:
+            names = [n for n in self.plan.quantized if n.startswith(prefix)]
             with ChannelMaxObserver(self.skeleton, names) as observer:
                 advance_stream(streams["static"], layer, i)
             missing = [n for n in names if n not in observer.maxima]
             if missing:
                 raise RuntimeError(f"static activation calibration: these linears were never called: {missing}")
             amax = {n: m.max().reshape(1) for n, m in observer.maxima.items()}
-        quantized = set(self.quantized)
+        quantized = self.plan.matrix_schemes
         state = {prefix + k: v for k, v in checkpoint_state(layer).items()}
         matrices = {prefix + k: v for k, v in quantizable_weights(layer).items() if prefix + k in quantized}
         for key, tensor in self.finish_state(state, matrices, amax, gptq_scales).items():
@@ -557,7 +518,7 @@ class _StreamingJob:
         architecture = type(self.skeleton).__name__
         change, scale = logit_change(self.skeleton, self.layers, expected, rotated.hidden, architecture)
         check_rotation_preserved(architecture, change, scale)
-        settings = cast(RotationSettings, self.recipe.rotation)
+        settings = cast(RotationStep, self.plan.rotation).settings
         plan = cast(RotationPlan, self.rotation)
         block = settings.block if settings.residual else None
         return RotationReport(settings.seed, plan.online_hadamard, change, scale, block, settings.residual)
@@ -569,17 +530,15 @@ def _verify(
     ref: Stream,
     smoothed: Stream,
     plan: MappingPlan,
-    sq,
+    step: SmoothQuantStep,
     tokens: torch.Tensor,
     calibrated: list[LayerFactors],
-    search: AlphaSearch | None,
 ) -> SmoothQuantReport:
-    """smooth_model's function-preservation check on the carried verification windows; its report (`search`: how
-    the scales were searched, None: the recipe's alpha)."""
+    """smooth_model's function-preservation check on the carried verification windows; its report."""
     change, scale = check_preserved(
         skeleton, layers, ref.hidden, smoothed.hidden, plan.architecture, DEFAULT_TOLERANCE, "nothing was written"
     )
-    grid = None if search is None else search.searched_values()
+    sq, grid = step.settings, None if step.search is None else step.search.searched_values()
     report = smoothquant_report(
         plan, sq.alpha, tokens, calibrated, change, scale, DEFAULT_TOLERANCE, sq.early_stop_rule(), grid
     )
