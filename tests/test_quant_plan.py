@@ -99,3 +99,18 @@ def test_quantize_resolves_the_plan_once(tiny_checkpoint, tmp_path, monkeypatch,
     recipe = with_calibration(load_recipe("w4a4_nvfp4_sq_gptq"), 4, 32)
     quantize_checkpoint(tiny_checkpoint, recipe, tmp_path / "q", streaming=streaming)
     assert calls == [recipe.name]
+
+
+def test_quantizing_twice_writes_the_same_bytes(tiny_checkpoint, tmp_path):
+    """Every file of the whole-model checkpoint is the same bytes when the same recipe runs again: the header's
+    metadata is one key (`SAFETENSORS_METADATA`), not a dict safetensors serializes in a per-process hash-map
+    order. RTN encoding is elementwise on the same float32 weights, so the tensors are the same bits."""
+    import hashlib
+
+    def digest(path):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir()) if p.is_file()}
+
+    first, second = (
+        quantize_checkpoint(tiny_checkpoint, "w4a4_nvfp4", tmp_path / name, streaming=False) for name in ("a", "b")
+    )
+    assert digest(first) == digest(second)

@@ -29,6 +29,7 @@ from quantkit.models.attention import load_reference_model
 from quantkit.quantize.llmcompressor_backend import quantize_with_llmcompressor
 from quantkit.quantize.modelopt_backend import quantize_with_modelopt
 from quantkit.quantize.output import (
+    SAFETENSORS_METADATA,
     checkpoint_state,
     encode_matrices,
     output_config,
@@ -197,7 +198,7 @@ def _quantize(
     if rotation is not None:
         config["quantization_config"]["rotation"] = rotation.to_dict()
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "quantkit_recipe": recipe.name})
+        save_file(state, str(tmp / "model.safetensors"), metadata=SAFETENSORS_METADATA)
         write_side_files(tmp, config, tokenizer, smoothquant_report, model_dir)
     return out_dir
 

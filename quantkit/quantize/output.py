@@ -22,6 +22,11 @@ from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import get_scheme
 from quantkit.quantize.plan import QuantPlan
 
+# The .safetensors header's metadata of every written checkpoint: one key, so that the header's bytes do not depend on
+# the order in which safetensors serializes a dict (its hash map's, which varies between processes); the recipe's
+# name is in config.json's quantization_config
+SAFETENSORS_METADATA = {"format": "pt"}
+
 # SmoothQuant's factors beside the weights (torch.save; not *.safetensors, which vLLM and transformers would load
 # as weights)
 SMOOTHQUANT_FACTORS = "smoothquant_factors.pt"

@@ -105,6 +105,7 @@ from quantkit.checkpoints import SAFETENSORS_DTYPES, tensor_headers
 from quantkit.formats.hadamard import residual_rotation
 from quantkit.quantize.gptq import gptq_layer
 from quantkit.quantize.output import (
+    SAFETENSORS_METADATA,
     checkpoint_state,
     encode_matrices,
     output_config,
@@ -230,7 +231,7 @@ def quantize_streaming(
     pin_mmap_threshold()
     job = _StreamingJob.resolve(Path(model_dir), recipe)
     out_dir = Path(out_dir)
-    metadata = {"format": "pt", "quantkit_recipe": job.plan.name}
+    metadata = SAFETENSORS_METADATA
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # named like atomic_dir's temporaries: a SIGKILLed run's hidden states are removed by the next writer of out_dir
     spill_root = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", suffix=".tmp", dir=out_dir.parent))
