@@ -171,6 +171,40 @@ def test_block_rotation_preserves_the_function_and_both_paths_write_the_same_byt
     assert config["residual_block"] == 16 and set(config["online_hadamard"].values()) == {16}
 
 
+@pytest.mark.parametrize("family", ["dense", "hybrid"])
+def test_online_o_transforms_each_attention_output_and_both_paths_agree(family, tmp_path):
+    """`rotation: {block: 16, online_o: true}`: besides the down_projs, every attention output projection (o_proj;
+    the hybrid's Gated DeltaNet out_proj too) gets the online block Hadamard of 16, recorded per module; the logits
+    stay within TOLERANCE (H_16 and its inverse in float32 on one more input per layer: a few u32 per matmul), both
+    paths write the same tensors (the same float32 transforms), and the fake-quant reference applies the transform
+    before o_proj's quantizer bit for bit (the same functions). vLLM runs an o_proj transform as it runs any
+    recorded one (tests/test_serve_quantized.py, gemma3-nvfp4_had16, transforms every o_proj)."""
+    from quantkit.quantize.fake_quant import FakeQuantLinear, load_fake_quant_model
+
+    if family == "dense":
+        source = build_tiny_checkpoint(tmp_path / "src", seed=0)
+    else:
+        source = build_tiny_hybrid_checkpoint(tmp_path / "src", seed=0)
+    rotation = {"seed": 2, "block": 16, "online_o": True}
+    recipe = parse_recipe({"name": "rot16o", "scheme": "nvfp4", "rotation": rotation})
+    whole = quantize_both_paths(source, recipe, tmp_path)
+    qc = json.loads((whole / "config.json").read_text())["quantization_config"]
+    online, check = qc["rotation"]["online_hadamard"], qc["rotation"]
+    assert check["max_logit_change"] <= TOLERANCE * check["logit_scale"]
+    model = load_fake_quant_model(whole)
+    outputs = [n for n, m in model.named_modules() if n.endswith(("self_attn.o_proj", "linear_attn.out_proj"))]
+    assert outputs and all(online[n] == 16 for n in outputs)
+    assert any(n.endswith("mlp.down_proj") or ".experts." in n for n in online)
+    o_proj = next(m for n, m in model.named_modules() if n == outputs[0])
+    assert isinstance(o_proj, FakeQuantLinear) and o_proj.online_hadamard == 16
+    x = torch.randn(3, o_proj.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    expected = torch.nn.functional.linear(o_proj.scheme.fake_quant_activation(block_hadamard(x, 16)), o_proj.weight)
+    assert torch.equal(o_proj(x), expected)
+    for bad in ({"online_o": True, "residual": False}, {"online_o": True, "online": False}, {"online_o": 1}):
+        with pytest.raises(ValueError, match="online_o"):
+            parse_recipe({"name": "bad", "scheme": "nvfp4", "rotation": bad})
+
+
 def test_a_rotated_checkpoint_records_and_applies_the_online_transform(tmp_path):
     from quantkit.checkpoints import CheckpointError
     from quantkit.formats.schemes import scheme_from_config

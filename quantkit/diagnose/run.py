@@ -60,7 +60,7 @@ from quantkit.formats import nvfp4_global_scale
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import SCHEMES
 from quantkit.metrics import snr_db
-from quantkit.quantize.recipe import Recipe, load_recipe
+from quantkit.quantize.recipe import Backend, Recipe, load_recipe
 from quantkit.quantize.routed_experts import summarize_expert_snr
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def why_not_diagnosable(recipe: Recipe) -> str | None:
     """Why diagnose cannot emulate `recipe`'s quantization error, or None when it can: backend quantkit, one of its
     schemes, no SmoothQuant, rotation, GPTQ or unresolved bit budget (round to nearest, the recipe's weight scales and
     module schemes)."""
-    if recipe.backend != "quantkit" or recipe.scheme not in SCHEMES:
+    if recipe.backend != Backend.QUANTKIT or recipe.scheme not in SCHEMES:
         return (
             f"recipe {recipe.name!r} (backend {recipe.backend}, scheme {recipe.scheme}): diagnose "
             f"emulates quantkit's schemes ({', '.join(SCHEMES)}) only"

@@ -216,6 +216,7 @@ def _rotate(model, tokenizer, step: RotationStep, quantized: list[str]) -> Rotat
         settings.block,
         settings.residual,
         quantized,
+        settings.online_o,
     )
 
 

@@ -23,7 +23,8 @@ from transformers import AutoTokenizer
 from quantkit.atomic import atomic_dir
 from quantkit.checkpoints import write_source_record
 from quantkit.errors import BackendError
-from quantkit.quantize.recipe import CalibrationSettings, Recipe
+from quantkit.quantize.plan import calibration_windows_of
+from quantkit.quantize.recipe import Recipe
 
 PYTHON_ENV = "QUANTKIT_LLMCOMPRESSOR_PYTHON"
 # The source checkout quantkit is imported from (editable install): `make setup-llmcompressor` builds
@@ -51,21 +52,13 @@ def llmcompressor_python() -> Path:
 
 def quantize_with_llmcompressor(model_dir: Path, recipe: Recipe, out_dir: Path) -> Path:
     """Apply the recipe's llmcompressor preset to `model_dir`; write a compressed-tensors checkpoint to `out_dir`."""
-    from quantkit.data import calibration_windows
-
     python = llmcompressor_python()
     with atomic_dir(out_dir, overwrite=True) as out, tempfile.TemporaryDirectory() as work:
         job = {"model": str(model_dir), "out": str(out), "scheme": recipe.scheme, "ignore": list(recipe.ignore)}
-        if recipe.scheme == "NVFP4":  # static activation global scale: calibrated
-            cal = recipe.calibration or CalibrationSettings()
-            model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-            tokens = calibration_windows(
-                AutoTokenizer.from_pretrained(model_dir),
-                cal.num_sequences,
-                cal.seq_len,
-                recipe.calibration_source(model_type),
-            )
-            torch.save(tokens, Path(work) / "calibration.pt")
+        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+        # the preset's static activation scales (NVFP4's global scale), calibrated on windows taken as given
+        for windows in calibration_windows_of(recipe, None, model_type):
+            torch.save(windows.tokens(AutoTokenizer.from_pretrained(model_dir)), Path(work) / "calibration.pt")
             job["calibration"] = str(Path(work) / "calibration.pt")
         (Path(work) / "job.json").write_text(json.dumps(job))
         run = subprocess.run(

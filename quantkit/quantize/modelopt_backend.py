@@ -27,7 +27,8 @@ from quantkit.atomic import atomic_dir
 from quantkit.checkpoints import write_source_record
 from quantkit.errors import BackendError
 from quantkit.models.attention import load_reference_model
-from quantkit.quantize.recipe import CalibrationSettings, Recipe
+from quantkit.quantize.plan import calibration_windows_of
+from quantkit.quantize.recipe import Recipe
 
 CONFIGS = {"NVFP4": "NVFP4_DEFAULT_CFG", "FP8_PER_CHANNEL_PER_TOKEN": "FP8_PER_CHANNEL_PER_TOKEN_CFG"}
 
@@ -59,8 +60,6 @@ def modelopt_config(recipe: Recipe, model: torch.nn.Module) -> dict:
 
 def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Path:
     """Calibrate and export `model_dir` with ModelOpt's preset for `recipe.scheme` into `out_dir`."""
-    from quantkit.data import calibration_windows
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # modelopt warns about the transformers version on import
@@ -71,13 +70,9 @@ def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Pa
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_reference_model(model_dir, torch.bfloat16)
-    cal = recipe.calibration or CalibrationSettings()
-    tokens = calibration_windows(
-        tokenizer,
-        cal.num_sequences,
-        min(cal.seq_len, model.config.max_position_embeddings),
-        recipe.calibration_source(model.config.model_type),
-    )
+    # ModelOpt calibrates every preset: one set of windows (`quantkit.quantize.plan.SCALE_CALIBRATION`)
+    (windows,) = calibration_windows_of(recipe, model.config.max_position_embeddings, model.config.model_type)
+    tokens = windows.tokens(tokenizer)
 
     def forward_loop(m: torch.nn.Module) -> None:
         with torch.no_grad():

@@ -23,7 +23,7 @@ A recipe names a scheme and what happens before it:
     gptq: {num_sequences: 128, seq_len: 512, block_size: 128, dampening: 0.01, act_order: false}
                                  # GPTQ rounding (quantkit.quantize.gptq), layer by layer (streaming too);
                                  # act_order: columns by descending diag(H), group scales fixed first
-    rotation: {seed: 0, online: true, online_block: null, block: null, residual: true}
+    rotation: {seed: 0, online: true, online_block: null, block: null, residual: true, online_o: false}
                                  # QuaRot rotation before everything else (quantkit.quantize.rotation): residual
                                  # stream rotated offline; online: block Hadamard at dense down_proj inputs
                                  # (online_block: its block, null = the largest power of two dividing K; serving
@@ -31,7 +31,9 @@ A recipe names a scheme and what happens before it:
                                  # that size (MR-GPTQ: the group size, 16 for NVFP4; also the online block when
                                  # online_block is null), null = full width; residual: false rotates no residual:
                                  # every quantized linear's input gets the online block Hadamard instead (FP-Quant's
-                                 # per-linear transform; any decoder, Gemma 3's sandwich norms included)
+                                 # per-linear transform; any decoder, Gemma 3's sandwich norms included);
+                                 # online_o: true also transforms each attention output projection's input online
+                                 # (o_proj; Gated DeltaNet's out_proj), QuaRot's second online Hadamard
     bit_budget: {avg_bits: 5.0, num_sequences: 8, seq_len: 256}
                                  # formats per module under a budget (quantkit.quantize.budget): each layer vLLM
                                  # serves gets `scheme`, fp8_block or bf16 by its measured output noise, stored
@@ -172,6 +174,7 @@ class RotationSettings:
     online_block: int | None = None  # None: `block`, else the largest power of two dividing K (`online_block`), <= 4096
     block: int | None = None  # the residual rotation's block (`residual_rotation`); None: full width (QuaRot)
     residual: bool = True  # False: no residual Q; every quantized linear's input transformed online instead
+    online_o: bool = False  # also the online Hadamard at each attention output projection's input (o_proj, out_proj)
 
     @property
     def down_block(self) -> int | None:
@@ -435,10 +438,10 @@ def _rotation(value: Any, backend: Backend, scheme: str, source: str) -> Rotatio
         return None
     if backend != Backend.QUANTKIT or scheme == UNQUANTIZED:
         raise ValueError(f"{source}: rotation applies to quantkit's own quantized schemes only")
-    if not isinstance(value, dict) or set(value) - {"seed", "online", "online_block", "block", "residual"}:
+    if not isinstance(value, dict) or set(value) - {"seed", "online", "online_block", "block", "residual", "online_o"}:
         raise ValueError(
             f"{source}: rotation must be a mapping with keys seed (integer), online (true/false), online_block "
-            "and block (powers of two), residual (true/false)"
+            "and block (powers of two), residual (true/false), online_o (true/false)"
         )
     settings = RotationSettings(**value)
     if not isinstance(settings.seed, int) or isinstance(settings.seed, bool) or settings.seed < 0:
@@ -449,6 +452,13 @@ def _rotation(value: Any, backend: Backend, scheme: str, source: str) -> Rotatio
         raise ValueError(f"{source}: rotation.residual must be true or false, got {settings.residual!r}")
     if not settings.residual and not settings.online:
         raise ValueError(f"{source}: rotation.residual false with online false rotates nothing; set online true")
+    if not isinstance(settings.online_o, bool):
+        raise ValueError(f"{source}: rotation.online_o must be true or false, got {settings.online_o!r}")
+    if settings.online_o and not (settings.online and settings.residual):
+        raise ValueError(
+            f"{source}: rotation.online_o adds the attention outputs to a residual rotation's online transforms: it "
+            "needs online true and residual true (residual false transforms every quantized input already)"
+        )
     for key, low in (("online_block", 1), ("block", 2)):
         block = getattr(settings, key)
         if block is not None and (type(block) is not int or block < low or block & (block - 1)):

@@ -14,6 +14,7 @@ RMSNorm(x Q) = RMSNorm(x) Q. So, on the float32 model, in place:
    experts likewise: every expert's down_proj (E, H, I) <- down_proj (I (x) H_b), recorded per expert matrix
    (`<experts>.<e>.down_proj`), and the module computes act(gate) * up transformed before down_proj
    (`online_experts_forward`; its `online_hadamard` attribute tells `routed_expert_passes` the same).
+   With `online_o`, each attention output projection (`ATTENTION_OUT`: o_proj, Gated DeltaNet's out_proj) likewise.
 Q is `residual_rotation(hidden, seed)`, float64; each weight is rotated in float64 and rounded once to float32.
 
 Without a residual rotation (`residual=False`; FP-Quant's per-linear transform for MR-GPTQ, Egiazarian et al.,
@@ -68,6 +69,7 @@ logger = logging.getLogger(__name__)
 # each), through ~20 matmuls a layer: far below 1e-3, the bound SmoothQuant's float32 check uses.
 TOLERANCE = 1e-3
 DENSE_DOWN = ("mlp.down_proj", "mlp.shared_expert.down_proj")  # layer-relative: the online Hadamard's modules
+ATTENTION_OUT = ("self_attn.o_proj", "linear_attn.out_proj")  # with `online_o`: the attention outputs' too
 
 
 class RotationError(QuantkitError, ValueError):
@@ -121,11 +123,13 @@ def plan_rotation(
     block: int | None = None,
     residual: bool = True,
     quantized: Iterable[str] = (),
+    online_o: bool = False,
 ) -> RotationPlan:
     """Check that `model` can be rotated (architecture, head, every norm, the online blocks) and say how; works on
-    a model on the meta device (the streaming path's skeleton). residual False: no residual Q, any decoder; the
-    online transform at the input of every Linear of the decoder layers named in `quantized` (full names).
-    RotationError naming the first problem."""
+    a model on the meta device (the streaming path's skeleton). online: the online transform at each dense
+    down_proj's and routed experts' down_proj input; online_o: at each attention output projection's too
+    (`ATTENTION_OUT`). residual False: no residual Q, any decoder; the online transform at the input of every
+    Linear of the decoder layers named in `quantized` (full names). RotationError naming the first problem."""
     if not residual:
         return _plan_input_rotation(model, block, set(quantized))
     architecture = type(model).__name__
@@ -153,15 +157,10 @@ def plan_rotation(
         prefix = f"{stack_name}.{i}."
         for part in _parts(layer, family.slots):
             _check_norm(cast(nn.Module, layer.get_submodule(part.norm.norm)), prefix + part.norm.norm)
-        for path in DENSE_DOWN if online else ():
-            down = _find(layer, path + "?")
-            if isinstance(down, nn.Linear):
-                b = online_block(down.in_features) if block is None else block
-                if down.in_features % b:
-                    raise RotationError(
-                        f"rotation: online_block {b} does not divide {prefix + path}'s {down.in_features} inputs"
-                    )
-                online_blocks[prefix + path] = b
+        for path in (DENSE_DOWN + (ATTENTION_OUT if online_o else ())) if online else ():
+            linear = _find(layer, path + "?")
+            if isinstance(linear, nn.Linear):
+                online_blocks[prefix + path] = _input_block(linear.in_features, block, prefix + path)
         for name, experts in fused_experts_modules(layer).items() if online else ():
             num_experts, _, intermediate = cast(torch.Tensor, experts.down_proj).shape  # (E, H, I)
             b = online_block(intermediate) if block is None else block
@@ -258,14 +257,17 @@ def rotate_model(
     residual_block: int | None = None,
     residual: bool = True,
     quantized: Iterable[str] = (),
+    online_o: bool = False,
 ) -> RotationReport:
     """Rotate the float32 causal LM `model` in place (module docstring); verify_tokens (B, T) for the function
     check. online: also the online Hadamard on each dense down_proj (weights folded, pre-hook installed), of
     `block` (a power of two dividing its in_features; None: `online_block(in_features)`). residual_block: Q
     block-diagonal of that size (`residual_rotation`), None: full width. residual False: no Q; the online
-    Hadamard at the input of every Linear named in `quantized` instead.
+    Hadamard at the input of every Linear named in `quantized` instead. online_o: the online Hadamard at each
+    attention output projection's input too (`plan_rotation`).
     RotationError for an architecture or norm it cannot rotate; FunctionPreservationError if the logits moved."""
-    plan = plan_rotation(model, online, block, residual, quantized)  # every check first: a refusal leaves the model
+    # every check first: a refusal leaves the model as it was
+    plan = plan_rotation(model, online, block, residual, quantized, online_o)
     was_training = model.training
     model.eval()
     reference = model(verify_tokens).logits.float()

@@ -347,7 +347,9 @@ class _StreamingJob:
         rotation, rotation_q = None, torch.empty(0)
         if plan.rotation is not None:  # checked on the skeleton: a refusal before anything is read or written
             settings = plan.rotation.settings
-            rotation = plan_rotation(skeleton, settings.online, settings.down_block, settings.residual, plan.quantized)
+            rotation = plan_rotation(
+                skeleton, settings.online, settings.down_block, settings.residual, plan.quantized, settings.online_o
+            )
             check_online_quantized(plan.name, rotation.online_hadamard, plan.quantized)
             if settings.residual:  # else no Q: rotate_outside leaves the outside as it is
                 rotation_q = residual_rotation(config.hidden_size, settings.seed, settings.block)
