@@ -920,13 +920,13 @@ def _precision(recipe: str) -> str:
 
 
 def _rotation_label(rotation) -> str:
-    """+Rot (residual rotation; +Rot16 block-diagonal of 16), +Had16 (no residual rotation: the online Hadamard of 16
-    at every quantized input), "" without rotation."""
+    """+Rot (residual rotation; +Rot16 block-diagonal of 16; +Rot16o with the online transform at o_proj too), +Had16
+    (no residual rotation: the online Hadamard of 16 at every quantized input), "" without rotation."""
     if rotation is None:
         return ""
     if not rotation.residual:
         return f"+Had{rotation.down_block or ''}"
-    return f"+Rot{rotation.block or ''}"
+    return f"+Rot{rotation.block or ''}{'o' if rotation.online_o else ''}"
 
 
 OUTLIER_FIGURES = (
