@@ -200,6 +200,9 @@ def test_online_o_transforms_each_attention_output_and_both_paths_agree(family, 
     x = torch.randn(3, o_proj.weight.shape[1], generator=torch.Generator().manual_seed(0))
     expected = torch.nn.functional.linear(o_proj.scheme.fake_quant_activation(block_hadamard(x, 16)), o_proj.weight)
     assert torch.equal(o_proj(x), expected)
+    from quantkit.pipelines.study import _rotation_label
+
+    assert _rotation_label(recipe.rotation) == "+Rot16o"  # a study row of its own, apart from +Rot16
     for bad in ({"online_o": True, "residual": False}, {"online_o": True, "online": False}, {"online_o": 1}):
         with pytest.raises(ValueError, match="online_o"):
             parse_recipe({"name": "bad", "scheme": "nvfp4", "rotation": bad})
