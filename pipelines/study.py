@@ -895,9 +895,11 @@ def _precision(recipe: str) -> str:
     from quantkit.diagnose.budget import candidate_schemes
     from quantkit.formats.constants import WeightScales
     from quantkit.formats.schemes import SCHEMES
-    from quantkit.quantize.recipe import load_recipe
+    from quantkit.quantize.recipe import Backend, load_recipe
 
     r = load_recipe(recipe)
+    if r.backend != Backend.QUANTKIT:  # a peer's preset: its recipe name says which (nvfp4_ct, nvfp4_ct_gptq, ...)
+        return r.name
     scheme = SCHEMES.get(r.scheme)
     label = "BF16" if r.scheme == UNQUANTIZED else scheme.precision if scheme is not None else r.name
     chosen = [s for _, s in r.module_schemes] + list(candidate_schemes(r) if r.bit_budget else [])

@@ -251,6 +251,7 @@ def test_unmappable_model_is_refused_before_its_weights_load(source, tmp_path, m
 def test_llmcompressor_peer_recipes(source, tmp_path):
     """The peers' presets run through llmcompressor in its own venv; their weights match our formats."""
     from quantkit.formats import quantize_nvfp4
+    from quantkit.quantize.provenance import calibration_sets
     from quantkit.quantize.recipe import parse_recipe
 
     name = "model.layers.1.mlp.down_proj"
@@ -279,6 +280,19 @@ def test_llmcompressor_peer_recipes(source, tmp_path):
     # an E2M1 rounding bound, an expected fraction ~1e-6 (a few bounds per binade x 2**-22); 1e-3 is > 100x that
     same = (state[f"{name}.weight_packed"] == ours.packed).float().mean().item()
     assert same > 0.999, f"only {same:.4f} of the packed bytes agree with quantkit's NVFP4 at CT's global scale"
+
+    # the peer's GPTQ (issue 51 item 5): llm-compressor's GPTQModifier with the NVFP4 preset, on one dataset for its
+    # Hessians and its static scales; same format, other roundings. GPTQ feeds each column's rounding error into the
+    # later columns (a fraction of a step each), so it moves far more than the ~1e-6 of last-bit flips above: more
+    # than 1% of the bytes must differ from round to nearest at the same global scale.
+    gptq = {"num_sequences": 4, "seq_len": 64}
+    gptq_ct = parse_recipe({"name": "nvfp4_ct_gptq", "scheme": "NVFP4", "backend": "llmcompressor", "gptq": gptq})
+    assert [s["use"] for s in calibration_sets(gptq_ct)] == ["gptq and activation scales"]
+    out = quantize_checkpoint(source, gptq_ct, tmp_path / "nvfp4_ct_gptq")
+    state = load_file(out / "model.safetensors")
+    rtn = quantize_nvfp4(w, 1.0 / state[f"{name}.weight_global_scale"].float().reshape(()))
+    moved = (state[f"{name}.weight_packed"] != rtn.packed).float().mean().item()
+    assert moved > 0.01, f"GPTQ moved only {moved:.4f} of the packed bytes from round to nearest"
 
 
 def test_modelopt_export(source, tmp_path):

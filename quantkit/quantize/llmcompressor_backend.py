@@ -16,6 +16,7 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -54,12 +55,19 @@ def quantize_with_llmcompressor(model_dir: Path, recipe: Recipe, out_dir: Path) 
     """Apply the recipe's llmcompressor preset to `model_dir`; write a compressed-tensors checkpoint to `out_dir`."""
     python = llmcompressor_python()
     with atomic_dir(out_dir, overwrite=True) as out, tempfile.TemporaryDirectory() as work:
-        job = {"model": str(model_dir), "out": str(out), "scheme": recipe.scheme, "ignore": list(recipe.ignore)}
+        job: dict[str, Any] = {
+            "model": str(model_dir),
+            "out": str(out),
+            "scheme": recipe.scheme,
+            "ignore": list(recipe.ignore),
+        }
         model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-        # the preset's static activation scales (NVFP4's global scale), calibrated on windows taken as given
+        # one dataset (T as given): the preset's static activation scales (NVFP4's global scale), and GPTQ's Hessians
         for windows in calibration_windows_of(recipe, None, model_type):
             torch.save(windows.tokens(AutoTokenizer.from_pretrained(model_dir)), Path(work) / "calibration.pt")
             job["calibration"] = str(Path(work) / "calibration.pt")
+        if recipe.gptq is not None:  # llm-compressor's GPTQModifier instead of its QuantizationModifier
+            job["gptq"] = {"block_size": recipe.gptq.block_size, "dampening_frac": recipe.gptq.dampening}
         (Path(work) / "job.json").write_text(json.dumps(job))
         run = subprocess.run(
             [str(python), "-m", "quantkit.quantize.llmcompressor_worker", str(Path(work) / "job.json")],

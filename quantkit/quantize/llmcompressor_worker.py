@@ -1,7 +1,8 @@
 """Runs INSIDE the llmcompressor venv (see llmcompressor_backend): one oneshot() quantization job.
 
     python -m quantkit.quantize.llmcompressor_worker JOB.json
-JOB: {"model": dir, "out": dir, "scheme": "FP8_BLOCK" | "NVFP4", "ignore": [...], "calibration": tokens.pt?}
+JOB: {"model": dir, "out": dir, "scheme": "FP8_BLOCK" | "NVFP4", "ignore": [...], "calibration": tokens.pt?,
+      "gptq": {"block_size": int, "dampening_frac": float}?}
 """
 
 import json
@@ -10,18 +11,22 @@ from pathlib import Path
 
 import torch
 from llmcompressor import oneshot
-from llmcompressor.modifiers.quantization import QuantizationModifier
+from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 from transformers import AutoTokenizer
 
 from quantkit.models.attention import load_reference_model  # registers model_type "quantkit"
 
 
 def main(job_path: str) -> None:
-    """Run JOB.json: llmcompressor's oneshot() with the job's scheme on the float32 model (calibrated on its token
-    windows (N, T) when given), saved compressed with the tokenizer to the job's out directory."""
+    """Run JOB.json: llmcompressor's oneshot() with the job's scheme (by GPTQ when the job has "gptq") on the float32
+    model (calibrated on its token windows (N, T) when given), saved compressed with the tokenizer to the job's out
+    directory."""
     job = json.loads(Path(job_path).read_text())
     model = load_reference_model(job["model"], torch.float32)
-    recipe = QuantizationModifier(targets="Linear", scheme=job["scheme"], ignore=job["ignore"])
+    if "gptq" in job:  # GPTQ rounding with the preset's scheme (its Hessians from the calibration windows)
+        recipe = GPTQModifier(targets="Linear", scheme=job["scheme"], ignore=job["ignore"], **job["gptq"])
+    else:
+        recipe = QuantizationModifier(targets="Linear", scheme=job["scheme"], ignore=job["ignore"])
     if "calibration" in job:
         from datasets import Dataset
 

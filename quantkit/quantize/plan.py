@@ -18,6 +18,7 @@ refused); GPTQ's, the static scales' and the rotation check's (2 x 128) are cut 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -90,7 +91,8 @@ def calibration_windows_of(
 ) -> tuple[Windows, ...]:
     """Every calibration set quantizing with `recipe` draws for a model of `model_type` with `max_positions`
     positions, in the order they are used: SmoothQuant's, GPTQ's, the static activation scales'; () for a recipe
-    that calibrates nothing. (Rotation's check windows are no calibration: `QuantPlan.rotation`.)"""
+    that calibrates nothing. A peer's GPTQ (llm-compressor) calibrates its static scales on GPTQ's windows: one
+    set, "gptq and activation scales". (Rotation's check windows are no calibration: `QuantPlan.rotation`.)"""
     source = recipe.calibration_source(model_type)
     sets = []
     if recipe.smoothquant is not None:
@@ -98,6 +100,8 @@ def calibration_windows_of(
     if recipe.gptq is not None:
         sets.append(Windows("gptq", recipe.gptq.num_sequences, _cut(recipe.gptq.seq_len, max_positions), source))
     calibrates, cuts = SCALE_CALIBRATION[recipe.backend]
+    if recipe.backend != Backend.QUANTKIT and sets and calibrates(recipe):  # a peer's GPTQ: one dataset for both
+        return (dataclasses.replace(sets[-1], use="gptq and activation scales"),)
     if calibrates(recipe):
         cal = recipe.calibration or CalibrationSettings()
         seq_len = _cut(cal.seq_len, max_positions) if cuts else cal.seq_len

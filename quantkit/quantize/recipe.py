@@ -102,6 +102,9 @@ BACKEND_SCHEMES: dict[Backend, tuple[str, ...]] = {  # the scheme names each bac
     Backend.LLMCOMPRESSOR: ("FP8_BLOCK", "NVFP4"),  # llm-compressor's preset names
     Backend.MODELOPT: ("NVFP4", "FP8_PER_CHANNEL_PER_TOKEN"),  # ModelOpt's preset names
 }
+PEER_GPTQ: dict[Backend, tuple[str, ...]] = {  # a peer's presets its own GPTQ quantizes (recipe key `gptq`)
+    Backend.LLMCOMPRESSOR: ("NVFP4",),  # llm-compressor's GPTQModifier with the preset's scheme
+}
 _KEYS = {
     "name",
     "description",
@@ -348,8 +351,12 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
             except re.error as err:
                 raise ValueError(f"{source}: pattern {pattern!r} is not a valid regex: {err}") from None
     gptq = _settings(GPTQSettings, data.get("gptq"), f"{source}: gptq")
-    if gptq is not None and (backend != Backend.QUANTKIT or scheme == UNQUANTIZED):
-        raise ValueError(f"{source}: gptq applies to quantkit's own quantized schemes only")
+    own_gptq = backend == Backend.QUANTKIT and scheme != UNQUANTIZED
+    if gptq is not None and not (own_gptq or scheme in PEER_GPTQ.get(backend, ())):
+        raise ValueError(
+            f"{source}: gptq applies to quantkit's own quantized schemes and to "
+            f"{', '.join(f'{b} {s}' for b, ss in PEER_GPTQ.items() for s in ss)} only"
+        )
     rotation = _rotation(data.get("rotation"), backend, scheme, source)
     if smoothquant is not None and smoothquant.scales == Rule.AWQ and smoothquant.search_alpha:
         raise ValueError(f"{source}: smoothquant.scales awq searches its own grid; drop search_alpha")
