@@ -223,8 +223,13 @@ def test_a_gptq_recipe_writes_its_weights_exactly_and_names_what_it_cannot_do(tm
     assert whole.keys() == stream.keys()
     assert all(torch.equal(v.view(torch.uint8), stream[k].view(torch.uint8)) for k, v in whole.items())
     assert parse_recipe({"name": "x", "scheme": "nvfp4", "gptq": {}, "weight_scales": "mse"}).weight_scales == "mse"
-    with pytest.raises(ValueError, match="gptq applies to quantkit's own quantized schemes only"):
+    own_or_peer = "gptq applies to quantkit's own quantized schemes and to llmcompressor NVFP4 only"
+    with pytest.raises(ValueError, match=own_or_peer):
         parse_recipe({"name": "x", "scheme": "bf16", "gptq": {}})
+    for backend, preset in (("llmcompressor", "FP8_BLOCK"), ("modelopt", "NVFP4")):  # no GPTQ of theirs wired
+        with pytest.raises(ValueError, match=own_or_peer):
+            parse_recipe({"name": "x", "scheme": preset, "backend": backend, "gptq": {}})
+    assert parse_recipe({"name": "x", "scheme": "NVFP4", "backend": "llmcompressor", "gptq": {}}).gptq is not None
     assert [s["use"] for s in calibration_sets(load_recipe("w4a4_nvfp4_gptq"))] == ["gptq"]
 
 
