@@ -54,6 +54,8 @@ def test_smoothquant_recipes_default_to_the_paper_count():
     assert calibration_sets(load_recipe("bf16")) == calibration_sets(load_recipe("w4a4_nvfp4")) == []
     assert describe(calibration_sets(load_recipe("w4a4_nvfp4_static"), max_positions=128)) == "64x128 scales"
     assert describe(calibration_sets(load_recipe("fp8_block_ct"))) == "none"  # llmcompressor FP8_BLOCK: dynamic
+    assert describe(calibration_sets(load_recipe("nvfp4_ct_gptq"))) == "128x512 gptq+scales"  # one set, two uses
+    assert describe(calibration_sets(load_recipe("nvfp4_ct_awq"))) == "64x512 awq+scales"
 
 
 def test_a_study_resizes_every_calibration_set():

@@ -281,6 +281,13 @@ ROWS = {
         r"stderr:\nloading the model\nValueError: scheme FP8_BLOCK: injected failure",
         lambda p, mp: mp.setenv("QUANTKIT_LLMCOMPRESSOR_PYTHON", str(p.root / "python")),
     ),
+    "llmcompressor_awq_zoo": Row(
+        "quantize",
+        lambda p, t: ["quantize", p.tiny, "nvfp4_ct_awq", t / "out"],
+        r"recipe nvfp4_ct_awq: llm-compressor's AWQModifier runs in its sequential pipeline, whose fx tracing does "
+        r"not wrap quantkit's own 'quantkit' models",
+        lambda p, mp: mp.setenv("QUANTKIT_LLMCOMPRESSOR_PYTHON", str(p.root / "python")),
+    ),
     "modelopt_missing": Row(
         "quantize",
         lambda p, t: ["quantize", p.tiny, "nvfp4_modelopt", t / "out"],

@@ -1,5 +1,6 @@
 """`quantkit quantize` writes checkpoints in docs/checkpoint-format.md; the fake-quant model reads them exactly."""
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -293,6 +294,58 @@ def test_llmcompressor_peer_recipes(source, tmp_path):
     rtn = quantize_nvfp4(w, 1.0 / state[f"{name}.weight_global_scale"].float().reshape(()))
     moved = (state[f"{name}.weight_packed"] != rtn.packed).float().mean().item()
     assert moved > 0.01, f"GPTQ moved only {moved:.4f} of the packed bytes from round to nearest"
+
+
+def test_llmcompressor_peer_transforms(source, tmp_path):
+    """The peers at their best (issue 51 item 5): llm-compressor's own AWQModifier and SpinQuantModifier run before
+    its NVFP4 quantization, in its venv. AWQ folds its scales into the norms it smooths; SpinQuant's R1 with
+    16-wide blocks is the block-diagonal Hadamard of quantkit.formats.hadamard applied to the centered embedding;
+    its transform_config lists only offline (weight) locations. AWQ runs in llm-compressor's sequential pipeline,
+    whose fx tracing cannot wrap the zoo's models: refused with the reason."""
+    from quantkit.errors import BackendError
+    from quantkit.formats.hadamard import block_hadamard
+    from quantkit.models.tiny import build_tiny_stock_checkpoint
+    from quantkit.quantize.provenance import calibration_sets
+    from quantkit.quantize.recipe import parse_recipe
+
+    llama = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
+    src = load_file(llama / "model.safetensors")
+    small = {"num_sequences": 4, "seq_len": 64}
+    peer = {"scheme": "NVFP4", "backend": "llmcompressor"}
+    awq = parse_recipe({**peer, "name": "awq", "calibration": small, "peer_modifiers": {"AWQModifier": {"n_grid": 5}}})
+    assert [s["use"] for s in calibration_sets(awq)] == ["awq and activation scales"]
+    state = load_file(quantize_checkpoint(llama, awq, tmp_path / "awq") / "model.safetensors")
+    norms = [k for k in src if k.endswith("layernorm.weight")]
+    # AWQ divides each smoothed norm's weight by its searched scales (all positive, normalised to geometric mean 1):
+    # a norm it smoothed differs from the source, one it skipped is bit-identical
+    assert any(not torch.equal(state[k], src[k]) for k in norms), "AWQ folded no scales into any norm"
+
+    spin = parse_recipe(
+        {
+            **peer,
+            "name": "spin",
+            "gptq": small,
+            "peer_modifiers": {"SpinQuantModifier": {"rotations": ["R1", "R2"], "transform_block_size": 16}},
+        }
+    )
+    out = quantize_checkpoint(llama, spin, tmp_path / "spin")
+    config = json.loads((out / "config.json").read_text())
+    locations = {
+        a["location"]
+        for g in config["quantization_config"]["transform_config"]["config_groups"].values()
+        for a in g["apply"]
+    }
+    assert locations == {"weight_input", "weight_output"}  # folded: nothing for vLLM to apply online
+    assert config["tie_word_embeddings"] is False
+    embed = src["model.embed_tokens.weight"].float()
+    embed = embed - embed.mean(-1, keepdim=True)  # SpinQuant centers the embedding rows first
+    rotated = load_file(out / "model.safetensors")["model.embed_tokens.weight"].float()
+    # each output is a sum of 16 products +-e/4: float32 rounding of our centering and transform, and of the peer's
+    # float64 result, each ~2**-24 relative per term: 16 terms bound the difference by 2**-20 x max|e|
+    assert (block_hadamard(embed, 16) - rotated).abs().max() <= 2.0**-20 * embed.abs().max()
+
+    with pytest.raises(BackendError, match=r"sequential pipeline.*'quantkit'"):
+        quantize_checkpoint(source, dataclasses.replace(awq, name="awq_zoo"), tmp_path / "awq_zoo")
 
 
 def test_modelopt_export(source, tmp_path):

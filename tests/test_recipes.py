@@ -4,6 +4,7 @@ import pytest
 
 from quantkit.quantize.recipe import DEFAULT_IGNORE, available_recipes, load_recipe, parse_recipe
 
+PEER = {"name": "x", "scheme": "NVFP4", "backend": "llmcompressor"}
 REQUIRED = {"bf16", "w8a8_fp8_block", "w8a8_fp8_block_sq", "w4a4_nvfp4", "w4a4_nvfp4_sq", "fp8_block_ct", "nvfp4_ct"}
 
 
@@ -45,11 +46,39 @@ def test_ignore_list():
         ({"name": "x", "scheme": "nvfp4", "weights": "int4"}, "unknown recipe key"),
         ({"name": "x", "scheme": "NVFP4", "backend": "modelopt", "smoothquant": {}}, "backend quantkit only"),
         ({"name": "x", "scheme": "FP8_BLOCK", "backend": "modelopt"}, "for backend 'modelopt'"),
+        # the peers' own transform modifiers (issue 51 item 5): named, with arguments the registry lists
+        ({**PEER, "backend": "modelopt", "peer_modifiers": {"AWQModifier": {}}}, "backend llmcompressor only"),
+        ({**PEER, "peer_modifiers": {"QuIPModifier": {}}}, "not one of"),
+        ({**PEER, "peer_modifiers": {"AWQModifier": {"mappings": []}}}, "keys among"),
+        ({**PEER, "peer_modifiers": {"AWQModifier": {"n_grid": 0}}}, "n_grid must be"),
+        ({**PEER, "peer_modifiers": {"AWQModifier": {"duo_scaling": "half"}}}, "duo_scaling must be"),
+        ({**PEER, "peer_modifiers": {"SpinQuantModifier": {"rotations": ["R1", "R4"]}}}, "R3 and R4 are online"),
+        ({**PEER, "peer_modifiers": {"SpinQuantModifier": {"transform_block_size": 12}}}, "power of two"),
+        ({**PEER, "peer_modifiers": {"SpinQuantModifier": {"transform_type": "random-matrix"}}}, "transform_type"),
+        ({**PEER, "peer_modifiers": []}, "must be a mapping"),
     ],
 )
 def test_bad_recipes_name_the_problem(data, message):
     with pytest.raises(ValueError, match=message):
         parse_recipe(data)
+
+
+def test_peer_modifiers_keep_their_order_and_share_one_calibration_set():
+    """A peer's transform modifiers run in the recipe's order; every step of the peer that reads data (its AWQ, its
+    GPTQ, its static scales) reads one set, named by those uses; SpinQuant's rotations read none."""
+    from quantkit.quantize.plan import calibration_windows_of
+
+    awq = load_recipe("nvfp4_ct_awq")
+    assert awq.peer_modifiers == (("AWQModifier", (("duo_scaling", True), ("n_grid", 20))),)
+    assert [w.use for w in calibration_windows_of(awq)] == ["awq and activation scales"]
+    spin = load_recipe("nvfp4_ct_spinquant16_gptq")
+    assert [name for name, _ in spin.peer_modifiers] == ["SpinQuantModifier"]
+    assert [w.use for w in calibration_windows_of(spin)] == ["gptq and activation scales"]
+    both = parse_recipe({**PEER, "peer_modifiers": {"SpinQuantModifier": None, "AWQModifier": {"n_grid": 4}}})
+    assert [name for name, _ in both.peer_modifiers] == ["SpinQuantModifier", "AWQModifier"]
+    fp8 = parse_recipe({**PEER, "scheme": "FP8_BLOCK", "peer_modifiers": {"AWQModifier": {}}})
+    assert [(w.use, w.num_sequences) for w in calibration_windows_of(fp8)] == [("awq", 64)]  # dynamic activations
+    assert calibration_windows_of(parse_recipe({**PEER, "scheme": "FP8_BLOCK"})) == ()
 
 
 def test_unknown_recipe_name_lists_the_available_ones(tmp_path):

@@ -475,23 +475,30 @@ def test_cli_refuses_bad_checkpoints(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "recipe, kernel", [("fp8_block_ct", "EmulationFp8BlockScaledMMKernel"), ("nvfp4_ct", "EmulationNvFp4LinearKernel")]
+    "recipe, kernel, source",
+    [
+        ("fp8_block_ct", "EmulationFp8BlockScaledMMKernel", "variant"),
+        ("nvfp4_ct", "EmulationNvFp4LinearKernel", "variant"),
+        # SpinQuant's R1/R2 fold into the weights; config.json's transform_config lists them, and vLLM must apply
+        # no online transform for them (a stock decoder: R1 needs every reader of the residual stream mapped)
+        ("nvfp4_ct_spinquant16_gptq", "EmulationNvFp4LinearKernel", "llama"),
+    ],
 )
-def test_peer_checkpoints_served_on_cpu(recipe, kernel, sources, tmp_path, capfd, monkeypatch):
+def test_peer_checkpoints_served_on_cpu(recipe, kernel, source, sources, tmp_path, capfd, monkeypatch):
     """The peers' compressed-tensors checkpoints (llmcompressor) are served on CPU by the emulation kernels the plugin
     registers; the log names the kernel; the output is quantized (differs from the source) but close to it.
     The engine core runs in a process of its own (vLLM's default) so its kernel log is fresh and captured."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     from transformers import AutoModelForCausalLM
 
+    from quantkit.configs import RECIPES_DIR
     from quantkit.quantize.recipe import parse_recipe
+    from quantkit.yamlfile import read_yaml
 
-    settings = {k: v for k, v in vars(load_recipe(recipe)).items() if k in ("name", "scheme", "backend")}
-    quantized = quantize_checkpoint(
-        sources["variant"],
-        parse_recipe({**settings, "calibration": {"num_sequences": 4, "seq_len": 64}}),
-        tmp_path / recipe,
-    )
+    small = {"num_sequences": 4, "seq_len": 64}  # the shipped recipe with few calibration windows
+    data = read_yaml(RECIPES_DIR / f"{recipe}.yaml")
+    data = {**data, "calibration": small, **({"gptq": {**data["gptq"], **small}} if "gptq" in data else {})}
+    quantized = quantize_checkpoint(sources[source], parse_recipe(data), tmp_path / recipe)
     assert (
         json.loads((quantized / "config.json").read_text())["quantization_config"]["quant_method"]
         == "compressed-tensors"
@@ -502,7 +509,7 @@ def test_peer_checkpoints_served_on_cpu(recipe, kernel, sources, tmp_path, capfd
     )
     assert f"Using {kernel}" in capfd.readouterr().out
     token_ids = [g.token_ids for g in run.generations]
-    source = AutoModelForCausalLM.from_pretrained(sources["variant"], dtype=torch.float32).eval()
-    diff = token_diffs([torch.tensor(g.logprobs) for g in run.generations], reference_logprobs(source, token_ids))
+    model = AutoModelForCausalLM.from_pretrained(sources[source], dtype=torch.float32).eval()
+    diff = token_diffs([torch.tensor(g.logprobs) for g in run.generations], reference_logprobs(model, token_ids))
     print(f"{recipe}: {kernel}, |logprob - unquantized source| mean {diff.mean():.3f}, max {diff.max():.3f}")
     assert (diff <= EXACT).float().mean() < CONTROL_MAX_EXACT_FRACTION and diff.mean() < 0.5

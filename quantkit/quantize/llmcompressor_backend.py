@@ -11,9 +11,12 @@ with the last lines of its stderr.
 
 from __future__ import annotations
 
+import codecs
+import collections
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,13 +28,14 @@ from quantkit.atomic import atomic_dir
 from quantkit.checkpoints import write_source_record
 from quantkit.errors import BackendError
 from quantkit.quantize.plan import calibration_windows_of
-from quantkit.quantize.recipe import Recipe
+from quantkit.quantize.recipe import PEER_MODIFIERS, Backend, Recipe
 
 PYTHON_ENV = "QUANTKIT_LLMCOMPRESSOR_PYTHON"
 # The source checkout quantkit is imported from (editable install): `make setup-llmcompressor` builds
 # .venv-llmcompressor/ there. For an installed quantkit this is site-packages' parent, with no pyproject.toml.
 CHECKOUT = Path(__file__).resolve().parents[2]
 STDERR_LINES = 20  # of a failed worker, in the BackendError
+OWN_MODEL_TYPES = ("quantkit", "quantkit_hybrid")  # the zoo's model types (quantkit.models)
 
 
 def llmcompressor_python() -> Path:
@@ -62,24 +66,54 @@ def quantize_with_llmcompressor(model_dir: Path, recipe: Recipe, out_dir: Path) 
             "ignore": list(recipe.ignore),
         }
         model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-        # one dataset (T as given): the preset's static activation scales (NVFP4's global scale), and GPTQ's Hessians
+        sequential = [n for n, _ in recipe.peer_modifiers if PEER_MODIFIERS[Backend.LLMCOMPRESSOR][n].sequential]
+        if sequential and model_type in OWN_MODEL_TYPES:
+            raise BackendError(
+                f"recipe {recipe.name}: llm-compressor's {', '.join(sequential)} runs in its sequential pipeline, "
+                f"whose fx tracing does not wrap quantkit's own {model_type!r} models (data-dependent checks in "
+                "their forward); quantize a stock decoder with it, or use quantkit's own method (e.g. "
+                "smoothquant.scales: awq)"
+            )
+        job["pipeline"] = "sequential" if sequential else "basic"
+        # one dataset (T as given) for every step that reads one: the peer's AWQ, its GPTQ's Hessians, the preset's
+        # static activation scales (NVFP4's global scale)
         for windows in calibration_windows_of(recipe, None, model_type):
             torch.save(windows.tokens(AutoTokenizer.from_pretrained(model_dir)), Path(work) / "calibration.pt")
             job["calibration"] = str(Path(work) / "calibration.pt")
+        # its transform modifiers first, in the recipe's order, with the recipe's arguments
+        job["modifiers"] = [
+            {"name": name, "arguments": {k: list(v) if isinstance(v, tuple) else v for k, v in arguments}}
+            for name, arguments in recipe.peer_modifiers
+        ]
         if recipe.gptq is not None:  # llm-compressor's GPTQModifier instead of its QuantizationModifier
             job["gptq"] = {"block_size": recipe.gptq.block_size, "dampening_frac": recipe.gptq.dampening}
         (Path(work) / "job.json").write_text(json.dumps(job))
-        run = subprocess.run(
-            [str(python), "-m", "quantkit.quantize.llmcompressor_worker", str(Path(work) / "job.json")],
-            capture_output=True,
-            text=True,
-            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
-        )
-        if run.returncode != 0:
-            tail = "\n".join(run.stderr.strip().splitlines()[-STDERR_LINES:])
+        returncode, tail = _run_worker(python, Path(work) / "job.json")
+        if returncode != 0:
             raise BackendError(
                 f"llmcompressor failed on {model_dir} with recipe {recipe.name} (worker {python}, exit "
-                f"{run.returncode}); the end of its stderr:\n{tail}"
+                f"{returncode}); the end of its stderr:\n{tail}"
             )
         write_source_record(out, model_dir)
     return out_dir
+
+
+def _run_worker(python: Path, job: Path) -> tuple[int, str]:
+    """Run the worker on `job`, its stderr (llm-compressor's log and progress bars) shown on ours as it comes;
+    (exit code, the last STDERR_LINES lines of that stderr)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    recent: collections.deque[str] = collections.deque(maxlen=256)  # chunks: enough for STDERR_LINES lines
+    with subprocess.Popen(
+        [str(python), "-m", "quantkit.quantize.llmcompressor_worker", str(job)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
+    ) as worker:
+        assert worker.stderr is not None
+        while chunk := os.read(worker.stderr.fileno(), 65536):
+            text = decoder.decode(chunk)
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            recent.append(text)
+    lines = "".join(recent).replace("\r", "\n").strip().splitlines()
+    return worker.returncode, "\n".join(line for line in lines[-STDERR_LINES:])

@@ -2,7 +2,16 @@
 
     python -m quantkit.quantize.llmcompressor_worker JOB.json
 JOB: {"model": dir, "out": dir, "scheme": "FP8_BLOCK" | "NVFP4", "ignore": [...], "calibration": tokens.pt?,
-      "gptq": {"block_size": int, "dampening_frac": float}?}
+      "gptq": {"block_size": int, "dampening_frac": float}?,
+      "modifiers": [{"name": "AWQModifier" | "SpinQuantModifier", "arguments": {...}}, ...]?,
+      "pipeline": "basic" | "sequential"}
+"basic": plain forward passes over the whole model (the sequential pipeline's fx tracing cannot wrap the zoo's
+forward); "sequential": llm-compressor's layer-by-layer pipeline, which its AWQ needs (in "basic" every parent
+output is NaN on CPU and AWQ skips every mapping).
+
+On a machine without an accelerator, llm-compressor 0.14's AWQ pins its cached activations for host-to-device
+copies (`IntermediatesCache.pin_memory`), which raises "Cannot access accelerator device when none is available";
+pinning only speeds those copies, so the worker skips it there.
 """
 
 import json
@@ -11,35 +20,40 @@ from pathlib import Path
 
 import torch
 from llmcompressor import oneshot
+from llmcompressor.modifiers import transform
 from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+from llmcompressor.pipelines.cache import IntermediatesCache
 from transformers import AutoTokenizer
 
 from quantkit.models.attention import load_reference_model  # registers model_type "quantkit"
 
 
 def main(job_path: str) -> None:
-    """Run JOB.json: llmcompressor's oneshot() with the job's scheme (by GPTQ when the job has "gptq") on the float32
-    model (calibrated on its token windows (N, T) when given), saved compressed with the tokenizer to the job's out
-    directory."""
+    """Run JOB.json: llmcompressor's oneshot() with the job's transform modifiers, then its scheme (by GPTQ when the
+    job has "gptq"), on the float32 model (calibrated on its token windows (N, T) when given), saved compressed with
+    the tokenizer to the job's out directory."""
     job = json.loads(Path(job_path).read_text())
     model = load_reference_model(job["model"], torch.float32)
+    if not torch.accelerator.is_available():  # no device to copy to: nothing to pin (module docstring)
+        IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
+    # the transform modifiers (AWQ's scales, SpinQuant's rotations) in order, then the quantization
+    recipe = [getattr(transform, m["name"])(**m["arguments"]) for m in job.get("modifiers", [])]
     if "gptq" in job:  # GPTQ rounding with the preset's scheme (its Hessians from the calibration windows)
-        recipe = GPTQModifier(targets="Linear", scheme=job["scheme"], ignore=job["ignore"], **job["gptq"])
+        recipe.append(GPTQModifier(targets="Linear", scheme=job["scheme"], ignore=job["ignore"], **job["gptq"]))
     else:
-        recipe = QuantizationModifier(targets="Linear", scheme=job["scheme"], ignore=job["ignore"])
+        recipe.append(QuantizationModifier(targets="Linear", scheme=job["scheme"], ignore=job["ignore"]))
     if "calibration" in job:
         from datasets import Dataset
 
         tokens = torch.load(job["calibration"])
         data = Dataset.from_dict({"input_ids": tokens.tolist(), "attention_mask": torch.ones_like(tokens).tolist()})
-        # "basic" pipeline: plain forward passes (the sequential pipeline's fx tracing cannot wrap our forward)
         oneshot(
             model=model,
             recipe=recipe,
             dataset=data,
             num_calibration_samples=len(tokens),
             max_seq_length=tokens.shape[1],
-            pipeline="basic",
+            pipeline=job.get("pipeline", "basic"),
         )
     else:
         oneshot(model=model, recipe=recipe)

@@ -18,7 +18,6 @@ refused); GPTQ's, the static scales' and the rotation check's (2 x 128) are cut 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -33,6 +32,7 @@ from quantkit.formats.experts import EXPERT_MATRIX
 from quantkit.formats.schemes import Scheme, scheme_for
 from quantkit.quantize.fake_quant import quantized_product
 from quantkit.quantize.recipe import (
+    PEER_MODIFIERS,
     Backend,
     CalibrationSettings,
     GPTQSettings,
@@ -91,17 +91,28 @@ def calibration_windows_of(
 ) -> tuple[Windows, ...]:
     """Every calibration set quantizing with `recipe` draws for a model of `model_type` with `max_positions`
     positions, in the order they are used: SmoothQuant's, GPTQ's, the static activation scales'; () for a recipe
-    that calibrates nothing. A peer's GPTQ (llm-compressor) calibrates its static scales on GPTQ's windows: one
-    set, "gptq and activation scales". (Rotation's check windows are no calibration: `QuantPlan.rotation`.)"""
+    that calibrates nothing. A peer (llm-compressor) runs one dataset through every step that reads one (its AWQ,
+    its GPTQ, its static scales): one set, named by those uses ("awq and gptq and activation scales"), GPTQ's
+    windows when it runs, else `calibration`'s. (Rotation's check windows are no calibration: `QuantPlan.rotation`.)"""
     source = recipe.calibration_source(model_type)
+    calibrates, cuts = SCALE_CALIBRATION[recipe.backend]
+    if recipe.backend != Backend.QUANTKIT:
+        known = PEER_MODIFIERS.get(recipe.backend, {})
+        uses = [known[name].use for name, _ in recipe.peer_modifiers if known[name].calibrates]
+        uses += ["gptq"] * (recipe.gptq is not None) + ["activation scales"] * calibrates(recipe)
+        if not uses:
+            return ()
+        if recipe.gptq is not None:
+            num_sequences, seq_len = recipe.gptq.num_sequences, _cut(recipe.gptq.seq_len, max_positions)
+        else:
+            cal = recipe.calibration or CalibrationSettings()
+            num_sequences, seq_len = cal.num_sequences, _cut(cal.seq_len, max_positions) if cuts else cal.seq_len
+        return (Windows(" and ".join(uses), num_sequences, seq_len, source),)
     sets = []
     if recipe.smoothquant is not None:
         sets.append(Windows("smoothquant", recipe.smoothquant.num_sequences, recipe.smoothquant.seq_len, source))
     if recipe.gptq is not None:
         sets.append(Windows("gptq", recipe.gptq.num_sequences, _cut(recipe.gptq.seq_len, max_positions), source))
-    calibrates, cuts = SCALE_CALIBRATION[recipe.backend]
-    if recipe.backend != Backend.QUANTKIT and sets and calibrates(recipe):  # a peer's GPTQ: one dataset for both
-        return (dataclasses.replace(sets[-1], use="gptq and activation scales"),)
     if calibrates(recipe):
         cal = recipe.calibration or CalibrationSettings()
         seq_len = _cut(cal.seq_len, max_positions) if cuts else cal.seq_len

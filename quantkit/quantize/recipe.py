@@ -105,6 +105,62 @@ BACKEND_SCHEMES: dict[Backend, tuple[str, ...]] = {  # the scheme names each bac
 PEER_GPTQ: dict[Backend, tuple[str, ...]] = {  # a peer's presets its own GPTQ quantizes (recipe key `gptq`)
     Backend.LLMCOMPRESSOR: ("NVFP4",),  # llm-compressor's GPTQModifier with the preset's scheme
 }
+
+
+@dataclass(frozen=True)
+class PeerModifier:
+    """One of a peer's own transform modifiers a recipe may run before the peer quantizes (recipe key
+    `peer_modifiers`): the arguments quantkit passes through, and whether it reads calibration data."""
+
+    arguments: frozenset[str]
+    calibrates: bool
+    use: str  # its name in a calibration set's `use` ("awq")
+    sequential: bool = False  # needs the peer's layer-by-layer calibration pipeline (fx-traced: stock models only)
+    check: Callable[[dict[str, Any], str], None] = lambda args, where: None  # ValueError naming a bad argument
+
+
+def _spinquant_check(args: dict[str, Any], where: str) -> None:
+    rotations = args.get("rotations", ["R1", "R2"])
+    if not isinstance(rotations, list) or not rotations or not set(rotations) <= {"R1", "R2"}:
+        raise ValueError(
+            f"{where}: rotations must be a non-empty list of R1, R2 (the rotations that fold into the weights; R3 "
+            f"and R4 are online transforms, which quantkit's serving of a peer's checkpoint does not apply), "
+            f"got {rotations!r}"
+        )
+    block = args.get("transform_block_size")
+    if block is not None and (type(block) is not int or block < 2 or block & (block - 1)):
+        raise ValueError(f"{where}: transform_block_size must be a power of two >= 2, got {block!r}")
+    if args.get("transform_type", "hadamard") not in ("hadamard", "random-hadamard"):
+        raise ValueError(f"{where}: transform_type must be hadamard or random-hadamard, got {args['transform_type']!r}")
+
+
+def _awq_check(args: dict[str, Any], where: str) -> None:
+    n_grid = args.get("n_grid", 20)
+    if type(n_grid) is not int or n_grid < 1:
+        raise ValueError(f"{where}: n_grid must be an integer >= 1, got {n_grid!r}")
+    if args.get("duo_scaling", True) not in (True, False, "both"):
+        raise ValueError(f"{where}: duo_scaling must be true, false or both, got {args['duo_scaling']!r}")
+
+
+# The peers' transform modifiers a recipe may name, run in the order listed before the peer's quantization (its
+# GPTQModifier with `gptq`, else its QuantizationModifier); arguments pass through unchanged.
+PEER_MODIFIERS: dict[Backend, dict[str, PeerModifier]] = {
+    Backend.LLMCOMPRESSOR: {
+        # AWQ (Lin et al. 2024): per-channel scales from a grid search on each mapping's output error, folded
+        # (in llm-compressor 0.14's "basic" pipeline every parent output is NaN on CPU and AWQ skips every mapping)
+        "AWQModifier": PeerModifier(
+            frozenset({"n_grid", "duo_scaling"}), calibrates=True, use="awq", sequential=True, check=_awq_check
+        ),
+        # SpinQuant's fixed Hadamard rotations R1 (residual stream), R2 (v -> o heads), block-diagonal when
+        # transform_block_size is set (MR-GPTQ's block = group size); folded into the weights offline
+        "SpinQuantModifier": PeerModifier(
+            frozenset({"rotations", "transform_type", "transform_block_size"}),
+            calibrates=False,
+            use="spinquant",
+            check=_spinquant_check,
+        ),
+    },
+}
 _KEYS = {
     "name",
     "description",
@@ -120,6 +176,7 @@ _KEYS = {
     "gptq",
     "rotation",
     "bit_budget",
+    "peer_modifiers",
 }
 DEFAULT_EARLY_STOP = 0.02  # SmoothQuant: settled when the maxima moved < 2% (relative L2) in 2 batches
 
@@ -212,6 +269,8 @@ class Recipe:
     gptq: GPTQSettings | None = None  # weight rounding by GPTQ instead of to nearest
     rotation: RotationSettings | None = None  # QuaRot rotation, before SmoothQuant and GPTQ
     bit_budget: BitBudgetSettings | None = None  # schemes per module chosen under a budget (quantize.budget)
+    # a peer's own transform modifiers, in run order: (name, ((argument, value), ...)) (PEER_MODIFIERS)
+    peer_modifiers: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
     # the budget's resolved choice (quantize.budget.budget_record), set with module_schemes by resolve_bit_budget
     bit_budget_choice: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
@@ -387,6 +446,7 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     if weight_scales == WeightScales.FOUR_OVER_SIX and gptq is not None:
         raise ValueError(f"{source}: weight_scales four_over_six does not compose with gptq yet (GPTQ sets the scales)")
     bit_budget = _bit_budget(data.get("bit_budget"), scheme, backend, module_schemes, rotation, source)
+    peer_modifiers = _peer_modifiers(data.get("peer_modifiers"), backend, source)
     return Recipe(
         name=data["name"],
         scheme=scheme,
@@ -402,7 +462,35 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         gptq=gptq,
         rotation=rotation,
         bit_budget=bit_budget,
+        peer_modifiers=peer_modifiers,
     )
+
+
+def _peer_modifiers(value: Any, backend: Backend, source: str) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+    """A recipe's `peer_modifiers` mapping {modifier name: {argument: value}} (in run order) -> the Recipe field;
+    ValueError naming an unknown modifier or argument, or a bad value."""
+    if value is None:
+        return ()
+    known = PEER_MODIFIERS.get(backend)
+    if known is None:
+        raise ValueError(
+            f"{source}: peer_modifiers applies to backend {', '.join(str(b) for b in PEER_MODIFIERS)} only "
+            f"(backend is {str(backend)!r})"
+        )
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f"{source}: peer_modifiers must be a mapping {{modifier: {{argument: value}}}}")
+    modifiers = []
+    for name, args in value.items():
+        where = f"{source}: peer_modifiers.{name}"
+        if name not in known:
+            raise ValueError(f"{where}: not one of {sorted(known)} (backend {str(backend)!r})")
+        args = {} if args is None else args
+        if not isinstance(args, dict) or set(args) - known[name].arguments:
+            raise ValueError(f"{where}: arguments must be a mapping with keys among {sorted(known[name].arguments)}")
+        known[name].check(args, where)
+        frozen = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(args.items()))
+        modifiers.append((name, frozen))
+    return tuple(modifiers)
 
 
 def _bit_budget(

@@ -65,8 +65,12 @@ def _outlier(x: float | None) -> str:
 def describe_calibration(sets: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> str:
     """A row's calibration sets as a cell: "4096x512 SQ", "64x512 scales", "none" (N sequences x T tokens per
     use; docs/calibration.md)."""
-    short = {"smoothquant": "SQ", "activation scales": "scales", "gptq and activation scales": "gptq+scales"}
-    return ", ".join(f"{s['num_sequences']}x{s['seq_len']} {short.get(s['use'], s['use'])}" for s in sets) or "none"
+    short = {"smoothquant": "SQ", "activation scales": "scales"}  # a set several uses share: "gptq+scales"
+
+    def uses(use: str) -> str:
+        return "+".join(short.get(u, u) for u in use.split(" and "))
+
+    return ", ".join(f"{s['num_sequences']}x{s['seq_len']} {uses(s['use'])}" for s in sets) or "none"
 
 
 NS = "n.s."
