@@ -230,6 +230,11 @@ def _break_the_norm_fold(_, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(mappings._FOLDS, QuantkitNorm, lambda norm, s: None)
 
 
+def _fake_llmcompressor_python(paths, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The llmcompressor venv's python is the fixture's fake worker (it fails with an injected error)."""
+    monkeypatch.setenv("QUANTKIT_LLMCOMPRESSOR_PYTHON", str(paths.root / "python"))
+
+
 def _fail_modelopt_calibration(_, monkeypatch: pytest.MonkeyPatch) -> None:
     import modelopt.torch.quantization as mtq
 
@@ -279,14 +284,14 @@ ROWS = {
         lambda p, t: ["quantize", p.tiny, "fp8_block_ct", t / "out"],
         r"llmcompressor failed on .* with recipe fp8_block_ct \(worker .*, exit 3\); the end of its "
         r"stderr:\nloading the model\nValueError: scheme FP8_BLOCK: injected failure",
-        lambda p, mp: mp.setenv("QUANTKIT_LLMCOMPRESSOR_PYTHON", str(p.root / "python")),
+        _fake_llmcompressor_python,
     ),
     "llmcompressor_awq_zoo": Row(
         "quantize",
         lambda p, t: ["quantize", p.tiny, "nvfp4_ct_awq", t / "out"],
         r"recipe nvfp4_ct_awq: llm-compressor's AWQModifier runs in its sequential pipeline, whose fx tracing does "
         r"not wrap quantkit's own 'quantkit' models",
-        lambda p, mp: mp.setenv("QUANTKIT_LLMCOMPRESSOR_PYTHON", str(p.root / "python")),
+        _fake_llmcompressor_python,
     ),
     "modelopt_missing": Row(
         "quantize",
