@@ -27,19 +27,13 @@ from pathlib import Path
 
 import torch
 
+from quantkit.models.tiny import TINY_SHAPE
+
 RESULTS = Path(__file__).resolve().parent / "results"
+# the zoo's tiny shape (the layer count is --layers), and the measured one: Qwen3-0.6B-like widths
+QUICK_SHAPE = {k: v for k, v in TINY_SHAPE.items() if k != "num_hidden_layers"} | {"vocab_size": 512}
 SHAPE = dict(
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=128,
-    vocab_size=512,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
-)
-QUICK_SHAPE = dict(
-    SHAPE, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64
+    QUICK_SHAPE, hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=4, head_dim=128
 )
 
 

@@ -11,23 +11,12 @@ from quantkit.diagnose.plots import figure_svgs
 from quantkit.diagnose.run import diagnose, diagnose_model, write_diagnostics
 from quantkit.errors import NonFiniteStatisticsError
 from quantkit.models import QuantkitConfig, QuantkitForCausalLM
+from quantkit.models.tiny import MICRO_SHAPE
 
 pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
 
 BOS = 1
-SHAPE = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=128,
-    bos_token_id=BOS,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+SHAPE = dict(MICRO_SHAPE, vocab_size=97, bos_token_id=BOS, eos_token_id=2, pad_token_id=0)
 
 
 def _model(seed: int = 0, **flags) -> QuantkitForCausalLM:

@@ -26,7 +26,7 @@ from quantkit.diagnose.run import diagnose_model
 from quantkit.formats.experts import EXPERT_MATRIX
 from quantkit.models.configuration_hybrid import QuantkitHybridConfig
 from quantkit.models.modeling_hybrid import QuantkitHybridForCausalLM
-from quantkit.models.tiny import randomize_parameters
+from quantkit.models.tiny import MICRO_SHAPE, randomize_parameters
 from quantkit.models.tiny_hybrid import HYBRID_RANDOM_PARAMETER_RULES, TINY_HYBRID_SHAPE
 
 pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
@@ -256,20 +256,8 @@ def test_dense_model_control_every_layer_softmax_no_experts():
     from quantkit.models import QuantkitConfig, QuantkitForCausalLM
 
     torch.manual_seed(0)
-    model = QuantkitForCausalLM(
-        QuantkitConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=64,
-            bos_token_id=BOS,
-            pad_token_id=0,
-        )
-    ).eval()
+    shape = dict(MICRO_SHAPE, max_position_embeddings=64)
+    model = QuantkitForCausalLM(QuantkitConfig(vocab_size=VOCAB, bos_token_id=BOS, pad_token_id=0, **shape)).eval()
     r = diagnose_model(model, _tokens(n=2, t=16), recipes=["w8a8_fp8_block"])
     assert r["attention"]["layers"] == [0, 1] and r["attention"]["skipped"] == []
     assert r["experts"] == {} and r["expert_snr_db"] == {"w8a8_fp8_block": {}}

@@ -47,33 +47,21 @@ from quantkit.checkpoints import CheckpointError
 from quantkit.formats.experts import EXPERT_MATRIX, expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import get_scheme
 from quantkit.models.tiny import randomize_parameters
+from quantkit.models.tiny_hybrid import TINY_HYBRID_SHAPE
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import FakeQuantExperts, load_fake_quant_model
 from quantkit.quantize.provenance import with_calibration
 from quantkit.quantize.recipe import load_recipe
 from quantkit.serve.checkpoint_check import check_servable
 
-SHAPE = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=4,
+SHAPE = dict(  # the zoo's hybrid shape as a stock Qwen3-Next config, with narrower experts
+    TINY_HYBRID_SHAPE,
     layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=64,
-    linear_value_head_dim=64,
-    linear_conv_kernel_dim=4,
-    num_experts=8,
-    num_experts_per_tok=2,
     moe_intermediate_size=96,
     shared_expert_intermediate_size=96,
     decoder_sparse_step=1,
     norm_topk_prob=True,
     max_position_embeddings=512,
-    tie_word_embeddings=False,
 )
 VOCAB = 256
 OUTLIER = 5  # the injected channel of every residual norm

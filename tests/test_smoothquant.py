@@ -45,19 +45,16 @@ from quantkit.calibrate import mappings as mappings_module
 from quantkit.data import calibration_windows, heldout_texts
 from quantkit.models import QuantkitConfig, QuantkitForCausalLM
 from quantkit.models.modeling import QuantkitNorm
-from quantkit.models.tiny import randomize_parameters
+from quantkit.models.tiny import MICRO_SHAPE, randomize_parameters
 
 pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-512 CPUs (Makefile `test`)
 
+# 72 / 136 wide: no multiple of a 16- or 128-wide block
 SHAPE = dict(
+    MICRO_SHAPE,
     vocab_size=96,
     hidden_size=72,
     intermediate_size=136,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=128,
     tie_word_embeddings=False,
     bos_token_id=0,
     eos_token_id=0,

@@ -11,12 +11,21 @@ from quantkit.data import stdlib_docstrings
 from quantkit.models import QuantkitConfig, QuantkitForCausalLM
 from quantkit.models.tokenizer import save_tokenizer, train_bpe_tokenizer
 
-TINY_SHAPE: dict[str, Any] = dict(
-    hidden_size=256,
-    intermediate_size=512,
+# The smallest decoder shape the tests build in memory (2 layers, 4 query / 2 KV heads of 16); TINY_SHAPE, the
+# checkpoints' shape, is it at 256 wide with 64-wide heads.
+MICRO_SHAPE: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+)
+TINY_SHAPE: dict[str, Any] = dict(
+    MICRO_SHAPE,
+    hidden_size=256,
+    intermediate_size=512,
     head_dim=64,
     max_position_embeddings=1024,
     tie_word_embeddings=False,
