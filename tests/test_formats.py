@@ -41,21 +41,25 @@ pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-51
 FAST = settings(max_examples=60, deadline=None)
 SLACK = 2.0**-20
 
+
 # Element values: exact zeros, "nice" multiples of 1/8 (they hit rounding ties), and a wide range of magnitudes
 # (kept in [1e-30, 1e30] so that no scale becomes a float32 subnormal).
-_TINY, _HUGE = float(np.float32(1e-30)), float(np.float32(1e30))
-_values = st.one_of(
-    st.just(0.0),
-    st.integers(-64, 64).map(lambda i: i / 8),
-    st.floats(_TINY, _HUGE, width=32),
-    st.floats(-_HUGE, -_TINY, width=32),
-)
+def element_values(tiny: float = 1e-30, huge: float = 1e30) -> st.SearchStrategy[float]:
+    """Exact zeros, multiples of 1/8 in [-8, 8], and float32 magnitudes in [tiny, huge] of either sign."""
+    tiny, huge = float(np.float32(tiny)), float(np.float32(huge))
+    return st.one_of(
+        st.just(0.0),
+        st.integers(-64, 64).map(lambda i: i / 8),
+        st.floats(tiny, huge, width=32),
+        st.floats(-huge, -tiny, width=32),
+    )
 
 
 @st.composite
-def matrices(draw, max_rows=5, max_cols=40):
-    shape = (draw(st.integers(1, max_rows)), draw(st.integers(1, max_cols)))
-    return torch.from_numpy(draw(hnp.arrays(np.float32, shape, elements=_values)))
+def matrices(draw, max_rows=5, max_cols=40, k_multiple=1, elements=None):
+    """(rows <= max_rows, cols <= max_cols, a multiple of k_multiple) float32 of `elements` (element_values())."""
+    shape = (draw(st.integers(1, max_rows)), draw(st.integers(1, max_cols // k_multiple)) * k_multiple)
+    return torch.from_numpy(draw(hnp.arrays(np.float32, shape, elements=elements or element_values())))
 
 
 @st.composite

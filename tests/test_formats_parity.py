@@ -34,12 +34,12 @@ Where the peers differ from us by convention (compared only where they do not):
 
 import warnings
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
+from test_formats import element_values
+from test_formats import matrices as formats_matrices
 
 from quantkit.formats import (
     dequantize_nvfp4,
@@ -70,19 +70,10 @@ pytestmark = pytest.mark.cpu_isa  # run again with AVX2 kernels forced on AVX-51
 
 PARITY = settings(max_examples=30, deadline=None)
 
-_TINY, _HUGE = float(np.float32(1e-20)), float(np.float32(1e20))
-_values = st.one_of(
-    st.just(0.0),
-    st.integers(-64, 64).map(lambda i: i / 8),
-    st.floats(_TINY, _HUGE, width=32),
-    st.floats(-_HUGE, -_TINY, width=32),
-)
 
-
-@st.composite
-def matrices(draw, max_rows=5, max_cols=48, k_multiple=1):
-    shape = (draw(st.integers(1, max_rows)), draw(st.integers(1, max_cols // k_multiple)) * k_multiple)
-    return torch.from_numpy(draw(hnp.arrays(np.float32, shape, elements=_values)))
+def matrices(max_rows=5, max_cols=48, k_multiple=1):
+    """test_formats' matrices, magnitudes in [1e-20, 1e20]."""
+    return formats_matrices(max_rows, max_cols, k_multiple, element_values(1e-20, 1e20))
 
 
 @st.composite
