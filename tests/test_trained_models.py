@@ -9,12 +9,13 @@ What is asserted and why:
   ceil(K/128) bytes, NVFP4 N K / 2 + N K / 16 + 4 (packed codes, E4M3 group scales, global scale), + 4 bytes of
   input scale per matrix where the scheme stores one, + 2 bytes a value for the rest; the safetensors header
   (JSON, < len(name) + 80 bytes a tensor) is the only other content.
-- served (item 7: KL against bf16 under a derived bound): vLLM serves the bf16 checkpoint and each scheme's in a
-  float32 engine; greedy text of bf16 and FP8 names Paris for "The capital of France is" (the model as shipped
-  does); every served full-vocabulary logprob on the held-out windows is the pure-torch reference's (transformers
-  in float32; `load_fake_quant_model` with the activation codes held equal, `HeldCodes` of
-  tests/test_serve_quantized.py) within TOLERANCE; then each token's served KL(bf16 || scheme) is the reference's
-  within `kl_agreement_bound(eta = TOLERANCE)`, and that bound is < 1/5 of the scheme's KL (it resolves it).
+- served (item 7: KL against bf16 under a derived bound): vLLM serves the bf16 checkpoint and each scheme's (and
+  each of METHODS: issue 51's vLLM parity on a trained model) in a float32 engine; greedy text of bf16 and FP8 names
+  Paris for "The capital of France is" (the model as shipped does); every served full-vocabulary logprob on the
+  held-out windows is the pure-torch reference's (transformers in float32; `load_fake_quant_model` with the
+  activation codes held equal, `HeldCodes` of tests/test_serve_quantized.py) within TOLERANCE; then each token's
+  served KL(bf16 || scheme) is the reference's within `kl_agreement_bound(eta = TOLERANCE)`, and that bound is < 1/5
+  of the scheme's KL (it resolves it).
   FP8's KL is below W4A4's (3 mantissa bits against 1: an ordering, not a bound).
   Why the codes are held: a quantizer input within float32 noise of a rounding midpoint takes the neighbouring
   code in one engine and not the other (a "flip"). On this 30-layer trained model one flip among 3.8e7 NVFP4
@@ -32,8 +33,9 @@ What is asserted and why:
   TOLERANCE = 6 sqrt(2) eps S = 1.9e-4 S (6.9e-4 nats at this model's S = 3.5). F32_INPUT_TOL = 6 eps of a row's
   max |x| for the quantizers' inputs. Measured 2026-11-26: 1.0e-4 nats unquantized, 6.5e-5 with codes held (0.15
   and 0.09 of TOLERANCE); inputs within 1.3e-6.
-Cost: fetch ~30 s (download + dequantize), two quantizations ~15 s each, three float32 vLLM engines (~15 s
-each), two captures of every quantized layer's input (~190 MB each, in the test's tmp dir).
+Cost: fetch ~30 s (download + dequantize), four quantizations ~15-60 s each (GPTQ's on 8 x 64 windows), five
+float32 vLLM engines (~15 s each), four captures of every quantized layer's input (~190 MB each, in the test's
+tmp dir).
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ BYTES = {
 }
 
 
+# issue 51's NVFP4 methods served on this trained model (GPTQ on 8 x 64 windows): the online block Hadamard of 16
+# at every quantized input with GPTQ and MSE scales (MR-GPTQ's per-linear transform), and Four Over Six
+METHODS = ("w4a4_nvfp4_had16_gptq_mse", "w4a4_nvfp4_46")
+
+
 @pytest.fixture(scope="module")
 def fetched(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
@@ -73,8 +80,12 @@ def quantized(fetched, tmp_path_factory):
     from quantkit.quantize.checkpoint import quantize_checkpoint
 
     _, source = fetched
+    from quantkit.quantize.provenance import with_calibration
+    from quantkit.quantize.recipe import load_recipe
+
     out = tmp_path_factory.mktemp("quantized")
-    return {recipe: quantize_checkpoint(source, recipe, out / recipe, streaming=False) for recipe in BYTES}
+    recipes = {r: load_recipe(r) for r in BYTES} | {r: with_calibration(load_recipe(r), 8, 64) for r in METHODS}
+    return {name: quantize_checkpoint(source, r, out / name, streaming=False) for name, r in recipes.items()}
 
 
 def test_fetch_imports_and_reuses_the_cache(fetched, capsys):
