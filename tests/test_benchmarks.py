@@ -149,3 +149,33 @@ def test_fake_quant_cost_checks_its_bits_and_prints_every_shape():
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert sum("e2m1_round" in line and "served" in line for line in run.stdout.splitlines()) == 8  # 4 x 2 shapes
+
+
+def test_study_kl_pairs_compares_rows_window_by_window(tmp_path):
+    """benchmarks/study_kl_pairs.py on a synthetic study: each row's logits are the bf16 row's plus a * the same
+    noise; KL(p || softmax(z + a n)) is convex in a and 0 at a = 0, so a = 0.1 is below a = 0.5 at every position,
+    hence on every window: 4/4 windows better, ratio below 1."""
+    from safetensors.torch import save_file
+
+    from quantkit.evals.degradation import LOGPROBS_FILE
+
+    n, length, vocab = 4, 8, 50
+    gen = torch.Generator().manual_seed(1)
+    z, noise = torch.randn(n, length, vocab, generator=gen) * 2, torch.randn(n, length, vocab, generator=gen)
+    tokens = torch.randint(0, vocab, (n, length + 1), generator=gen)
+    for recipe, a in (("bf16", 0.0), ("w4a4_nvfp4", 0.5), ("better", 0.1)):
+        logprobs, ids = torch.log_softmax(z + a * noise, -1).sort(-1, descending=True)
+        (tmp_path / "evals" / f"m-{recipe}").mkdir(parents=True)
+        save_file(
+            dict(tokens=tokens, topk_ids=ids.contiguous(), topk_logprobs=logprobs.contiguous()),
+            str(tmp_path / "evals" / f"m-{recipe}" / LOGPROBS_FILE),
+            metadata=dict(mode="topk", top_k=str(vocab), vocab_size=str(vocab)),
+        )
+    (tmp_path / "spec.json").write_text(json.dumps({"models": {"m": "x"}, "recipes": ["bf16", "w4a4_nvfp4", "better"]}))
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "study_kl_pairs.py"), str(tmp_path)], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    row = next(line for line in run.stdout.splitlines() if line.startswith("| better |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[-1] == "4/4" and float(cells[2].rstrip("x")) < 1 and cells[3].startswith("-"), row
