@@ -116,4 +116,4 @@ def _run_worker(python: Path, job: Path) -> tuple[int, str]:
             sys.stderr.flush()
             recent.append(text)
     lines = "".join(recent).replace("\r", "\n").strip().splitlines()
-    return worker.returncode, "\n".join(line for line in lines[-STDERR_LINES:])
+    return worker.returncode, "\n".join(lines[-STDERR_LINES:])
