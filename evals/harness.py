@@ -28,6 +28,59 @@ class EvalBackend(StrEnum):
 
 BACKENDS = tuple(str(b) for b in EvalBackend)
 
+# "all": ask vLLM for every prompt position's log-probability, as stock lm-eval does (benchmarks, A/B checks)
+SCORED_POSITIONS_ENV = "QUANTKIT_PROMPT_LOGPROBS"
+
+
+def continuation_scoring_vllm() -> type:
+    """lm-eval's `vllm` model asking vLLM for the continuation's prompt log-probabilities only.
+
+    lm-eval reads a log-likelihood request's `prompt_logprobs[ctxlen:]`; this subclass passes ctxlen to the engine
+    (`quantkit.serve.prompt_logprobs.FIRST_SCORED_POSITION`), so the LM head and log-softmax run over the
+    continuation's positions instead of the whole prompt. Everything else is lm-eval's: the same batches, the same
+    sampling parameters otherwise, the same parsing. `QUANTKIT_PROMPT_LOGPROBS=all` turns it off."""
+    import os
+
+    from lm_eval.models.vllm_causallms import VLLM
+    from vllm import SamplingParams
+
+    from quantkit.serve.prompt_logprobs import FIRST_SCORED_POSITION
+
+    class ContinuationScoringVLLM(VLLM):
+        _first_scored: dict[tuple[int, ...], int] = {}
+
+        def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False) -> list:
+            if os.environ.get(SCORED_POSITIONS_ENV, "").strip().lower() == "all":
+                return super()._loglikelihood_tokens(requests, disable_tqdm)
+            longest = self.max_length - 1  # lm-eval's truncation, so that the prompts match those it sends
+            first: dict[tuple[int, ...], int] = {}
+            for _, context, continuation in requests:
+                prompt = tuple((context + continuation)[-longest:])
+                ctxlen = len(context) - max(0, len(context) + len(continuation) - longest)
+                first[prompt] = min(ctxlen, first.get(prompt, ctxlen))  # one prompt, two splits: the earlier
+            self._first_scored = first
+            try:
+                return super()._loglikelihood_tokens(requests, disable_tqdm)
+            finally:
+                self._first_scored = {}
+
+        def _model_generate(self, requests: list, generate: bool = False, sampling_params: Any = None) -> Any:
+            if generate or not self._first_scored:
+                return super()._model_generate(requests, generate, sampling_params)
+            params = [  # lm-eval's log-likelihood parameters, plus the first position it reads
+                SamplingParams(
+                    temperature=0,
+                    prompt_logprobs=1,
+                    max_tokens=1,
+                    detokenize=False,
+                    extra_args={FIRST_SCORED_POSITION: max(1, self._first_scored[tuple(r)])},
+                )
+                for r in requests
+            ]
+            return super()._model_generate(requests, generate=True, sampling_params=params)
+
+    return ContinuationScoringVLLM
+
 
 class _DropCustomDatasetNotice(logging.Filter):
     """lm-eval logs a usage hint for every task with a `custom_dataset` (all our offline tasks)."""
@@ -80,7 +133,7 @@ def open_lm(
             model_args["attn_implementation"] = attention
     else:
         raise ValueError(f"unknown lm-eval backend {backend!r}; expected one of {BACKENDS}")
-    lm = get_model(backend)(**model_args)
+    lm = (continuation_scoring_vllm() if backend == EvalBackend.VLLM else get_model(backend))(**model_args)
     try:
         yield lm
     finally:

@@ -24,7 +24,8 @@ def register() -> None:
     """Register quantkit's config type with transformers, its architectures, its quantization method
     (`quant_method: "quantkit"`), CPU emulation kernels for the peers' formats, float32 loading of SmoothQuant's folded
     norm weights (`quantkit.serve.float32_norms`), the module names of transformers 5 for vLLM's stock classes
-    (`quantkit.serve.stock_names`), and, on CPUs without bf16 matmuls,
+    (`quantkit.serve.stock_names`), prompt log-probabilities from a requested position on
+    (`quantkit.serve.prompt_logprobs`), and, on CPUs without bf16 matmuls,
     the batched Gated DeltaNet prefill conv (`quantkit.serve.cpu.gdn`) and float32 compute for unquantized bf16
     Linears (`quantkit.serve.cpu.linear`) with vLLM; on machines without CUDA, large tensors from malloc's heap
     (`quantkit.serve.cpu.heap`) (idempotent)."""
@@ -32,7 +33,7 @@ def register() -> None:
 
     import quantkit.models
     import quantkit.serve.quant_method  # noqa: F401  (@register_quantization_config("quantkit"))
-    from quantkit.serve import float32_norms, stock_names
+    from quantkit.serve import float32_norms, prompt_logprobs, stock_names
     from quantkit.serve.cpu import gdn as gdn_cpu
     from quantkit.serve.cpu import heap as cpu_heap
     from quantkit.serve.cpu import linear as cpu_linear
@@ -41,6 +42,7 @@ def register() -> None:
     register_cpu_emulation_kernels()
     float32_norms.install()
     stock_names.install()
+    prompt_logprobs.install()
     gdn_cpu.install()
     cpu_linear.install()
     cpu_heap.install()
