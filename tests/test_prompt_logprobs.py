@@ -64,15 +64,8 @@ def test_scored_rows_equal_vllms_and_the_rest_say_not_computed(tiny_checkpoint):
     gen = torch.Generator().manual_seed(0)
     lengths_and_firsts = [(9, 1), (30, 12), (47, 46), (20, 25), (100, 50)]
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n, _ in lengths_and_firsts]
-    llm = LLM(
-        model=str(tiny_checkpoint),
-        dtype="float32",
-        max_model_len=128,
-        max_num_batched_tokens=32,
-        enable_chunked_prefill=True,
-        seed=0,
-        **cpu_engine_kwargs(),
-    )
+    chunked = dict(max_model_len=128, max_num_batched_tokens=32, seed=0)  # prefill steps of <= 32 tokens
+    llm = LLM(model=str(tiny_checkpoint), dtype="float32", **chunked, **cpu_engine_kwargs())
     try:
         plain = SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=1, detokenize=False)
         scored = [

@@ -27,22 +27,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+import quantkit.calibrate.layers as layer_engine
 from quantkit.atomic import write_text_atomic
-from quantkit.calibrate.layers import (
-    HEAD_POSITIONS,
-    Stream,
-    advance_stream,
-    decoder_stack,
-    embed_stream,
-    load_outside,
-    materialize,
-    open_source,
-    outside_keys,
-    pin_mmap_threshold,
-    skeleton_model,
-    source_tensors,
-    tied_partners,
-)
 from quantkit.calibrate.mappings import OFFSET_NORMS
 from quantkit.calibrate.stats import ChannelMaxObserver, run_batches
 from quantkit.data import heldout_windows
@@ -157,16 +143,16 @@ def _diagnose_layerwise(
     the windows are embedded, then each layer is read from the checkpoint (float32), its static scales calibrated
     on the batches entering it, the batches run through it under the observer's hooks, and it goes back to the
     meta device with its decoded quantized weights. The final norm's input is H_D; the lm_head runs on
-    HEAD_POSITIONS positions at a time (its input statistics; no vocabulary-sized logits for whole windows).
+    `HEAD_POSITIONS` positions at a time (its input statistics; no vocabulary-sized logits for whole windows).
     Every statistic sees the same batches in the same order as in `diagnose_model` (the head's in pieces)."""
-    pin_mmap_threshold()
-    model = skeleton_model(config, attn_implementation="eager")
-    stack, layers = decoder_stack(model)
-    reader = open_source(model_dir, config.model_type)
-    before_head, head_keys = outside_keys(model)
-    tied = tied_partners(model)  # before the embeddings go back to the meta device (untying them)
-    load_outside(model, reader, before_head, tied)
-    stream = embed_stream(model, layers, "diagnose", tokens, None, batch_size)
+    layer_engine.pin_mmap_threshold()
+    model = layer_engine.skeleton_model(config, attn_implementation="eager")
+    stack, layers = layer_engine.decoder_stack(model)
+    reader = layer_engine.open_source(model_dir, config.model_type)
+    before_head, head_keys = layer_engine.outside_keys(model)
+    tied = layer_engine.tied_partners(model)  # before the embeddings go back to the meta device (untying them)
+    layer_engine.load_outside(model, reader, before_head, tied)
+    stream = layer_engine.embed_stream(model, layers, "diagnose", tokens, None, batch_size)
     model.get_input_embeddings().to("meta")
     plan: dict[str, tuple[Recipe, dict[str, torch.Tensor] | None]] = {
         r.name: (r, {} if r.static_activations else None) for r in recipe_list
@@ -177,7 +163,9 @@ def _diagnose_layerwise(
         for i in tqdm(range(len(layers)), desc="diagnose", unit="layer", disable=not progress):
             prefix = f"{stack}.{i}."
             layer = layers[i]
-            materialize(layer, source_tensors(reader, layer, prefix, model_dir), f"{model_dir} layer {i}")
+            layer_engine.materialize(
+                layer, layer_engine.source_tensors(reader, layer, prefix, model_dir), f"{model_dir} layer {i}"
+            )
             layer.eval()
             for recipe, scales in plan.values():
                 if scales is not None:
@@ -187,23 +175,23 @@ def _diagnose_layerwise(
                         )
             norms += _norm_entries(model, [n for n in norm_names if n.startswith(prefix)], TOP_K)
             input_norms.append(_input_norm_params(layer))
-            advance_stream(stream, layer, i, before_batch=lambda b: obs.begin_batch(stream.chunks[b], b))
+            layer_engine.advance_stream(stream, layer, i, before_batch=lambda b: obs.begin_batch(stream.chunks[b], b))
             obs.release_weights()
             layer.to("meta")
         _, final_norm = decoder_layers(model)
         lm_head = model.get_output_embeddings()
-        load_outside(model, reader, head_keys, tied)  # its input statistics, as in the whole model
+        layer_engine.load_outside(model, reader, head_keys, tied)  # its input statistics, as in the whole model
         for b in range(len(stream.hidden)):  # H_D: the final norm's input
             obs.begin_batch(stream.chunks[b], b)
             normed = final_norm(stream.hidden[b])
-            for start in range(0, normed.shape[1], HEAD_POSITIONS) if head_keys else ():
-                lm_head(normed[:, start : start + HEAD_POSITIONS])
+            for start in range(0, normed.shape[1], layer_engine.HEAD_POSITIONS) if head_keys else ():
+                lm_head(normed[:, start : start + layer_engine.HEAD_POSITIONS])
             obs.end_batch(b)
     norms += _norm_entries(model, norm_names[-1:], TOP_K)
     return _result(obs, model, plan, tokens, norms, input_norms, massive_ratio, MAP_TOKENS, TOP_K, tokenizer)
 
 
-def _run_layer(stream: Stream, layer: nn.Module, i: int) -> None:
+def _run_layer(stream: layer_engine.Stream, layer: nn.Module, i: int) -> None:
     """Every batch of `stream` through decoder layer i, outputs discarded (a calibration pass)."""
     for b in range(len(stream.hidden)):
         layer(stream.hidden[b], **stream.layer_kwargs[b][i])

@@ -34,24 +34,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
+import quantkit.calibrate.layers as layer_engine
 import quantkit.models  # noqa: F401
-from quantkit.calibrate.layers import (
-    HEAD_POSITIONS,
-    Stream,
-    advance_stream,
-    decoder_stack,
-    embed_stream,
-    head_logits,
-    head_name,
-    load_outside,
-    materialize,
-    open_source,
-    outside_keys,
-    pin_mmap_threshold,
-    skeleton_model,
-    source_tensors,
-    tied_partners,
-)
 from quantkit.calibrate.mappings import SmoothMapping, resolve_mappings
 from quantkit.calibrate.smoothquant import fold_mapping
 from quantkit.checkpoints import CheckpointError, TensorReader, check_checkpoint_dir, source_record, weights_fingerprint
@@ -83,32 +67,34 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     The windows are embedded once per model (the checkpoint keeps the embeddings as the source stores them), then
     layer by layer the reference layer (float32 from the source, with the checkpoint's SmoothQuant factors folded
     in) and the fake-quant layer (`install_fake_quant`) carry their own hidden states, the SNR hooks reading the
-    reference's (`_layers`); at the end each model's own head gives the logits HEAD_POSITIONS positions at a time
+    reference's (`_layers`); at the end each model's own head gives the logits `HEAD_POSITIONS` positions at a time
     (`_head_kl`). Peak memory: the larger of the input embeddings and the lm_head in float32 (an unquantized
     lm_head equal in both checkpoints is held once), one layer of each model, and the hidden states of the
     windows (N x T x hidden x 4 bytes, per model)."""
-    pin_mmap_threshold()
+    layer_engine.pin_mmap_threshold()
     reference_dir, quantized_dir = Path(reference_dir), Path(quantized_dir)
     qc = read_quantization_config(quantized_dir)
-    reference = skeleton_model(AutoConfig.from_pretrained(reference_dir))
+    reference = layer_engine.skeleton_model(AutoConfig.from_pretrained(reference_dir))
     q_config = AutoConfig.from_pretrained(quantized_dir)
     del q_config.quantization_config
-    quantized = skeleton_model(q_config)
-    source, packed = open_source(reference_dir, reference.config.model_type), TensorReader(quantized_dir)
-    stack, ref_layers = decoder_stack(reference)
-    tied = tied_partners(reference)  # before the embeddings go back to the meta device (untying them)
-    before_head, head_keys = outside_keys(reference)
-    head = head_name(reference)
-    load_outside(reference, source, before_head, tied)
+    quantized = layer_engine.skeleton_model(q_config)
+    source, packed = layer_engine.open_source(reference_dir, reference.config.model_type), TensorReader(quantized_dir)
+    stack, ref_layers = layer_engine.decoder_stack(reference)
+    tied = layer_engine.tied_partners(reference)  # before the embeddings go back to the meta device (untying them)
+    before_head, head_keys = layer_engine.outside_keys(reference)
+    head = layer_engine.head_name(reference)
+    layer_engine.load_outside(reference, source, before_head, tied)
     # a residual rotation (not `residual: false`, whose layers read the reference's inputs and transform them inside)
     rotated = bool(qc.get("rotation")) and qc["rotation"].get("residual", True)
-    streams = [embed_stream(reference, ref_layers, "reference", tokens, None)]
+    streams = [layer_engine.embed_stream(reference, ref_layers, "reference", tokens, None)]
     if rotated:  # its own rotated embeddings (and every other tensor before the layers)
         _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=before_head)
-        streams.append(embed_stream(quantized, decoder_stack(quantized)[1], "quantized", tokens, None))
+        streams.append(
+            layer_engine.embed_stream(quantized, layer_engine.decoder_stack(quantized)[1], "quantized", tokens, None)
+        )
         quantized.get_input_embeddings().to("meta")
     else:
-        streams.append(embed_stream(reference, ref_layers, "quantized", tokens, None))
+        streams.append(layer_engine.embed_stream(reference, ref_layers, "quantized", tokens, None))
     reference.get_input_embeddings().to("meta")
 
     signal: dict[str, float] = {}
@@ -116,7 +102,7 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     _layers(reference, quantized, source, packed, qc, streams, signal, noise, snr=not rotated)
     # compared in the stored dtype before the reference's float32 head is loaded: the peak holds one head copy
     shared_head = head is not None and _same_unquantized(source, packed, f"{head}.weight", tied, qc)
-    load_outside(reference, source, head_keys, tied)
+    layer_engine.load_outside(reference, source, head_keys, tied)
     q_outside = [k for k in before_head if not k.startswith(_input_embeddings_prefix(reference))]
     _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=q_outside)
     if shared_head:
@@ -147,15 +133,15 @@ def _layers(
     source: TensorReader,
     packed: TensorReader,
     qc: dict,
-    streams: list[Stream],
+    streams: list[layer_engine.Stream],
     signal: dict[str, float],
     noise: dict[str, float],
     snr: bool = True,
 ) -> None:
     """The two streams through the decoder layers, one layer of each model in memory at a time, with the SNR
     hooks on the reference's quantized modules (signal / noise accumulate per module name; none when not snr)."""
-    stack, ref_layers = decoder_stack(reference)
-    _, q_layers = decoder_stack(quantized)
+    stack, ref_layers = layer_engine.decoder_stack(reference)
+    _, q_layers = layer_engine.decoder_stack(quantized)
     mappings: Sequence[SmoothMapping] = []
     factors: dict[str, torch.Tensor] = {}
     if qc["smoothquant"]:
@@ -166,8 +152,10 @@ def _layers(
     for i in tqdm(range(len(ref_layers)), desc=f"quality {qc['recipe']}", unit="layer"):
         prefix = f"{stack}.{i}."
         ref_layer = ref_layers[i]
-        materialize(
-            ref_layer, source_tensors(source, ref_layer, prefix, source.model_dir), f"{source.model_dir} layer {i}"
+        layer_engine.materialize(
+            ref_layer,
+            layer_engine.source_tensors(source, ref_layer, prefix, source.model_dir),
+            f"{source.model_dir} layer {i}",
         )
         for m in mappings:
             if m.smooth.startswith(prefix):
@@ -175,26 +163,26 @@ def _layers(
         _load_fake_quant(quantized, q_layers[i], prefix, packed, qc, packed.model_dir)
         hooked = [n for n in quantized_set if n.startswith(prefix)] if snr else []
         with _snr_hooks(reference, quantized, hooked, quantized_set, signal, noise):
-            advance_stream(streams[0], ref_layer, i)
-        advance_stream(streams[1], q_layers[i], i)
+            layer_engine.advance_stream(streams[0], ref_layer, i)
+        layer_engine.advance_stream(streams[1], q_layers[i], i)
         ref_layer.to("meta")
         q_layers[i].to("meta")
 
 
-def _head_kl(reference: torch.nn.Module, quantized: torch.nn.Module, streams: list[Stream]) -> list[float]:
+def _head_kl(reference: torch.nn.Module, quantized: torch.nn.Module, streams: list[layer_engine.Stream]) -> list[float]:
     """Per window, the mean KL(reference || quantized) of the next-token distributions over its positions: each
-    model's final norm and head on HEAD_POSITIONS positions of one window at a time (float64 copies of (1, 64, V):
+    model's final norm and head on `HEAD_POSITIONS` positions of one window at a time (float64 copies of (1, 64, V):
     ~0.1 GB at V = 152k)."""
-    _, ref_layers = decoder_stack(reference)
-    _, q_layers = decoder_stack(quantized)
+    _, ref_layers = layer_engine.decoder_stack(reference)
+    _, q_layers = layer_engine.decoder_stack(quantized)
     per_window = []
     for b in range(len(streams[0].hidden)):
         for ref_hidden, q_hidden in zip(streams[0].hidden[b].split(1), streams[1].hidden[b].split(1)):
             kl_sum = 0.0
-            for start in range(0, ref_hidden.shape[1], HEAD_POSITIONS):
+            for start in range(0, ref_hidden.shape[1], layer_engine.HEAD_POSITIONS):
                 kl = kl_divergence(
-                    head_logits(reference, ref_layers, ref_hidden, start),
-                    head_logits(quantized, q_layers, q_hidden, start),
+                    layer_engine.head_logits(reference, ref_layers, ref_hidden, start),
+                    layer_engine.head_logits(quantized, q_layers, q_hidden, start),
                 )
                 kl_sum += kl.sum().item()
             per_window.append(kl_sum / ref_hidden.shape[1])

@@ -103,17 +103,8 @@ from quantkit.calibrate.stats import ChannelMaxObserver
 from quantkit.calibrate.stats_cache import CacheLocation, LayerStatistics, StatisticsCache, reuse_or_record
 from quantkit.checkpoints import SAFETENSORS_DTYPES, tensor_headers
 from quantkit.formats.hadamard import residual_rotation
+from quantkit.quantize import output
 from quantkit.quantize.gptq import gptq_layer
-from quantkit.quantize.output import (
-    SAFETENSORS_METADATA,
-    checkpoint_state,
-    encode_matrices,
-    output_config,
-    quantizable_weights,
-    smoothed_norm_keys,
-    unquantized_to_source_dtype,
-    write_side_files,
-)
 from quantkit.quantize.plan import QuantPlan, RotationStep, SmoothQuantStep
 from quantkit.quantize.recipe import Recipe, SmoothQuantSettings
 from quantkit.quantize.rotation import (
@@ -231,7 +222,7 @@ def quantize_streaming(
     pin_mmap_threshold()
     job = _StreamingJob.resolve(Path(model_dir), recipe)
     out_dir = Path(out_dir)
-    metadata = SAFETENSORS_METADATA
+    metadata = output.SAFETENSORS_METADATA
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # named like atomic_dir's temporaries: a SIGKILLed run's hidden states are removed by the next writer of out_dir
     spill_root = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", suffix=".tmp", dir=out_dir.parent))
@@ -283,10 +274,10 @@ def quantize_streaming(
                     calibrated,
                 )
             writer.finish()
-            config_out = output_config(job.config, type(job.skeleton).__name__, job.plan)
+            config_out = output.output_config(job.config, type(job.skeleton).__name__, job.plan)
             if rotation is not None:
                 config_out["quantization_config"]["rotation"] = rotation.to_dict()
-            write_side_files(tmp, config_out, job.tokenizer, report, model_dir)
+            output.write_side_files(tmp, config_out, job.tokenizer, report, model_dir)
     finally:
         shutil.rmtree(spill_root, ignore_errors=True)
     return out_dir
@@ -333,7 +324,7 @@ class _StreamingJob:
         if isinstance(recipe, QuantPlan):
             plan = recipe
         else:  # meta tensors: names only
-            plan = QuantPlan.resolve(recipe, config, list(quantizable_weights(skeleton)))
+            plan = QuantPlan.resolve(recipe, config, list(output.quantizable_weights(skeleton)))
         outside = [n for n in plan.quantized if not n.startswith(f"{stack_name}.")]
         if outside and plan.static_scales is not None:
             raise StreamingError(
@@ -388,9 +379,9 @@ class _StreamingJob:
         `scales`: GPTQ's decode scales by matrix), the rest in the source dtype (bf16 for the bf16 recipe)."""
         if self.plan.scheme is None:
             return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
-        norm_keys = smoothed_norm_keys(self.smoothed, state)
-        unquantized_to_source_dtype(state, list(matrices), self.source_headers, self.config, norm_keys)
-        encode_matrices(state, matrices, self.plan, amax, desc="", progress=False, scales=scales)
+        norm_keys = output.smoothed_norm_keys(self.smoothed, state)
+        output.unquantized_to_source_dtype(state, list(matrices), self.source_headers, self.config, norm_keys)
+        output.encode_matrices(state, matrices, self.plan, amax, desc="", progress=False, scales=scales)
         return state
 
     def write_outside(self, writer: ShardWriter, tied: dict[str, str], loaded: bool = False) -> None:
@@ -501,8 +492,8 @@ class _StreamingJob:
                 raise RuntimeError(f"static activation calibration: these linears were never called: {missing}")
             amax = {n: m.max().reshape(1) for n, m in observer.maxima.items()}
         quantized = self.plan.matrix_schemes
-        state = {prefix + k: v for k, v in checkpoint_state(layer).items()}
-        matrices = {prefix + k: v for k, v in quantizable_weights(layer).items() if prefix + k in quantized}
+        state = {prefix + k: v for k, v in output.checkpoint_state(layer).items()}
+        matrices = {prefix + k: v for k, v in output.quantizable_weights(layer).items() if prefix + k in quantized}
         for key, tensor in self.finish_state(state, matrices, amax, gptq_scales).items():
             writer.add(key, tensor)
         del state, matrices
