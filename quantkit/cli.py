@@ -286,10 +286,15 @@ def _run_study(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_engine_parser(sub: Subparsers, name: str, help: str, model_help: str) -> argparse.ArgumentParser:
+    """A subcommand that opens a vLLM engine on a checkpoint: its parser, with the checkpoint and the engine's
+    options."""
+    parser = sub.add_parser(name, help=help)
+    parser.add_argument("model", help=model_help)
     parser.add_argument("--dtype", default="auto", help="vLLM dtype (auto: the checkpoint's)")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    return parser
 
 
 def _add_info_parser(sub: Subparsers) -> None:
@@ -371,22 +376,25 @@ def _add_quality_parser(sub: Subparsers) -> None:
 
 def _add_serve_parser(sub: Subparsers) -> None:
     """`quantkit serve MODEL`."""
-    serve = sub.add_parser("serve", help="OpenAI-compatible server (vLLM) on a checkpoint: quantkit serve MODEL_DIR")
-    serve.add_argument("model", help="checkpoint directory (quantized by quantkit, compressed-tensors, or unquantized)")
+    serve = _add_engine_parser(
+        sub,
+        "serve",
+        "OpenAI-compatible server (vLLM) on a checkpoint: quantkit serve MODEL_DIR",
+        "checkpoint directory (quantized by quantkit, compressed-tensors, or unquantized)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    _add_engine_arguments(serve)
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: passed to vLLM's server unchanged")
     serve.set_defaults(func=_serve)
 
 
 def _add_generate_parser(sub: Subparsers) -> None:
     """`quantkit generate MODEL PROMPT...`."""
-    gen = sub.add_parser("generate", help="greedy offline generation through vLLM, with tokens/s")
-    gen.add_argument("model", help="checkpoint directory")
+    gen = _add_engine_parser(
+        sub, "generate", "greedy offline generation through vLLM, with tokens/s", "checkpoint directory"
+    )
     gen.add_argument("prompts", nargs="+")
     gen.add_argument("--max-tokens", type=int, default=32)
-    _add_engine_arguments(gen)
     gen.set_defaults(func=_generate)
 
 

@@ -26,6 +26,8 @@ from enum import StrEnum
 import torch
 from torch import nn
 
+from quantkit.calibrate.stats import PreHooks
+
 # (consumer module name, x (rows, K) float32, weight (N, K) float32) -> the quantized product x W^T, (rows, N)
 QuantizedProduct = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -73,18 +75,18 @@ class AlphaSearch:
         return [ratio for ratio, _ in AWQ_GRID] if self.rule == Rule.AWQ else list(self.grid)
 
 
-class RowSampler:
+class RowSampler(PreHooks):
     """Forward pre-hooks keeping every ROW_STRIDE-th row of named modules' inputs, up to `max_rows` each, float32,
     and, with `means`, the sum of |x| per input column over every row (AWQ's mean).
 
     Use as a context manager; `rows[name]` is (rows, K) once the module was called, `mean_abs(name)` (K,)."""
 
     def __init__(self, model: nn.Module, module_names: Sequence[str], max_rows: int, means: bool = False) -> None:
+        super().__init__()
         self.model, self.names, self.max_rows, self.means = model, list(dict.fromkeys(module_names)), max_rows, means
         self.rows: dict[str, torch.Tensor] = {}
         self.abs_sum: dict[str, torch.Tensor] = {}  # float64 (K,): sum of |x| over every row seen
         self.count: dict[str, int] = {}
-        self._handles: list = []
 
     def mean_abs(self, name: str) -> torch.Tensor:
         """mean |x| per input column of `name` over every row it was called with, float32 (K,)."""
@@ -92,13 +94,8 @@ class RowSampler:
 
     def __enter__(self) -> RowSampler:
         for name in self.names:
-            self._handles.append(self.model.get_submodule(name).register_forward_pre_hook(self._hook(name)))
+            self._add(self.model.get_submodule(name), self._hook(name))
         return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     def _hook(self, name: str):
         def hook(_module: nn.Module, args: tuple) -> None:

@@ -35,7 +35,23 @@ DEFAULT_NUM_SEQUENCES = PAPER_NUM_SEQUENCES
 DEFAULT_SEQ_LEN = 512
 
 
-class ChannelMaxObserver:
+class PreHooks:
+    """A context manager owning forward pre-hooks: subclasses register them on entry with `_add`; every one is
+    removed on exit."""
+
+    def __init__(self) -> None:
+        self._handles: list = []
+
+    def _add(self, module: nn.Module, hook: Callable) -> None:
+        self._handles.append(module.register_forward_pre_hook(hook))
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class ChannelMaxObserver(PreHooks):
     """Forward pre-hooks recording max |x| per input channel of named linears (running max, float32).
 
     Use as a context manager; `maxima[name]` is a 1-D tensor of in_features (NaN and Inf propagate, so a
@@ -43,10 +59,10 @@ class ChannelMaxObserver:
     """
 
     def __init__(self, model: nn.Module, module_names: Iterable[str]) -> None:
+        super().__init__()
         self.model = model
         self.names = list(dict.fromkeys(module_names))
         self.maxima: dict[str, torch.Tensor] = {}
-        self._handles: list = []
 
     def __enter__(self) -> ChannelMaxObserver:
         experts: dict[str, nn.Module] = {}
@@ -55,19 +71,14 @@ class ChannelMaxObserver:
             if match and (fused := _fused_experts_at(self.model, match["experts"])) is not None:
                 experts[match["experts"]] = fused
             else:
-                self._handles.append(self.model.get_submodule(name).register_forward_pre_hook(self._hook(name)))
+                self._add(self.model.get_submodule(name), self._hook(name))
         for name, module in experts.items():
-            self._handles.append(module.register_forward_pre_hook(self._all_experts_hook(name)))
+            self._add(module, self._all_experts_hook(name))
         return self
 
     def _update(self, name: str, amax: torch.Tensor) -> None:
         prev = self.maxima.get(name)
         self.maxima[name] = amax if prev is None else torch.maximum(prev, amax)
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     def _hook(self, name: str):
         def hook(_module: nn.Module, args: tuple) -> None:

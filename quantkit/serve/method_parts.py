@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from enum import StrEnum
+from typing import Any
 
 import torch
 from vllm.logger import init_logger
@@ -68,6 +69,23 @@ COMPILE_ENV = "QUANTKIT_CPU_COMPILE"  # "off": the emulation's activation fake-q
 COMPILED_MIN_ROWS = 16  # rows from which the compiled fake-quant is faster (below: its call overhead is not)
 
 _compiled: dict[str, Callable[..., torch.Tensor] | None] = {}  # scheme name -> compiled fake-quant (None: eager)
+
+
+def check_rank_width(method: Any, k: int, width: str, sharded: bool, advice: str) -> None:
+    """ValueError unless this rank's input width `k` (named `width` in the message) holds whole quantization groups
+    of the quant method's scheme (`k_multiple`; checked when tensor parallelism splits it) and whole online Hadamard
+    blocks (its `online_hadamard`); `advice` ends the Hadamard message. `method`: a quant method with `prefix`,
+    `scheme`, `online_hadamard`."""
+    prefix, scheme, online_hadamard = method.prefix, method.scheme, method.online_hadamard
+    if sharded and k % scheme.k_multiple:
+        raise ValueError(
+            f"{prefix}: {scheme.name} under tensor parallelism needs {width} ({k}) to be a multiple of "
+            f"{scheme.k_multiple}"
+        )
+    if online_hadamard is not None and k % online_hadamard:
+        raise ValueError(
+            f"{prefix}: the online Hadamard block {online_hadamard} must divide this rank's {width} ({k}); {advice}"
+        )
 
 
 def emulated_activation(

@@ -59,6 +59,7 @@ from quantkit.formats.experts import Segments, routed_experts_forward
 from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.schemes import LayerTensor, experts_online_block
 from quantkit.kernels.expert_sort import ExpertSort, combine_expert_rows, sort_by_expert
+from quantkit.serve import method_parts
 from quantkit.serve.method_parts import CAPTURE_ENV, Kernel, copy_checkpoint_part, emulated_activation, select_kernel
 
 logger = init_logger(f"vllm.{__name__}")
@@ -102,16 +103,8 @@ class QuantkitExperts:
     ) -> None:
         """Register `w13_<suffix>` / `w2_<suffix>` (module docstring); intermediate_size is this rank's I_p;
         local_expert maps a global expert id to this rank's index (-1: not held here)."""
-        if self.tp_size > 1 and intermediate_size % self.scheme.k_multiple:
-            raise ValueError(
-                f"{self.prefix}: {self.scheme.name} under tensor parallelism needs moe_intermediate_size/tp "
-                f"({intermediate_size}) to be a multiple of {self.scheme.k_multiple}"
-            )
-        if self.online_hadamard is not None and intermediate_size % self.online_hadamard:
-            raise ValueError(
-                f"{self.prefix}: the online Hadamard block {self.online_hadamard} must divide this rank's "
-                f"moe_intermediate_size/tp ({intermediate_size}); quantize with a smaller rotation.online_block"
-            )
+        advice = "quantize with a smaller rotation.online_block"
+        method_parts.check_rank_width(self, intermediate_size, "moe_intermediate_size/tp", self.tp_size > 1, advice)
         # (the ignores: nn.Module.__setattr__ takes any value; torch's stub admits only tensors and modules)
         layer.quantkit_layout = {  # type: ignore[assignment]
             "w13": ([intermediate_size] * 2, hidden_size),

@@ -50,6 +50,7 @@ from quantkit.formats.constants import ActivationScale
 from quantkit.formats.experts import EXPERT_MATRIX
 from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.schemes import LayerTensor, Scheme, module_scheme, online_hadamard_blocks, scheme_from_config
+from quantkit.serve import method_parts
 from quantkit.serve.method_parts import CAPTURE_ENV, Kernel, copy_checkpoint_part, emulated_activation, select_kernel
 from quantkit.serve.moe_method import QuantkitMoEMethod
 
@@ -212,16 +213,8 @@ class QuantkitLinearMethod(LinearMethodBase):
         layer.quantkit_shards = [n] if layer.quantkit_whole else list(output_partition_sizes)  # type: ignore[assignment]
         layer.quantkit_in_features = k  # type: ignore[assignment]
         scheme = self.scheme
-        if sharded_k and k % scheme.k_multiple:
-            raise ValueError(
-                f"{self.prefix}: {scheme.name} under tensor parallelism needs in_features/tp ({k}) to be a "
-                f"multiple of {scheme.k_multiple}"
-            )
-        if self.online_hadamard is not None and k % self.online_hadamard:
-            raise ValueError(
-                f"{self.prefix}: the online Hadamard block {self.online_hadamard} must divide this rank's "
-                f"in_features ({k}): serve with a tensor-parallel size that keeps whole blocks per rank"
-            )
+        advice = "serve with a tensor-parallel size that keeps whole blocks per rank"
+        method_parts.check_rank_width(self, k, "in_features/tp" if sharded_k else "in_features", sharded_k, advice)
         shards = len(cast(list[int], layer.quantkit_shards))
         for spec in scheme.layer_tensors(n, k, shards, self.activation_scale):
             self._add(layer, spec)
