@@ -482,16 +482,21 @@ def test_cli_refuses_bad_checkpoints(tmp_path):
         # SpinQuant's R1/R2 fold into the weights; config.json's transform_config lists them, and vLLM must apply
         # no online transform for them (a stock decoder: R1 needs every reader of the residual stream mapped)
         ("nvfp4_ct_spinquant16_gptq", "EmulationNvFp4LinearKernel", "llama"),
+        # ModelOpt's exports: vLLM's modelopt method, NVFP4 through the same emulation kernel, FP8 per channel / per
+        # token through vLLM's own CPU FP8 path (which logs no kernel name); a 16-bit engine (vLLM refuses float32)
+        ("nvfp4_modelopt", "EmulationNvFp4LinearKernel", "llama"),
+        ("fp8_pc_pt_modelopt", None, "llama"),
     ],
 )
 def test_peer_checkpoints_served_on_cpu(recipe, kernel, source, sources, tmp_path, capfd, monkeypatch):
-    """The peers' compressed-tensors checkpoints (llmcompressor) are served on CPU by the emulation kernels the plugin
-    registers; the log names the kernel; the output is quantized (differs from the source) but close to it: a mean
-    |logprob| gap under 0.5 nats is the size of 4-bit quantization error on these tiny models (measured 2026-11-29,
-    AVX2: FP8 0.04, NVFP4 0.11, SpinQuant-16 + GPTQ 0.28, whose embedding centering also moves the function). It is
-    a sanity bound, not a derived tolerance: it catches a served model far from its source (a rotation applied
-    twice or not at all multiplies every layer's input by an unrelated orthogonal matrix); the exact checks of
-    served numerics are test_vllm_matches_fake_quant_reference's.
+    """The peers' checkpoints (llmcompressor's compressed-tensors, ModelOpt's) are served on CPU by vLLM with the
+    emulation kernels the plugin registers; the log names the kernel; the output is quantized (differs from the
+    source) but close to it: a mean |logprob| gap under 0.5 nats is the size of 4-bit quantization error on these
+    tiny models (measured 2026-11-29, AVX2: FP8 0.04, NVFP4 0.11, SpinQuant-16 + GPTQ 0.28, whose embedding
+    centering also moves the function; ModelOpt NVFP4 0.25, FP8 0.07, bf16 engine). It is a sanity bound, not a
+    derived tolerance: it catches a served model far from its source (a rotation applied twice or not at all
+    multiplies every layer's input by an unrelated orthogonal matrix; an activation scale inverted scales every
+    input by ~1e4); the exact checks of served numerics are test_vllm_matches_fake_quant_reference's.
     The engine core runs in a process of its own (vLLM's default) so its kernel log is fresh and captured."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     from transformers import AutoModelForCausalLM
@@ -504,15 +509,14 @@ def test_peer_checkpoints_served_on_cpu(recipe, kernel, source, sources, tmp_pat
     data = read_yaml(RECIPES_DIR / f"{recipe}.yaml")
     data = {**data, "calibration": small, **({"gptq": {**data["gptq"], **small}} if "gptq" in data else {})}
     quantized = quantize_checkpoint(sources[source], parse_recipe(data), tmp_path / recipe)
-    assert (
-        json.loads((quantized / "config.json").read_text())["quantization_config"]["quant_method"]
-        == "compressed-tensors"
-    )
+    method = json.loads((quantized / "config.json").read_text())["quantization_config"]["quant_method"]
+    assert method == ("modelopt" if data["backend"] == "modelopt" else "compressed-tensors")
     tok = AutoTokenizer.from_pretrained(quantized)
+    dtype = "bfloat16" if method == "modelopt" else "float32"
     run = generate(
-        quantized, [tok(p)["input_ids"] for p in PROMPTS], max_tokens=DECODE_TOKENS, max_model_len=256, dtype="float32"
+        quantized, [tok(p)["input_ids"] for p in PROMPTS], max_tokens=DECODE_TOKENS, max_model_len=256, dtype=dtype
     )
-    assert f"Using {kernel}" in capfd.readouterr().out
+    assert kernel is None or f"Using {kernel}" in capfd.readouterr().out
     token_ids = [g.token_ids for g in run.generations]
     model = AutoModelForCausalLM.from_pretrained(sources[source], dtype=torch.float32).eval()
     diff = token_diffs([torch.tensor(g.logprobs) for g in run.generations], reference_logprobs(model, token_ids))

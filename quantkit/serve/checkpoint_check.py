@@ -11,7 +11,9 @@
   0..E-1 (E = config num_experts where given) needs gate_proj, up_proj and down_proj, of one shape per
   projection, and an experts module is quantized as a whole or not at all (vLLM's FusedMoE runs all experts
   of a layer with one quant method and one fused gate/up GEMM);
-- the scheme cannot run on this device (ModelOpt checkpoints and the Triton FP8 path need CUDA >= sm89).
+- the scheme cannot run on this device (the Triton FP8 path needs CUDA >= sm89).
+ModelOpt checkpoints pass: vLLM serves them with its own methods, on CPU through the emulation kernels the plugin
+registers (`quantkit.serve.cpu.peer_kernels`), in a 16-bit engine dtype (vLLM refuses float32 for them).
 Returns the quantization_config (None for an unquantized checkpoint).
 """
 
@@ -38,14 +40,6 @@ def check_servable(model_dir: str | Path) -> dict | None:
     if method == "quantkit":
         _check_quantkit(model_dir, qc, headers)
         _check_experts(model_dir, config, qc, headers)
-    elif method == "modelopt":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise CheckpointError(
-                f"{model_dir}: ModelOpt checkpoints ({qc.get('quant_algo')}) are served by vLLM on CUDA only; "
-                "this machine has no GPU"
-            )
     return qc
 
 
