@@ -493,10 +493,10 @@ def test_peer_checkpoints_served_on_cpu(recipe, kernel, source, sources, tmp_pat
     emulation kernels the plugin registers; the log names the kernel; the output is quantized (differs from the
     source) but close to it: a mean |logprob| gap under 0.5 nats is the size of 4-bit quantization error on these
     tiny models (measured 2026-11-29, AVX2: FP8 0.04, NVFP4 0.11, SpinQuant-16 + GPTQ 0.28, whose embedding
-    centering also moves the function; ModelOpt NVFP4 0.25, FP8 0.07, bf16 engine). It is a sanity bound, not a
-    derived tolerance: it catches a served model far from its source (a rotation applied twice or not at all
-    multiplies every layer's input by an unrelated orthogonal matrix; an activation scale inverted scales every
-    input by ~1e4); the exact checks of served numerics are test_vllm_matches_fake_quant_reference's.
+    centering also moves the function; ModelOpt NVFP4 0.25, FP8 0.07: AVX-512 BF16, bf16 engine). It is a sanity
+    bound, not a derived tolerance: it catches a served model far from its source (a rotation applied twice or not
+    at all multiplies every layer's input by an unrelated orthogonal matrix; an activation scale inverted scales
+    every input by ~1e4); the exact checks of served numerics are test_vllm_matches_fake_quant_reference's.
     The engine core runs in a process of its own (vLLM's default) so its kernel log is fresh and captured."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     from transformers import AutoModelForCausalLM
