@@ -348,6 +348,20 @@ def test_llmcompressor_peer_transforms(source, tmp_path):
         quantize_checkpoint(source, dataclasses.replace(awq, name="awq_zoo"), tmp_path / "awq_zoo")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_modelopt_search_algorithms_are_refused_without_cuda(source, tmp_path):
+    """ModelOpt 0.42's AWQ and MSE calibrations fake-quantize NVFP4 with CUDA kernels only (its own assertion on CPU:
+    "amax must be a CUDA tensor for dynamic block quantization"): refused before the model loads, naming the way
+    out, and nothing written."""
+    from quantkit.errors import BackendError
+    from quantkit.quantize.recipe import load_recipe
+
+    for name in ("nvfp4_modelopt_awq", "nvfp4_modelopt_mse"):
+        with pytest.raises(BackendError, match=r"calibration needs a CUDA GPU.*nvfp4_modelopt \(max calibration\)"):
+            quantize_checkpoint(source, load_recipe(name), tmp_path / name)
+        assert not (tmp_path / name).exists()
+
+
 def test_modelopt_export(source, tmp_path):
     """ModelOpt's presets export from CPU; NVFP4 weights bit-exact with ours at ModelOpt's global scale;
     FP8 per-channel weights bit-exact with our per-row FP8; the ignore list stays unquantized."""

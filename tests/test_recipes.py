@@ -47,7 +47,10 @@ def test_ignore_list():
         ({"name": "x", "scheme": "NVFP4", "backend": "modelopt", "smoothquant": {}}, "backend quantkit only"),
         ({"name": "x", "scheme": "FP8_BLOCK", "backend": "modelopt"}, "for backend 'modelopt'"),
         # the peers' own transform modifiers (issue 51 item 5): named, with arguments the registry lists
-        ({**PEER, "backend": "modelopt", "peer_modifiers": {"AWQModifier": {}}}, "backend llmcompressor only"),
+        ({**PEER, "backend": "modelopt", "peer_modifiers": {"AWQModifier": {}}}, r"not one of .*'modelopt'"),
+        ({"name": "x", "scheme": "nvfp4", "peer_modifiers": {"awq_lite": {}}}, "llmcompressor, modelopt only"),
+        ({**PEER, "backend": "modelopt", "peer_modifiers": {"awq_lite": {}, "mse": {}}}, "one calibration algorithm"),
+        ({**PEER, "backend": "modelopt", "peer_modifiers": {"mse": {"alpha_step": 0.1}}}, "keys among"),
         ({**PEER, "peer_modifiers": {"QuIPModifier": {}}}, "not one of"),
         ({**PEER, "peer_modifiers": {"AWQModifier": {"mappings": []}}}, "keys among"),
         ({**PEER, "peer_modifiers": {"AWQModifier": {"n_grid": 0}}}, "n_grid must be"),
@@ -79,6 +82,26 @@ def test_peer_modifiers_keep_their_order_and_share_one_calibration_set():
     fp8 = parse_recipe({**PEER, "scheme": "FP8_BLOCK", "peer_modifiers": {"AWQModifier": {}}})
     assert [(w.use, w.num_sequences) for w in calibration_windows_of(fp8)] == [("awq", 64)]  # dynamic activations
     assert calibration_windows_of(parse_recipe({**PEER, "scheme": "FP8_BLOCK"})) == ()
+
+
+def test_modelopt_recipes_name_its_calibration_algorithm():
+    """ModelOpt's AWQ-lite and MSE rows: the algorithm and its arguments reach ModelOpt's config as its "algorithm"
+    (the preset's quantizers unchanged), one calibration set named by its use; the plain preset keeps "max"."""
+    import modelopt.torch.quantization as mtq
+    from torch import nn
+
+    from quantkit.quantize.modelopt_backend import modelopt_config
+    from quantkit.quantize.plan import calibration_windows_of
+
+    awq, mse = load_recipe("nvfp4_modelopt_awq"), load_recipe("nvfp4_modelopt_mse")
+    assert [w.use for w in calibration_windows_of(awq)] == ["awq and activation scales"]
+    assert [w.use for w in calibration_windows_of(mse)] == ["mse and activation scales"]
+    model = nn.Sequential(nn.Linear(32, 32))
+    config = modelopt_config(awq, model)
+    assert config["algorithm"] == {"method": "awq_lite", "alpha_step": 0.1}
+    assert config["quant_cfg"] == mtq.NVFP4_AWQ_LITE_CFG["quant_cfg"] == mtq.NVFP4_DEFAULT_CFG["quant_cfg"]
+    assert modelopt_config(mse, model)["algorithm"] == {"method": "mse"}
+    assert modelopt_config(load_recipe("nvfp4_modelopt"), model)["algorithm"] == "max"
 
 
 def test_unknown_recipe_name_lists_the_available_ones(tmp_path):

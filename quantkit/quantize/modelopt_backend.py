@@ -8,8 +8,12 @@
 ModelOpt has no 128x128-block FP8 W8A8 scheme and no per-token NVFP4 activation scale, so these are
 comparison rows, not the paper's schemes. Calibration ("max") runs on CPU over held-out corpus
 sequences; the output is ModelOpt's unified Hugging Face checkpoint (`quant_method: "modelopt"`,
-plus `hf_quant_config.json`), which vLLM serves on CUDA. Written atomically like ours; ModelOpt's own
-failures (and a missing nvidia-modelopt) raise BackendError naming the recipe.
+plus `hf_quant_config.json`), which vLLM serves (on CPU too: docs/serving.md). Written atomically like ours;
+ModelOpt's own failures (and a missing nvidia-modelopt) raise BackendError naming the recipe.
+
+A recipe's `peer_modifiers` may name one of ModelOpt's calibration algorithms instead of "max" (`awq_lite`, as
+NVFP4_AWQ_LITE_CFG; `awq_clip`, `awq_full`, `mse`; recipe.PEER_MODIFIERS). ModelOpt 0.42 runs them on CUDA only:
+their search fake-quantizes NVFP4 with its CUDA kernels, so on a CPU-only machine they are refused up front.
 """
 
 from __future__ import annotations
@@ -48,10 +52,14 @@ def _cpu_safe_fp4_check():
 
 
 def modelopt_config(recipe: Recipe, model: torch.nn.Module) -> dict:
-    """ModelOpt's preset for the recipe's scheme, with the recipe's ignore list disabled by exact module name."""
+    """ModelOpt's preset for the recipe's scheme, with the recipe's ignore list disabled by exact module name and the
+    calibration algorithm its `peer_modifiers` names (ModelOpt's own: awq_lite, awq_clip, awq_full, mse; with its
+    arguments), else the preset's ("max")."""
     import modelopt.torch.quantization as mtq
 
     config = copy.deepcopy(getattr(mtq, CONFIGS[recipe.scheme]))
+    for name, args in recipe.peer_modifiers:  # at most one: the recipe refuses more (PEER_MODIFIERS)
+        config["algorithm"] = {"method": name, **dict(args)}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and recipe.ignores(name):
             config["quant_cfg"][f"{name}.*"] = {"enable": False}
@@ -68,6 +76,13 @@ def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Pa
     except ImportError as err:
         raise BackendError(f"recipe {recipe.name} needs nvidia-modelopt ({err}): pip install -e '.[backends]'") from err
 
+    if recipe.peer_modifiers and not torch.cuda.is_available():
+        (algorithm, _), *_ = recipe.peer_modifiers
+        raise BackendError(
+            f"recipe {recipe.name}: ModelOpt's {algorithm} calibration needs a CUDA GPU (its search fake-quantizes "
+            "NVFP4 with CUDA kernels only: 'amax must be a CUDA tensor for dynamic block quantization'); on this "
+            "machine use nvfp4_modelopt (max calibration) or llm-compressor's nvfp4_ct_awq"
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_reference_model(model_dir, torch.bfloat16)
     # ModelOpt calibrates every preset: one set of windows (`quantkit.quantize.plan.SCALE_CALIBRATION`)

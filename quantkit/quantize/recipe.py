@@ -117,6 +117,7 @@ class PeerModifier:
     use: str  # its name in a calibration set's `use` ("awq")
     sequential: bool = False  # needs the peer's layer-by-layer calibration pipeline (fx-traced: stock models only)
     check: Callable[[dict[str, Any], str], None] = lambda args, where: None  # ValueError naming a bad argument
+    algorithm: bool = False  # the peer's calibration algorithm itself (ModelOpt's): at most one per recipe
 
 
 def _spinquant_check(args: dict[str, Any], where: str) -> None:
@@ -142,6 +143,8 @@ def _awq_check(args: dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}: duo_scaling must be true, false or both, got {args['duo_scaling']!r}")
 
 
+_AWQ_CLIP = frozenset({"max_co_batch_size", "max_tokens_per_batch", "min_clip_ratio", "shrink_step"})
+
 # The peers' transform modifiers a recipe may name, run in the order listed before the peer's quantization (its
 # GPTQModifier with `gptq`, else its QuantizationModifier); arguments pass through unchanged.
 PEER_MODIFIERS: dict[Backend, dict[str, PeerModifier]] = {
@@ -158,6 +161,20 @@ PEER_MODIFIERS: dict[Backend, dict[str, PeerModifier]] = {
             calibrates=False,
             use="spinquant",
             check=_spinquant_check,
+        ),
+    },
+    # ModelOpt 0.42's calibration algorithms for its NVFP4 preset (`mtq.quantize` config "algorithm"; at most one):
+    # AWQ-lite (NVFP4_AWQ_LITE_CFG: a grid over alpha per layer), AWQ-clip (weight clipping search), AWQ-full (both),
+    # MSE (each weight block's scale by a search over multiples of its max, `fp8_scale_sweep`: over the FP8 values)
+    Backend.MODELOPT: {
+        "awq_lite": PeerModifier(frozenset({"alpha_step"}), calibrates=True, use="awq", algorithm=True),
+        "awq_clip": PeerModifier(_AWQ_CLIP, calibrates=True, use="awq-clip", algorithm=True),
+        "awq_full": PeerModifier(_AWQ_CLIP | {"alpha_step"}, calibrates=True, use="awq", algorithm=True),
+        "mse": PeerModifier(
+            frozenset({"step_size", "start_multiplier", "stop_multiplier", "fp8_scale_sweep"}),
+            calibrates=True,
+            use="mse",
+            algorithm=True,
         ),
     },
 }
@@ -490,6 +507,9 @@ def _peer_modifiers(value: Any, backend: Backend, source: str) -> tuple[tuple[st
         known[name].check(args, where)
         frozen = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(args.items()))
         modifiers.append((name, frozen))
+    algorithms = [name for name, _ in modifiers if known[name].algorithm]
+    if len(algorithms) > 1:
+        raise ValueError(f"{source}: peer_modifiers names {algorithms}: the peer runs one calibration algorithm")
     return tuple(modifiers)
 
 
