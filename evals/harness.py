@@ -44,7 +44,7 @@ def continuation_scoring_vllm() -> type:
     from lm_eval.models.vllm_causallms import VLLM
     from vllm import SamplingParams
 
-    from quantkit.serve.prompt_logprobs import FIRST_SCORED_POSITION
+    from quantkit.serve.engine import FIRST_SCORED_POSITION
 
     class ContinuationScoringVLLM(VLLM):
         _first_scored: dict[tuple[int, ...], int] = {}
