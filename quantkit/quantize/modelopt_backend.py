@@ -79,8 +79,8 @@ def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Pa
     if recipe.peer_modifiers and not torch.cuda.is_available():
         raise BackendError(
             f"recipe {recipe.name}: ModelOpt's {recipe.peer_modifiers[0][0]} calibration needs a CUDA GPU (its "
-            "search fake-quantizes NVFP4 with CUDA kernels only: 'amax must be a CUDA tensor for dynamic block quantization'); on this "
-            "machine use nvfp4_modelopt (max calibration) or llm-compressor's nvfp4_ct_awq"
+            "search fake-quantizes NVFP4 with CUDA kernels only: 'amax must be a CUDA tensor for dynamic block "
+            "quantization'); on this machine use nvfp4_modelopt (max calibration) or llm-compressor's nvfp4_ct_awq"
         )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_reference_model(model_dir, torch.bfloat16)
