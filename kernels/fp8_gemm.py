@@ -166,11 +166,6 @@ def fp8_block_gemm(
         HAS_BIAS=bias is not None,
         ROUND_BF16=out_dtype == torch.bfloat16 and interpreting(),
         SCALE_BLOCK=scale_rows,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        **tiles.launch_options(),
     )
     return y

@@ -27,6 +27,18 @@ class GemmTiles:
     num_warps: int = 4
     num_stages: int = 3
 
+    def launch_options(self) -> dict[str, int]:
+        """The keyword arguments a tiled GEMM kernel launches with: its BLOCK_M/N/K and GROUP_M constexprs and
+        Triton's num_warps / num_stages."""
+        return {
+            "BLOCK_M": self.block_m,
+            "BLOCK_N": self.block_n,
+            "BLOCK_K": self.block_k,
+            "GROUP_M": self.group_m,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+        }
+
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -68,16 +68,39 @@ def expert_tiles(expert_offsets: torch.Tensor, rows: int, block_m: int) -> tuple
 
 @triton.jit
 def grouped_tile(
-    tile_expert_ptr, tile_row_ptr, NUM_TILES, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr
+    tile_expert_ptr,
+    tile_row_ptr,
+    ends_ptr,
+    row_index_ptr,
+    y_ptr,
+    NUM_TILES,
+    E,
+    N,
+    stride_ym,
+    GATHER: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    """This program's tile of a grouped GEMM: (expert (E: the rows of no expert, more: a spare tile), offs_m
-    (BLOCK_M,) sorted rows from the tile's first, offs_n (BLOCK_N,), n_ok), on a 1-D grid of
-    NUM_TILES * cdiv(N, BLOCK_N) programs."""
+    """This program's tile of a grouped GEMM, on a 1-D grid of NUM_TILES * cdiv(N, BLOCK_N) programs: (expert,
+    src (BLOCK_M,) the operand rows (row_index[offs_m] when GATHER, else offs_m), offs_m (BLOCK_M,) sorted rows
+    from the tile's first, offs_n (BLOCK_N,), m_ok, n_ok). expert E (the rows of no expert) stores its zeros here;
+    expert > E is a spare tile: the kernel has nothing to compute for expert >= E."""
     pid_m, pid_n = tile_ids(NUM_TILES, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + pid_m)
     offs_m = tl.load(tile_row_ptr + pid_m) + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return expert, offs_m, offs_n, offs_n < N
+    m_ok = offs_m < tl.load(ends_ptr + tl.minimum(expert, E) + 1)
+    n_ok = offs_n < N
+    if expert == E:  # rows of no expert: zeros
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        store_tile(zeros, y_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, False, ROUND_BF16)
+    if GATHER:
+        src = tl.load(row_index_ptr + offs_m, mask=m_ok, other=0)
+    else:
+        src = offs_m
+    return expert, src, offs_m, offs_n, m_ok, n_ok
 
 
 @triton.jit
@@ -109,28 +132,10 @@ def _fp8_block_grouped_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    expert, offs_m, offs_n, n_ok = grouped_tile(tile_expert_ptr, tile_row_ptr, NUM_TILES, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if expert > E:
+    tile = (tile_expert_ptr, tile_row_ptr, ends_ptr, row_index_ptr, y_ptr, NUM_TILES, E, N, stride_ym)
+    expert, src, offs_m, offs_n, m_ok, n_ok = grouped_tile(*tile, GATHER, ROUND_BF16, BLOCK_M, BLOCK_N, GROUP_M)
+    if expert >= E:  # rows of no expert (zeros, stored) or a spare tile
         return
-    m_ok = offs_m < tl.load(ends_ptr + expert + 1)
-    if expert == E:  # rows of no expert: zeros
-        store_tile(
-            tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
-            y_ptr,
-            y_ptr,
-            offs_m,
-            offs_n,
-            m_ok,
-            n_ok,
-            stride_ym,
-            False,
-            ROUND_BF16,
-        )
-        return
-    if GATHER:
-        src = tl.load(row_index_ptr + offs_m, mask=m_ok, other=0)
-    else:
-        src = offs_m
     x_scale = tl.load(x_scale_ptr + src, mask=m_ok, other=0.0)
     e64 = expert.to(tl.int64)
     acc = fp8_block_dot(
@@ -183,28 +188,10 @@ def _nvfp4_grouped_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    expert, offs_m, offs_n, n_ok = grouped_tile(tile_expert_ptr, tile_row_ptr, NUM_TILES, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if expert > E:
+    tile = (tile_expert_ptr, tile_row_ptr, ends_ptr, row_index_ptr, y_ptr, NUM_TILES, E, N, stride_ym)
+    expert, src, offs_m, offs_n, m_ok, n_ok = grouped_tile(*tile, GATHER, ROUND_BF16, BLOCK_M, BLOCK_N, GROUP_M)
+    if expert >= E:  # rows of no expert (zeros, stored) or a spare tile
         return
-    m_ok = offs_m < tl.load(ends_ptr + expert + 1)
-    if expert == E:  # rows of no expert: zeros
-        store_tile(
-            tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
-            y_ptr,
-            y_ptr,
-            offs_m,
-            offs_n,
-            m_ok,
-            n_ok,
-            stride_ym,
-            False,
-            ROUND_BF16,
-        )
-        return
-    if GATHER:
-        src = tl.load(row_index_ptr + offs_m, mask=m_ok, other=0)
-    else:
-        src = offs_m
     rows, cols, e64 = src.to(tl.int64), offs_n.to(tl.int64), expert.to(tl.int64)
     acc = nvfp4_dot(
         a_ptr + rows * stride_am,
@@ -281,12 +268,7 @@ def _launch(
         n,
         *sizes,
         ROUND_BF16=y.dtype == torch.bfloat16 and interpreting(),
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        **tiles.launch_options(),
         **constexprs,
     )
     return y

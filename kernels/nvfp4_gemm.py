@@ -343,12 +343,7 @@ def nvfp4_gemm(
             y.stride(0),
             HAS_BIAS=bias is not None,
             ROUND_BF16=interpret and out_dtype == torch.bfloat16,
-            BLOCK_M=tiles.block_m,
-            BLOCK_N=tiles.block_n,
-            BLOCK_K=tiles.block_k,
-            GROUP_M=tiles.group_m,
-            num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages,
+            **tiles.launch_options(),
         )
         return y
     tiles = tiles or default_tiles(m, DEFAULT_BLOCK_K, "nvfp4")
@@ -378,11 +373,6 @@ def nvfp4_gemm(
         HAS_BIAS=bias is not None,
         TILE=tl.float32 if interpret else tl.bfloat16,
         ROUND_BF16=interpret and out_dtype == torch.bfloat16,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        **tiles.launch_options(),
     )
     return y

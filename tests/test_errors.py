@@ -222,6 +222,11 @@ class Row:
     setup: Callable[[SimpleNamespace, pytest.MonkeyPatch], object] | None = None  # may return a context to hold
 
 
+def _quantize_tiny(recipe_file: str, match: str, setup: Callable | None = None) -> Row:
+    """A `quantize` row: the tiny checkpoint under a recipe file of the fixture folder, into a fresh output."""
+    return Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / recipe_file, t / "out"], match, setup)
+
+
 def _break_the_norm_fold(_, monkeypatch: pytest.MonkeyPatch) -> None:
     """A SmoothQuant fold that forgets to divide the norm weight: what a wrong mapping does."""
     from quantkit.calibrate import mappings
@@ -249,11 +254,7 @@ ROWS = {
     "unknown_recipe": Row(
         "quantize", lambda p, t: ["quantize", p.tiny, "w3a3", t / "out"], r"unknown recipe 'w3a3'; available: \["
     ),
-    "bad_recipe_file": Row(
-        "quantize",
-        lambda p, t: ["quantize", p.tiny, p.root / "bad_recipe.yaml", t / "out"],
-        r"unknown recipe key\(s\) \['smoothing'\]",
-    ),
+    "bad_recipe_file": _quantize_tiny("bad_recipe.yaml", r"unknown recipe key\(s\) \['smoothing'\]"),
     "output_exists": Row(
         "quantize", lambda p, t: ["quantize", p.tiny, "bf16", p.root], r"exists; pass overwrite=True \(--overwrite\)"
     ),
@@ -267,9 +268,8 @@ ROWS = {
         lambda p, t: ["quantize", p.gpt2, p.root / "sq_quick.yaml", t / "out"],
         r"SmoothQuant cannot map GPT2LMHeadModel: no decoder layers at model\.model\.layers",
     ),
-    "smoothquant_function": Row(
-        "quantize",
-        lambda p, t: ["quantize", p.tiny, p.root / "sq_quick.yaml", t / "out"],
+    "smoothquant_function": _quantize_tiny(
+        "sq_quick.yaml",
         r"SmoothQuant changed the logits of QuantkitForCausalLM: .* above the tolerance",
         _break_the_norm_fold,
     ),
@@ -447,36 +447,18 @@ ROWS = {
         r"tensor\(s\) of another shape \(e\.g\. model\.layers\.0\.mlp\.\w+_proj\.weight is "
         r"\(\d+, \d+\) in the weights, \(\d+, \d+\) by config\.json",
     ),
-    "recipe_yaml_syntax": Row(
-        "quantize",
-        lambda p, t: ["quantize", p.tiny, p.root / "syntax.yaml", t / "out"],
-        r"syntax\.yaml: not valid YAML \(line \d+, column \d+\)",
-    ),
+    "recipe_yaml_syntax": _quantize_tiny("syntax.yaml", r"syntax\.yaml: not valid YAML \(line \d+, column \d+\)"),
     "spec_yaml_syntax": Row(
         "run",
         lambda p, t: ["run", p.root / "spec_syntax.yaml"],
         r"spec_syntax\.yaml: not valid YAML \(line \d+, column \d+\)",
     ),
-    "recipe_alpha_type": Row(
-        "quantize",
-        lambda p, t: ["quantize", p.tiny, p.root / "alpha_half.yaml", t / "out"],
-        r"alpha_half\.yaml: smoothquant\.alpha must be a number, got 'half'",
+    "recipe_alpha_type": _quantize_tiny(
+        "alpha_half.yaml", r"alpha_half\.yaml: smoothquant\.alpha must be a number, got 'half'"
     ),
-    "recipe_block_size_type": Row(
-        "quantize",
-        lambda p, t: ["quantize", p.tiny, p.root / "block_words.yaml", t / "out"],
-        r"gptq\.block_size must be an integer, got 'sixteen'",
-    ),
-    "recipe_dampening_type": Row(
-        "quantize",
-        lambda p, t: ["quantize", p.tiny, p.root / "dampening_words.yaml", t / "out"],
-        r"gptq\.dampening must be a number, got 'lots'",
-    ),
-    "recipe_dampening_range": Row(
-        "quantize",
-        lambda p, t: ["quantize", p.tiny, p.root / "dampening_negative.yaml", t / "out"],
-        r"gptq\.dampening must be > 0 .*, got -1",
-    ),
+    "recipe_block_size_type": _quantize_tiny("block_words.yaml", r"gptq\.block_size must be an integer, got 'sixteen'"),
+    "recipe_dampening_type": _quantize_tiny("dampening_words.yaml", r"gptq\.dampening must be a number, got 'lots'"),
+    "recipe_dampening_range": _quantize_tiny("dampening_negative.yaml", r"gptq\.dampening must be > 0 .*, got -1"),
     "quality_garbage_config": Row(
         "quality",
         lambda p, t: ["quality", p.tiny, p.garbage_qc],
