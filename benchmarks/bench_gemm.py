@@ -223,13 +223,19 @@ def device_name(device: torch.device) -> str:
     return f"CPU {platform.machine()} ({os.cpu_count()} cores), Triton interpreter"
 
 
+def record_head(title: str, meta: dict) -> list[str]:
+    """The first lines of a kernel benchmark's record: the title on the device, date, versions, command."""
+    return [
+        f"# {title}: {meta['device']}",
+        "",
+        f"- date: {meta['date']}; torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}",
+        f"- command: `{meta['command']}`",
+    ]
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [
-        f"# GEMM benchmark: {meta['device']}",
-        "",
-        f"- date: {meta['date']}",
-        f"- torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}",
-        f"- command: `{meta['command']}`",
+        *record_head("GEMM benchmark", meta),
         f"- timing: {meta['timing']}",
         "- speed-up = baseline time / this time (> 1: faster than the baseline); GB/s counts operands, scales and the"
         " bf16 output once; err/tol <= 1: within the tolerance of tests/test_kernels_gemm.py",
@@ -302,15 +308,22 @@ def bench_device(script: str, quick: bool) -> torch.device | None:
     return None
 
 
+def bench_context(script: str, args: argparse.Namespace) -> tuple[torch.device, torch.Generator, dict] | None:
+    """A GEMM benchmark's setting: `bench_device`, a generator on it seeded by args.seed and the run's `metadata`;
+    None (said why on stderr) where `bench_device` is None."""
+    device = bench_device(script, args.quick)
+    if device is None:
+        return None
+    return device, torch.Generator(device=device).manual_seed(args.seed), metadata(device, args.quick)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = bench_device("bench_gemm", args.quick)
-    if device is None:
+    if (context := bench_context("bench_gemm", args)) is None:
         return 2
+    device, gen, meta = context
     layers = QUICK_LAYERS if args.quick else {name: LAYERS[name] for name in args.models}
     ms = tuple(args.m) if args.m else (QUICK_M if args.quick else TOKENS)
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    meta = metadata(device, args.quick)
     rows = []
     with torch.inference_mode():
         for model, shapes in layers.items():

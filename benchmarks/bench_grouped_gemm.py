@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 # bench_gemm sets TRITON_INTERPRET (no GPU) before triton is imported
-from bench_gemm import bench_device, err_over_tol, first_line, metadata, time_ms, write_results
+from bench_gemm import bench_context, err_over_tol, first_line, record_head, time_ms, write_results
 
 from quantkit import formats
 from quantkit.kernels.expert_sort import sort_by_expert
@@ -291,11 +291,7 @@ def bench_projection(
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [
-        f"# Grouped (MoE) GEMM benchmark: {meta['device']}",
-        "",
-        f"- date: {meta['date']}",
-        f"- torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}",
-        f"- command: `{meta['command']}`",
+        *record_head("Grouped (MoE) GEMM benchmark", meta),
         f"- timing: {meta['timing']}; GEMM only (operands quantized, routing sorted before timing)",
         "- S = tokens * top_k sorted rows; speed-up = baseline time / this time (> 1: faster); GB/s counts activation"
         " rows, the weights of experts with rows, scales and the bf16 output once; err/tol <= 1: within the tolerance"
@@ -335,13 +331,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = bench_device("bench_grouped_gemm", args.quick)
-    if device is None:
+    if (context := bench_context("bench_grouped_gemm", args)) is None:
         return 2
+    device, gen, meta = context
     configs = QUICK_CONFIGS if args.quick else {name: CONFIGS[name] for name in args.configs}
     token_counts = tuple(args.tokens) if args.tokens else (QUICK_TOKENS if args.quick else TOKENS)
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    meta = metadata(device, args.quick)
     rows = []
     with torch.inference_mode():
         for config, (e, top_k, hidden, ffn) in configs.items():

@@ -305,10 +305,7 @@ def load(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [
-        f"# Triton kernels on trained-model tensors: {meta['device']}",
-        "",
-        f"- date: {meta['date']}; torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}",
-        f"- command: `{meta['command']}`",
+        *bench_gemm.record_head("Triton kernels on trained-model tensors", meta),
         f"- data: {', '.join(meta['data'])}",
         "- act mism: activation elements whose bits differ between the Triton quantizer (and, on down_proj+H rows, the"
         " fused Hadamard quantizer) and the reference (must be 0);"

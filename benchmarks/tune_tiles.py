@@ -33,10 +33,10 @@ import torch
 from bench_gemm import (
     LAYERS,
     activation_operands,
-    bench_device,
+    bench_context,
     err_over_tol,
     first_line,
-    metadata,
+    record_head,
     time_ms,
     weight_operands,
     write_results,
@@ -253,11 +253,7 @@ def tiles_text(t: dict) -> str:
 def markdown(meta: dict, rows: list[dict]) -> str:
     ranked = ranking(rows)
     lines = [
-        f"# GEMM tile sweep: {meta['device']}",
-        "",
-        f"- date: {meta['date']}",
-        f"- torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}",
-        f"- command: `{meta['command']}`",
+        *record_head("GEMM tile sweep", meta),
         f"- timing: {meta['timing']}; GEMM only (operands quantized, routing sorted before timing)",
         "- tiles: BLOCK_M x BLOCK_N x BLOCK_K, g GROUP_M, w num_warps, s num_stages; speed-up = default's time / this"
         " time; every candidate's output checked against the reference (err/tol <= 1)",
@@ -297,11 +293,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = bench_device("tune_tiles", args.quick)
-    if device is None:
+    if (context := bench_context("tune_tiles", args)) is None:
         return 2
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    meta = metadata(device, args.quick)
+    device, gen, meta = context
     rows: list[dict] = []
     with torch.inference_mode():
         for kernel in args.kernels:

@@ -46,7 +46,7 @@ from quantkit.configs import SUITES_DIR
 from quantkit.evals.execution import ALLOW_ENV
 from quantkit.evals.extract import MissingExtractionError, data_dir, is_current
 from quantkit.evals.harness import BACKENDS, EvalBackend
-from quantkit.yamlfile import read_yaml
+from quantkit.yamlfile import find_yaml, read_yaml, shipped_names
 
 if TYPE_CHECKING:
     import torch
@@ -110,15 +110,13 @@ class Suite:
 
 def available_suites() -> list[str]:
     """The names of the shipped suites (configs/suites/*.yaml), sorted."""
-    return sorted(p.stem for p in SUITES_DIR.glob("*.yaml"))
+    return shipped_names(SUITES_DIR)
 
 
 def load_suite(name_or_path: str | Path) -> Suite:
     """A suite by name (SUITES_DIR/<name>.yaml) or YAML path; ValueError names the problem."""
-    path = Path(name_or_path)
-    if path.suffix not in (".yaml", ".yml"):
-        path = SUITES_DIR / f"{name_or_path}.yaml"
-    if not path.exists():
+    path = find_yaml(name_or_path, SUITES_DIR)
+    if path is None:
         raise ValueError(
             f"unknown suite {str(name_or_path)!r}; known: {', '.join(available_suites())} (or a YAML path)"
         )

@@ -39,11 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.formats.constants import F8E4M3_DTYPE, FP8_WEIGHT_BLOCK, NVFP4_GROUP
+from quantkit.formats.constants import F8E4M3_DTYPE, FP8_WEIGHT_BLOCK
 from quantkit.kernels.fp8_gemm import fp8_block_dot
 from quantkit.kernels.gemm_tiles import OUT_DTYPES, GemmTiles, default_tiles, require, store_tile, tile_ids
 from quantkit.kernels.interpreter_quirks import interpreting
-from quantkit.kernels.nvfp4_gemm import DEFAULT_BLOCK_K, nvfp4_dot
+from quantkit.kernels.nvfp4_gemm import DEFAULT_BLOCK_K, check_nvfp4_operands, nvfp4_dot
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -196,8 +196,10 @@ def _nvfp4_grouped_kernel(
     acc = nvfp4_dot(
         a_ptr + rows * stride_am,
         a_scale_ptr + rows * stride_asm,
+        a_global_ptr + rows * stride_agm,
         w_ptr + e64 * stride_we + cols * stride_wn,
         w_scale_ptr + e64 * stride_wse + cols * stride_wsn,
+        w_global_ptr + e64 * stride_wge + cols * stride_wgn,
         m_ok,
         n_ok,
         K_BYTES,
@@ -206,9 +208,6 @@ def _nvfp4_grouped_kernel(
         BLOCK_N,
         BLOCK_K,
     )
-    a_global = tl.load(a_global_ptr + rows * stride_agm, mask=m_ok, other=0.0)
-    w_global = tl.load(w_global_ptr + e64 * stride_wge + cols * stride_wgn, mask=n_ok, other=0.0)
-    acc = acc * a_global[:, None] * w_global[None, :]
     store_tile(acc, y_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, False, ROUND_BF16)
 
 
@@ -362,33 +361,9 @@ def nvfp4_grouped_gemm(
     r, k_bytes = a_packed.shape
     e, n = w_packed.shape[:2]
     check(e >= 1, "w_packed must hold at least one expert")
-    check(
-        w_packed.shape[2] == k_bytes,
-        f"a_packed {tuple(a_packed.shape)} and w_packed {tuple(w_packed.shape)} disagree on Kp/2",
-    )
-    check(
-        k_bytes % (NVFP4_GROUP // 2) == 0,
-        f"packed rows must hold Kp/2 bytes, Kp a multiple of {NVFP4_GROUP}; got {k_bytes}",
-    )
-    groups = 2 * k_bytes // NVFP4_GROUP
-    for name, t, want in (
-        ("a_block_scale", a_block_scale, (r, groups)),
-        ("w_block_scale", w_block_scale, (e, n, groups)),
-    ):
-        check(
-            t.dtype == F8E4M3_DTYPE and tuple(t.shape) == want,
-            f"{name} must be float8_e4m3fn of shape {want}, got {t.dtype} {tuple(t.shape)}",
-        )
-    device = a_packed.device
-    if isinstance(a_global, torch.Tensor) and a_global.numel() != 1:
-        check(
-            a_global.dtype == torch.float32 and tuple(a_global.shape) == (r, 1),
-            f"a_global must be float32 (R, 1) = {(r, 1)} or one number, got {a_global.dtype} {tuple(a_global.shape)}",
-        )
-    else:
-        a_global = torch.as_tensor(a_global, dtype=torch.float32, device=device)
-        check(a_global.numel() == 1, f"a_global must be one number here, got shape {tuple(a_global.shape)}")
+    a_global = check_nvfp4_operands(fn, a_packed, a_block_scale, a_global, w_packed, w_block_scale, rows="R")
     a_global = a_global.reshape(-1).contiguous()
+    device = a_packed.device
     check(
         w_global.dtype == torch.float32 and tuple(w_global.shape) in ((e,), (e, 1), (e, n)),
         f"w_global must be float32 (E,), (E, 1) or (E, N) = {(e, n)}, got {w_global.dtype} {tuple(w_global.shape)}",

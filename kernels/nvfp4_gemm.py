@@ -63,8 +63,10 @@ _check = partial(require, "nvfp4_gemm")  # _check(cond, msg): ValueError "nvfp4_
 def nvfp4_dot(
     a_rows,
     a_scale_rows,
+    a_global_rows,
     w_rows,
     w_scale_rows,
+    w_global_rows,
     m_ok,
     n_ok,
     K_BYTES,
@@ -73,11 +75,12 @@ def nvfp4_dot(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The K loop of one output tile, before the second-stage scales: float32 (BLOCK_M, BLOCK_N) =
-    sum_k (e2m1(a) * a_bs) * (e2m1(w) * w_bs), K_BYTES packed bytes a row, BLOCK_K elements a step.
+    """One output tile: float32 (BLOCK_M, BLOCK_N) = (sum_k (e2m1(a) * a_bs) * (e2m1(w) * w_bs)) * a_global[m] *
+    w_global[n], the K loop in K_BYTES packed bytes a row, BLOCK_K elements a step, the second-stage scales last.
 
     a_rows (BLOCK_M,) / w_rows (BLOCK_N,): pointers to the first packed byte of each row; a_scale_rows /
-    w_scale_rows: pointers to each row's first E4M3 group scale. Rows outside and bytes past the edge read 0."""
+    w_scale_rows: pointers to each row's first E4M3 group scale; a_global_rows / w_global_rows: to each row's
+    float32 global scale. Rows outside and bytes past the edge read 0."""
     BYTES: tl.constexpr = BLOCK_K // 2
     offs_b = tl.arange(0, BYTES)
     # A as (BLOCK_M, BYTES); W as (BYTES, BLOCK_N), the transposed view the dot wants. Byte j of a row
@@ -104,7 +107,9 @@ def nvfp4_dot(
         a_scale_ptrs += BYTES // _GROUP_BYTES
         w_ptrs += BYTES
         w_scale_ptrs += BYTES // _GROUP_BYTES
-    return acc
+    a_global = tl.load(a_global_rows, mask=m_ok, other=0.0)
+    w_global = tl.load(w_global_rows, mask=n_ok, other=0.0)
+    return acc * a_global[:, None] * w_global[None, :]
 
 
 @triton.jit
@@ -140,8 +145,10 @@ def _nvfp4_gemm_kernel(
     acc = nvfp4_dot(
         a_ptr + rows * stride_am,
         a_scale_ptr + rows * stride_asm,
+        a_global_ptr + offs_m * stride_agm,
         w_ptr + cols * stride_wn,
         w_scale_ptr + cols * stride_wsn,
+        w_global_ptr + offs_n * stride_wgn,
         m_ok,
         n_ok,
         K_BYTES,
@@ -150,9 +157,6 @@ def _nvfp4_gemm_kernel(
         BLOCK_N,
         BLOCK_K,
     )
-    a_global = tl.load(a_global_ptr + offs_m * stride_agm, mask=m_ok, other=0.0)
-    w_global = tl.load(w_global_ptr + offs_n * stride_wgn, mask=n_ok, other=0.0)
-    acc = acc * a_global[:, None] * w_global[None, :]
     store_tile(acc, y_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym, HAS_BIAS, ROUND_BF16)
 
 
@@ -253,10 +257,49 @@ def nvfp4_dequantize(
     return out
 
 
-def _one_number(t: torch.Tensor | float, name: str, device: torch.device) -> torch.Tensor:
+def _one_number(t: torch.Tensor | float, name: str, device: torch.device, fn: str = "nvfp4_gemm") -> torch.Tensor:
     t = torch.as_tensor(t, dtype=torch.float32, device=device)
-    _check(t.numel() == 1, f"{name} must be one number here, got shape {tuple(t.shape)}")
+    require(fn, t.numel() == 1, f"{name} must be one number here, got shape {tuple(t.shape)}")
     return t.reshape(1)
+
+
+def check_nvfp4_operands(
+    fn: str,
+    a_packed: torch.Tensor,
+    a_block_scale: torch.Tensor,
+    a_global: torch.Tensor | float,
+    w_packed: torch.Tensor,
+    w_block_scale: torch.Tensor,
+    rows: str = "M",
+) -> torch.Tensor:
+    """What the dense and grouped NVFP4 GEMMs (`fn`) check alike, once the packed operands are uint8 of their rank:
+    a_packed (`rows`, Kp/2) and w_packed (..., N, Kp/2) agree on Kp/2, Kp a multiple of 16; a_block_scale (`rows`,
+    Kp/16) and w_block_scale (w_packed's leading dims, Kp/16) float8_e4m3fn; a_global float32 (`rows`, 1) or one
+    number. Returns a_global as float32: (`rows`, 1) as given, or one element on a_packed's device."""
+    r, k_bytes = a_packed.shape
+    require(
+        fn,
+        w_packed.shape[-1] == k_bytes,
+        f"a_packed {tuple(a_packed.shape)} and w_packed {tuple(w_packed.shape)} disagree on Kp/2",
+    )
+    require(
+        fn,
+        k_bytes % (NVFP4_GROUP // 2) == 0,
+        f"packed rows must hold Kp/2 bytes, Kp a multiple of {NVFP4_GROUP}; got {k_bytes}",
+    )
+    groups = 2 * k_bytes // NVFP4_GROUP
+    for name, t, want in (
+        ("a_block_scale", a_block_scale, (r, groups)),
+        ("w_block_scale", w_block_scale, (*w_packed.shape[:-1], groups)),
+    ):
+        ok = t.dtype == F8E4M3_DTYPE and tuple(t.shape) == want
+        require(fn, ok, f"{name} must be float8_e4m3fn of shape {want}, got {t.dtype} {tuple(t.shape)}")
+    if not (isinstance(a_global, torch.Tensor) and a_global.numel() != 1):
+        return _one_number(a_global, "a_global", a_packed.device, fn)
+    got = f"{a_global.dtype} {tuple(a_global.shape)}"
+    ok = a_global.dtype == torch.float32 and tuple(a_global.shape) == (r, 1)
+    require(fn, ok, f"a_global must be float32 ({rows}, 1) = {(r, 1)} or one number, got {got}")
+    return a_global
 
 
 def nvfp4_gemm(
@@ -281,29 +324,9 @@ def nvfp4_gemm(
         _check(t.dtype == torch.uint8 and t.ndim == 2, f"{name} must be 2-D uint8, got {t.dtype} {tuple(t.shape)}")
     m, k_bytes = a_packed.shape
     n = w_packed.shape[0]
-    _check(
-        w_packed.shape[1] == k_bytes,
-        f"a_packed {tuple(a_packed.shape)} and w_packed {tuple(w_packed.shape)} disagree on Kp/2",
-    )
-    _check(
-        k_bytes % (NVFP4_GROUP // 2) == 0,
-        f"packed rows must hold Kp/2 bytes, Kp a multiple of {NVFP4_GROUP}; got {k_bytes}",
-    )
-    for name, t, rows in (("a_block_scale", a_block_scale, m), ("w_block_scale", w_block_scale, n)):
-        want = (rows, 2 * k_bytes // NVFP4_GROUP)
-        _check(
-            t.dtype == F8E4M3_DTYPE and tuple(t.shape) == want,
-            f"{name} must be float8_e4m3fn of shape {want}, got {t.dtype} {tuple(t.shape)}",
-        )
+    a_global = check_nvfp4_operands("nvfp4_gemm", a_packed, a_block_scale, a_global, w_packed, w_block_scale)
+    a_global = a_global.contiguous()
     device = a_packed.device
-    if isinstance(a_global, torch.Tensor) and a_global.numel() != 1:
-        _check(
-            a_global.dtype == torch.float32 and tuple(a_global.shape) == (m, 1),
-            f"a_global must be float32 (M, 1) = {(m, 1)} or one number, got {a_global.dtype} {tuple(a_global.shape)}",
-        )
-        a_global = a_global.contiguous()
-    else:
-        a_global = _one_number(a_global, "a_global", device)
     if isinstance(w_global, torch.Tensor) and w_global.numel() != 1:
         _check(
             w_global.dtype == torch.float32 and tuple(w_global.shape) == (n,),

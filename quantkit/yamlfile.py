@@ -30,3 +30,16 @@ def read_yaml(path: str | Path) -> Any:
         raise YamlSyntaxError(f"{path}: not valid YAML{where}: {problem}") from None
     except UnicodeDecodeError as err:
         raise YamlSyntaxError(f"{path}: not a UTF-8 text file ({err.reason} at byte {err.start})") from None
+
+
+def shipped_names(folder: Path) -> list[str]:
+    """The names of the YAML files shipped in `folder` (the stems of folder/*.yaml), sorted."""
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def find_yaml(name_or_path: str | Path, folder: Path) -> Path | None:
+    """A name (folder/<name>.yaml) or a YAML path (a .yaml / .yml suffix) -> the file; None where it does not exist."""
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = folder / f"{name_or_path}.yaml"
+    return path if path.exists() else None

@@ -73,9 +73,12 @@ def test_a_bad_grid_or_row_count_is_refused():
     [
         ("smoothquant: {search_alpha: maybe}\n", "smoothquant.search_alpha must be true or false"),
         ("smoothquant: {search_alpha: true}\nrotation: {seed: 0}\n", "does not compose with rotation"),
+        ("smoothquant: {scales: aqw}\n", r"smoothquant.scales must be one of \['smoothquant', 'awq'\]"),
+        ("smoothquant: {scales: awq, search_alpha: true}\n", "searches its own grid"),
+        ("smoothquant: {scales: awq}\nrotation: {seed: 0}\n", "scales: awq measures unrotated products"),
     ],
 )
-def test_a_bad_search_setting_fails_on_load(extra, message):
+def test_a_bad_search_or_awq_setting_fails_on_load(extra, message):
     with pytest.raises(ValueError, match=message):
         parse_recipe(yaml.safe_load(f"name: r\nscheme: nvfp4\n{extra}"), "r.yaml")
 

@@ -279,26 +279,19 @@ def test_stock_checkpoint_cli_outputs(tmp_path, architecture, capsys):
     assert json.loads((tmp_path / "out" / "diagnostics.json").read_text())["summary"] == r["summary"]
     if architecture != "qwen3":
         return
-    parser = argparse.ArgumentParser()
-    add_diagnose_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(
-        [
-            "diagnose",
-            str(model_dir),
-            "--out",
-            str(tmp_path / "cli"),
-            "--num-sequences",
-            "1",
-            "--seq-len",
-            "16",
-            "--recipes",
-            "w8a8_fp8_block",
-        ]
-    )
-    assert args.func(args) == 0 and (tmp_path / "cli" / "attention_map.svg").exists()
+    cli = ("--out", tmp_path / "cli", "--num-sequences", 1, "--seq-len", 16, "--recipes", "w8a8_fp8_block")
+    assert run_diagnose_cli(model_dir, *cli) == 0 and (tmp_path / "cli" / "attention_map.svg").exists()
     printed = capsys.readouterr().out
     assert "| model |" in printed and "| projection (kind) |" in printed
     assert "| projection (kind) |" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def run_diagnose_cli(*argv) -> int:
+    """`quantkit diagnose ARGV...` through the CLI's own parser (each argument as str); its exit code."""
+    parser = argparse.ArgumentParser()
+    add_diagnose_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["diagnose", *map(str, argv)])
+    return args.func(args)
 
 
 def _assert_close(a, b, path="result"):

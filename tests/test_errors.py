@@ -227,6 +227,11 @@ def _quantize_tiny(recipe_file: str, match: str, setup: Callable | None = None) 
     return Row("quantize", lambda p, t: ["quantize", p.tiny, p.root / recipe_file, t / "out"], match, setup)
 
 
+def _diagnose_tiny(recipe: str, match: str) -> Row:
+    """A `diagnose` row: the tiny checkpoint diagnosed under a named recipe."""
+    return Row("diagnose", lambda p, t: ["diagnose", p.tiny, "--recipes", recipe, "--out", t / "d"], match)
+
+
 def _break_the_norm_fold(_, monkeypatch: pytest.MonkeyPatch) -> None:
     """A SmoothQuant fold that forgets to divide the norm weight: what a wrong mapping does."""
     from quantkit.calibrate import mappings
@@ -315,15 +320,9 @@ ROWS = {
         lambda p, t: ["diagnose", p.fake_quantized, "--out", t / "d"],
         r"is a quantized checkpoint; diagnose its unquantized source",
     ),
-    "diagnose_recipe": Row(
-        "diagnose",
-        lambda p, t: ["diagnose", p.tiny, "--recipes", "w4a4_nvfp4_sq", "--out", t / "d"],
-        r"recipe 'w4a4_nvfp4_sq' applies SmoothQuant first",
-    ),
-    "diagnose_gptq": Row(
-        "diagnose",
-        lambda p, t: ["diagnose", p.tiny, "--recipes", "w4a4_nvfp4_gptq", "--out", t / "d"],
-        r"recipe 'w4a4_nvfp4_gptq' rounds its weights by GPTQ, which needs calibration",
+    "diagnose_recipe": _diagnose_tiny("w4a4_nvfp4_sq", r"recipe 'w4a4_nvfp4_sq' applies SmoothQuant first"),
+    "diagnose_gptq": _diagnose_tiny(
+        "w4a4_nvfp4_gptq", r"recipe 'w4a4_nvfp4_gptq' rounds its weights by GPTQ, which needs calibration"
     ),
     "diagnose_nan": Row(
         "diagnose",

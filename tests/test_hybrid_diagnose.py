@@ -14,13 +14,12 @@ and a dense control: every layer softmax, no experts section (tests/test_diagnos
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
+from test_diagnose import run_diagnose_cli
 
-from quantkit.diagnose.cli import add_diagnose_parser
 from quantkit.diagnose.plots import figures
 from quantkit.diagnose.run import diagnose_model
 from quantkit.formats.experts import EXPERT_MATRIX
@@ -189,23 +188,8 @@ def test_expert_snr_per_scheme_in_quality_and_diagnose(quantized, tmp_path, caps
 
     source, dirs = quantized
     table, rows = quality_table(source, list(dirs.values()), num_sequences=4, seq_len=64)
-    parser = argparse.ArgumentParser()
-    add_diagnose_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(
-        [
-            "diagnose",
-            str(source),
-            "--out",
-            str(tmp_path / "d"),
-            "--num-sequences",
-            "4",
-            "--seq-len",
-            "64",
-            "--recipes",
-            *dirs,
-        ]
-    )
-    assert args.func(args) == 0
+    cli = ("--out", tmp_path / "d", "--num-sequences", 4, "--seq-len", 64, "--recipes", *dirs)
+    assert run_diagnose_cli(source, *cli) == 0
     printed = capsys.readouterr().out
     assert all(f"attention-sink statistics skip layer {i}: linear attention" in printed for i in (0, 1, 2))
     assert all(

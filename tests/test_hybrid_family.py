@@ -50,7 +50,7 @@ import math
 import pytest
 import torch
 from safetensors import safe_open
-from test_variants_vllm import DECODE_TOKENS, PROMPTS, hf_logprobs, max_abs_diff, served_logprobs
+from test_variants_vllm import PROMPTS, hf_logprobs, max_abs_diff, served_logprobs
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import quantkit.models  # noqa: F401  (registers model_type "quantkit_hybrid")
@@ -168,14 +168,8 @@ def test_save_load_round_trip(tmp_path):
     parameters instead would not be exact on every CPU: safetensors' mmap leaves tensors 8-byte aligned, fresh
     ones are 64-byte aligned, and MKL's AVX-512 GEMMs take other code paths (another summation order) by
     alignment (seen: 288 of 2560 logits 1.2e-7 apart on an AVX-512 EPYC; exact under AVX2 kernels)."""
-    flags = dict(
-        attn_output_gate="headwise",
-        pre_affine=True,
-        gated_norm_rank=16,
-        hidden_act="sigmoid",
-        value_scale=True,
-        headwise_rmsnorm=True,
-    )
+    every_flag = ("ga_headwise", "ga_preaffine", "ga_gatednorm_r16", "glu", "v_scale", "headwise_rmsnorm")
+    flags = {key: value for case in every_flag for key, value in FLAG_CASES[case].items()}
     ckpt = build_tiny_hybrid_checkpoint(tmp_path / "model", **flags)
     config = AutoConfig.from_pretrained(ckpt)
     assert config.model_type == "quantkit_hybrid" and config.architectures == ["QuantkitHybridForCausalLM"]
@@ -259,7 +253,7 @@ def served(request, tmp_path_factory):
     `token_ids[i]` is prompt i followed by its greedily decoded tokens; `logprobs[i][j]` is vLLM's logprob of
     `token_ids[i][j + 1]`.
     """
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     name = request.param
     flags, control, arch = VLLM_CASES[name]
@@ -275,13 +269,9 @@ def served(request, tmp_path_factory):
         assert llm.llm_engine.model_config.architectures == [arch]
         model_class = llm.apply_model(lambda model: f"{type(model).__module__}.{type(model).__qualname__}")[0]
         assert model_class == (STOCK_CLASS if flags is None else HYBRID_CLASS)
-        outputs = llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompts],
-            SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, prompt_logprobs=0, logprobs=0),
-        )
+        token_ids, logprobs = served_logprobs(llm, prompts)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    token_ids, logprobs = served_logprobs(prompts, outputs)
     return dict(name=name, ckpt=ckpt, token_ids=token_ids, logprobs=logprobs, control=control, model_class=model_class)
 
 

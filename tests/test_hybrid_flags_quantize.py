@@ -28,11 +28,18 @@ import pytest
 import torch
 from safetensors import safe_open
 from test_hybrid_family import FLAG_CASES
-from test_hybrid_quantize import OUTLIER, RECIPES, logits, relative_change, routing, tokens
+from test_hybrid_quantize import (
+    OUTLIER,
+    RECIPES,
+    logits,
+    relative_change,
+    routing_change_after_smoothing,
+    tokens,
+)
 from transformers import AutoModelForCausalLM
 
 from quantkit.calibrate import FunctionPreservationError, SmoothQuantMappingError, resolve_mappings, smooth_model
-from quantkit.calibrate.mappings import fold_offset_rmsnorm, fold_output, input_weight, scale_
+from quantkit.calibrate.mappings import fold_offset_rmsnorm, input_weight, scale_
 from quantkit.formats.experts import EXPERT_MATRIX
 from quantkit.models.configuration_hybrid import QuantkitHybridConfig
 from quantkit.models.modeling_hybrid import QuantkitHybridForCausalLM, QuantkitHybridNorm
@@ -117,32 +124,9 @@ def test_gated_norm_fold_needs_the_gate_columns():
 
 @pytest.mark.parametrize("case", list(FLAG_CASES))
 def test_routing_unchanged_by_smoothing_every_flag(case):
-    flags = FLAG_CASES[case]
-    calib, held_out = tokens(8, 32), tokens(4, 32, seed=2)
-    model = tiny_hybrid(flags)
-    ids_before, router_before = routing(model, held_out)
-    for name, r in router_before.items():  # precondition: no near-ties at the k-th place
-        top = r.topk(TINY_HYBRID_SHAPE["num_experts_per_tok"] + 1, dim=-1).values
-        assert (top[:, -2] - top[:, -1]).min() > 1e-5 * r.abs().max(), name
-    report = smooth_model(model, calib, experts=True, progress=False)
-    ids_after, router_after = routing(model, held_out)
-    for name in ids_before:
-        assert torch.equal(ids_before[name], ids_after[name]), name
-        assert relative_change(router_after[name], router_before[name]) < 1e-5
-
-    # control: the same factors folded everywhere except into the router -> routing changes
-    control = tiny_hybrid(flags)
-    for m in resolve_mappings(control, experts=True).mappings:
-        s = report.scales[m.smooth]
-        fold_output(control.get_submodule(m.smooth), s)
-        for c in m.consumers:
-            if not c.endswith("mlp.gate"):
-                scale_(input_weight(control.get_submodule(c)), s)
-    ids_control, _ = routing(control, held_out)
-    changed = [
-        (ids_control[n].sort(-1).values != ids_before[n].sort(-1).values).any(-1).float().mean().item()
-        for n in ids_before
-    ]
+    changed = routing_change_after_smoothing(
+        lambda: tiny_hybrid(FLAG_CASES[case]), TINY_HYBRID_SHAPE["num_experts_per_tok"]
+    )
     assert min(changed) > 0.1, changed
 
 

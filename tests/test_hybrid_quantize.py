@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -104,6 +105,38 @@ def relative_change(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
+def routing_change_after_smoothing(build: Callable[[], nn.Module], top_k: int) -> list[float]:
+    """The routing tests: SmoothQuant (experts on) on the model `build` returns leaves every router's top-`top_k`
+    ids equal and its logits within 1e-5 relative (asserted; the router input's fold is exact up to rounding, and a
+    precondition asserts no near-ties at the k-th place). The control: the same factors folded into a fresh `build`
+    everywhere except the router (mlp.gate); returned, per MoE layer, the fraction of held-out tokens whose top-k
+    expert set then differs."""
+    calib, held_out = tokens(8, 32), tokens(4, 32, seed=2)
+    model = build()
+    ids_before, router_before = routing(model, held_out)
+    for name, r in router_before.items():  # precondition: no near-ties at the k-th place
+        top = r.topk(top_k + 1, dim=-1).values
+        assert (top[:, -2] - top[:, -1]).min() > 1e-5 * r.abs().max(), name
+    report = smooth_model(model, calib, experts=True, progress=False)
+    ids_after, router_after = routing(model, held_out)
+    for name in ids_before:
+        assert torch.equal(ids_before[name], ids_after[name]), name
+        assert relative_change(router_after[name], router_before[name]) < 1e-5
+
+    control = build()
+    for m in resolve_mappings(control, experts=True).mappings:
+        s = report.scales[m.smooth]
+        fold_output(control.get_submodule(m.smooth), s)
+        for c in m.consumers:
+            if not c.endswith("mlp.gate"):
+                scale_(input_weight(control.get_submodule(c)), s)
+    ids_control, _ = routing(control, held_out)
+    return [
+        (ids_control[n].sort(-1).values != ids_before[n].sort(-1).values).any(-1).float().mean().item()
+        for n in ids_before
+    ]
+
+
 def routing(model: nn.Module, toks: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Per MoE layer: the router's top-k expert ids (tokens, k) and its logits (tokens, E)."""
     ids, router_logits = {}, {}
@@ -185,32 +218,7 @@ def test_smoothing_preserves_function(experts):
 
 
 def test_routing_is_unchanged_by_smoothing_and_changes_without_the_router_fold():
-    calib, held_out = tokens(8, 32), tokens(4, 32, seed=2)
-    model = tiny_qwen3_next()
-    ids_before, router_before = routing(model, held_out)
-    for name, r in router_before.items():  # precondition: no near-ties at the k-th place (module docstring)
-        top = r.topk(SHAPE["num_experts_per_tok"] + 1, dim=-1).values
-        assert (top[:, -2] - top[:, -1]).min() > 1e-5 * r.abs().max(), name
-    report = smooth_model(model, calib, experts=True, progress=False)
-    ids_after, router_after = routing(model, held_out)
-    for name in ids_before:
-        assert torch.equal(ids_before[name], ids_after[name]), name
-        assert relative_change(router_after[name], router_before[name]) < 1e-5
-
-    # control: the same factors folded everywhere except into the router -> routing changes
-    control = tiny_qwen3_next()
-    plan = resolve_mappings(control, experts=True)
-    for m in plan.mappings:
-        s = report.scales[m.smooth]
-        fold_output(control.get_submodule(m.smooth), s)
-        for c in m.consumers:
-            if not c.endswith("mlp.gate"):
-                scale_(input_weight(control.get_submodule(c)), s)
-    ids_control, _ = routing(control, held_out)
-    changed = [
-        (ids_control[n].sort(-1).values != ids_before[n].sort(-1).values).any(-1).float().mean().item()
-        for n in ids_before
-    ]
+    changed = routing_change_after_smoothing(tiny_qwen3_next, SHAPE["num_experts_per_tok"])
     assert min(changed) > 0.1, changed  # x30 outlier: ~sqrt(30) factor on one channel of the router's input
 
 
@@ -271,11 +279,10 @@ BOUND = {"fp8_block": 0.15, "nvfp4": 0.5}  # relative L2 error of the routed exp
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     """A stock tiny Qwen3-Next checkpoint written by transformers' save_pretrained (per-expert names)."""
-    from quantkit.models.tiny import _build
+    from quantkit.models.tiny import build_random_checkpoint
 
     out = tmp_path_factory.mktemp("qwen3next") / "m"
-    _build(Qwen3NextConfig, Qwen3NextForCausalLM, out, 512, 0, torch.float32, 0.05, SHAPE)  # BPE: >= 257
-    return out
+    return build_random_checkpoint(Qwen3NextConfig, Qwen3NextForCausalLM, out, shape=SHAPE)  # BPE: >= 257
 
 
 def test_source_checkpoint_uses_per_expert_names(source):

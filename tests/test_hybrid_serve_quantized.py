@@ -50,14 +50,19 @@ import math
 import pytest
 import torch
 from test_hybrid_family import ALL_EXPERTS, BF16_U, MAX_OVER_TOKENS_Z, ROUNDINGS_ON_PATH, TOLERANCE_PER_LOGIT_STD
-from test_serve_quantized import DECODE_TOKENS, PROMPTS, HeldCodes, reference_logprobs, served_activations, token_diffs
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from test_serve_quantized import (
+    HeldCodes,
+    reference_logprobs,
+    serve_capturing,
+    served_activations,
+    token_diffs,
+)
+from transformers import AutoModelForCausalLM
 
 from quantkit.models.tiny_hybrid import build_tiny_hybrid_checkpoint, build_tiny_qwen3_next_checkpoint
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import FakeQuantExperts, load_fake_quant_model
-from quantkit.serve.method_parts import CAPTURE_ENV
-from quantkit.serve.offline import generate, omp_bind_per_rank
+from quantkit.serve.offline import omp_bind_per_rank
 
 pytestmark = pytest.mark.slow
 
@@ -129,17 +134,9 @@ def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch)
         pytest.skip(f"tensor parallelism {tp} on CPU needs {tp} cores")
     source = sources(member)
     quantized = quantize_checkpoint(source, recipe, tmp_path / recipe)
-    tok = AutoTokenizer.from_pretrained(quantized)
-    prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    capture = tmp_path / "capture"
-    capture.mkdir()
-    monkeypatch.setenv(CAPTURE_ENV, str(capture))
-    run = generate(
-        quantized, prompts, max_tokens=DECODE_TOKENS, max_model_len=256, dtype="bfloat16", tensor_parallel_size=tp
+    token_ids, served, capture = serve_capturing(
+        quantized, tmp_path, monkeypatch, dtype="bfloat16", tensor_parallel_size=tp
     )
-    token_ids = [g.token_ids for g in run.generations]
-    served = [torch.tensor(g.logprobs) for g in run.generations]
-    assert all(len(g.token_ids) == len(p) + DECODE_TOKENS for g, p in zip(run.generations, prompts))
 
     held_model = load_fake_quant_model(quantized)
     experts = [m for m in held_model.modules() if isinstance(m, FakeQuantExperts)]

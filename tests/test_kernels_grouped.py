@@ -30,15 +30,7 @@ import pytest
 import torch
 from test_kernels_gemm import assert_gemm_close
 
-from quantkit.formats import (
-    dequantize_fp8_block,
-    dequantize_fp8_per_token,
-    dequantize_nvfp4,
-    quantize_fp8_block,
-    quantize_fp8_per_token,
-    quantize_nvfp4_activation,
-    quantize_nvfp4_weight,
-)
+from quantkit import formats
 from quantkit.formats.constants import FP8_WEIGHT_BLOCK
 from quantkit.formats.fp8 import expand_block_scales
 from quantkit.formats.hadamard import block_hadamard
@@ -134,7 +126,7 @@ def test_expert_tiles_cover_each_experts_rows_once(block_m):
 def test_fp8_block_grouped_gemm(gather, per_row_scales, out_dtype):
     offsets = _offsets(COUNTS)
     s, e = sum(COUNTS), len(COUNTS)
-    w = [quantize_fp8_block(we) for we in _weights(e, N, K, seed=1)]
+    w = [formats.quantize_fp8_block(we) for we in _weights(e, N, K, seed=1)]
     w_q = torch.stack([q for q, _ in w])
     w_scale = torch.stack([sc for _, sc in w])
     if per_row_scales:
@@ -142,43 +134,48 @@ def test_fp8_block_grouped_gemm(gather, per_row_scales, out_dtype):
     tokens, spare = 11, 5  # spare: sorted rows of no expert (another rank's), after offsets[E]
     x = _rows(tokens if gather else s + spare, K, seed=2)
     row_index = torch.randint(0, tokens, (s + spare,), generator=torch.Generator().manual_seed(3)) if gather else None
-    x_q, x_scale = quantize_fp8_per_token(x)
+    x_q, x_scale = formats.quantize_fp8_per_token(x)
     y = fp8_block_grouped_gemm(x_q, x_scale, w_q, w_scale, offsets, row_index=row_index, out_dtype=out_dtype)
     assert y.shape == (s + spare, N) and y.dtype == out_dtype
     assert (y[s:] == 0).all()
-    x_deq = dequantize_fp8_per_token(x_q, x_scale)
+    x_deq = formats.dequantize_fp8_per_token(x_q, x_scale)
     x_deq = x_deq if row_index is None else x_deq[row_index]
     for i, lo, hi in _segments(offsets):
-        assert_gemm_close(y[lo:hi], x_deq[lo:hi], dequantize_fp8_block(*w[i]), fp8_mma=True)
+        assert_gemm_close(y[lo:hi], x_deq[lo:hi], formats.dequantize_fp8_block(*w[i]), fp8_mma=True)
+
+
+def _operands(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An NVFP4 tensor's GEMM operands: (packed, block_scale, global_scale)."""
+    return t.packed, t.block_scale, t.global_scale
+
+
+def _stacked(experts) -> tuple[torch.Tensor, ...]:
+    """Per-expert NVFP4 weights stacked into the grouped GEMM's (E, ...) operands."""
+    return tuple(torch.stack(parts) for parts in zip(*map(_operands, experts)))
 
 
 @pytest.mark.parametrize("static,w_global_per_row,gather", [(False, False, True), (True, True, False)])
 def test_nvfp4_grouped_gemm(static, w_global_per_row, gather):
     offsets = _offsets(COUNTS)
     s, e = sum(COUNTS), len(COUNTS)
-    w = [quantize_nvfp4_weight(we) for we in _weights(e, N, K, seed=4)]
-    w_global = torch.stack([t.global_scale for t in w])  # (E,)
+    w = [formats.quantize_nvfp4_weight(we) for we in _weights(e, N, K, seed=4)]
+    w_packed, w_block_scale, w_global = _stacked(w)  # w_global (E,)
     if w_global_per_row:  # two shards of rows with their own scales, as fused gate/up hold them
         w_global = w_global[:, None] * torch.where(torch.arange(N) < 72, 1.0, 0.5)
     tokens, spare = 9, 3  # spare: sorted rows of no expert, after offsets[E]
     x = _rows(tokens if gather else s + spare, K, seed=5)
-    a = quantize_nvfp4_activation(x, "static", torch.tensor(0.01)) if static else quantize_nvfp4_activation(x)
-    row_index = torch.randint(0, tokens, (s + spare,), generator=torch.Generator().manual_seed(6)) if gather else None
-    y = nvfp4_grouped_gemm(
-        a.packed,
-        a.block_scale,
-        a.global_scale,
-        torch.stack([t.packed for t in w]),
-        torch.stack([t.block_scale for t in w]),
-        w_global,
-        offsets,
-        row_index=row_index,
+    a = (
+        formats.quantize_nvfp4_activation(x, "static", torch.tensor(0.01))
+        if static
+        else formats.quantize_nvfp4_activation(x)
     )
+    row_index = torch.randint(0, tokens, (s + spare,), generator=torch.Generator().manual_seed(6)) if gather else None
+    y = nvfp4_grouped_gemm(*_operands(a), w_packed, w_block_scale, w_global, offsets, row_index=row_index)
     assert y.shape == (s + spare, N) and (y[s:] == 0).all()
-    x_deq = dequantize_nvfp4(a)
+    x_deq = formats.dequantize_nvfp4(a)
     x_deq = x_deq if row_index is None else x_deq[row_index]
     for i, lo, hi in _segments(offsets):
-        w_deq = dequantize_nvfp4(w[i])
+        w_deq = formats.dequantize_nvfp4(w[i])
         if w_global_per_row:
             w_deq = w_deq * torch.where(torch.arange(N) < 72, 1.0, 0.5)[:, None]  # exact: a power of two
         assert_gemm_close(y[lo:hi], x_deq[lo:hi], w_deq)
@@ -190,8 +187,8 @@ def test_grouped_gemms_with_other_tiles():
     s, e = sum(COUNTS), len(COUNTS)
     x = _rows(s, K, seed=7)
     w = _weights(e, N, K, seed=8)
-    fp8 = [quantize_fp8_block(we) for we in w]
-    x_q, x_scale = quantize_fp8_per_token(x)
+    fp8 = [formats.quantize_fp8_block(we) for we in w]
+    x_q, x_scale = formats.quantize_fp8_per_token(x)
     y = fp8_block_grouped_gemm(
         x_q,
         x_scale,
@@ -201,29 +198,21 @@ def test_grouped_gemms_with_other_tiles():
         out_dtype=torch.float32,
         tiles=GemmTiles(64, 256, 128),
     )
-    nv = [quantize_nvfp4_weight(we) for we in w]
-    a = quantize_nvfp4_activation(x)
+    nv = [formats.quantize_nvfp4_weight(we) for we in w]
+    a = formats.quantize_nvfp4_activation(x)
     z = nvfp4_grouped_gemm(
-        a.packed,
-        a.block_scale,
-        a.global_scale,
-        torch.stack([t.packed for t in nv]),
-        torch.stack([t.block_scale for t in nv]),
-        torch.stack([t.global_scale for t in nv]),
-        offsets,
-        out_dtype=torch.float32,
-        tiles=GemmTiles(32, 64, 32, group_m=2),
+        *_operands(a), *_stacked(nv), offsets, out_dtype=torch.float32, tiles=GemmTiles(32, 64, 32, 2)
     )
-    x_fp8, x_nv = dequantize_fp8_per_token(x_q, x_scale), dequantize_nvfp4(a)
+    x_fp8, x_nv = formats.dequantize_fp8_per_token(x_q, x_scale), formats.dequantize_nvfp4(a)
     for i, lo, hi in _segments(offsets):
-        assert_gemm_close(y[lo:hi], x_fp8[lo:hi], dequantize_fp8_block(*fp8[i]), fp8_mma=True)
-        assert_gemm_close(z[lo:hi], x_nv[lo:hi], dequantize_nvfp4(nv[i]))
+        assert_gemm_close(y[lo:hi], x_fp8[lo:hi], formats.dequantize_fp8_block(*fp8[i]), fp8_mma=True)
+        assert_gemm_close(z[lo:hi], x_nv[lo:hi], formats.dequantize_nvfp4(nv[i]))
 
 
 def test_grouped_gemms_refuse_bad_operands():
     offsets = _offsets((2, 1))
-    x_q, x_scale = quantize_fp8_per_token(torch.randn(3, 200))
-    w = [quantize_fp8_block(torch.randn(136, 200)) for _ in range(2)]
+    x_q, x_scale = formats.quantize_fp8_per_token(torch.randn(3, 200))
+    w = [formats.quantize_fp8_block(torch.randn(136, 200)) for _ in range(2)]
     w_q, w_scale = torch.stack([q for q, _ in w]), torch.stack([s for _, s in w])
     with pytest.raises(ValueError, match=r"w_q must be 3-D \(E, N, K\)"):
         fp8_block_grouped_gemm(x_q, x_scale, w_q[0], w_scale, offsets)
@@ -233,8 +222,8 @@ def test_grouped_gemms_refuse_bad_operands():
         fp8_block_grouped_gemm(x_q, x_scale, w_q, w_scale[:, :1], offsets)
     with pytest.raises(ValueError, match="row_index must be 1-D"):
         fp8_block_grouped_gemm(x_q, x_scale, w_q, w_scale, offsets, row_index=torch.zeros(3, 1, dtype=torch.int32))
-    a = quantize_nvfp4_activation(torch.randn(3, 200))
-    nv = [quantize_nvfp4_weight(torch.randn(136, 200)) for _ in range(2)]
+    a = formats.quantize_nvfp4_activation(torch.randn(3, 200))
+    nv = [formats.quantize_nvfp4_weight(torch.randn(136, 200)) for _ in range(2)]
     w_args = (torch.stack([t.packed for t in nv]), torch.stack([t.block_scale for t in nv]))
     with pytest.raises(ValueError, match=r"w_global must be float32 \(E,\), \(E, 1\) or \(E, N\)"):
         nvfp4_grouped_gemm(a.packed, a.block_scale, a.global_scale, *w_args, torch.ones(3), offsets)
@@ -406,7 +395,7 @@ def test_native_launch_harness_keeps_views_and_writes_back(monkeypatch):
     from triton.runtime.interpreter import InterpretedFunction
 
     offsets = _offsets((3, 0, 4))
-    fp8 = [quantize_fp8_block(w) for w in _weights(3, N, K, seed=40)]
+    fp8 = [formats.quantize_fp8_block(w) for w in _weights(3, N, K, seed=40)]
     both = torch.cat(
         [
             torch.stack([q.view(torch.uint8) for q, _ in fp8]).flatten(),
@@ -416,7 +405,7 @@ def test_native_launch_harness_keeps_views_and_writes_back(monkeypatch):
     n_q = 3 * N * K
     w_q = both[:n_q].view(torch.float8_e4m3fn).view(3, N, K)
     w_scale = both[n_q:].view(torch.float32).view(3, 2, 2)
-    x_q, x_scale = quantize_fp8_per_token(_rows(12, K, seed=41))
+    x_q, x_scale = formats.quantize_fp8_per_token(_rows(12, K, seed=41))
     row_index = torch.arange(12, dtype=torch.int32).flip(0)[2:9]  # a view at an offset
     want = fp8_block_grouped_gemm(x_q, x_scale, w_q, w_scale, offsets, row_index=row_index, out_dtype=torch.float32)
     plain, launches = InterpretedFunction.run, []

@@ -90,11 +90,8 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
     # Mixtral's MoE block is `mlp` in transformers 5 (quantkit.serve.stock_names); Gemma 2 soft-caps attention
     # logits, which the reference applies only with eager attention (quantkit.models.attention)
     "llama-nvfp4": ("llama", "w4a4_nvfp4", 1),
-    "llama-nvfp4_mse": (
-        "llama",
-        "w4a4_nvfp4_mse",
-        1,
-    ),  # searched weight scales (issue 31): only the stored scales differ
+    # searched weight scales (issue 31): only the stored scales differ
+    "llama-nvfp4_mse": ("llama", "w4a4_nvfp4_mse", 1),
     "qwen3-nvfp4_gptq": ("qwen3", "w4a4_nvfp4_gptq", 1),  # GPTQ rounding (issue 31): only the stored weights differ
     # mixed precision by module (issue 31): FP8 attention, NVFP4 MLP / routed experts, each layer its own scheme
     "llama-mixed": ("llama", "mixed_fp8_attn_nvfp4", 1),
@@ -246,6 +243,22 @@ class HeldCodes:
         return fake_quant
 
 
+def serve_capturing(
+    quantized: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **engine
+) -> tuple[list[list[int]], list[torch.Tensor], Path]:
+    """Serve `quantized` with vLLM (max_model_len 256, `engine` arguments), DECODE_TOKENS greedy tokens after each
+    of PROMPTS, every quantized layer's activation codes captured (CAPTURE_ENV) -> (token ids: prompt + decoded,
+    vLLM's logprob of each token after the first, the capture folder)."""
+    tok = AutoTokenizer.from_pretrained(quantized)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    capture = tmp_path / "capture"
+    capture.mkdir()
+    monkeypatch.setenv(CAPTURE_ENV, str(capture))
+    run = generate(quantized, prompts, max_tokens=DECODE_TOKENS, max_model_len=256, **engine)
+    assert all(len(g.token_ids) == len(p) + DECODE_TOKENS for g, p in zip(run.generations, prompts))
+    return [g.token_ids for g in run.generations], [torch.tensor(g.logprobs) for g in run.generations], capture
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch):
     architecture, recipe, tp = CASES[case]
@@ -256,17 +269,9 @@ def test_vllm_matches_fake_quant_reference(case, sources, tmp_path, monkeypatch)
     if settings.smoothquant is not None or settings.gptq is not None:
         settings = with_calibration(settings, 8, 64)
     quantized = quantize_checkpoint(source, settings, tmp_path / recipe)
-    tok = AutoTokenizer.from_pretrained(quantized)
-    prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    capture = tmp_path / "capture"
-    capture.mkdir()
-    monkeypatch.setenv(CAPTURE_ENV, str(capture))
-    run = generate(
-        quantized, prompts, max_tokens=DECODE_TOKENS, tensor_parallel_size=tp, max_model_len=256, dtype="float32"
+    token_ids, served, capture = serve_capturing(
+        quantized, tmp_path, monkeypatch, tensor_parallel_size=tp, dtype="float32"
     )
-    token_ids = [g.token_ids for g in run.generations]
-    served = [torch.tensor(g.logprobs) for g in run.generations]
-    assert all(len(g.token_ids) == len(p) + DECODE_TOKENS for g, p in zip(run.generations, prompts))
 
     from transformers import AutoModelForCausalLM
 

@@ -29,6 +29,7 @@ import math
 
 import pytest
 import torch
+from test_variants_hf import VARIANTS as FLAG_VARIANTS
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -60,19 +61,8 @@ SHAPE = dict(
     eos_token_id=0,
     pad_token_id=0,
 )
-VARIANTS = {
-    "baseline": {},
-    "ga_headwise": dict(attn_output_gate="headwise"),
-    "ga_elementwise": dict(attn_output_gate="elementwise"),
-    "pre_affine": dict(pre_affine=True),
-    "gated_norm": dict(gated_norm_rank=16),
-    "glu": dict(hidden_act="sigmoid"),
-    "dyt": dict(norm_type="dyt"),
-    "gated_dyt": dict(norm_type="dyt", gated_norm_rank=16),
-    "v_scale": dict(value_scale=True),
-    "headwise_rmsnorm": dict(headwise_rmsnorm=True),
-    "attention_sink": dict(attention_sink=True),
-}
+# test_variants_hf's flag table (the Gated Attention flags with a head-wise gate) and PreAffine / GatedNorm alone
+VARIANTS = {**FLAG_VARIANTS, "pre_affine": dict(pre_affine=True), "gated_norm": dict(gated_norm_rank=16)}
 NO_V_O = {"v_scale", "headwise_rmsnorm"}  # attention not linear in v: v_proj -> o_proj refused
 OUTLIER = {"input_layernorm": 5, "post_attention_layernorm": 7, "v_proj": 3, "up_proj": 9}
 

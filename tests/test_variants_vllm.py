@@ -84,9 +84,16 @@ def _omp_bind_per_rank(tp: int) -> str | None:
     return "|".join(",".join(map(str, cores[r * per_rank : (r + 1) * per_rank])) for r in range(tp))
 
 
-def served_logprobs(prompts: list[list[int]], outputs) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """vLLM outputs (prompt_logprobs=0, logprobs=0) -> (token_ids, logprobs): token_ids[i] = prompt i followed by its
-    decoded tokens; logprobs[i][j] = vLLM's logprob of token_ids[i][j + 1]."""
+def served_logprobs(llm, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """DECODE_TOKENS greedy tokens after each prompt on vLLM engine `llm`, with the prompt's and the sampled tokens'
+    logprobs -> (token_ids, logprobs): token_ids[i] = prompt i followed by its decoded tokens; logprobs[i][j] =
+    vLLM's logprob of token_ids[i][j + 1]."""
+    from vllm import SamplingParams
+
+    outputs = llm.generate(
+        [{"prompt_token_ids": ids} for ids in prompts],
+        SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, prompt_logprobs=0, logprobs=0),
+    )
     token_ids, logprobs = [], []
     for ids, out in zip(prompts, outputs):
         assert list(out.prompt_token_ids) == ids
@@ -105,7 +112,7 @@ def served(request, tmp_path_factory):
     `token_ids[i]` is prompt i followed by its greedily decoded tokens; `logprobs[i][j]` is vLLM's
     logprob of `token_ids[i][j + 1]` (prompt logprobs, then the decoded tokens' own logprobs).
     """
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from quantkit.models.tiny import build_tiny_checkpoint
 
@@ -137,13 +144,9 @@ def served(request, tmp_path_factory):
     try:
         assert llm.llm_engine.model_config.architectures == ["QuantkitForCausalLM"]
         assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == tp
-        outputs = llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompts],
-            SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, prompt_logprobs=0, logprobs=0),
-        )
+        token_ids, logprobs = served_logprobs(llm, prompts)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    token_ids, logprobs = served_logprobs(prompts, outputs)
     return dict(name=name, ckpt=ckpt, token_ids=token_ids, logprobs=logprobs, control=control)
 
 

@@ -35,15 +35,9 @@ from typing import Any
 import torch
 
 from quantkit.checkpoints import CheckpointError
+from quantkit.formats import fp8
 from quantkit.formats.constants import F8E4M3_DTYPE, FP8_WEIGHT_BLOCK, NVFP4_GROUP, ActivationScale, WeightScales
 from quantkit.formats.experts import EXPERT_MATRIX
-from quantkit.formats.fp8 import (
-    dequantize_fp8_block,
-    dequantize_fp8_per_token,
-    expand_block_scales,
-    quantize_fp8_block,
-    quantize_fp8_per_token,
-)
 from quantkit.formats.nvfp4 import (
     NVFP4Tensor,
     dequantize_nvfp4,
@@ -212,15 +206,15 @@ class FP8BlockScheme(Scheme):
         """Weight (N, K) -> weight float8_e4m3fn (N, K) and weight_scale float32 (ceil(N/128), ceil(K/128)), the decode
         scale of each 128x128 block (given in `scales`, else min-max or searched: `weight_scales`)."""
         if scales is not None:
-            q, scale = quantize_fp8_block(weight, name=name, scale=scales["weight_scale"])
+            q, scale = fp8.quantize_fp8_block(weight, name=name, scale=scales["weight_scale"])
         else:
-            quantize = quantize_fp8_block_mse if weight_scales == WeightScales.MSE else quantize_fp8_block
+            quantize = quantize_fp8_block_mse if weight_scales == WeightScales.MSE else fp8.quantize_fp8_block
             q, scale = quantize(weight, name=name)
         return {"weight": q, "weight_scale": scale}
 
     def decode(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
         """weight * its 128x128 block's decode scale -> float32 (N, K); `in_features` unused (K is stored unpadded)."""
-        return dequantize_fp8_block(tensors["weight"], tensors["weight_scale"])
+        return fp8.dequantize_fp8_block(tensors["weight"], tensors["weight_scale"])
 
     def stored_bits(self, n: int, k: int) -> int:
         """8 bits a weight, 32 a 128x128 block's scale."""
@@ -230,14 +224,14 @@ class FP8BlockScheme(Scheme):
         self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, ...]:
         """(q float8_e4m3fn (..., K), per-token decode scale float32 (..., 1)); no static mode."""
-        return quantize_fp8_per_token(x, row_amax=row_amax)
+        return fp8.quantize_fp8_per_token(x, row_amax=row_amax)
 
     def fake_quant_activation(
         self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None, row_amax: torch.Tensor | None = None
     ) -> torch.Tensor:
         """FP8 E4M3 quantize-dequantize per token (`row_amax`: the whole row's under TP), (..., K) -> float32 (..., K);
         no static mode (`input_global_scale` unused)."""
-        return dequantize_fp8_per_token(*self.quantize_activation(x, input_global_scale, row_amax))
+        return fp8.dequantize_fp8_per_token(*self.quantize_activation(x, input_global_scale, row_amax))
 
     def layer_tensors(self, n: int, k: int, shards: int, activation_scale: str) -> list[LayerTensor]:
         """weight (n, k) E4M3; weight_scale (n, ceil(k/128)) float32, each block row repeated over its rows."""
@@ -249,7 +243,8 @@ class FP8BlockScheme(Scheme):
     def decode_layer(self, params: Mapping[str, torch.Tensor], k: int) -> torch.Tensor:
         """weight (n, k) E4M3 times weight_scale (n, ceil(k/128)), each entry over its 128 columns -> float32 (n, k)."""
         weight = params["weight"]
-        return weight.float() * expand_block_scales(params["weight_scale"], (1, FP8_WEIGHT_BLOCK), tuple(weight.shape))
+        scale = fp8.expand_block_scales(params["weight_scale"], (1, FP8_WEIGHT_BLOCK), tuple(weight.shape))
+        return weight.float() * scale
 
 
 FP8_BLOCK = FP8BlockScheme(

@@ -127,30 +127,30 @@ class QuantkitAttention(Qwen3Attention):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, T, hidden) -> (o_proj output (B, T, hidden), attention weights or None), in the class docstring's
         order; this step's k, v go into `past_key_values` (when given)."""
-        input_shape = hidden_states.shape[:-1]  # (B, T)
-        hidden_shape = (*input_shape, -1, self.head_dim)
-
-        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, KVH, T, D)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        gate = None  # (B, T, H, D) or (B, T, H, 1), pre-sigmoid
-        if self.output_gate is not None:
-            gate = self.g_proj(hidden_states).view(*input_shape, query_states.shape[1], -1)  # head-major
-        return attend(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            past_key_values,
-            gate,
-            eager_attention_forward,
-            position_ids=position_ids,
-            **kwargs,
+        query_states, key_states, value_states = project_heads(
+            self, self.q_proj(hidden_states), hidden_states, position_embeddings, apply_rotary_pos_emb
         )
+        gate = None  # (B, T, H, D) or (B, T, H, 1), pre-sigmoid
+        if self.output_gate is not None:  # head-major
+            gate = self.g_proj(hidden_states).view(*hidden_states.shape[:-1], query_states.shape[1], -1)
+        qkv = (query_states, key_states, value_states)
+        eager = eager_attention_forward
+        return attend(self, *qkv, attention_mask, past_key_values, gate, eager, position_ids, **kwargs)
+
+
+def project_heads(
+    module: Any, query: torch.Tensor, hidden_states: torch.Tensor, position_embeddings: tuple, rope: Callable
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both families' attention before `attend`: q_proj's output `query` (B, T, H*D) and the module's k_proj /
+    v_proj of hidden_states (B, T, hidden) -> per-head q_norm / k_norm -> RoPE (`rope`: the family's
+    apply_rotary_pos_emb, cos and sin from `position_embeddings`) -> q (B, H, T, D), k and v (B, KVH, T, D)."""
+    hidden_shape = (*hidden_states.shape[:-1], -1, module.head_dim)
+    query_states = module.q_norm(query.reshape(hidden_shape)).transpose(1, 2)
+    key_states = module.k_norm(module.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    value_states = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query_states, key_states = rope(query_states, key_states, cos, sin)
+    return query_states, key_states, value_states
 
 
 def attend(

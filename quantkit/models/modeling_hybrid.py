@@ -24,7 +24,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 from quantkit.models.configuration_hybrid import DELTANET_CONV_ACT, QuantkitHybridConfig
-from quantkit.models.modeling import attend
+from quantkit.models.modeling import attend, project_heads
 
 
 def has_norm_flags(config: QuantkitHybridConfig) -> bool:
@@ -105,7 +105,6 @@ class QuantkitHybridAttention(Qwen3NextAttention):
         """(B, T, hidden) -> (o_proj output (B, T, hidden), attention weights or None), in the class docstring's
         order; this step's k, v go into `past_key_values` (when given)."""
         input_shape = hidden_states.shape[:-1]  # (B, T)
-        hidden_shape = (*input_shape, -1, self.head_dim)
 
         query = self.q_proj(hidden_states)
         gate = None  # (B, T, H, D) or (B, T, H, 1), pre-sigmoid
@@ -114,23 +113,8 @@ class QuantkitHybridAttention(Qwen3NextAttention):
         elif self.output_gate == "headwise":
             gate = self.g_proj(hidden_states)[..., None]
 
-        query_states = self.q_norm(query.reshape(hidden_shape)).transpose(1, 2)
-        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, KVH, T, D)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        return attend(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            past_key_values,
-            gate,
-            eager_attention_forward,
-            **kwargs,
-        )
+        qkv = project_heads(self, query, hidden_states, position_embeddings, apply_rotary_pos_emb)
+        return attend(self, *qkv, attention_mask, past_key_values, gate, eager_attention_forward, **kwargs)
 
 
 class QuantkitHybridForCausalLM(Qwen3NextForCausalLM):

@@ -32,21 +32,15 @@ TINY_SHAPE: dict[str, Any] = dict(
 )
 
 
-def build_tiny_checkpoint(
-    out_dir: str | Path,
-    vocab_size: int = 512,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    init_std: float = 0.05,
-    **config_overrides: Any,
-) -> Path:
+def build_tiny_checkpoint(out_dir: str | Path, **options: Any) -> Path:
     """Train a tokenizer on stdlib docstrings and save a randomly initialized model with it.
 
-    Parameters are drawn by `randomize_parameters` with a fixed `seed`: far enough from their initial
+    Parameters are drawn by `randomize_parameters` with a fixed seed: far enough from their initial
     values that next-token distributions are far from uniform and every variant flag changes the output,
-    so logprob comparisons are meaningful. `config_overrides` may set any `QuantkitConfig` field.
+    so logprob comparisons are meaningful. `options`: `build_random_checkpoint`'s draw (vocab_size, seed, dtype,
+    init_std) and any `QuantkitConfig` field.
     """
-    return _build(QuantkitConfig, QuantkitForCausalLM, out_dir, vocab_size, seed, dtype, init_std, config_overrides)
+    return build_random_checkpoint(QuantkitConfig, QuantkitForCausalLM, out_dir, **options)
 
 
 STOCK_ARCHITECTURES = ("qwen3", "llama", "gemma3", "mistral", "qwen2", "qwen3_moe", "mixtral", "phi3", "gemma2")
@@ -59,29 +53,36 @@ _STOCK_OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
-def build_tiny_stock_checkpoint(
-    out_dir: str | Path,
-    architecture: str = "qwen3",
-    vocab_size: int = 512,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    init_std: float = 0.05,
-) -> Path:
+def build_tiny_stock_checkpoint(out_dir: str | Path, architecture: str = "qwen3", **draw: Any) -> Path:
     """Like `build_tiny_checkpoint`, for a stock transformers decoder: `architecture` is a model_type of
     STOCK_ARCHITECTURES (Qwen3, Llama, Gemma 3 with its four (1 + w) norms a layer, Mistral, Qwen2, Qwen3-MoE and
-    Mixtral with 4 experts top-2, Phi-3 with fused qkv/gate_up, Gemma 2)."""
+    Mixtral with 4 experts top-2, Phi-3 with fused qkv/gate_up, Gemma 2). `draw`: vocab_size, seed, dtype,
+    init_std."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if architecture not in STOCK_ARCHITECTURES:
         raise ValueError(f"unknown stock architecture {architecture!r}; expected one of {list(STOCK_ARCHITECTURES)}")
     config_class = type(AutoConfig.for_model("gemma3_text" if architecture == "gemma3" else architecture))
     model_class = AutoModelForCausalLM._model_mapping[config_class]
-    return _build(
-        config_class, model_class, out_dir, vocab_size, seed, dtype, init_std, _STOCK_OVERRIDES.get(architecture, {})
-    )
+    return build_random_checkpoint(config_class, model_class, out_dir, **draw, **_STOCK_OVERRIDES.get(architecture, {}))
 
 
-def _build(config_class, model_class, out_dir, vocab_size, seed, dtype, init_std, overrides, rules=None) -> Path:
+def build_random_checkpoint(
+    config_class: type,
+    model_class: type,
+    out_dir: str | Path,
+    *,
+    shape: dict[str, Any] | None = None,
+    rules: tuple[tuple[str, float, float], ...] | None = None,
+    vocab_size: int = 512,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    init_std: float = 0.05,
+    **config_overrides: Any,
+) -> Path:
+    """A BPE tokenizer of `vocab_size` trained on stdlib docstrings and a `model_class` of `config_class` in
+    `shape` (default TINY_SHAPE) with `config_overrides`, its parameters drawn by `randomize_parameters` (seed,
+    init_std for the matrices, `rules` for the rest), saved in `dtype` to out_dir."""
     out_dir = Path(out_dir)
     tokenizer = train_bpe_tokenizer(stdlib_docstrings(), vocab_size)
     config = config_class(
@@ -89,7 +90,7 @@ def _build(config_class, model_class, out_dir, vocab_size, seed, dtype, init_std
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **{**TINY_SHAPE, **overrides},
+        **{**TINY_SHAPE, **(shape or {}), **config_overrides},
     )
     torch.manual_seed(seed)
     model = model_class(config)

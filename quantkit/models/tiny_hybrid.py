@@ -10,11 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from quantkit.models.configuration_hybrid import QuantkitHybridConfig
 from quantkit.models.modeling_hybrid import QuantkitHybridForCausalLM
-from quantkit.models.tiny import _build
+from quantkit.models.tiny import build_random_checkpoint
 
 TINY_HYBRID_SHAPE: dict[str, Any] = dict(
     hidden_size=128,
@@ -50,55 +48,25 @@ HYBRID_RANDOM_PARAMETER_RULES = (
 # small conv output still gives an O(1) DeltaNet branch.
 
 
-def build_tiny_hybrid_checkpoint(
-    out_dir: str | Path,
-    vocab_size: int = 512,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    init_std: float = 0.05,
-    **config_overrides: Any,
-) -> Path:
+def build_tiny_hybrid_checkpoint(out_dir: str | Path, **options: Any) -> Path:
     """Train a tokenizer on stdlib docstrings and save a random `QuantkitHybridForCausalLM` with it.
 
-    `config_overrides` may set any `QuantkitHybridConfig` field (the flags: attn_output_gate, pre_affine,
-    gated_norm_rank, hidden_act, value_scale, headwise_rmsnorm). Parameters as in
-    `quantkit.models.tiny.build_tiny_checkpoint`, with HYBRID_RANDOM_PARAMETER_RULES.
+    `options`: the draw of `quantkit.models.tiny.build_random_checkpoint` (vocab_size, seed, dtype, init_std; with
+    HYBRID_RANDOM_PARAMETER_RULES) and any `QuantkitHybridConfig` field (the flags: attn_output_gate, pre_affine,
+    gated_norm_rank, hidden_act, value_scale, headwise_rmsnorm).
     """
-    overrides = {**TINY_HYBRID_SHAPE, **config_overrides}
-    return _build(
-        QuantkitHybridConfig,
-        QuantkitHybridForCausalLM,
-        out_dir,
-        vocab_size,
-        seed,
-        dtype,
-        init_std,
-        overrides,
-        HYBRID_RANDOM_PARAMETER_RULES,
+    model = (QuantkitHybridConfig, QuantkitHybridForCausalLM)
+    return build_random_checkpoint(
+        *model, out_dir, shape=TINY_HYBRID_SHAPE, rules=HYBRID_RANDOM_PARAMETER_RULES, **options
     )
 
 
-def build_tiny_qwen3_next_checkpoint(
-    out_dir: str | Path,
-    vocab_size: int = 512,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    init_std: float = 0.05,
-    **config_overrides: Any,
-) -> Path:
+def build_tiny_qwen3_next_checkpoint(out_dir: str | Path, **options: Any) -> Path:
     """The same shape and draw as a stock transformers `Qwen3NextForCausalLM` (model_type qwen3_next);
-    `config_overrides` may set any `Qwen3NextConfig` field."""
+    `options` as `build_tiny_hybrid_checkpoint`'s, any `Qwen3NextConfig` field."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    overrides = {**TINY_HYBRID_SHAPE, **config_overrides}
-    return _build(
-        Qwen3NextConfig,
-        Qwen3NextForCausalLM,
-        out_dir,
-        vocab_size,
-        seed,
-        dtype,
-        init_std,
-        overrides,
-        HYBRID_RANDOM_PARAMETER_RULES,
+    model = (Qwen3NextConfig, Qwen3NextForCausalLM)
+    return build_random_checkpoint(
+        *model, out_dir, shape=TINY_HYBRID_SHAPE, rules=HYBRID_RANDOM_PARAMETER_RULES, **options
     )

@@ -76,7 +76,7 @@ from quantkit.configs import RECIPES_DIR
 from quantkit.data import default_calibration_source
 from quantkit.formats.constants import ActivationScale, WeightScales
 from quantkit.formats.schemes import SCHEMES, UNQUANTIZED, scheme_for
-from quantkit.yamlfile import read_yaml
+from quantkit.yamlfile import find_yaml, read_yaml, shipped_names
 
 # lm_head stays BF16 (quantkit's choice, as the peers' presets); GatedNorm's rank-r gates are tiny (shared/DESIGN.md)
 DEFAULT_IGNORE = (
@@ -354,18 +354,16 @@ def _matches(pattern: str, module_name: str) -> bool:
 
 def available_recipes() -> list[str]:
     """Names of the shipped recipes (RECIPES_DIR/*.yaml file stems), sorted."""
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+    return shipped_names(RECIPES_DIR)
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
     """Load and validate a recipe by name (RECIPES_DIR/<name>.yaml) or path; ValueError names the problem."""
-    path = Path(name_or_path)
-    if path.suffix not in (".yaml", ".yml"):
-        path = RECIPES_DIR / f"{name_or_path}.yaml"
-        if not path.exists():
-            raise ValueError(f"unknown recipe {str(name_or_path)!r}; available: {available_recipes()}")
-    if not path.exists():
-        raise FileNotFoundError(f"recipe file {path} does not exist")
+    path = find_yaml(name_or_path, RECIPES_DIR)
+    if path is None and Path(name_or_path).suffix in (".yaml", ".yml"):
+        raise FileNotFoundError(f"recipe file {name_or_path} does not exist")
+    if path is None:
+        raise ValueError(f"unknown recipe {str(name_or_path)!r}; available: {available_recipes()}")
     data = read_yaml(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a recipe is a YAML mapping, got {type(data).__name__}")
