@@ -179,3 +179,22 @@ def test_study_kl_pairs_compares_rows_window_by_window(tmp_path):
     row = next(line for line in run.stdout.splitlines() if line.startswith("| better |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[-1] == "4/4" and float(cells[2].rstrip("x")) < 1 and cells[3].startswith("-"), row
+
+
+def test_recipe_trail_stays_in_the_quantize_modules():
+    """benchmarks/recipe_trail.py on a composed recipe (SmoothQuant + GPTQ): the recipe's and the plan's fields are
+    read only by quantize's orchestration (checkpoint, plan, streaming, output), in at most 15 stays on either path
+    (issue 52 item 2; docs/results/recipe-trail.md). A helper that reads recipe fields again adds a module or stays."""
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "recipe_trail.py"), "--recipes", "w4a4_nvfp4_sq_gptq"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith("| w4a4_nvfp4_sq_gptq |")]
+    assert [r[1] for r in rows] == ["whole model", "streaming"]
+    allowed = {"quantize.checkpoint", "quantize.plan", "quantize.streaming", "quantize.output"}
+    for r in rows:
+        trail = r[6].rstrip(" |").split(" > ")
+        assert set(trail) <= allowed and int(r[4]) == len(trail) <= 15, r
