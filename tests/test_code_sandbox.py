@@ -145,17 +145,30 @@ def test_infinite_loop_is_stopped_at_the_timeout(source):
 
 
 def test_rlimit_cpu_kills_an_escaped_spinner(monkeypatch):
-    """Without the pids cgroup a setsid() child escapes the group kill; RLIMIT_CPU still ends it."""
+    """Without the pids cgroup a setsid() child escapes the group kill; RLIMIT_CPU still ends it.
+
+    The program returns only once the spinner has written a byte from its own Python code, so the spinner is past
+    its exec and startup when the run ends. Before, a CI run (2026-11-29, loaded) found no spinner 0.38 s into the
+    test; the likely cause, not shown: Popen returns once the exec has begun (its close-on-exec pipe closes early in
+    execve), and /proc/PID/cmdline is empty until the new program's arguments are set up. The spinner needs
+    `hard_limit` CPU seconds to be killed; `3 * hard_limit` wall seconds leave it a third of a core, what it gets
+    beside two other busy processes on CI's 2 cores."""
     monkeypatch.setattr(execution, "_pids_cgroup", lambda: None)
     marker = f"spin-{uuid.uuid4().hex}"
-    spinner = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass\n"
+    spinner = (
+        "import signal, sys\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nsys.stdout.write('x')\n"
+        "sys.stdout.flush()\nwhile True:\n    pass\n"
+    )
     source = program(f"""
         import subprocess, sys
-        subprocess.Popen([sys.executable, "-c", {spinner!r}, {marker!r}], start_new_session=True)
+        spinner = subprocess.Popen(
+            [sys.executable, "-c", {spinner!r}, {marker!r}], start_new_session=True, stdout=subprocess.PIPE
+        )
+        assert spinner.stdout.read(1) == b"x"
     """)
-    assert run_program(source, timeout=1.0)
+    assert run_program(source, timeout=2.0)
     assert processes_with(marker), "the spinner should have outlived the run"
-    hard_limit = 3  # CPU seconds for timeout=1: SIGXCPU (ignored) at 2, SIGKILL at 3
+    hard_limit = 4  # CPU seconds for timeout=2: SIGXCPU (ignored) at ceil(2) + 1 = 3, SIGKILL at 4
     assert wait_gone(marker, within=3 * hard_limit) == []
 
 
