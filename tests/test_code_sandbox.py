@@ -152,7 +152,7 @@ def test_rlimit_cpu_kills_an_escaped_spinner(monkeypatch):
     test; the likely cause, not shown: Popen returns once the exec has begun (its close-on-exec pipe closes early in
     execve), and /proc/PID/cmdline is empty until the new program's arguments are set up. The spinner needs
     `hard_limit` CPU seconds to be killed; `3 * hard_limit` wall seconds leave it a third of a core, what it gets
-    beside two other busy processes on CI's 2 cores."""
+    beside five other busy processes on CI's 2 cores."""
     monkeypatch.setattr(execution, "_pids_cgroup", lambda: None)
     marker = f"spin-{uuid.uuid4().hex}"
     spinner = (
