@@ -126,7 +126,7 @@ def model_sentences(label: str, verdicts: Mapping[str, Any], names: Mapping[str,
     if numerics is not None:
         lines.append(
             f"{label}: numerics floor ±{verdicts['numerics_floor']:.2f} points: BF16 re-run in a second summation "
-            f"order flips {100 * numerics['flip_rate']:.1f}% of {numerics['n']} items, ΔAvg {_ci(numerics)}."
+            f"order{f' ({order})' if (order := numerics.get('order')) else ''} flips {100 * numerics['flip_rate']:.1f}% of {numerics['n']} items, ΔAvg {_ci(numerics)}."
         )
     else:
         lines.append(f"{label}: numerics floor not measured (set eval.numerics: true); verdicts rest on items alone.")

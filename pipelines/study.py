@@ -72,6 +72,9 @@ from quantkit.yamlfile import read_yaml
 logger = logging.getLogger(__name__)
 
 BASELINE = "bf16"
+# The numerics stage's second summation order (quantkit.serve.cpu.linear): the default order's kernels on permuted
+# input columns, about a BF16 row's cost (split-k, the order before 2026-11-29, computes decoding in float32: 3-4x).
+NUMERICS_ORDER = "permute-k"
 SPEC_KEYS = {"name", "models", "zoo", "recipes", "eval", "kl", "diagnose", "calibration", "parallel", "runs_dir"}
 EVAL_DEFAULTS = dict(
     suite="mini",
@@ -82,7 +85,7 @@ EVAL_DEFAULTS = dict(
     allow_code=False,
     seed=1234,
     dtype="bfloat16",
-    numerics=False,  # the numerics stage: BF16 evaluated again in a second summation order (the numerics floor)
+    numerics=False,  # the numerics stage: BF16 evaluated again in NUMERICS_ORDER (the numerics floor)
     reference=False,  # the reference stage: BF16 under the makers' prompt protocol (trained models that publish one)
 )
 KL_DEFAULTS = dict(num_sequences=16, seq_len=128, source=None, top_k=None)  # source None: vllm with the vllm backend
@@ -511,13 +514,13 @@ class Study:
         )
 
     def _numerics(self, label: str, recipe: str) -> None:
-        """The BF16 checkpoint's suite again, every half-precision Linear summed in the second order (split-k,
+        """The BF16 checkpoint's suite again, every half-precision Linear summed in the second order (NUMERICS_ORDER,
         `quantkit.serve.cpu.linear`): its answer flips against the eval stage's BF16 are the numerics floor."""
         from quantkit.serve.engine import SUMMATION_ENV
 
         self._checkpoint_ready(label, recipe)
         saved = os.environ.get(SUMMATION_ENV)
-        os.environ[SUMMATION_ENV] = "split-k"  # read by the engine's layers as they load (this process and spawned)
+        os.environ[SUMMATION_ENV] = NUMERICS_ORDER  # read by the engine's layers as they load (this process and spawned)
         try:
             self._evaluate(label, self.checkpoint_dir(label, recipe), self.numerics_dir(label), self.suite(label), None)
         finally:
@@ -823,7 +826,11 @@ def study_verdicts(study: Study, measured: Sequence[tuple[str, str]]) -> dict[st
         suite = load_suite(study.suite(label))
         in_avg = suite.avg or list(suite.benchmarks)
         numerics_done = study._artifact_file("numerics", label, BASELINE).exists()
-        numerics = v.compare_runs(base_dir, study.numerics_dir(label), in_avg, seed) if numerics_done else None
+        numerics = None
+        if numerics_done:
+            numerics = v.compare_runs(base_dir, study.numerics_dir(label), in_avg, seed)
+            host = json.loads(study._artifact_file("numerics", label, BASELINE).read_text()).get("host") or {}
+            numerics["order"] = host.get("summation")  # None in records older than the host record
         floor = floors[label] = v.numerics_floor(numerics)
         quantized = [r for r in study.spec.recipes if r != BASELINE and (label, r) in done]
         vs_bf16 = v.judge(

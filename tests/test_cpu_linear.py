@@ -184,3 +184,53 @@ def test_split_k_summation_order_is_another_valid_order(monkeypatch):
     monkeypatch.setenv(cpu_linear.SUMMATION_ENV, "reversed")
     with pytest.raises(ValueError, match="split-k"):
         cpu_linear.summation_order()
+
+
+@pytest.mark.parametrize("min_rows", [cpu_linear.FLOAT32_MIN_ROWS, 0, None])
+@pytest.mark.parametrize("remove_weight", [True, False])
+def test_permute_k_summation_order_is_the_default_kernel_on_permuted_columns(monkeypatch, min_rows, remove_weight):
+    """The study's second order (QUANTKIT_CPU_SUMMATION=permute-k), in each mode the default order has (float32 from
+    FLOAT32_MIN_ROWS rows, float32 always, vLLM's kernel always): bit for bit what the default order's kernel
+    computes from the columns in `k_permutation`'s order (the same function on the same input is deterministic);
+    within the module docstring's bound of PyTorch's bf16 F.linear; and a different order: on 63 x 512 and
+    64 x 512 outputs (either side of FLOAT32_MIN_ROWS) at least one element differs in its last bf16 bit from the
+    default order. Why that is safe: the float32 sums differ by ~sqrt(K) 2^-24 of their size, a bf16 rounding
+    boundary lies within that of ~2^-24 sqrt(K) / 2^-9, i.e. ~1 in 1000 outputs at K = 1001, so ~30 of 32k
+    differ; the seed is fixed, so the check is deterministic. A tied embedding (remove_weight False) keeps its own
+    unpermuted weight object for its lookups."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 512, 1001
+    weight = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    permutation = cpu_linear.k_permutation(k)
+    assert torch.equal(permutation.sort().values, torch.arange(k))
+    assert torch.equal(permutation, cpu_linear.k_permutation(k))  # seeded: the same order every time
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", cpu_linear.vllm_dispatch())  # unwrapped
+    monkeypatch.setattr(cpu_linear, "float32_min_rows", lambda: min_rows)
+    monkeypatch.delenv(cpu_linear.SUMMATION_ENV, raising=False)
+    assert cpu_linear.install() == (min_rows is not None)  # wrapped in every mode (None: vLLM's kernel always)
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    default = layer_with(weight.clone(), bias.clone())  # the default order, on the columns as they are
+    dispatch(default, remove_weight=remove_weight)
+    on_permuted = layer_with(weight[:, permutation].contiguous(), bias.clone())  # ... on the permuted columns
+    dispatch(on_permuted, remove_weight=remove_weight)
+    monkeypatch.setenv(cpu_linear.SUMMATION_ENV, "permute-k")
+    layer = layer_with(weight.clone(), bias.clone())
+    original = layer.weight
+    dispatch(layer, remove_weight=remove_weight)
+    assert (layer.weight is original) == (not remove_weight)
+    if not remove_weight:
+        assert torch.equal(layer.weight, weight)
+    for rows in (1, 63, 64, 100):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        got = layer.cpu_linear(x, layer.weight, layer.bias)
+        want = on_permuted.cpu_linear(x[:, permutation], on_permuted.weight, on_permuted.bias)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), rows
+        assert within_bound(got, F.linear(x, weight, bias), x, weight, bias), rows
+        if rows in (63, 64):
+            assert not torch.equal(got, default.cpu_linear(x, default.weight, default.bias)), rows
+
+
+def test_summation_order_names():
+    """Every order the study may set is known; a misspelt one is refused naming the choices."""
+    assert set(cpu_linear.SUMMATION_ORDERS) == {"default", "permute-k", "split-k"}

@@ -95,7 +95,7 @@ def test_study_writes_every_artifact(study):
 
 
 def test_numerics_floor_and_verdicts_in_words(study):
-    """eval.numerics: the bf16 checkpoint evaluated again with QUANTKIT_CPU_SUMMATION=split-k (recorded in its host
+    """eval.numerics: the bf16 checkpoint evaluated again with QUANTKIT_CPU_SUMMATION=permute-k (recorded in its host
     record, and restored afterwards), paired item by item with the bf16 eval: the numerics floor; the W4A4 row
     judged against BF16 (a Holm family of one) and the verdicts opening the report. The tiny study runs in float32,
     whose Linears the second order does not touch, so no claim is made here about the size of the floor
@@ -108,17 +108,17 @@ def test_numerics_floor_and_verdicts_in_words(study):
     assert SUMMATION_ENV not in os.environ
     again = json.loads((run_dir / "evals" / "tiny-bf16-numerics" / "results.json").read_text())
     first = json.loads((run_dir / "evals" / "tiny-bf16" / "results.json").read_text())
-    assert again["host"]["summation"] == "split-k" and first["host"]["summation"] == "default"
+    assert again["host"]["summation"] == "permute-k" and first["host"]["summation"] == "default"
     assert first["host"]["isa"] and "heldout_logprobs" not in again
     verdicts = json.loads((run_dir / "results.json").read_text())["meta"]["verdicts"]
     tiny = verdicts["models"]["tiny"]
     items = sum(b["n"] for b in first["benchmarks"].values())
-    assert tiny["numerics"]["n"] == items and tiny["numerics_floor"] >= 0
+    assert tiny["numerics"]["n"] == items and tiny["numerics_floor"] >= 0 and tiny["numerics"]["order"] == "permute-k"
     row = tiny["vs_bf16"]["w4a4_nvfp4"]
     assert row["family"] == 1 and row["p_holm"] == row["p_two_sided"] and row["n"] == items
     assert tiny["vs_baseline"] == {}  # plain W4A4 has no method baseline
     md = (run_dir / "report" / "report.md").read_text()
-    assert "## Verdicts" in md and "tiny: numerics floor ±" in md and "tiny W4A4: ΔAvg" in md
+    assert "## Verdicts" in md and "tiny: numerics floor ±" in md and "summation order (permute-k) flips" in md and "tiny W4A4: ΔAvg" in md
     quantized = json.loads((run_dir / "evals" / "tiny-w4a4_nvfp4" / "results.json").read_text())
     history = json.loads((run_dir / "history.json").read_text())
     assert (

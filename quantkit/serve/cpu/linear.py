@@ -25,7 +25,15 @@ A second summation order (the study's numerics floor, `QUANTKIT_CPU_SUMMATION=sp
 Linear computes in float32 as the sum of two half-K products, `F.linear(x[:, :K/2], w[:, :K/2]) + F.linear(x[:, K/2:],
 w[:, K/2:])`, then rounds to the input dtype once. The products are the same exact float32 products and the
 accumulation float32; only the order of the additions differs, as it does between two CPUs' kernels. It applies on
-every ISA (AVX2, AVX-512, AMX) alike, so the floor it measures means the same on every machine.
+every ISA (AVX2, AVX-512, AMX) alike, so the floor it measures means the same on every machine. Its cost: every call
+computes in float32, decoding included, reading twice the weight bytes (a coder's code suite ran ~3-4x a BF16 row).
+
+The study's second order (`QUANTKIT_CPU_SUMMATION=permute-k`): every half-precision Linear takes its K input columns in
+one fixed, seeded permutation (`k_permutation`, the same on every machine), the weight's columns permuted alike once
+at load. Each call then runs on the kernel the default order would choose for it (vLLM's for small batches, the
+float32 copy for large ones on this machine kind), on permuted operands: the same exact products, summed by the same
+kernel in another order. It costs one gather of the input per call, so a BF16 row costs about what it does in the
+default order. A tied embedding keeps its rows (only the LM head's copy is permuted: 2 bytes a parameter more).
 """
 
 from __future__ import annotations
@@ -40,8 +48,9 @@ import torch.nn.functional as F
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 FLOAT32_MIN_ROWS = 64  # rows (tokens) from which float32 beats oneDNN's bf16 kernel on AVX-512 BF16 without AMX
 SWITCH_ENV = "QUANTKIT_CPU_FLOAT32_LINEAR"  # "off": keep vLLM's kernel on AVX-512 BF16 CPUs
-SUMMATION_ENV = "QUANTKIT_CPU_SUMMATION"  # "split-k": the second summation order of the numerics floor
-SUMMATION_ORDERS = ("default", "split-k")
+SUMMATION_ENV = "QUANTKIT_CPU_SUMMATION"  # "permute-k" / "split-k": a second summation order (the numerics floor)
+SUMMATION_ORDERS = ("default", "permute-k", "split-k")
+PERMUTATION_SEED = 0  # of `k_permutation`: fixed, so the second order is the same on every machine and run
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -75,6 +84,23 @@ def float32_split_k_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> L
 
     linear.weight32, linear.bias32 = weight32, bias32  # type: ignore[attr-defined]
     return linear
+
+
+def k_permutation(k: int) -> torch.Tensor:
+    """The permute-k order's column order for an input width `k`: a permutation of range(k) (int64), drawn from
+    torch's CPU generator seeded with PERMUTATION_SEED (the same on every machine and process)."""
+    return torch.randperm(k, generator=torch.Generator().manual_seed(PERMUTATION_SEED))
+
+
+def permuted_columns(linear: Linear, permutation: torch.Tensor, weight: torch.Tensor) -> Linear:
+    """A `cpu_linear` computing `linear(x[..., permutation], weight, bias)`: `linear` built on `weight`, the layer's
+    weight with its columns permuted alike (passed in place of the weight the layer is called with)."""
+
+    def linear_permuted(x: torch.Tensor, _weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x.index_select(-1, permutation), weight, bias)
+
+    linear_permuted.inner, linear_permuted.permutation = linear, permutation  # type: ignore[attr-defined]  # (tests)
+    return linear_permuted
 
 
 def summation_order() -> str:
@@ -135,6 +161,31 @@ def vllm_dispatch() -> Callable[[torch.nn.Module, bool], None]:
     return getattr(dispatch, "wrapped", dispatch)
 
 
+def _attach(
+    layer: torch.nn.Module,
+    dispatch: Callable[[torch.nn.Module, bool], None],
+    remove_weight: bool,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    min_rows: int | None,
+) -> None:
+    """The default order's kernels for a half-precision `layer` whose weight is `weight`: vLLM's `dispatch`, then
+    the float32 copy from `min_rows` rows (for every call with 0 where vLLM kept the plain weight; never with None)."""
+    dispatch(layer, remove_weight)
+    if min_rows is None:
+        return
+    if min_rows > 0:  # vLLM's kernel for small batches, a float32 copy for large ones
+        vllm_linear = cast(Linear, layer.cpu_linear)
+        # nn.Module.__setattr__ takes any value; torch's stub admits only tensors and modules
+        layer.cpu_linear = split_by_rows(vllm_linear, float32_linear(weight, bias), min_rows)  # type: ignore[assignment]
+        return
+    if not _is_half_linear(cast(torch.Tensor, layer.weight)):
+        return  # another path (oneDNN, sgl, zentorch) took the layer and dropped or repacked its weight
+    layer.cpu_linear = float32_linear(weight, bias)  # type: ignore[assignment]
+    if remove_weight:  # as vLLM's oneDNN path does: the layer computes from its own copy only
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+
+
 def install() -> bool:
     """Wrap vLLM's CPU unquantized GEMM dispatch (idempotent; nothing on a GPU machine) so that each layer it
     dispatches computes as `float32_min_rows` and `summation_order` say at that moment (read per layer, so one
@@ -153,24 +204,26 @@ def install() -> bool:
         bias = getattr(layer, "bias", None)
         half_linear = _is_half_linear(weight)
         min_rows = float32_min_rows()
-        dispatch(layer, remove_weight)
-        if not half_linear or min_rows is None:
+        order = summation_order()
+        if not half_linear or (min_rows is None and order == "default"):
+            dispatch(layer, remove_weight)
             return
-        if summation_order() == "split-k":  # whatever kernel vLLM chose (oneDNN may have repacked the weight)
+        if order == "split-k":  # whatever kernel vLLM chose (oneDNN may have repacked the weight)
+            dispatch(layer, remove_weight)
             layer.cpu_linear = float32_split_k_linear(weight, bias)  # type: ignore[assignment]
             if remove_weight:
                 layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
             return
-        if min_rows > 0:  # vLLM's kernel for small batches, a float32 copy for large ones
-            vllm_linear = cast(Linear, layer.cpu_linear)
-            # nn.Module.__setattr__ takes any value; torch's stub admits only tensors and modules
-            layer.cpu_linear = split_by_rows(vllm_linear, float32_linear(weight, bias), min_rows)  # type: ignore[assignment]
+        if order == "permute-k":  # the default order's kernels, built on the permuted columns
+            permutation = k_permutation(weight.shape[1])
+            permuted = weight.detach().index_select(1, permutation)
+            layer.weight = torch.nn.Parameter(permuted, requires_grad=False)
+            _attach(layer, dispatch, remove_weight, permuted, bias, min_rows)
+            layer.cpu_linear = permuted_columns(cast(Linear, layer.cpu_linear), permutation, permuted)  # type: ignore[assignment]
+            if not remove_weight:  # a tied embedding looks its rows up in the weight: give it back unpermuted
+                layer.weight = weight
             return
-        if not _is_half_linear(cast(torch.Tensor, layer.weight)):
-            return  # another path (oneDNN, sgl, zentorch) took the layer and dropped or repacked its weight
-        layer.cpu_linear = float32_linear(weight, bias)  # type: ignore[assignment]
-        if remove_weight:  # as vLLM's oneDNN path does: the layer computes from its own copy only
-            layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+        _attach(layer, dispatch, remove_weight, weight, bias, min_rows)
 
     dispatch_float32.quantkit_float32 = True  # type: ignore[attr-defined]  # a function attribute (the install mark)
     dispatch_float32.wrapped = dispatch  # type: ignore[attr-defined]  # vLLM's own (`vllm_dispatch`)
