@@ -81,8 +81,11 @@ class Suite:
     chat_template: bool = False  # render every prompt through the model's chat template (instruct-form tasks)
 
     def tasks(self, allow_code: bool) -> list[str]:
-        """The lm-eval task names to run, in suite order; the `code` benchmarks' only with allow_code."""
-        return [t for b, ts in self.benchmarks.items() if allow_code or b not in self.code for t in ts]
+        """The lm-eval task names to run, in suite order, each once (a benchmark may pool the tasks of others);
+        the `code` benchmarks' only with allow_code."""
+        return list(
+            dict.fromkeys(t for b, ts in self.benchmarks.items() if allow_code or b not in self.code for t in ts)
+        )
 
     def benchmark_of(self, task: str) -> str:
         """The Table 2 benchmark (column) `task` belongs to."""
@@ -139,6 +142,9 @@ def load_suite(name_or_path: str | Path) -> Suite:
         raise ValueError(f"{path}: benchmarks must map names to non-empty task lists")
     if unknown := set(suite.code) - suite.benchmarks.keys():
         raise ValueError(f"{path}: code lists unknown benchmarks {sorted(unknown)}")
+    executed = {t for b in suite.code for t in suite.benchmarks[b]}
+    if mixed := sorted(b for b, ts in suite.benchmarks.items() if b not in suite.code and executed & set(ts)):
+        raise ValueError(f"{path}: benchmarks {mixed} hold tasks of `code` benchmarks: list them under code too")
     if suite.avg is not None and (not suite.avg or set(suite.avg) - suite.benchmarks.keys()):
         raise ValueError(f"{path}: avg must list some of the suite's benchmarks {sorted(suite.benchmarks)}")
     if suite.protocol and (

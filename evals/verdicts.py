@@ -124,9 +124,10 @@ def model_sentences(label: str, verdicts: Mapping[str, Any], names: Mapping[str,
     lines = []
     numerics = verdicts.get("numerics")
     if numerics is not None:
+        order = f" ({numerics['order']})" if numerics.get("order") else ""  # records before 2026-11-29 lack it
         lines.append(
             f"{label}: numerics floor ±{verdicts['numerics_floor']:.2f} points: BF16 re-run in a second summation "
-            f"order{f' ({order})' if (order := numerics.get('order')) else ''} flips {100 * numerics['flip_rate']:.1f}% of {numerics['n']} items, ΔAvg {_ci(numerics)}."
+            f"order{order} flips {100 * numerics['flip_rate']:.1f}% of {numerics['n']} items, ΔAvg {_ci(numerics)}."
         )
     else:
         lines.append(f"{label}: numerics floor not measured (set eval.numerics: true); verdicts rest on items alone.")

@@ -432,6 +432,7 @@ class Study:
         key = (stage.name, label or "", recipe or "")
         done = self.artifact(stage.name, label, recipe)
         if done is not None and done.exists():
+            self._check_cached_eval(stage.name, label, done)
             self._record_timing(key, None)
             tqdm.write(f"stage {_where(stage.name, label, recipe)}: cached", file=sys.stderr)
             return
@@ -520,7 +521,7 @@ class Study:
 
         self._checkpoint_ready(label, recipe)
         saved = os.environ.get(SUMMATION_ENV)
-        os.environ[SUMMATION_ENV] = NUMERICS_ORDER  # read by the engine's layers as they load (this process and spawned)
+        os.environ[SUMMATION_ENV] = NUMERICS_ORDER  # read by the engine's layers as they load (here and spawned)
         try:
             self._evaluate(label, self.checkpoint_dir(label, recipe), self.numerics_dir(label), self.suite(label), None)
         finally:
@@ -536,6 +537,36 @@ class Study:
         self._evaluate(
             label, self.checkpoint_dir(label, recipe), self.reference_dir(label), self.reference(label).suite, None
         )
+
+    def evaluated_suite(self, stage: str, label: str | None) -> str | None:
+        """The suite an evaluating stage (eval, numerics, reference) runs for model `label`; None for other stages."""
+        if label is None:
+            return None
+        if stage in ("eval", "numerics"):
+            return self.suite(label)
+        reference = self.reference(label) if stage == "reference" else None
+        return None if reference is None else reference.suite
+
+    def _check_cached_eval(self, stage: str, label: str | None, artifact: Path) -> None:
+        """A found evaluation must be of the suite (name and version) and items per task this spec runs: a changed
+        suite is never mixed into one report with the old one. StageError (bad input) naming both otherwise."""
+        from quantkit.evals.suite import load_suite
+
+        name = self.evaluated_suite(stage, label)
+        if name is None or label is None:
+            return
+        suite = load_suite(name)
+        limit = self.limit(label)
+        want = dict(name=suite.name, version=suite.version, limit=suite.limit if limit is None else limit)
+        record = json.loads(artifact.read_text()).get("suite") or {}
+        found = {k: record.get(k) for k in want}
+        if found != want:
+            raise StageError(
+                f"{artifact} was evaluated on suite {found['name']} v{found['version']} (limit {found['limit']}); "
+                f"this spec runs {want['name']} v{want['version']} (limit {want['limit']}): move that directory "
+                "aside to evaluate it again, or use another --run-dir",
+                bad_input=True,
+            )
 
     def limit(self, label: str) -> int | None:
         """Items per task for model `label`: its own from eval.limits, else eval.limit (None: the suite's)."""

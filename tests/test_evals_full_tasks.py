@@ -276,8 +276,9 @@ def test_humaneval_evalplus_prompt_is_evalplus_and_the_whole_script_runs(task_ma
     ],
 )
 def test_suites_run_every_item_of_the_published_splits(suite, tables, task_manager):
-    """Published sizes: HumanEval 164, MBPP test 500, ARC-Easy test 2376, ARC-Challenge test 1172, HellaSwag
-    validation 10042, WinoGrande (XL) validation 1267, PIQA validation 1838, GSM8K test 1319."""
+    """Published sizes: HumanEval 164, MBPP test 500 (the code suite's Avg column pools the two: 664), ARC-Easy test
+    2376, ARC-Challenge test 1172, HellaSwag validation 10042, WinoGrande (XL) validation 1267, PIQA validation 1838,
+    GSM8K test 1319."""
     sizes = {
         "humaneval": 164,
         "mbpp_full": 500,
@@ -289,8 +290,12 @@ def test_suites_run_every_item_of_the_published_splits(suite, tables, task_manag
         "gsm8k_full": 1319,
     }
     spec = load_suite(suite)
-    assert spec.limit is None and list(spec.benchmarks) == list(tables)
+    pooled = {"HumanEval+MBPP": ["HumanEval", "MBPP"]} if suite == "code" else {}  # a column of others' items
+    assert spec.limit is None and list(spec.benchmarks) == [*tables, *pooled]
     assert {b: len(load_rows(t)) for b, t in tables.items()} == {b: sizes[t] for b, t in tables.items()}
+    for column, parts in pooled.items():  # the code suite's Avg: 164 + 500 programs, each task run once
+        assert spec.benchmarks[column] == [t for b in parts for t in spec.benchmarks[b]] and spec.avg == [column]
+    assert len(spec.tasks(allow_code=True)) == len(tables)
     assert spec.chat_template == (suite != "commonsense")
-    assert set(spec.code) == (set(tables) if suite.startswith("code") else set())
+    assert set(spec.code) == (set(tables) | set(pooled) if suite.startswith("code") else set())
     assert all(t in task_manager.all_tasks for t in spec.tasks(allow_code=True))

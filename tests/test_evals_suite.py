@@ -44,10 +44,20 @@ def test_a_chat_suite_renders_prompts_through_the_models_chat_template(tiny_chec
     )
     results = evaluate(model, suite="code", out_dir=tmp_path / "eval", limit=1, allow_code=True)
     assert results["suite"]["chat_template"] is True and results["tasks"]["qk_humaneval_instruct"]["n"] == 1
+    # the pooled Avg column: both tasks' items (each task run once), their item-weighted mean
+    tasks, pooled = results["tasks"], results["benchmarks"]["HumanEval+MBPP"]
+    assert set(tasks) == {"qk_humaneval_instruct", "qk_mbpp_500_instruct"} and pooled["n"] == 2
+    assert pooled["score"] == (tasks["qk_humaneval_instruct"]["score"] + tasks["qk_mbpp_500_instruct"]["score"]) / 2
     record = json.loads((tmp_path / "eval" / "samples" / "qk_humaneval_instruct.jsonl").read_text().splitlines()[0])
     assert record["prompt"].startswith("<|user|>Write a solution to the following problem"), record["prompt"][:200]
     assert "<|end|><|assistant|>Here is the completed function:\n```python\nfrom typing import List" in record["prompt"]
     assert not record["prompt"].endswith("<|end|>") and record["score"] in (0, 1)
+    with pytest.raises(ValueError, match=r"benchmarks \['Both'\] hold tasks of `code` benchmarks"):
+        (tmp_path / "mixed.yaml").write_text(  # a pooled column that would run code without allow_code
+            "name: b\nversion: 1\ndescription: d\ntask_configs: mini\ncode: [HumanEval]\n"
+            "benchmarks: {HumanEval: [qk_humaneval_instruct], Both: [qk_humaneval_instruct, qk_mbpp_500_instruct]}\n"
+        )
+        load_suite(tmp_path / "mixed.yaml")
     with pytest.raises(ValueError, match="chat_template must be true or false"):
         (tmp_path / "bad.yaml").write_text(
             "name: b\nversion: 1\ndescription: d\ntask_configs: mini\n"

@@ -118,7 +118,12 @@ def test_numerics_floor_and_verdicts_in_words(study):
     assert row["family"] == 1 and row["p_holm"] == row["p_two_sided"] and row["n"] == items
     assert tiny["vs_baseline"] == {}  # plain W4A4 has no method baseline
     md = (run_dir / "report" / "report.md").read_text()
-    assert "## Verdicts" in md and "tiny: numerics floor ±" in md and "summation order (permute-k) flips" in md and "tiny W4A4: ΔAvg" in md
+    assert (
+        "## Verdicts" in md
+        and "tiny: numerics floor ±" in md
+        and "summation order (permute-k) flips" in md
+        and "tiny W4A4: ΔAvg" in md
+    )
     quantized = json.loads((run_dir / "evals" / "tiny-w4a4_nvfp4" / "results.json").read_text())
     history = json.loads((run_dir / "history.json").read_text())
     assert (
@@ -168,6 +173,26 @@ def test_a_partial_run_reports_the_rows_so_far(study, tmp_path):
         "Pending: 1 row (tiny w4a4_nvfp4): the study is still running or was stopped."
         in (copy / "report" / "report.md").read_text()
     )
+
+
+def test_a_cached_eval_of_another_suite_version_is_refused(study, tmp_path):
+    """A found evaluation made under another version of its suite (or another item limit) is not reused beside the
+    new one: the run stops with a bad-input StageError naming the file, both versions and the way out."""
+    studied, run_dir = study
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns(".lock"))
+    results = copy / "evals" / "tiny-bf16" / "results.json"
+    record = json.loads(results.read_text())
+    version = record["suite"]["version"]
+    record["suite"]["version"] = version - 1
+    results.write_text(json.dumps(record))
+    with pytest.raises(
+        StageError,
+        match=rf"evaluated on suite smoke v{version - 1} \(limit 3\); this spec runs "
+        rf"smoke v{version} \(limit 3\): move that directory aside",
+    ) as err:
+        Study(studied.spec, copy).run()
+    assert err.value.bad_input and str(results) in str(err.value)
 
 
 def test_the_report_shows_where_the_quantization_noise_sits(study):

@@ -37,6 +37,7 @@ BENCHMARKS = (
     Benchmark("multipl_e", "Code", "MultiPL_E"),
     Benchmark("mbpp", "Code", "MBPP"),
     Benchmark("humaneval", "Code", "HumanEval"),
+    Benchmark("humaneval_mbpp", "Code", "HE+MBPP"),  # the code suite's pooled items (its Avg)
     Benchmark("mmmlu", "Multilingual", "MMMLU"),
     Benchmark("mgsm", "Multilingual", "MGSM"),
     Benchmark("arc_e", "Commonsense", "ARC-E", ("arc_easy",)),  # the commonsense suite (small trained models)

@@ -201,7 +201,7 @@ def _title(results: Results) -> str:
 NOTES = (
     "Scores in points (0-100). Avg: plain mean of the row's benchmark columns{avg}. ΔAvg and Δ: score minus the "
     "BF16 row of the same variant (negative = worse). Noise: half-width of the 95% paired-bootstrap CI of "
-    "the delta (noise floor). Flips: mean over benchmarks of the fraction of items whose correctness "
+    "the delta (noise floor). Flips: mean over the Avg's benchmarks of the fraction of items whose correctness "
     "changed vs BF16. KL: nats/token vs BF16 on held-out text."
 )
 

@@ -155,7 +155,8 @@ def build_table(results: Results) -> Table:
     avg_keys = avg_keys_of(results.suite)
     for row in results.rows:
         deg = None if row.is_baseline else degradation(row, results.baseline(row.variant), avg_keys)
-        flips = mean(list(row.flips.values())) if row.flips and not row.is_baseline else None
+        avg_flips = [v for k, v in row.flips.items() if avg_keys is None or k in avg_keys]
+        flips = mean(avg_flips) if avg_flips and not row.is_baseline else None
         in_avg = [v for k, v in row.scores.items() if avg_keys is None or k in avg_keys]
         rows.append(TableRow(row=row, avg=mean(in_avg) if in_avg else math.nan, degradation=deg, flips_mean=flips))
     columns = ordered([b for r in results.rows for b in r.scores])
