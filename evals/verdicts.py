@@ -198,9 +198,10 @@ def reference_sentence(
 
 def moved_rows(history: Mapping[str, Sequence[Mapping[str, Any]]], floor: Mapping[str, float | None]) -> list[dict]:
     """Rows whose Avg changed between their last two recorded evaluations, each explained: `history`:
-    {"<model> <recipe>": [{avg, date, host}, ...] oldest first}; `floor`: model -> numerics floor (points). Within
-    the floor: consistent with summation-order noise (the hosts named when they differ); beyond it: not explained
-    by numerics."""
+    {"<model> <recipe>": [{avg, date, host, suite}, ...] oldest first; suite "<name> v<version>", absent in records
+    before 2026-11-29}; `floor`: model -> numerics floor (points). Under two suite versions: not comparable (the suite
+    changed). Else within the floor: consistent with summation-order noise (the hosts named when they differ);
+    beyond it: not explained by numerics."""
     out = []
     for key, runs in history.items():
         if len(runs) < 2 or math.isclose(runs[-2]["avg"], runs[-1]["avg"]):
@@ -213,8 +214,11 @@ def moved_rows(history: Mapping[str, Sequence[Mapping[str, Any]]], floor: Mappin
             if _host(before.get("host")) != _host(now.get("host"))
             else "; same kind of host"
         )
+        suites = before.get("suite"), now.get("suite")
         why = (
-            "not explained (numerics floor unmeasured)"
+            f"the suite changed ({suites[0]} then {suites[1]}): the two figures are not comparable"
+            if None not in suites and suites[0] != suites[1]
+            else "not explained (numerics floor unmeasured)"
             if f is None
             else "within the numerics floor: consistent with summation-order noise"
             if abs(delta) <= f

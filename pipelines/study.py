@@ -834,7 +834,7 @@ def method_baseline(recipe: str, recipes: Sequence[str]) -> str | None:
     return next((r for r in recipes if load_recipe(r).round_to_nearest and load_recipe(r).scheme == rec.scheme), None)
 
 
-HISTORY_FILE = "history.json"  # per measured row: [{avg, date, host}, ...], one entry per evaluation the reports read
+HISTORY_FILE = "history.json"  # per measured row: [{avg, date, host, suite}, ...], one entry per evaluation read
 
 
 def study_verdicts(study: Study, measured: Sequence[tuple[str, str]]) -> dict[str, Any]:
@@ -895,7 +895,12 @@ def study_verdicts(study: Study, measured: Sequence[tuple[str, str]]) -> dict[st
         for r in [BASELINE, *quantized]:
             ev = json.loads(study._artifact_file("eval", label, r).read_text())
             scores = [100 * ev["benchmarks"][b]["score"] for b in in_avg if b in ev["benchmarks"]]
-            current[f"{label} {r}"] = dict(avg=sum(scores) / len(scores), date=ev.get("date"), host=ev.get("host"))
+            current[f"{label} {r}"] = dict(
+                avg=sum(scores) / len(scores),
+                date=ev.get("date"),
+                host=ev.get("host"),
+                suite=f"{ev['suite']['name']} v{ev['suite']['version']}",
+            )
     history_path = study.dir / HISTORY_FILE
     history = json.loads(history_path.read_text()) if history_path.exists() else {}
     for key, now in current.items():

@@ -116,7 +116,8 @@ def test_reference_gap_split_into_prompt_format_and_the_rest():
 
 def test_moved_rows_are_explained_against_the_numerics_floor():
     """A row re-evaluated on another host: -3.66 points is beyond a 2-point floor (not explained by numerics), -1.0
-    within it (summation-order noise); a row whose Avg did not change, or evaluated once, is not listed."""
+    within it (summation-order noise); a row evaluated under two versions of its suite is not compared (records
+    without a suite are); a row whose Avg did not change, or evaluated once, is not listed."""
     xeon = dict(cpu_model="Intel Xeon", isa="AVX512")
     epyc = dict(cpu_model="AMD EPYC", isa="AVX2")
     history = {
@@ -124,9 +125,17 @@ def test_moved_rows_are_explained_against_the_numerics_floor():
         "coder w4a4_nvfp4_sq": [dict(avg=50.0, date="d1", host=xeon), dict(avg=49.0, date="d2", host=xeon)],
         "coder bf16": [dict(avg=57.0, date="d1", host=xeon), dict(avg=57.0, date="d2", host=epyc)],
         "smollm bf16": [dict(avg=60.0, date="d1", host=xeon)],
+        "coder w4a4_nvfp4_gptq": [
+            dict(avg=36.15, date="d1", host=epyc, suite="code v3"),
+            dict(avg=32.53, date="d2", host=epyc, suite="code v4"),
+        ],
     }
     moved = {m["row"]: m for m in v.moved_rows(history, {"coder": 2.0, "smollm": None})}
-    assert set(moved) == {"coder w4a4_nvfp4", "coder w4a4_nvfp4_sq"}
+    assert set(moved) == {"coder w4a4_nvfp4", "coder w4a4_nvfp4_sq", "coder w4a4_nvfp4_gptq"}
+    assert (
+        "the suite changed (code v3 then code v4): the two figures are not comparable"
+        in (moved["coder w4a4_nvfp4_gptq"]["sentence"])
+    )
     assert moved["coder w4a4_nvfp4"]["delta"] == pytest.approx(-3.66)
     assert "beyond the numerics floor" in moved["coder w4a4_nvfp4"]["sentence"]
     assert "hosts differ (Intel Xeon AVX512 then AMD EPYC AVX2)" in moved["coder w4a4_nvfp4"]["sentence"]
