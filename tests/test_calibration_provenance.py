@@ -78,7 +78,8 @@ def test_a_study_resizes_every_calibration_set():
 def test_the_trained_model_study_loads():
     """pipelines/real.yaml: both trained models, SmoothQuant on prose + code with the early stop, the code suite
     (HumanEval and MBPP in their instruct form through each model's chat template) executed, SmolLM2 on the first
-    650 items of each commonsense task, the numerics floor and the coder's reference protocol on; its suites resolve."""
+    1000 items of each commonsense set it answers above chance, the numerics floor and the coder's reference protocol
+    on; its suites resolve."""
     from quantkit.evals.suite import load_suite
 
     spec = load_spec(PIPELINES / "real.yaml")
@@ -93,10 +94,12 @@ def test_the_trained_model_study_loads():
     assert spec.eval["allow_code"] and suite.chat_template
     assert suite.tasks(allow_code=True) == ["qk_humaneval_instruct", "qk_mbpp_500_instruct"]
     study = Study(spec)
-    assert study.suite("smollm") == "commonsense" and study.limit("smollm") == 650 and study.limit("coder") is None
+    assert (
+        study.suite("smollm") == "commonsense-small" and study.limit("smollm") == 1000 and study.limit("coder") is None
+    )
     assert spec.eval["numerics"] and spec.eval["reference"] and study.reference("coder").suite == "code-evalplus"
     one = Study(load_spec(PIPELINES / "real.yaml", "model:smollm2-135m-instruct"))  # --model keeps its own limit
-    assert one.limit("smollm2-135m-instruct") == 650 and one.suite("smollm2-135m-instruct") == "commonsense"
+    assert one.limit("smollm2-135m-instruct") == 1000 and one.suite("smollm2-135m-instruct") == "commonsense-small"
 
 
 def test_the_method_comparison_study_loads_with_one_label_per_method():
@@ -133,16 +136,16 @@ def test_the_method_comparison_study_loads_with_one_label_per_method():
     )
 
 
-def test_the_smollm_method_comparison_is_the_affordable_one_with_one_label_per_method():
-    """pipelines/methods-smollm.yaml: SmolLM2 on ARC-Easy / PIQA (above chance, by log-likelihood: no code executed),
-    the same calibration sizing as methods.yaml, an item limit that keeps it near an hour on 2 cores, a distinct
-    row label per method, and every method of methods.yaml among its rows."""
+def test_the_smollm_method_comparison_loads_with_one_label_per_method():
+    """pipelines/methods-smollm.yaml: SmolLM2 on the commonsense sets it answers above chance (by log-likelihood: no
+    code executed), 1000 items of each as in real.yaml, the same calibration sizing as methods.yaml, a distinct row
+    label per method, and every method of methods.yaml among its rows."""
     from quantkit.pipelines.study import _precision
 
     spec = load_spec(PIPELINES / "methods-smollm.yaml")
     study = Study(spec)
     assert set(spec.models.values()) == {"model:smollm2-135m-instruct"}
-    assert spec.eval["suite"] == "commonsense" and spec.eval["limit"] == 300 and not spec.eval.get("allow_code")
+    assert spec.eval["suite"] == "commonsense-small" and spec.eval["limit"] == 1000 and not spec.eval.get("allow_code")
     sq_gptq = study.recipe("w4a4_nvfp4_sq_gptq")
     assert (sq_gptq.smoothquant.num_sequences, sq_gptq.gptq.num_sequences, sq_gptq.gptq.seq_len) == (32, 32, 256)
     labels = [_precision(r) for r in spec.recipes]

@@ -272,6 +272,7 @@ def test_humaneval_evalplus_prompt_is_evalplus_and_the_whole_script_runs(task_ma
                 "PIQA": "piqa",
             },
         ),
+        ("commonsense-small", {"ARC-E": "arc_easy", "HellaSwag": "hellaswag", "PIQA": "piqa"}),
         ("gsm8k", {"GSM8k": "gsm8k_full"}),
     ],
 )
@@ -296,6 +297,6 @@ def test_suites_run_every_item_of_the_published_splits(suite, tables, task_manag
     for column, parts in pooled.items():  # the code suite's Avg: 164 + 500 programs, each task run once
         assert spec.benchmarks[column] == [t for b in parts for t in spec.benchmarks[b]] and spec.avg == [column]
     assert len(spec.tasks(allow_code=True)) == len(tables)
-    assert spec.chat_template == (suite != "commonsense")
+    assert spec.chat_template == (not suite.startswith("commonsense"))
     assert set(spec.code) == (set(tables) | set(pooled) if suite.startswith("code") else set())
     assert all(t in task_manager.all_tasks for t in spec.tasks(allow_code=True))
