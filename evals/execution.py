@@ -6,7 +6,9 @@ Our code tasks are also marked `unsafe_code: true`, so lm-eval refuses them with
 `confirm_run_unsafe_code`.
 
 Each step (compile, then run; `python -I` is a single run step) is a fresh subprocess in a new session, in a
-fresh temporary working directory (also its HOME and TMPDIR), stdin/stdout/stderr on /dev/null, with:
+fresh temporary working directory (also its HOME and TMPDIR), stdin/stdout/stderr on /dev/null, started
+through `sandbox_exec.py`, which confines itself and execs the step (the caller is never forked: a fork of an
+evaluation process with vLLM loaded cost ~0.28 s a step), with:
 
 - always: a wall-clock timeout (the run step: `timeout`; a compile step: at least `COMPILE_TIMEOUT_S`), after
   which (and after every step) the whole process group gets SIGKILL;
@@ -28,8 +30,8 @@ boundary: run untrusted models' code in a container or VM.
 
 from __future__ import annotations
 
-import ctypes
 import functools
+import json
 import logging
 import math
 import os
@@ -40,7 +42,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,43 +135,50 @@ def code_execution_allowed() -> bool:
     return os.environ.get(ALLOW_ENV) == "1"
 
 
-# Linux constants (<sched.h>, <sys/mount.h>, <linux/mount.h>); mount_setattr is syscall 442 on every
-# architecture but alpha.
-_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x20000, 0x10000000, 0x40000000
-_MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
-_SYS_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1
-_libc = ctypes.CDLL(None, use_errno=True)
+_LAUNCHER = Path(__file__).with_name("sandbox_exec.py")
 
 
-class _MountAttr(ctypes.Structure):
-    _fields_ = [
-        ("attr_set", ctypes.c_uint64),
-        ("attr_clr", ctypes.c_uint64),
-        ("propagation", ctypes.c_uint64),
-        ("userns_fd", ctypes.c_uint64),
-    ]
+class SandboxStartError(QuantkitError, RuntimeError):
+    """A sandboxed step's program could not be started (the confinement failed, or its command is missing)."""
 
 
-def _check(result: int) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-def _isolate(workdir: str) -> None:
-    """In the child: new user, mount and network namespaces; all mounts read-only but `workdir`."""
-    path = os.fsencode(workdir)
-    _check(_libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET))
-    _check(_libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None))  # nothing propagates to the host
-    _check(_libc.mount(path, path, None, _MS_BIND, None))  # its own mount, to keep writable
-    read_only, writable = _MountAttr(attr_set=_MOUNT_ATTR_RDONLY), _MountAttr(attr_clr=_MOUNT_ATTR_RDONLY)
-    _check(
-        _libc.syscall(
-            _SYS_MOUNT_SETATTR, _AT_FDCWD, b"/", _AT_RECURSIVE, ctypes.byref(read_only), ctypes.sizeof(_MountAttr)
+def _start(
+    argv: list[str], workdir: str, env: dict[str, str], stderr, *, cgroup: Path | None, isolate: bool, rlimits=()
+) -> subprocess.Popen:
+    """Start `argv` in a new session through `sandbox_exec.py` (which joins `cgroup`, isolates, sets `rlimits`
+    and execs it); SandboxStartError when the program never started."""
+    spec = {
+        "argv": argv,
+        "workdir": workdir,
+        "cgroup": str(cgroup) if cgroup else None,
+        "isolate": isolate,
+        "rlimits": [list(r) for r in rlimits],
+    }
+    read_fd, write_fd = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(_LAUNCHER), json.dumps(spec), str(write_fd)],
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+            pass_fds=(write_fd,),
         )
-    )
-    _check(_libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, path, 0, ctypes.byref(writable), ctypes.sizeof(_MountAttr)))
-    os.chdir(workdir)  # the cwd set before the bind mount is the read-only directory beneath it
+        os.close(write_fd)
+        write_fd = -1
+        with os.fdopen(read_fd, "rb") as errors:
+            read_fd = -1
+            failure = errors.read().decode("utf-8", "replace")  # EOF at the exec (or at the launcher's exit)
+    finally:
+        for fd in (read_fd, write_fd):
+            if fd >= 0:
+                os.close(fd)
+    if failure:
+        proc.wait()
+        raise SandboxStartError(f"sandboxed step {argv[0]!r} did not start: {failure}")
+    return proc
 
 
 def _pids_cgroup_parent() -> Path | None:
@@ -202,20 +210,15 @@ def _kill_and_remove(cgroup: Path) -> None:
     cgroup.rmdir()
 
 
-def _probe(setup: Callable[[str], None]) -> bool:
-    """True when a program can start under `setup(workdir)` and write into its working directory."""
+def _isolation_works() -> bool:
+    """True when a program can start in the namespaces of `sandbox_exec.isolate` and write into its directory."""
     with tempfile.TemporaryDirectory(prefix="quantkit-probe-") as tmp:
+        argv = [sys.executable, "-I", "-c", "open('probe', 'w').close()"]
         try:
-            done = subprocess.run(
-                [sys.executable, "-I", "-c", "open('probe', 'w').close()"],
-                cwd=tmp,
-                preexec_fn=lambda: setup(tmp),
-                capture_output=True,
-                timeout=30,
-            )
-        except (OSError, subprocess.SubprocessError):
+            proc = _start(argv, tmp, dict(os.environ), subprocess.DEVNULL, cgroup=None, isolate=True)
+            return proc.wait(timeout=30) == 0
+        except (SandboxStartError, subprocess.SubprocessError):
             return False
-        return done.returncode == 0
 
 
 @functools.cache
@@ -233,7 +236,7 @@ def _pids_cgroup() -> Path | None:
 
 @functools.cache
 def _namespaces_work() -> bool:
-    return _probe(_isolate)
+    return _isolation_works()
 
 
 def sandbox_report() -> dict[str, str]:
@@ -256,25 +259,15 @@ def sandbox_report() -> dict[str, str]:
     }
 
 
-def _child_setup(
-    workdir: str, limits: Limits, cpu_seconds: int, cgroup: Path | None, isolate: bool
-) -> Callable[[], None]:
-    def setup() -> None:  # runs in the child, after setsid and before exec
-        if cgroup:
-            (cgroup / "cgroup.procs").write_text(str(os.getpid()))
-        if isolate:
-            _isolate(workdir)
-        # after unshare, which creates the user namespace under the caller's own limits
-        for rlimit, soft, hard in (
-            (resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes),
-            (resource.RLIMIT_FSIZE, limits.file_bytes, limits.file_bytes),
-            (resource.RLIMIT_NPROC, limits.processes, limits.processes),
-            (resource.RLIMIT_CPU, cpu_seconds, cpu_seconds + 1),  # SIGXCPU, SIGKILL
-            (resource.RLIMIT_CORE, 0, 0),
-        ):
-            resource.setrlimit(rlimit, (soft, hard))
-
-    return setup
+def _rlimits(limits: Limits, cpu_seconds: int) -> list[tuple[int, int, int]]:
+    """(resource, soft, hard) for a step under `limits` and `cpu_seconds` of CPU."""
+    return [
+        (resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes),
+        (resource.RLIMIT_FSIZE, limits.file_bytes, limits.file_bytes),
+        (resource.RLIMIT_NPROC, limits.processes, limits.processes),
+        (resource.RLIMIT_CPU, cpu_seconds, cpu_seconds + 1),  # SIGXCPU, SIGKILL
+        (resource.RLIMIT_CORE, 0, 0),
+    ]
 
 
 def _exited_unreaped(pid: int, timeout: float) -> bool:
@@ -302,15 +295,14 @@ def _run_step(
     # an unlinked file of ours (the program cannot reach it by name); read only when markers are given
     with tempfile.TemporaryFile() if failure_markers else open(os.devnull, "wb") as stderr:
         try:
-            proc = subprocess.Popen(
+            proc = _start(
                 argv,
-                cwd=workdir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                start_new_session=True,
-                preexec_fn=_child_setup(workdir, limits, math.ceil(timeout) + 1, cgroup, _namespaces_work()),
+                workdir,
+                env,
+                stderr,
+                cgroup=cgroup,
+                isolate=_namespaces_work(),
+                rlimits=_rlimits(limits, math.ceil(timeout) + 1),
             )
             finished = _exited_unreaped(proc.pid, timeout)
             with suppress(ProcessLookupError):

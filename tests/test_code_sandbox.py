@@ -7,6 +7,7 @@ Checks that depend on what the machine allows (pids cgroup, namespaces) skip, na
 import resource
 import shutil
 import socket
+import sys
 import textwrap
 import time
 import uuid
@@ -239,3 +240,25 @@ def test_failed_runtime_assertion_fails_the_program(language):
     source = RUNTIME_ASSERTIONS[language]
     assert run_program(source.format(check="1 + 1 == 2"), language, timeout=30)
     assert not run_program(source.format(check="1 + 1 == 3"), language, timeout=30)
+
+
+def test_a_step_that_cannot_start_is_an_error_not_a_failed_program(tmp_path):
+    """`sandbox_exec.py` reports a failure before the exec (a missing command, a confinement it cannot apply)
+    through its error pipe: the caller raises SandboxStartError naming it, so a broken sandbox cannot score
+    every program as failed."""
+    env = {"PATH": "/usr/bin:/bin"}
+    with pytest.raises(execution.SandboxStartError, match=r"no-such-command-quantkit.*FileNotFoundError"):
+        execution._run_step(["no-such-command-quantkit"], str(tmp_path), env, RUN_LIMITS, TIMEOUT)
+    with pytest.raises(execution.SandboxStartError, match=r"cgroup\.procs"):
+        execution._start(["true"], str(tmp_path), env, None, cgroup=tmp_path / "no-such-cgroup", isolate=False).wait()
+
+
+def test_a_step_exits_with_the_programs_own_status(tmp_path):
+    """The launcher execs the program in its own process (same pid, new session): its exit status and its
+    process group are the program's."""
+    env = {"PATH": "/usr/bin:/bin"}
+    script = "import os, sys; sys.exit(0 if os.getsid(0) == os.getpid() else 3)"
+    proc = execution._start([sys.executable, "-I", "-c", script], str(tmp_path), env, None, cgroup=None, isolate=False)
+    assert proc.wait(timeout=30) == 0
+    proc = execution._start(["sh", "-c", "exit 127"], str(tmp_path), env, None, cgroup=None, isolate=False)
+    assert proc.wait(timeout=30) == 127  # the launcher's own start-failure status, but the program's: no error
