@@ -300,3 +300,16 @@ def test_gate_against_committed_baseline_and_injected_regression(study, tmp_path
     assert len(runs) >= 2 and runs[-1]["date"] == latest != runs[-2]["date"]
     moved = [m["row"] for m in verdicts.get("moved", [])]
     assert moved == (["tiny w4a4_nvfp4"] if runs[-2]["avg"] != runs[-1]["avg"] else [])
+
+
+def test_every_shipped_pipeline_spec_loads_with_suites_that_exist():
+    """Each pipelines/*.yaml validates (keys, recipes, baseline) and names, for every model, a suite that loads:
+    a typo in a spec a user runs for hours fails here, not after its first stages."""
+    from quantkit.evals.suite import load_suite
+
+    specs = sorted((Path(__file__).resolve().parents[1] / "pipelines").glob("*.yaml"))
+    assert len(specs) >= 10
+    for path in specs:
+        study = Study(load_spec(path))
+        for label in study.spec.models:
+            assert load_suite(study.suite(label)).tasks(allow_code=True), f"{path.name}: {label}'s suite has no tasks"
