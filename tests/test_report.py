@@ -100,6 +100,10 @@ def test_benchmark_table_maps_suite_names_and_keeps_unknown():
     assert (resolve("GSM8k").group, resolve("gsm8k").label) == ("STEM", "GSM8k")
     assert (resolve("humaneval").group, resolve("MGSM").group) == ("Code", "Multilingual")
     assert (resolve("my_bench").group, resolve("my_bench").label) == ("Other", "my_bench")
+    # every set of the commonsense suites sits in its group, whatever the suite calls it
+    assert {resolve(n).group for n in ("ARC-E", "ARC-C", "arc_challenge", "HellaSwag", "Winogrande", "PIQA")} == {
+        "Commonsense"
+    }
     table = build_table(load_results(mini_results()))
     assert [(b.group, b.label) for b in table.columns] == [
         ("Knowledge", "MMLU"),

@@ -24,7 +24,7 @@ class Benchmark:
     aliases: tuple[str, ...] = ()
 
 
-# Paper 000's Table 2 columns, plus the offline suites' own (MMLU, HumanEval, ARC-E, PIQA), each in its group.
+# Paper 000's Table 2 columns, plus the offline suites' own (MMLU, HumanEval, the commonsense sets), each in its group.
 BENCHMARKS = (
     Benchmark("mmlu", "Knowledge", "MMLU"),
     Benchmark("mmlu_r", "Knowledge", "MMLU-R", ("mmlu_redux", "mmlu_redux_generative")),
@@ -41,6 +41,9 @@ BENCHMARKS = (
     Benchmark("mmmlu", "Multilingual", "MMMLU"),
     Benchmark("mgsm", "Multilingual", "MGSM"),
     Benchmark("arc_e", "Commonsense", "ARC-E", ("arc_easy",)),  # the commonsense suite (small trained models)
+    Benchmark("arc_c", "Commonsense", "ARC-C", ("arc_challenge",)),
+    Benchmark("hellaswag", "Commonsense", "HellaSwag"),
+    Benchmark("winogrande", "Commonsense", "Winogrande"),
     Benchmark("piqa", "Commonsense", "PIQA"),
 )
 
