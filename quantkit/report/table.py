@@ -39,7 +39,9 @@ class Degradation:
     delta_avg: float | None
     noise: dict[str, float]
     noise_avg: float | None
-    recovery: float | None = None  # 100 x Avg / Avg(BF16) over the same benchmarks, % (llm-compressor's figure)
+    # % : mean over the Avg's benchmarks (those BF16 scores above 0) of 100 x score / BF16 score, as the verdicts'
+    # recovery (quantkit.metrics.stratified_bootstrap); None when no benchmark has a BF16 score above 0
+    recovery: float | None = None
 
 
 def degradation(row: Row, base: Row, avg_keys: frozenset[str] | None = None) -> Degradation:
@@ -54,13 +56,13 @@ def degradation(row: Row, base: Row, avg_keys: frozenset[str] | None = None) -> 
             noise[b] = math.hypot(_half_width(row.ci95[b]), _half_width(base.ci95[b]))
     in_avg = [b for b in common if avg_keys is None or b in avg_keys]
     noise_avg = noise_of_mean([noise[b] for b in in_avg]) if in_avg and all(b in noise for b in in_avg) else None
-    base_avg = mean([base.scores[b] for b in in_avg]) if in_avg else 0.0
+    ratios = [row.scores[b] / base.scores[b] for b in in_avg if base.scores[b] > 0]
     return Degradation(
         delta=delta,
         delta_avg=mean([delta[b] for b in in_avg]) if in_avg else None,
         noise=noise,
         noise_avg=noise_avg,
-        recovery=100 * mean([row.scores[b] for b in in_avg]) / base_avg if base_avg > 0 else None,
+        recovery=100 * mean(ratios) if ratios else None,
     )
 
 
