@@ -155,26 +155,21 @@ def _start(
         "rlimits": [list(r) for r in rlimits],
     }
     read_fd, write_fd = os.pipe()
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(_LAUNCHER), json.dumps(spec), str(write_fd)],
-            cwd=workdir,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=True,
-            pass_fds=(write_fd,),
-        )
-        os.close(write_fd)
-        write_fd = -1
-        with os.fdopen(read_fd, "rb") as errors:
-            read_fd = -1
-            failure = errors.read().decode("utf-8", "replace")  # EOF at the exec (or at the launcher's exit)
-    finally:
-        for fd in (read_fd, write_fd):
-            if fd >= 0:
-                os.close(fd)
+    with os.fdopen(read_fd, "rb") as errors:
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(_LAUNCHER), json.dumps(spec), str(write_fd)],
+                cwd=workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+                pass_fds=(write_fd,),
+            )
+        finally:
+            os.close(write_fd)  # ours; the launcher's copy closes at its exec (or exit)
+        failure = errors.read().decode("utf-8", "replace")  # EOF at the exec, or the launcher's error
     if failure:
         proc.wait()
         raise SandboxStartError(f"sandboxed step {argv[0]!r} did not start: {failure}")
