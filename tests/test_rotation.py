@@ -359,8 +359,8 @@ def test_quality_reads_a_rotated_tied_checkpoint_as_the_whole_models_do(tmp_path
     own rotated embeddings and ends at its untied head, so its layer-by-layer KL equals the whole models' (source vs
     `load_fake_quant_model`). Bound as tests/test_quantize_checkpoint.py::test_layerwise_quality_equals_the_whole_models
     derives it: |dKL| <= 2 delta (1 + max|log p - log q|), delta = (4L + 1) K u max|logit| (float32 summation order
-    of batches of different size). Rotated layers have no SNR (their inputs are not the reference's); without a
-    residual rotation (`w4a4_nvfp4_had16`) every quantized layer has one."""
+    of batches of different size). Every quantized layer has an SNR, with or without a residual rotation
+    (`w4a4_nvfp4_had16`: none; each layer reads the reference's input and transforms it itself)."""
     from safetensors.torch import load_file, save_file
     from test_quantize_checkpoint import whole_model_kl
     from transformers import AutoTokenizer
@@ -379,7 +379,8 @@ def test_quality_reads_a_rotated_tied_checkpoint_as_the_whole_models_do(tmp_path
     assert "lm_head.weight" in load_file(str(out / "model.safetensors"))  # untied by the rotation
     tokens = heldout_windows(AutoTokenizer.from_pretrained(source), 10, 64)
     layerwise = quality(source, out, tokens)
-    assert layerwise["layer_snr_db"] == {} and layerwise["min_snr_db"] is None
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert set(layerwise["layer_snr_db"]) == set(qc["quantized_modules"])  # measured on the rotated reference
 
     per_window, bound = whole_model_kl(load_reference_model(source, torch.float32), load_fake_quant_model(out), tokens)
     whole_kl = per_window.mean().item()
@@ -394,3 +395,62 @@ def test_quality_reads_a_rotated_tied_checkpoint_as_the_whole_models_do(tmp_path
     assert set(layerwise["layer_snr_db"]) == set(qc["quantized_modules"]) == set(qc["rotation"]["online_hadamard"])
     per_window, bound = whole_model_kl(load_reference_model(source, torch.float32), load_fake_quant_model(had), tokens)
     assert abs(layerwise["kl"] - per_window.mean().item()) <= bound
+
+
+def test_quality_of_a_rotated_checkpoint_is_that_of_the_same_weights_quantized_from_the_rotated_source(tmp_path):
+    """`quality` measures a residual-rotated checkpoint's layers on the source rotated as the checkpoint records
+    (seed, residual block). Bit equality, derived: quantizing the source with a residual rotation (no online
+    transform) and quantizing the source pre-rotated by rotate_model (saved in float32) with the same recipe minus
+    the rotation run the same float64 rotations rounded once to float32 and the same encoder, so the two checkpoints
+    hold the same bytes; quality's reference is rotated layer by layer by the same functions, so every layer SNR
+    and the KL are the same floats. A reference left unrotated (or rotated with another seed) would give layers
+    an input their weights were not made for: SNRs near 0 dB instead of the quantization noise's."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from quantkit.data import heldout_windows
+    from quantkit.quantize.quality import quality
+
+    source = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
+    settings = {"name": "rot16_rtn", "scheme": "nvfp4", "activation_scale": "per_token"}
+    rotated_recipe = parse_recipe({**settings, "rotation": {"seed": 3, "block": 16, "online": False}})
+    rotated_ckpt = quantize_checkpoint(source, rotated_recipe, tmp_path / "rotated-q", streaming=False)
+
+    model = load_reference_model(source, torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    rotate_model(model, 3, False, heldout_windows(tokenizer, 2, 32), residual_block=16)
+    model.save_pretrained(tmp_path / "pre-rotated")
+    tokenizer.save_pretrained(tmp_path / "pre-rotated")
+    plain_ckpt = quantize_checkpoint(tmp_path / "pre-rotated", parse_recipe(settings), tmp_path / "plain-q")
+
+    a, b = load_file(str(rotated_ckpt / "model.safetensors")), load_file(str(plain_ckpt / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the same weights, bit for bit
+    tokens = heldout_windows(tokenizer, 10, 64)
+    measured = quality(source, rotated_ckpt, tokens)
+    expected = quality(tmp_path / "pre-rotated", plain_ckpt, tokens)
+    assert measured["layer_snr_db"] == expected["layer_snr_db"] and measured["kl"] == expected["kl"]
+    assert len(measured["layer_snr_db"]) == 7 * model.config.num_hidden_layers
+
+
+def test_quality_hands_a_layer_with_an_online_hadamard_its_input_before_the_transform():
+    """The SNR hooks of `quality` give the fake-quant layer the reference layer's input before its forward
+    pre-hooks: on a rotated reference, a down_proj folded W (I (x) H_b) with the online pre-hook, and a "quantized"
+    layer computing the same float32 operations from the untransformed input (the transform, then the same
+    product), the noise is exactly 0 (the same floats in the same order). Handing it the transformed input would
+    apply the transform twice: an O(1) noise."""
+    from torch import nn
+
+    from quantkit.quantize.quality import _snr_hooks
+    from quantkit.quantize.rotation import _online_hook
+
+    torch.manual_seed(0)
+    folded = block_hadamard(torch.randn(8, 32), 16)
+    reference, quantized = nn.Sequential(nn.Linear(32, 8, bias=False)), nn.Sequential(nn.Linear(32, 8, bias=False))
+    for model in (reference, quantized):
+        model[0].weight.data.copy_(folded)
+    reference[0].register_forward_pre_hook(_online_hook(16))
+    quantized[0].register_forward_pre_hook(_online_hook(16))  # the fake-quant layer transforms its input itself
+    signal, noise = {}, {}
+    with torch.no_grad(), _snr_hooks(reference, quantized, ["0"], {"0"}, signal, noise):
+        reference(torch.randn(5, 32))
+    assert signal["0"] > 0 and noise["0"] == 0.0

@@ -14,9 +14,12 @@
 - Whole-model KL(ref || quantized) of the next-token distributions, mean over held-out tokens (nats;
   `quantkit.metrics.kl_divergence`, float64).
 - Rotated checkpoints (`quantkit.quantize.rotation`): the quantized stream starts from the checkpoint's own (rotated)
-  embeddings and ends at its own head; their layers read rotated inputs that no unrotated reference layer sees, so
-  they have KL only (no layer SNR). Without a residual rotation (`residual: false`) each quantized layer reads the
-  reference's input and transforms it itself: layer SNR as for any checkpoint.
+  embeddings and ends at its own head. With a residual rotation the reference is the source rotated as the checkpoint
+  records it (`rotation`: seed, residual block, online Hadamard blocks; function-preserving, so KL is unaffected),
+  one layer at a time with the functions quantize used (`rotate_outside`, `rotate_layer`), so each quantized layer's
+  SNR is measured on the rotated input it reads; a reference layer with an online Hadamard hands the fake-quant
+  layer its input before the transform (the fake-quant layer applies it itself). Without a residual rotation
+  (`residual: false`) each quantized layer reads the unrotated reference's input and transforms it itself.
 
 Both models run one decoder layer at a time (`quantkit.calibrate.layers`), so memory does not grow with depth.
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,10 +46,12 @@ from quantkit.checkpoints import CheckpointError, TensorReader, check_checkpoint
 from quantkit.data import heldout_windows
 from quantkit.errors import QuantkitError
 from quantkit.formats.experts import EXPERT_PROJECTIONS, expert_matrices
+from quantkit.formats.hadamard import residual_rotation
 from quantkit.formats.schemes import checkpoint_suffixes
 from quantkit.metrics import energy, kl_divergence, snr_db
 from quantkit.quantize.fake_quant import FakeQuantExperts, install_fake_quant, read_quantization_config
 from quantkit.quantize.output import read_smoothquant_factors
+from quantkit.quantize.rotation import RotationPlan, plan_rotation, rotate_layer, rotate_outside
 from quantkit.quantize.routed_experts import (
     experts_call,
     projection_outputs,
@@ -69,8 +75,9 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     in) and the fake-quant layer (`install_fake_quant`) carry their own hidden states, the SNR hooks reading the
     reference's (`_layers`); at the end each model's own head gives the logits `HEAD_POSITIONS` positions at a time
     (`_head_kl`). Peak memory: the larger of the input embeddings and the lm_head in float32 (an unquantized
-    lm_head equal in both checkpoints is held once), one layer of each model, and the hidden states of the
-    windows (N x T x hidden x 4 bytes, per model)."""
+    lm_head equal in both checkpoints is held once; a residual-rotated checkpoint's reference holds both while the
+    quantized embeddings are read), one layer of each model, and the hidden states of the windows
+    (N x T x hidden x 4 bytes, per model)."""
     layer_engine.pin_mmap_threshold()
     reference_dir, quantized_dir = Path(reference_dir), Path(quantized_dir)
     qc = read_quantization_config(quantized_dir)
@@ -83,11 +90,15 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     tied = layer_engine.tied_partners(reference)  # before the embeddings go back to the meta device (untying them)
     before_head, head_keys = layer_engine.outside_keys(reference)
     head = layer_engine.head_name(reference)
-    layer_engine.load_outside(reference, source, before_head, tied)
     # a residual rotation (not `residual: false`, whose layers read the reference's inputs and transform them inside)
-    rotated = bool(qc.get("rotation")) and qc["rotation"].get("residual", True)
+    rotation = _reference_rotation(reference, qc)
+    if rotation is not None:  # the whole outside loaded first: rotate_outside folds the final norm into the head
+        layer_engine.load_outside(reference, source, before_head + head_keys, tied)
+        rotate_outside(reference, *rotation)
+    else:
+        layer_engine.load_outside(reference, source, before_head, tied)
     streams = [layer_engine.embed_stream(reference, ref_layers, "reference", tokens, None)]
-    if rotated:  # its own rotated embeddings (and every other tensor before the layers)
+    if rotation is not None:  # its own rotated embeddings (and every other tensor before the layers)
         _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=before_head)
         streams.append(
             layer_engine.embed_stream(quantized, layer_engine.decoder_stack(quantized)[1], "quantized", tokens, None)
@@ -99,10 +110,11 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
 
     signal: dict[str, float] = {}
     noise: dict[str, float] = {}
-    _layers(reference, quantized, source, packed, qc, streams, signal, noise, snr=not rotated)
+    _layers(reference, quantized, source, packed, qc, streams, signal, noise, rotation)
     # compared in the stored dtype before the reference's float32 head is loaded: the peak holds one head copy
     shared_head = head is not None and _same_unquantized(source, packed, f"{head}.weight", tied, qc)
-    layer_engine.load_outside(reference, source, head_keys, tied)
+    if rotation is None:  # (a rotated reference's head is loaded and rotated already)
+        layer_engine.load_outside(reference, source, head_keys, tied)
     q_outside = [k for k in before_head if not k.startswith(_input_embeddings_prefix(reference))]
     _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=q_outside)
     if shared_head:
@@ -111,7 +123,7 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
         _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=head_keys, tied=tied)
     modules = dict(reference.named_modules())
     outside_quantized = [
-        n for n in qc["quantized_modules"] if not n.startswith(f"{stack}.") and n in modules and not rotated
+        n for n in qc["quantized_modules"] if not n.startswith(f"{stack}.") and n in modules
     ]
     with _snr_hooks(reference, quantized, outside_quantized, set(qc["quantized_modules"]), signal, noise):
         per_window = _head_kl(reference, quantized, streams)
@@ -121,7 +133,7 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
         "kl": sum(per_window) / len(per_window),  # every window has T positions: the mean over all of them
         "kl_per_window": per_window,
         "layer_snr_db": snr,
-        "min_snr_db": min(snr.values()) if snr else None,  # None: a rotated checkpoint (KL only)
+        "min_snr_db": min(snr.values()) if snr else None,
         "mean_snr_db": sum(snr.values()) / len(snr) if snr else None,
         "expert_snr_db": summarize_expert_snr(snr),
     }
@@ -136,10 +148,12 @@ def _layers(
     streams: list[layer_engine.Stream],
     signal: dict[str, float],
     noise: dict[str, float],
-    snr: bool = True,
+    rotation: tuple[RotationPlan, torch.Tensor] | None = None,
 ) -> None:
     """The two streams through the decoder layers, one layer of each model in memory at a time, with the SNR
-    hooks on the reference's quantized modules (signal / noise accumulate per module name; none when not snr)."""
+    hooks on the reference's quantized modules (signal / noise accumulate per module name). rotation: the
+    reference's (`_reference_rotation`), each layer rotated right after it is materialized, before SmoothQuant's
+    factors are folded (quantize's order)."""
     stack, ref_layers = layer_engine.decoder_stack(reference)
     _, q_layers = layer_engine.decoder_stack(quantized)
     mappings: Sequence[SmoothMapping] = []
@@ -157,16 +171,30 @@ def _layers(
             layer_engine.source_tensors(source, ref_layer, prefix, source.model_dir),
             f"{source.model_dir} layer {i}",
         )
+        if rotation is not None:
+            rotate_layer(rotation[0], i, rotation[1])
         for m in mappings:
             if m.smooth.startswith(prefix):
                 fold_mapping(reference, m, factors[m.smooth])
         _load_fake_quant(quantized, q_layers[i], prefix, packed, qc, packed.model_dir)
-        hooked = [n for n in quantized_set if n.startswith(prefix)] if snr else []
+        hooked = [n for n in quantized_set if n.startswith(prefix)]
         with _snr_hooks(reference, quantized, hooked, quantized_set, signal, noise):
             layer_engine.advance_stream(streams[0], ref_layer, i)
         layer_engine.advance_stream(streams[1], q_layers[i], i)
         ref_layer.to("meta")
         q_layers[i].to("meta")
+
+
+def _reference_rotation(reference: PreTrainedModel, qc: dict) -> tuple[RotationPlan, torch.Tensor] | None:
+    """The residual rotation the checkpoint records (`quantization_config.rotation`), as the plan and Q that
+    rotate the reference (on the meta device) the same way; None without one. The online Hadamard blocks are the
+    recorded ones, not re-derived."""
+    record = qc.get("rotation")
+    if not record or not record.get("residual", True):
+        return None
+    plan = replace(plan_rotation(reference, online=False), online_hadamard=dict(record["online_hadamard"]))
+    hidden = reference.get_input_embeddings().embedding_dim
+    return plan, residual_rotation(hidden, record["seed"], record.get("residual_block"))
 
 
 def _head_kl(reference: torch.nn.Module, quantized: torch.nn.Module, streams: list[layer_engine.Stream]) -> list[float]:
@@ -261,11 +289,16 @@ def _snr_hooks(
         if name not in modules:  # an expert matrix of fused experts: hooked on its experts module below
             continue
         q_layer = quantized.get_submodule(name)
+        inputs: list[torch.Tensor] = []  # the input before any pre-hook (a rotated reference's online Hadamard)
 
-        def hook(_, args, out, name=name, q_layer=q_layer):
+        def keep_input(_, args, inputs=inputs):
+            inputs.append(args[0])
+
+        def hook(_, args, out, name=name, q_layer=q_layer, inputs=inputs):
             signal[name] = signal.get(name, 0.0) + energy(out)
-            noise[name] = noise.get(name, 0.0) + energy(q_layer(args[0]) - out)
+            noise[name] = noise.get(name, 0.0) + energy(q_layer(inputs.pop()) - out)
 
+        hooks.append(modules[name].register_forward_pre_hook(keep_input, prepend=True))
         hooks.append(modules[name].register_forward_hook(hook))
     prefixes = {n.rpartition(".")[0].rpartition(".")[0] for n in names if n not in modules}  # <experts>.<e>.<proj>
     for name in prefixes:
@@ -356,8 +389,8 @@ def quality_table(
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        if not r["layer_snr_db"]:  # rotated: KL only
-            lines.append(f"| {r['recipe']} | {r['kl']:.2e} | - | - | - (rotated: layer inputs differ) |")
+        if not r["layer_snr_db"]:  # nothing quantized inside the layers or at the head
+            lines.append(f"| {r['recipe']} | {r['kl']:.2e} | - | - | - |")
             continue
         worst = min(r["layer_snr_db"], key=r["layer_snr_db"].get)
         lines.append(f"| {r['recipe']} | {r['kl']:.2e} | {r['min_snr_db']:.1f} | {r['mean_snr_db']:.1f} | {worst} |")
