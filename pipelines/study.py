@@ -377,7 +377,7 @@ class Study:
         measured seconds in this run directory (timings.json: this and earlier runs), "?" where none is known."""
         measured: dict[str, list[float]] = {}
         for (name, _, _), t in self.timings.items():
-            if not t["cached"]:
+            if _measured(t):
                 measured.setdefault(name, []).append(t["seconds"])
         todo = [
             (stage.name, label, recipe)
@@ -409,7 +409,7 @@ class Study:
     def expected(self, stage: str) -> str:
         """ ", expect ~N min (mean of k earlier <stage> stages here)" from this run directory's measured timings of
         the same stage (an eval row predicts the next eval row), or "" when none is known."""
-        seconds = [t["seconds"] for (name, _, _), t in self.timings.items() if name == stage and not t["cached"]]
+        seconds = [t["seconds"] for (name, _, _), t in self.timings.items() if name == stage and _measured(t)]
         if not seconds:
             return ""
         mean = sum(seconds) / len(seconds)
@@ -690,6 +690,12 @@ def _where(stage: str, label: str | None, recipe: str | None) -> str:
 def describe_target(label: str | None, recipe: str | None) -> str:
     """ " for model 'ga' recipe 'w4a4_nvfp4'" (empty for a study-scope target): the target in a StageError."""
     return "" if label is None else f" for model {label!r}" + ("" if recipe is None else f" recipe {recipe!r}")
+
+
+def _measured(timing: dict[str, Any]) -> bool:
+    """Whether a timings entry holds a measured time: one this run made, or one a resumed run found done and kept
+    from the run that made it (cached with seconds > 0; 0: unknown)."""
+    return not timing["cached"] or timing["seconds"] > 0
 
 
 def read_timings(run_dir: Path) -> dict[tuple[str, str, str], dict[str, Any]]:

@@ -124,6 +124,11 @@ def test_rows_arrive_early(tmp_path):
     assert study.left(study.work(STAGES)[-2:]) == "left: 1 degradation, 1 report (~2 min)"
     assert study.expected("degradation") == ", expect ~1.5 min (mean of 1 earlier degradation stage)"
     assert study.expected("eval") == ""  # nothing measured: no promise
+    # a resumed run finds the stages done: they keep the seconds of the run that made them, and still predict
+    study.timings = {k: {**t, "cached": True} for k, t in study.timings.items()}
+    study.timings[("eval", "a", "bf16")] = {"seconds": 0.0, "cached": True}  # done, its time unknown
+    assert study.left(study.work(STAGES)[-2:]) == "left: 1 degradation, 1 report (~2 min)"
+    assert study.expected("eval") == ""
 
 
 def test_artifacts_are_the_run_directory_layout(tmp_path):
