@@ -6,6 +6,9 @@
   full vocabulary. Precision convention: log_softmax and the sum over the vocabulary in float64, whatever
   the logits' dtype, so that rounding of the log-probabilities (about 1e-7 nats in float32) cannot bias small
   KLs; callers average the per-position values in float64 too.
+- `sensitivity_by_kind(snr_db)`: per-layer output SNRs summarized per projection kind (the module path inside its
+  decoder layer): mean over layers, min and its layer; `quantkit diagnose`'s table of the source, `quantkit quality`'s
+  of a checkpoint.
 - `answer_flips(ref, test)`: items whose score changed (right->wrong, wrong->right) and whose answer changed
   between two runs' per-item records, paired by item id.
 - Noise floor: `bootstrap_ci` (percentile bootstrap CI of a mean score), `paired_bootstrap` (the same
@@ -23,9 +26,10 @@ torch is imported by the tensor measures only, so that the report and the gate r
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -70,6 +74,40 @@ class Flips:
     def flip_rate(self) -> float:
         """Fraction (0-1) of items whose score changed in either direction; 0 for no items."""
         return (self.right_to_wrong + self.wrong_to_right) / self.n if self.n else 0.0
+
+
+_LAYER_MODULE = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(.+)$")
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+
+
+def sensitivity_by_kind(snr: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Quantization SNR (dB) per projection kind, from one recipe's `quant_snr_db` ({linear: dB}): the kind is the
+    module path inside its decoder layer, routed experts folded together (`self_attn.q_proj`, `mlp.down_proj`,
+    `linear_attn.out_proj`, `mlp.experts.down_proj`); per kind `layers` {layer index: the layer's lowest SNR
+    among that kind's matrices}, `mean_db` over those layers, `min_db` and the `worst_layer`. Kinds in ascending
+    mean SNR: the first ones are the modules to keep in higher precision. Linears outside the decoder layers
+    (none quantized by default) and non-finite SNRs (exact products, all-zero outputs) are left out."""
+    layers: dict[str, dict[int, float]] = {}
+    for name, db in snr.items():
+        match = _LAYER_MODULE.match(name)
+        if match is None or not math.isfinite(db):
+            continue
+        kind = _EXPERT_INDEX.sub(".experts.", "." + match.group(2)).removeprefix(".")
+        per_layer = layers.setdefault(kind, {})
+        layer = int(match.group(1))
+        per_layer[layer] = min(db, per_layer.get(layer, math.inf))
+    mean = {kind: sum(per_layer.values()) / len(per_layer) for kind, per_layer in layers.items()}
+    table: dict[str, dict[str, Any]] = {}
+    for kind in sorted(layers, key=mean.__getitem__):
+        per_layer = layers[kind]
+        worst = min(per_layer, key=per_layer.__getitem__)
+        table[kind] = {
+            "mean_db": mean[kind],
+            "min_db": per_layer[worst],
+            "worst_layer": worst,
+            "layers": dict(sorted(per_layer.items())),
+        }
+    return table
 
 
 def answer_flips(reference: Mapping[int, Mapping], test: Mapping[int, Mapping]) -> Flips:

@@ -133,7 +133,8 @@ def test_sensitivity_groups_projection_kinds_and_folds_experts():
     """Kinds are the path inside the decoder layer; routed experts fold into one kind per projection (a layer's
     value is its worst expert); the mean is over layers; non-finite SNRs (exact products) and linears outside
     the layers are left out; kinds come in ascending mean."""
-    from quantkit.diagnose.run import sensitivity_by_kind, sensitivity_markdown
+    from quantkit.diagnose.run import sensitivity_markdown
+    from quantkit.metrics import sensitivity_by_kind
 
     snr = {
         "model.layers.0.self_attn.q_proj": 20.0,

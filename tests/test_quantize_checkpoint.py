@@ -160,13 +160,12 @@ def test_quality_table(source, tmp_path):
     ]
     table, (fp8, nvfp4, fp8_sq) = quality_table(source, dirs, num_sequences=4, seq_len=64)
     assert table.split("\n\n")[0].count("\n") == 4 and "| w8a8_fp8_block |" in table
-    # where the noise sits: per projection kind, the median and min over the layers, exactly of the layer SNRs
+    # where the noise sits: per projection kind (quantkit.metrics.sensitivity_by_kind of the layer SNRs)
     by_kind = table.split("\n\n")[1].splitlines()
-    assert len(by_kind) == 2 + 3 and by_kind[0].startswith("| recipe | self_attn.q_proj SNR median / min (dB) |")
+    assert len(by_kind) == 2 + 3 and by_kind[0].startswith("| recipe | ") and "SNR mean (min @ layer), dB" in by_kind[0]
     layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
-    down = sorted(v for n, v in nvfp4["layer_snr_db"].items() if n.endswith(".mlp.down_proj"))
-    assert len(down) == layers == nvfp4["projection_snr_db"]["mlp.down_proj"]["layers"]
-    assert nvfp4["projection_snr_db"]["mlp.down_proj"]["min"] == down[0]
+    down = {int(n.split(".")[2]): v for n, v in nvfp4["layer_snr_db"].items() if n.endswith(".mlp.down_proj")}
+    assert nvfp4["sensitivity"]["mlp.down_proj"]["layers"] == down and len(down) == layers
     assert fp8["min_snr_db"] > nvfp4["min_snr_db"] + 6 and 0 < fp8["kl"] < nvfp4["kl"]
     assert set(fp8["layer_snr_db"]) == set(
         json.loads((dirs[0] / "config.json").read_text())["quantization_config"]["quantized_modules"]
@@ -469,23 +468,3 @@ def test_every_nvfp4_method_quantizes_gemma3(tmp_path):
         assert any(isinstance(m, FakeQuantLinear) for m in model.modules()), data["name"]
         with torch.no_grad():
             assert torch.isfinite(model(torch.tensor([[1, 2, 3, 4]])).logits).all(), data["name"]
-
-
-def test_projection_summary_groups_layer_matrices_by_their_path():
-    """`summarize_projection_snr`: per path inside the layer, the median (mean of the middle two for an even count),
-    the min and its layer; routed experts' matrices (their own summary) and modules outside the layers left out."""
-    from quantkit.quantize.quality import summarize_projection_snr
-
-    snr = {
-        "model.layers.0.self_attn.q_proj": 10.0,
-        "model.layers.1.self_attn.q_proj": 14.0,
-        "model.layers.10.self_attn.q_proj": 9.0,
-        "model.layers.11.self_attn.q_proj": 20.0,
-        "model.layers.1.mlp.shared_expert.down_proj": 5.0,
-        "model.layers.0.mlp.experts.3.down_proj": 1.0,
-        "lm_head": 3.0,
-    }
-    assert summarize_projection_snr(snr) == {
-        "self_attn.q_proj": {"median": 12.0, "min": 9.0, "min_layer": 10, "layers": 4},
-        "mlp.shared_expert.down_proj": {"median": 5.0, "min": 5.0, "min_layer": 1, "layers": 1},
-    }

@@ -45,7 +45,7 @@ from quantkit.errors import NonFiniteStatisticsError
 from quantkit.formats import nvfp4_global_scale
 from quantkit.formats.experts import expert_matrices, fused_experts_modules
 from quantkit.formats.schemes import SCHEMES
-from quantkit.metrics import snr_db
+from quantkit.metrics import sensitivity_by_kind, snr_db
 from quantkit.quantize.recipe import Backend, Recipe, load_recipe
 from quantkit.quantize.routed_experts import summarize_expert_snr
 
@@ -589,40 +589,6 @@ def _summary(r: dict) -> dict:
             }
         )
     return summary
-
-
-_LAYER_MODULE = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(.+)$")
-_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
-
-
-def sensitivity_by_kind(snr: dict[str, float]) -> dict[str, dict[str, Any]]:
-    """Quantization SNR (dB) per projection kind, from one recipe's `quant_snr_db` ({linear: dB}): the kind is the
-    module path inside its decoder layer, routed experts folded together (`self_attn.q_proj`, `mlp.down_proj`,
-    `linear_attn.out_proj`, `mlp.experts.down_proj`); per kind `layers` {layer index: the layer's lowest SNR
-    among that kind's matrices}, `mean_db` over those layers, `min_db` and the `worst_layer`. Kinds in ascending
-    mean SNR: the first ones are the modules to keep in higher precision. Linears outside the decoder layers
-    (none quantized by default) and non-finite SNRs (exact products, all-zero outputs) are left out."""
-    layers: dict[str, dict[int, float]] = {}
-    for name, db in snr.items():
-        match = _LAYER_MODULE.match(name)
-        if match is None or not math.isfinite(db):
-            continue
-        kind = _EXPERT_INDEX.sub(".experts.", "." + match.group(2)).removeprefix(".")
-        per_layer = layers.setdefault(kind, {})
-        layer = int(match.group(1))
-        per_layer[layer] = min(db, per_layer.get(layer, math.inf))
-    mean = {kind: sum(per_layer.values()) / len(per_layer) for kind, per_layer in layers.items()}
-    table: dict[str, dict[str, Any]] = {}
-    for kind in sorted(layers, key=mean.__getitem__):
-        per_layer = layers[kind]
-        worst = min(per_layer, key=per_layer.__getitem__)
-        table[kind] = {
-            "mean_db": mean[kind],
-            "min_db": per_layer[worst],
-            "worst_layer": worst,
-            "layers": dict(sorted(per_layer.items())),
-        }
-    return table
 
 
 def sensitivity_markdown(result: dict) -> str:

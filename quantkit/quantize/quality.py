@@ -28,8 +28,6 @@ Both models run one decoder layer at a time (`quantkit.calibrate.layers`), so me
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -47,10 +45,10 @@ from quantkit.calibrate.smoothquant import fold_mapping
 from quantkit.checkpoints import CheckpointError, TensorReader, check_checkpoint_dir, source_record, weights_fingerprint
 from quantkit.data import heldout_windows
 from quantkit.errors import QuantkitError
-from quantkit.formats.experts import EXPERT_MATRIX, EXPERT_PROJECTIONS, expert_matrices
+from quantkit.formats.experts import EXPERT_PROJECTIONS, expert_matrices
 from quantkit.formats.hadamard import residual_rotation
 from quantkit.formats.schemes import checkpoint_suffixes
-from quantkit.metrics import energy, kl_divergence, snr_db
+from quantkit.metrics import energy, kl_divergence, sensitivity_by_kind, snr_db
 from quantkit.quantize.fake_quant import FakeQuantExperts, install_fake_quant, read_quantization_config
 from quantkit.quantize.output import read_smoothquant_factors
 from quantkit.quantize.rotation import RotationPlan, plan_rotation, rotate_layer, rotate_outside
@@ -68,9 +66,9 @@ if TYPE_CHECKING:
 @torch.no_grad()
 def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.Tensor) -> dict:
     """{'recipe', 'kl', 'kl_per_window', 'layer_snr_db': {name: dB}, 'min_snr_db', 'mean_snr_db', 'expert_snr_db',
-    'projection_snr_db'} on token windows (N, T); kl is the mean over every position (nats/token), kl_per_window each window's mean (N
-    values: paired comparisons of two checkpoints on the same windows); layer_snr_db holds Linears and expert
-    matrices, min / mean are over all of them.
+    'sensitivity'} on token windows (N, T); kl is the mean over every position (nats/token), kl_per_window each
+    window's mean (N values: paired comparisons of two checkpoints on the same windows); layer_snr_db holds Linears
+    and expert matrices, min / mean are over all of them; sensitivity: per projection kind (`sensitivity_by_kind`).
 
     The windows are embedded once per model (the checkpoint keeps the embeddings as the source stores them), then
     layer by layer the reference layer (float32 from the source, with the checkpoint's SmoothQuant factors folded
@@ -124,9 +122,7 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     elif head is not None:
         _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=head_keys, tied=tied)
     modules = dict(reference.named_modules())
-    outside_quantized = [
-        n for n in qc["quantized_modules"] if not n.startswith(f"{stack}.") and n in modules
-    ]
+    outside_quantized = [n for n in qc["quantized_modules"] if not n.startswith(f"{stack}.") and n in modules]
     with _snr_hooks(reference, quantized, outside_quantized, set(qc["quantized_modules"]), signal, noise):
         per_window = _head_kl(reference, quantized, streams)
     snr = {n: snr_db(signal[n], noise[n]) for n in signal}  # expert matrices: those some token reached
@@ -138,36 +134,8 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
         "min_snr_db": min(snr.values()) if snr else None,
         "mean_snr_db": sum(snr.values()) / len(snr) if snr else None,
         "expert_snr_db": summarize_expert_snr(snr),
-        "projection_snr_db": summarize_projection_snr(snr),
+        "sensitivity": sensitivity_by_kind(snr),
     }
-
-
-LAYER_MATRIX = re.compile(r"^(?P<stack>.+)\.(?P<layer>\d+)\.(?P<path>[^.]+(?:\.[^.]+)*)$")
-
-
-def summarize_projection_snr(snr_db: dict[str, float]) -> dict[str, dict]:
-    """Per-layer SNR (dB) -> {projection: {"median", "min", "min_layer", "layers"}} over the decoder layers'
-    Linears, the projection being the module's path inside its layer (self_attn.q_proj, mlp.down_proj, ...; routed
-    experts' matrices are summarized by `summarize_expert_snr` instead); in order of first appearance. Where a recipe's noise sits:
-    the lowest median is the projection kind that loses most of its output, layer after layer. Median of an even
-    count: the mean of the middle two."""
-    groups: dict[str, dict[int, float]] = {}
-    for name, value in snr_db.items():
-        match = LAYER_MATRIX.match(name)
-        if match is None or EXPERT_MATRIX.match(name) or not math.isfinite(value):
-            continue
-        groups.setdefault(match["path"], {})[int(match["layer"])] = value
-    out = {}
-    for proj, values in groups.items():
-        ranked = sorted(values.values())
-        mid = len(ranked) // 2
-        out[proj] = {
-            "median": ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2,
-            "min": ranked[0],
-            "min_layer": min(values, key=values.__getitem__),
-            "layers": len(values),
-        }
-    return out
 
 
 def _layers(
@@ -425,17 +393,20 @@ def quality_table(
             continue
         worst = min(r["layer_snr_db"], key=r["layer_snr_db"].get)
         lines.append(f"| {r['recipe']} | {r['kl']:.2e} | {r['min_snr_db']:.1f} | {r['mean_snr_db']:.1f} | {worst} |")
-    projections = list(dict.fromkeys(p for r in rows for p in r["projection_snr_db"]))
-    if projections:  # where each recipe's noise sits: one column per projection kind
+    kinds = list(dict.fromkeys(kind for r in rows for kind in r["sensitivity"]))
+    if kinds:  # where each recipe's noise sits: one column per projection kind, least SNR first (the first recipe)
         lines += [
             "",
-            "| recipe | " + " | ".join(f"{p} SNR median / min (dB)" if i == 0 else p for i, p in enumerate(projections))
-            + " |",
-            "|---|" + "---|" * len(projections),
+            "| recipe | " + " | ".join([f"{kinds[0]} SNR mean (min @ layer), dB", *kinds[1:]]) + " |",
+            "|---|" + "---|" * len(kinds),
         ]
         for r in rows:
-            by_proj = r["projection_snr_db"]
-            cells = [f"{v['median']:.1f} / {v['min']:.1f}" if (v := by_proj.get(p)) else "-" for p in projections]
+            cells = [
+                f"{c['mean_db']:.1f} ({c['min_db']:.1f} @ {c['worst_layer']})"
+                if (c := r["sensitivity"].get(k))
+                else "-"
+                for k in kinds
+            ]
             lines.append(f"| {r['recipe']} | {' | '.join(cells)} |")
     if any(r["expert_snr_db"] for r in rows):  # MoE: one row per recipe and experts module
         lines += [
