@@ -15,6 +15,8 @@ Spec (YAML, see pipelines/default.yaml):
                                      # backend: the eval engines' prompt logprobs) | transformers (float32 reference);
                                      # top_k: null = full vocabulary, k = top-k lower bound (evals/degradation.py)
     diagnose: {num_sequences: 16, seq_len: 128}   # quantkit.diagnose on each source checkpoint
+    quality: {num_sequences: 16, seq_len: 256}    # optional: the quality stage, each quantkit checkpoint's layer
+                                     # SNRs vs its source on held-out text (where each row's noise sits)
     calibration: {num_sequences: 256, seq_len: 512, data: speeches+code, early_stop: 0.02}   # optional, each
                                      # key too: every recipe's calibration sets resized (recipes default to paper
                                      # 000's 4096 x 512 for SmoothQuant), their source (docs/calibration.md; default:
@@ -36,6 +38,7 @@ chain, as Ray tasks through the same `Study._do` (docs/scaling.md):
     evals/<label>-<recipe>/         `quantkit.evals.suite.evaluate` output (results.json, samples/, and with
                                     kl.source vllm heldout_logprobs.safetensors: the engine's held-out logprobs)
     degradation/<label>-<recipe>.json   flips, paired bootstrap (noise floor), held-out KL vs bf16
+    quality/<label>-<recipe>.json   (with `quality`) `quantkit quality` of the checkpoint: layer SNRs, per kind
     timings.json                    wall seconds per (stage, model, recipe), merged over resumed runs: a stage
                                     found done keeps the time of the run that made it (0 if unknown), `cached`;
                                     each stage merges its entry under `.timings.lock` (Ray tasks write it too)
@@ -66,7 +69,7 @@ from quantkit.checkpoints import describe_architecture
 from quantkit.errors import BAD_INPUT
 from quantkit.evals.harness import BACKENDS, EvalBackend
 from quantkit.formats.schemes import UNQUANTIZED
-from quantkit.quantize.recipe import Recipe
+from quantkit.quantize.recipe import Backend, Recipe
 from quantkit.yamlfile import read_yaml
 
 logger = logging.getLogger(__name__)
@@ -75,7 +78,20 @@ BASELINE = "bf16"
 # The numerics stage's second summation order (quantkit.serve.cpu.linear): the default order's kernels on permuted
 # input columns, about a BF16 row's cost (split-k, the order before 2026-11-29, computes decoding in float32: 3-4x).
 NUMERICS_ORDER = "permute-k"
-SPEC_KEYS = {"name", "models", "zoo", "recipes", "eval", "kl", "diagnose", "calibration", "parallel", "runs_dir"}
+SPEC_KEYS = {
+    "name",
+    "models",
+    "zoo",
+    "recipes",
+    "eval",
+    "kl",
+    "diagnose",
+    "quality",
+    "calibration",
+    "parallel",
+    "runs_dir",
+}
+QUALITY_DEFAULTS = dict(num_sequences=16, seq_len=256)  # `quantkit quality`'s held-out windows
 EVAL_DEFAULTS = dict(
     suite="mini",
     suites=None,
@@ -123,6 +139,7 @@ class StudySpec:
     parallel: dict[str, int] = field(default_factory=lambda: dict(tensor_parallel_size=1, data_parallel_size=1))
     runs_dir: str = "runs"
     calibration: dict[str, int] | None = None  # {num_sequences, seq_len} for every recipe; None: the recipes' own
+    quality: dict[str, int] | None = None  # {num_sequences, seq_len} of the quality stage; None: no quality stage
 
 
 def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
@@ -159,6 +176,7 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
             apply_calibration(load_recipe("w4a4_nvfp4_sq"), spec.calibration)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
+    spec.quality = _quality_settings(path, data.get("quality"))
     spec.eval = {**EVAL_DEFAULTS, **(data.get("eval") or {})}
     if unknown := sorted(set(spec.eval) - set(EVAL_DEFAULTS)):
         raise ValueError(f"{path}: unknown eval key(s) {unknown}; known: {sorted(EVAL_DEFAULTS)}")
@@ -203,6 +221,22 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
         spec.eval["suites"] = {label: own[0]} if own else {}  # a model of the spec keeps its own suite
         spec.eval["limits"] = {label: own_limit[0]} if own_limit else {}  # and its own limit
     return spec
+
+
+def _quality_settings(path: Path, value: Any) -> dict[str, int] | None:
+    """The spec's `quality` key checked: absent or null, no quality stage; a mapping (`{}` for the defaults) of
+    num_sequences and seq_len, positive integers. ValueError naming `quality.<key>`."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: quality must be a mapping of num_sequences and seq_len, not {value!r}")
+    if unknown := sorted(set(value) - set(QUALITY_DEFAULTS)):
+        raise ValueError(f"{path}: unknown quality key(s) {unknown}; known: {sorted(QUALITY_DEFAULTS)}")
+    settings = {**QUALITY_DEFAULTS, **value}
+    for key, n in settings.items():
+        if type(n) is not int or n < 1:
+            raise ValueError(f"{path}: quality.{key} must be a positive integer, not {n!r}")
+    return settings
 
 
 def _check_eval(path: Path, settings: dict[str, Any]) -> None:
@@ -365,7 +399,7 @@ class Study:
                     for s in chain
                     if s.scope == "recipe"
                     or (s.scope == "baseline" and recipe == BASELINE and self.runs(s.name, label))
-                    or (s.scope == "quantized" and recipe != BASELINE)
+                    or (s.scope == "quantized" and recipe != BASELINE and self.runs(s.name, label, recipe))
                 ]
                 if recipe == BASELINE:
                     out += [(s, label, None) for s in model_scope if s.name != "checkpoint"]
@@ -392,13 +426,17 @@ class Study:
         eta = f"~{seconds / 60:.0f} min" + (" + stages not yet timed" if unknown else "")
         return "left: " + ", ".join(f"{n} {name}" for name, n in counts.items()) + f" ({eta})" if todo else "left: none"
 
-    def runs(self, stage: str, label: str) -> bool:
-        """Whether a baseline-scope stage runs for model `label`: numerics with eval.numerics; reference with
-        eval.reference for a trained model whose makers publish a score with a prompt protocol quantkit runs."""
+    def runs(self, stage: str, label: str, recipe: str = BASELINE) -> bool:
+        """Whether a stage the spec may leave out runs for model `label` (and `recipe`): numerics with eval.numerics;
+        reference with eval.reference for a trained model whose makers publish a score with a prompt protocol
+        quantkit runs; quality with the spec's `quality`, for a recipe quantkit quantizes (`quantkit quality`
+        reads quantkit checkpoints, not a peer's compressed-tensors ones)."""
         if stage == "numerics":
             return bool(self.spec.eval.get("numerics"))
         if stage == "reference":
             return bool(self.spec.eval.get("reference")) and self.reference(label) is not None
+        if stage == "quality":
+            return self.spec.quality is not None and self.recipe(recipe).backend == Backend.QUANTKIT
         return True
 
     def reference(self, label: str) -> Any:
@@ -424,8 +462,14 @@ class Study:
             return [(label, None) for label in self.spec.models]
         if stage.scope == "baseline":
             return [(label, BASELINE) for label in self.spec.models if self.runs(stage.name, label)]
-        recipes = self.spec.recipes if stage.scope == "recipe" else [r for r in self.spec.recipes if r != BASELINE]
-        return [(label, recipe) for label in self.spec.models for recipe in recipes]
+        if stage.scope == "recipe":
+            return [(label, recipe) for label in self.spec.models for recipe in self.spec.recipes]
+        return [
+            (label, recipe)
+            for label in self.spec.models
+            for recipe in self.spec.recipes
+            if recipe != BASELINE and self.runs(stage.name, label, recipe)
+        ]
 
     def _do(self, stage: Stage, label: str | None, recipe: str | None) -> None:
         """Run one stage unless its artifact exists; record and log its wall time."""
@@ -612,6 +656,20 @@ class Study:
     def _degradation(self, label: str, recipe: str) -> None:
         _atomic_json(self._artifact_file("degradation", label, recipe), degradation(self, label, recipe))
 
+    def _quality(self, label: str, recipe: str) -> None:
+        """`quantkit quality` of the (label, recipe) checkpoint against its source on the spec's held-out windows:
+        each quantized layer's output SNR, per projection kind (`sensitivity`), and the fake-quant reference's KL."""
+        from transformers import AutoTokenizer
+
+        from quantkit.data import heldout_windows
+        from quantkit.quantize.quality import quality
+
+        settings = cast(dict[str, int], self.spec.quality)
+        source = self._source(label)
+        tokens = heldout_windows(AutoTokenizer.from_pretrained(source), settings["num_sequences"], settings["seq_len"])
+        result = quality(source, self.checkpoint_dir(label, recipe), tokens)
+        _atomic_json(self._artifact_file("quality", label, recipe), {**result, **settings})
+
     def _report(self, *_: None) -> None:
         results = study_results(self)
         _atomic_json(self.dir / "results.json", results)
@@ -632,7 +690,7 @@ SCOPES = {  # scope -> the (model, recipe) targets a stage runs for (Study.targe
     "model": "per model",
     "recipe": "per model x recipe",
     "baseline": "per model, on its bf16 checkpoint, where the spec asks",
-    "quantized": "per model x recipe, bf16 excepted",
+    "quantized": "per model x recipe, bf16 excepted (quality: where the spec asks)",
     "study": "once",
 }
 
@@ -662,6 +720,7 @@ STAGES = (  # in order; `quantkit run --until` and the Makefile's study targets 
     Stage("numerics", "baseline", "evals/{model}-{recipe}-numerics/results.json", Study._numerics),
     Stage("reference", "baseline", "evals/{model}-{recipe}-reference/results.json", Study._reference),
     Stage("degradation", "quantized", "degradation/{model}-{recipe}.json", Study._degradation),
+    Stage("quality", "quantized", "quality/{model}-{recipe}.json", Study._quality),  # where the spec asks
     Stage("report", "study", None, Study._report),  # re-rendered on every run
 )
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
@@ -823,6 +882,7 @@ def study_results(study: Study) -> dict[str, Any]:
             timings=timing_summary(study.timings),
             pending=pending,
             sensitivity=_sensitivity(study),
+            checkpoint_sensitivity=_checkpoint_sensitivity(study),
             verdicts=verdicts,
         ),
     )
@@ -1013,6 +1073,21 @@ def _sensitivity(study: Study) -> dict[str, dict[str, dict[str, dict[str, Any]]]
                 recipe: {kind: {k: v for k, v in cell.items() if k != "layers"} for kind, cell in table.items()}
                 for recipe, table in tables.items()
             }
+    return out
+
+
+def _checkpoint_sensitivity(study: Study) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+    """{model label: {recipe: per-projection-kind SNR table of its checkpoint}} from the quality stage's artifacts
+    (`quantkit quality`'s `sensitivity`, the per-layer values left out), in the spec's recipe order; {} without."""
+    out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    for label in study.spec.models:
+        for recipe in study.spec.recipes:
+            path = study.artifact("quality", label, recipe) if recipe != BASELINE else None
+            if path is not None and path.exists():
+                table = json.loads(path.read_text())["sensitivity"]
+                out.setdefault(label, {})[recipe] = {
+                    kind: {k: v for k, v in cell.items() if k != "layers"} for kind, cell in table.items()
+                }
     return out
 
 

@@ -25,6 +25,7 @@ models: {{tiny: {model}}}
 recipes: [bf16, w4a4_nvfp4]
 eval: {{suite: smoke, limit: 3, dtype: float32, numerics: {numerics}}}
 kl: {{num_sequences: 4, seq_len: 64}}
+quality: {{num_sequences: 4, seq_len: 64}}
 runs_dir: {runs}
 """
 
@@ -41,7 +42,7 @@ def _mtimes(run_dir: Path) -> dict[str, float]:
     """Modification times of the cached stage artifacts (the report is re-rendered on every run)."""
     return {
         str(p.relative_to(run_dir)): p.stat().st_mtime_ns
-        for stage in ("checkpoints", "evals", "degradation")
+        for stage in ("checkpoints", "evals", "degradation", "quality")
         for p in (run_dir / stage).rglob("*")
         if p.is_file()
     }
@@ -63,6 +64,7 @@ def test_study_writes_every_artifact(study):
         "evals/tiny-bf16/results.json",
         "evals/tiny-w4a4_nvfp4/results.json",
         "degradation/tiny-w4a4_nvfp4.json",
+        "quality/tiny-w4a4_nvfp4.json",
         "results.json",
         "report/report.md",
         "report/report.html",
@@ -85,7 +87,15 @@ def test_study_writes_every_artifact(study):
         assert evaluated["heldout_logprobs"]["mode"] == "full"
         assert (run_dir / "evals" / f"tiny-{recipe}" / evaluated["heldout_logprobs"]["file"]).exists()
     timings = results["meta"]["timings"]  # wall seconds per stage, also in timings.json and the report
-    assert list(timings["stages"]) == ["checkpoint", "diagnose", "quantize", "eval", "numerics", "degradation"]
+    assert list(timings["stages"]) == [
+        "checkpoint",
+        "diagnose",
+        "quantize",
+        "eval",
+        "numerics",
+        "degradation",
+        "quality",
+    ]
     assert timings["total"] == pytest.approx(sum(timings["stages"].values()), abs=0.05)
     assert {(e["stage"], e["recipe"]) for e in timings["entries"] if not e["cached"]} >= {
         ("eval", "bf16"),
@@ -218,6 +228,26 @@ def test_the_report_shows_where_the_quantization_noise_sits(study):
             and f"{cell['mean_db']:.1f} ({cell['min_db']:.1f} @ {cell['worst_layer']})" in text
         )
         assert kind in text
+
+
+def test_the_report_shows_where_each_rows_noise_remains(study):
+    """The quality stage measures each quantized row's checkpoint against its source (`quantkit quality` on the
+    spec's windows): results.json carries its per-projection table (meta.checkpoint_sensitivity, the per-layer values
+    left out) and the report renders it in its own section, each cell "mean (min @ layer)" of the artifact."""
+    from quantkit.report.render import CHECKPOINT_SENSITIVITY_TITLE
+
+    _, run_dir = study
+    measured = json.loads((run_dir / "quality" / "tiny-w4a4_nvfp4.json").read_text())
+    assert (measured["num_sequences"], measured["seq_len"]) == (4, 64) and measured["recipe"] == "w4a4_nvfp4"
+    quantized = json.loads((run_dir / "checkpoints" / "tiny-w4a4_nvfp4" / "config.json").read_text())
+    assert set(measured["layer_snr_db"]) == set(quantized["quantization_config"]["quantized_modules"])
+    table = json.loads((run_dir / "results.json").read_text())["meta"]["checkpoint_sensitivity"]["tiny"]["w4a4_nvfp4"]
+    assert table == {kind: {k: v for k, v in c.items() if k != "layers"} for kind, c in measured["sensitivity"].items()}
+    kind, cell = next(iter(table.items()))
+    for name in ("report.md", "report.html"):
+        text = (run_dir / "report" / name).read_text()
+        section = text[text.index(CHECKPOINT_SENSITIVITY_TITLE) :]
+        assert f"{cell['mean_db']:.1f} ({cell['min_db']:.1f} @ {cell['worst_layer']})" in section and kind in section
 
 
 def test_deleted_checkpoints_are_recreated_and_evals_kept(study, tmp_path):

@@ -34,6 +34,7 @@ def test_the_table_in_order_with_scopes_and_artifacts():
         "numerics",
         "reference",
         "degradation",
+        "quality",
         "report",
     )
     assert {s.name: s.scope for s in STAGES} == {
@@ -44,6 +45,7 @@ def test_the_table_in_order_with_scopes_and_artifacts():
         "numerics": "baseline",
         "reference": "baseline",
         "degradation": "quantized",
+        "quality": "quantized",
         "report": "study",
     }
     assert all(s.scope in SCOPES and callable(s.run) for s in STAGES) and STAGE_BY_NAME["eval"] is STAGES[3]
@@ -63,6 +65,45 @@ def test_targets_follow_each_scope(tmp_path):
     assert study.targets(STAGE_BY_NAME["degradation"]) == [("a", "w4a4_nvfp4"), ("b", "w4a4_nvfp4")]
     assert study.targets(STAGE_BY_NAME["report"]) == [(None, None)]
     assert study.targets(STAGE_BY_NAME["numerics"]) == [] and study.targets(STAGE_BY_NAME["reference"]) == []
+    assert study.targets(STAGE_BY_NAME["quality"]) == []  # only where the spec asks
+
+
+def test_the_quality_stage_runs_where_the_spec_asks_on_quantkit_checkpoints(tmp_path):
+    """With `quality`, each quantized row quantkit made gets the quality stage right after its degradation; a peer's
+    compressed-tensors row (llm-compressor) does not: `quantkit quality` reads quantkit checkpoints."""
+    spec = StudySpec(
+        name="t",
+        models={"a": "zoo:ga"},
+        recipes=["bf16", "w4a4_nvfp4", "nvfp4_ct_awq"],
+        quality=dict(num_sequences=4, seq_len=64),
+    )
+    study = Study(spec, tmp_path / "run")
+    assert study.targets(STAGE_BY_NAME["quality"]) == [("a", "w4a4_nvfp4")]
+    work = [(stage.name, label, recipe) for stage, label, recipe in study.work(STAGES)]
+    at = work.index(("degradation", "a", "w4a4_nvfp4"))
+    assert work[at + 1 : at + 3] == [("quality", "a", "w4a4_nvfp4"), ("report", None, None)]
+    assert ("quality", "a", "nvfp4_ct_awq") not in work and ("degradation", "a", "nvfp4_ct_awq") in work
+    assert study.artifact("quality", "a", "w4a4_nvfp4") == study.dir / "quality" / "a-w4a4_nvfp4.json"
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("[4, 64]", "quality must be a mapping of num_sequences and seq_len"),
+        ("{windows: 4}", r"unknown quality key\(s\) \['windows'\]"),
+        ("{num_sequences: 0}", "quality.num_sequences must be a positive integer, not 0"),
+        ("{seq_len: 64.0}", "quality.seq_len must be a positive integer, not 64.0"),
+    ],
+)
+def test_bad_quality_settings_are_refused_by_name(tmp_path, value, message):
+    from quantkit.pipelines.study import load_spec
+
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: s\nmodels: {{a: zoo:ga}}\nrecipes: [bf16, w4a4_nvfp4]\nquality: {value}\n")
+    with pytest.raises(ValueError, match=message):
+        load_spec(path)
+    path.write_text("name: s\nmodels: {a: zoo:ga}\nrecipes: [bf16, w4a4_nvfp4]\nquality: {}\n")
+    assert load_spec(path).quality == {"num_sequences": 16, "seq_len": 256}
 
 
 def test_baseline_stages_run_where_the_spec_asks(tmp_path):

@@ -19,7 +19,7 @@ import csv
 import html
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -276,14 +276,27 @@ def sensitivity_table(sensitivity: dict[str, dict[str, dict[str, Any]]]) -> str:
     return "\n".join([_md_row(head), _md_row(["---"] + ["---:"] * (len(head) - 1)), *map(_md_row, rows)])
 
 
-def _sensitivities(results: Results | dict | str | Path) -> dict[str, Any]:
-    """`meta.sensitivity` of a results document ({model: {recipe: {kind: {mean_db, min_db, worst_layer}}}}, the
-    source's per-projection SNR tables); {} when absent. meta is free-form: tables not of that shape are skipped."""
+SensitivitySection = tuple[str, str, dict[str, Any]]  # (title, note, {model: {recipe: {kind: cell}}})
+
+
+def sensitivity_sections(results: Results | dict | str | Path) -> list[SensitivitySection]:
+    """The report's per-projection SNR sections, in order: the source's (`meta.sensitivity`, diagnose), then each
+    row's checkpoint's (`meta.checkpoint_sensitivity`, the quality stage)."""
+    return [
+        (SENSITIVITY_TITLE, SENSITIVITY_NOTE, _sensitivities(results, "sensitivity")),
+        (CHECKPOINT_SENSITIVITY_TITLE, CHECKPOINT_SENSITIVITY_NOTE, _sensitivities(results, "checkpoint_sensitivity")),
+    ]
+
+
+def _sensitivities(results: Results | dict | str | Path, key: str) -> dict[str, Any]:
+    """`meta.<key>` of a results document ({model: {recipe: {kind: {mean_db, min_db, worst_layer}}}}: `sensitivity`
+    the source's per-projection SNR tables, `checkpoint_sensitivity` each row's checkpoint's); {} when absent. meta
+    is free-form: tables not of that shape are skipped."""
 
     def cell_ok(cell: Any) -> bool:
         return isinstance(cell, dict) and all(isinstance(cell.get(k), (int, float)) for k in SENSITIVITY_KEYS)
 
-    found = _meta(results).get("sensitivity")
+    found = _meta(results).get(key)
     return {
         model: {r: t for r, t in tables.items() if isinstance(t, dict) and all(map(cell_ok, t.values()))}
         for model, tables in (found.items() if isinstance(found, dict) else ())
@@ -295,6 +308,14 @@ SENSITIVITY_KEYS = ("mean_db", "min_db", "worst_layer")
 
 
 SENSITIVITY_TITLE = "Quantization noise by projection (source checkpoint, fake-quant output SNR; lowest first)"
+CHECKPOINT_SENSITIVITY_TITLE = "Quantization noise by projection, per row (each checkpoint vs its source)"
+CHECKPOINT_SENSITIVITY_NOTE = (
+    "How far each method got and where its noise remains: each quantized layer of the row's checkpoint on the "
+    "reference's input (the source with the checkpoint's own SmoothQuant factors or rotation applied, so the "
+    "reference computes the source's function), output SNR in dB per projection kind, mean over layers (worst "
+    "layer); `quantkit quality`, the study's quality stage, on held-out text. Higher is less noise. A method that "
+    "raises a kind's SNR removed noise there; the kinds that stay lowest are where the remaining loss comes from."
+)
 SENSITIVITY_NOTE = (
     "Where a format's rounding noise sits before any method: each Linear of the source quantized alone on held-out "
     "text (`quantkit diagnose`), output SNR in dB per projection kind, mean over layers (worst layer). A kind far "
@@ -329,13 +350,13 @@ VERDICTS_TITLE = "Verdicts"
 def to_markdown(
     table: Table,
     time_line: str | None = None,
-    sensitivity: dict[str, Any] | None = None,
+    sensitivity: Sequence[SensitivitySection] = (),
     verdicts: tuple[str, list[str]] | None = None,
 ) -> str:
     """The verdicts in words (`verdict_lines`: rule, then one line each) when given, the summary paragraph, Table 2
     (scores, Avg, ΔAvg, noise), the diagnostics table, the per-benchmark degradation vs BF16; `time_line`
-    (timing_line) under the notes; `sensitivity` ({model: its source's per-projection SNR tables},
-    `meta.sensitivity`) a section per model at the end."""
+    (timing_line) under the notes; each of `sensitivity` (`sensitivity_sections`: the source's and the rows'
+    per-projection SNR tables) a section with a table per model at the end."""
     lead, extra, diag = _lead_columns(table), _extra_columns(table), _diagnostic_columns(table)
     groups = [g for g, n in _group_spans(table.columns) for g in [g] + [""] * (n - 1)]
     width = len(lead) + len(table.columns) + len(extra)
@@ -387,11 +408,12 @@ def to_markdown(
         for r in degraded:
             cells = [_degradation_cell(r, b.key)[0] for b in table.columns] + [_degradation_cell(r, None)[0]]
             lines.append(_md_row([f(r) for _, f in lead] + cells))
-    tables = {model: sensitivity_table(t) for model, t in (sensitivity or {}).items()}
-    if any(tables.values()):
-        lines += ["", f"## {SENSITIVITY_TITLE}", "", SENSITIVITY_NOTE]
-        for model, text in tables.items():
-            lines += ["", f"**{model}**", "", text] if text else []
+    for title, note, per_model in sensitivity:
+        tables = {model: sensitivity_table(t) for model, t in per_model.items()}
+        if any(tables.values()):
+            lines += ["", f"## {title}", "", note]
+            for model, text in tables.items():
+                lines += ["", f"**{model}**", "", text] if text else []
     return "\n".join(lines) + "\n"
 
 
@@ -544,7 +566,7 @@ def to_html(
     table: Table,
     figures: dict[str, str] | None = None,
     time_line: str | None = None,
-    sensitivity: dict[str, Any] | None = None,
+    sensitivity: Sequence[SensitivitySection] = (),
     verdicts: tuple[str, list[str]] | None = None,
 ) -> str:
     """Self-contained page: inline CSS; the verdicts (as `to_markdown`); the summary paragraph; Table 2 with grouped
@@ -629,20 +651,21 @@ def to_html(
             (plot_variant_kl(table), "KL vs BF16 per variant and precision (nats/token, held-out text)"),
         ]
         parts.append('<div class="figs">' + "".join(_figure(svg, c) for svg, c in side if svg) + "</div>")
-    sensitivity_parts = []
-    for model, per_recipe in (sensitivity or {}).items():
-        head, rows = sensitivity_cells(per_recipe)
-        if head:
-            sensitivity_parts += [
-                f"<h3>{html.escape(model)}</h3>",
-                _html_table(
-                    [_cell(head[0], "l", "th")] + [_cell(h, "", "th") for h in head[1:]],
-                    [[_cell(row[0], "l")] + [_cell(c) for c in row[1:]] for row in rows],
-                ),
-            ]
-    if sensitivity_parts:
-        parts += [f"<h2>{html.escape(SENSITIVITY_TITLE)}</h2>", f'<p class="notes">{html.escape(SENSITIVITY_NOTE)}</p>']
-        parts += sensitivity_parts
+    for title, note, per_model in sensitivity:
+        sensitivity_parts = []
+        for model, per_recipe in per_model.items():
+            head, rows = sensitivity_cells(per_recipe)
+            if head:
+                sensitivity_parts += [
+                    f"<h3>{html.escape(model)}</h3>",
+                    _html_table(
+                        [_cell(head[0], "l", "th")] + [_cell(h, "", "th") for h in head[1:]],
+                        [[_cell(row[0], "l")] + [_cell(c) for c in row[1:]] for row in rows],
+                    ),
+                ]
+        if sensitivity_parts:
+            parts += [f"<h2>{html.escape(title)}</h2>", f'<p class="notes">{html.escape(note)}</p>']
+            parts += sensitivity_parts
     if figures:
         parts.append("<h2>Outlier diagnostics</h2>")
         parts += [_figure(svg, caption) for caption, svg in figures.items()]
@@ -658,13 +681,13 @@ def render_report(
 ) -> dict[str, Path]:
     """Validate `results` (a Results, a parsed dict, or a JSON path) and write report.{md,csv,json,html} to out_dir;
     `figures` ({caption: inline <svg>}) are appended to the HTML page; the study's `meta.timings` give a "Time:" line,
-    its `meta.pending` (rows not measured yet) a "Pending:" one, its `meta.sensitivity` the per-projection SNR
-    tables, its `meta.verdicts` the opening "Verdicts" section."""
+    its `meta.pending` (rows not measured yet) a "Pending:" one, its `meta.sensitivity` and
+    `meta.checkpoint_sensitivity` the per-projection SNR tables, its `meta.verdicts` the opening "Verdicts" section."""
     res = results if isinstance(results, Results) else load_results(results)
     table = build_table(res)
     lines = (pending_line(results), timing_line(_meta(results).get("timings")))
     time_line = " ".join(line for line in lines if line) or None
-    sensitivity = _sensitivities(results)
+    sensitivity = sensitivity_sections(results)
     verdicts = verdict_lines(results)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
