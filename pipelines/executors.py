@@ -6,8 +6,8 @@ executor schedules the same stages as Ray tasks, by scope (SCOPES in pipelines/s
 - per model, one task with its model-scope stages (checkpoint, diagnose);
 - then, per (model, recipe), one task with the recipe's chain of recipe-scope stages (quantize, eval), the bf16
   chain followed by the baseline-scope stages the spec asks for (numerics, reference);
-- per quantized recipe, one task with its quantized-scope stages (degradation) once its chain and its model's
-  bf16 chain are done;
+- per quantized recipe, one task with its quantized-scope stages (degradation, and quality where the spec asks)
+  once its chain and its model's bf16 chain are done;
 - study-scope stages (report) on the driver, at the end.
 
 Every task runs its stages through `Study._do`: the same artifacts in the same run directory, the same atomic
@@ -173,7 +173,10 @@ class RayExecutor:
                 if scope == "recipe" and recipe == BASELINE
                 else ()
             )  # the bf16 chain carries the baseline-scope stages (they need its checkpoint)
-            task = Task(scope, label, recipe, by_scope[scope] + extra)
+            own = by_scope[scope]
+            if scope == "quantized":  # the stages the spec may leave out (quality) where it does
+                own = tuple(s for s in own if study.runs(s, label, cast(str, recipe)))
+            task = Task(scope, label, recipe, own + extra)
             if not task.stages:
                 finished(task)
                 return
