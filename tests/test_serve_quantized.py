@@ -479,17 +479,53 @@ def test_cli_refuses_bad_checkpoints(tmp_path):
         assert run.returncode == 2 and "no *.safetensors weights" in run.stderr, run.stderr[-2000:]
 
 
+def test_the_peers_nvfp4_kernel_decodes_each_weight_once_with_vllms_bits(monkeypatch):
+    """DecodedOnceNvFp4LinearKernel computes what vLLM's EmulationNvFp4LinearKernel computes, bit for bit: the same
+    vLLM functions (dequantize_to_dtype, ref_nvfp4_quant_dequant, one matmul) on the same tensors, for decode- and
+    prefill-sized calls, with a bias, in bfloat16 and float32; the weight decoded at its first call per dtype only."""
+    from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearLayerConfig
+    from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+
+    from quantkit.serve.cpu import peer_kernels
+
+    torch.manual_seed(0)
+    n, k = 48, 64
+    layer = torch.nn.Module()
+    parameters = dict(
+        weight=torch.randint(0, 256, (n, k // 2), dtype=torch.uint8),
+        weight_scale=(torch.rand(n, k // NVFP4_GROUP) * 4 + 0.25).to(torch.float8_e4m3fn),
+        weight_global_scale=torch.tensor(0.02),
+        input_global_scale_inv=torch.tensor(300.0),
+    )
+    for name, value in parameters.items():
+        setattr(layer, name, torch.nn.Parameter(value, requires_grad=False))
+    decodes = []
+    decode = peer_kernels.dequantize_to_dtype
+    monkeypatch.setattr(peer_kernels, "dequantize_to_dtype", lambda *a, **kw: decodes.append(a[3]) or decode(*a, **kw))
+    ours, vllms = (
+        peer_kernels.DecodedOnceNvFp4LinearKernel(NvFp4LinearLayerConfig()),
+        EmulationNvFp4LinearKernel(NvFp4LinearLayerConfig()),
+    )
+    bias = torch.randn(n)
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows in (1, 7, 1):
+            x = torch.randn(rows, k).to(dtype)
+            for b in (None, bias.to(dtype)):
+                assert torch.equal(ours.apply_weights(layer, x, b), vllms.apply_weights(layer, x, b))
+    assert decodes == [torch.bfloat16, torch.float32]
+
+
 @pytest.mark.parametrize(
     "recipe, kernel, source",
     [
         ("fp8_block_ct", "EmulationFp8BlockScaledMMKernel", "variant"),
-        ("nvfp4_ct", "EmulationNvFp4LinearKernel", "variant"),
+        ("nvfp4_ct", "DecodedOnceNvFp4LinearKernel", "variant"),
         # SpinQuant's R1/R2 fold into the weights; config.json's transform_config lists them, and vLLM must apply
         # no online transform for them (a stock decoder: R1 needs every reader of the residual stream mapped)
-        ("nvfp4_ct_spinquant16_gptq", "EmulationNvFp4LinearKernel", "llama"),
+        ("nvfp4_ct_spinquant16_gptq", "DecodedOnceNvFp4LinearKernel", "llama"),
         # ModelOpt's exports: vLLM's modelopt method, NVFP4 through the same emulation kernel, FP8 per channel / per
         # token through vLLM's own CPU FP8 path (which logs no kernel name); a 16-bit engine (vLLM refuses float32)
-        ("nvfp4_modelopt", "EmulationNvFp4LinearKernel", "llama"),
+        ("nvfp4_modelopt", "DecodedOnceNvFp4LinearKernel", "llama"),
         ("fp8_pc_pt_modelopt", None, "llama"),
     ],
 )

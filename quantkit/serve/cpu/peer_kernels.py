@@ -7,8 +7,12 @@ all, so without these the comparison rows could not be served here. `register_cp
 - `EmulationFp8BlockScaledMMKernel` (ours): vLLM's own activation quantizer (QuantFP8, the checkpoint's
   1x128 activation groups) runs unchanged; the GEMM decodes A and B with their block scales and
   multiplies in float32. vLLM logs "Using EmulationFp8BlockScaledMMKernel" for each such layer.
-- vLLM's `EmulationNvFp4LinearKernel` (dequantize -> matmul, with the checkpoint's static activation
-  global scale), which vLLM registers for CUDA/ROCm only.
+- `DecodedOnceNvFp4LinearKernel` (ours): vLLM's `EmulationNvFp4LinearKernel` (activation quantize-dequantize
+  with the checkpoint's static global scale, then matmul with the dequantized weight; registered by vLLM for
+  CUDA/ROCm only) with each weight dequantized once, at its first call, instead of at every call: the same vLLM
+  functions on the same tensors, so the same bits. Decoding every weight at every decode step made a peer's
+  NVFP4 row ~2x slower to serve than quantkit's own (docs/results/methods-study-coder.md). It keeps a decoded
+  copy of each NVFP4 weight in the activation dtype: the BF16 model's weight memory.
 
 On CUDA nothing changes: vLLM's own kernels serve these checkpoints.
 """
@@ -20,8 +24,13 @@ from vllm.logger import init_logger
 from vllm.model_executor.kernels import linear as linear_kernels
 from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
 from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
+from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+    dequantize_to_dtype,
+    ref_nvfp4_quant_dequant,
+)
 from vllm.platforms import PlatformEnum, current_platform
 
+from quantkit.formats.constants import NVFP4_GROUP
 from quantkit.formats.fp8 import expand_block_scales
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM configures that logger tree
@@ -53,11 +62,37 @@ class EmulationFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
         return a @ b.T
 
 
+class DecodedOnceNvFp4LinearKernel(EmulationNvFp4LinearKernel):
+    """vLLM's NVFP4 emulation with the weight dequantized once per activation dtype (kept on the layer as
+    `quantkit_dequantized_weight`, (N, K)) instead of at every call; otherwise `run_nvfp4_emulations` step by step."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        logger.info_once("Using DecodedOnceNvFp4LinearKernel (quantkit, CPU) for NVFP4 GEMM")
+
+    def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """vLLM: x (M, K) -> (M, N), as `EmulationNvFp4LinearKernel.apply_weights` computes it."""
+        weight = getattr(layer, "quantkit_dequantized_weight", None)
+        if weight is None or weight.dtype != x.dtype:
+            weight = dequantize_to_dtype(
+                layer.weight.data.view(torch.uint8),
+                layer.weight_scale.data,
+                layer.weight_global_scale,
+                x.dtype,
+                NVFP4_GROUP,
+                swizzle=False,
+            )
+            layer.quantkit_dequantized_weight = weight
+        x_dq = ref_nvfp4_quant_dequant(x, layer.input_global_scale_inv, block_size=NVFP4_GROUP)
+        out = torch.matmul(x_dq, weight.t())
+        return out if bias is None else out + bias
+
+
 def register_cpu_emulation_kernels() -> None:
     """Append the emulation kernels to vLLM's CPU kernel lists (idempotent)."""
     for table, kernel in (
         (linear_kernels._POSSIBLE_FP8_BLOCK_KERNELS, EmulationFp8BlockScaledMMKernel),
-        (linear_kernels._POSSIBLE_NVFP4_KERNELS, EmulationNvFp4LinearKernel),
+        (linear_kernels._POSSIBLE_NVFP4_KERNELS, DecodedOnceNvFp4LinearKernel),
     ):
         kernels = table.setdefault(PlatformEnum.CPU, [])
         if kernel not in kernels:
