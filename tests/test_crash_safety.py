@@ -115,7 +115,7 @@ def assert_resumed(run_dir: Path, killed: dict[str, tuple[int, int]]) -> dict[tu
     ]
     assert run_gate(BASELINE_RESULTS, run_dir / "results.json", load_thresholds()) == 0
     timings = results["meta"]["timings"]
-    assert list(timings["stages"]) == ["checkpoint", "diagnose", "quantize", "eval", "degradation"]
+    assert list(timings["stages"]) == ["checkpoint", "diagnose", "quantize", "eval", "degradation", "quality"]
     assert "Time: checkpoint" in (run_dir / "report" / "report.md").read_text()
     return {(e["stage"], e["recipe"]): e for e in timings["entries"]}
 
