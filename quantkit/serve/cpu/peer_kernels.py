@@ -19,6 +19,8 @@ On CUDA nothing changes: vLLM's own kernels serve these checkpoints.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from vllm.logger import init_logger
 from vllm.model_executor.kernels import linear as linear_kernels
@@ -74,9 +76,10 @@ class DecodedOnceNvFp4LinearKernel(EmulationNvFp4LinearKernel):
         """vLLM: x (M, K) -> (M, N), as `EmulationNvFp4LinearKernel.apply_weights` computes it."""
         weight = getattr(layer, "quantkit_dequantized_weight", None)
         if weight is None or weight.dtype != x.dtype:
+            codes, scales = cast(torch.Tensor, layer.weight).data, cast(torch.Tensor, layer.weight_scale).data
             weight = dequantize_to_dtype(
-                layer.weight.data.view(torch.uint8),
-                layer.weight_scale.data,
+                codes.view(torch.uint8),
+                scales,
                 layer.weight_global_scale,
                 x.dtype,
                 NVFP4_GROUP,
