@@ -221,3 +221,20 @@ def test_eval_checks_servability_before_any_work(tiny_checkpoint, tmp_path, monk
     with pytest.raises(CheckpointError, match="format_version"):
         STAGE_BY_NAME["eval"].run(study, "a", "w4a4_nvfp4")
     assert not (study.dir / "evals").exists()
+
+
+def test_a_method_row_is_judged_against_the_plain_recipe_of_its_format():
+    """`method_baseline`: quantkit's methods against the plain round-to-nearest recipe of their scheme; a peer's
+    NVFP4 / FP8-block rows against quantkit's plain recipe of the same weight format (`PEER_FORMATS`); nothing for
+    BF16, a plain recipe itself, a format quantkit has no plain recipe of, or a study without the plain one."""
+    from quantkit.pipelines.study import method_baseline
+
+    recipes = ["bf16", "w4a4_nvfp4", "w8a8_fp8_block", "w4a4_nvfp4_awq", "nvfp4_ct_awq", "fp8_block_ct"]
+    assert method_baseline("w4a4_nvfp4_awq", recipes) == "w4a4_nvfp4"
+    assert method_baseline("nvfp4_ct_awq", recipes) == "w4a4_nvfp4"
+    assert method_baseline("fp8_block_ct", recipes) == "w8a8_fp8_block"
+    assert method_baseline("mixed_fp8_attn_nvfp4", recipes) == "w4a4_nvfp4"
+    for recipe in ("bf16", "w4a4_nvfp4"):
+        assert method_baseline(recipe, recipes) is None
+    assert method_baseline("fp8_pc_pt_modelopt", [*recipes, "fp8_pc_pt_modelopt"]) is None
+    assert method_baseline("nvfp4_ct_awq", ["bf16", "nvfp4_ct_awq"]) is None

@@ -102,6 +102,10 @@ BACKEND_SCHEMES: dict[Backend, tuple[str, ...]] = {  # the scheme names each bac
     Backend.LLMCOMPRESSOR: ("FP8_BLOCK", "NVFP4"),  # llm-compressor's preset names
     Backend.MODELOPT: ("NVFP4", "FP8_PER_CHANNEL_PER_TOKEN"),  # ModelOpt's preset names
 }
+PEER_FORMATS: dict[str, str] = {  # a peer preset -> quantkit's scheme of the same weight format (its plain baseline)
+    "NVFP4": "nvfp4",  # E2M1 groups of 16, E4M3 scales, FP32 global scale (activations: a static global scale)
+    "FP8_BLOCK": "fp8_block",  # E4M3 128x128 weight blocks (activations: 1x128 groups)
+}
 PEER_GPTQ: dict[Backend, tuple[str, ...]] = {  # a peer's presets its own GPTQ quantizes (recipe key `gptq`)
     Backend.LLMCOMPRESSOR: ("NVFP4",),  # llm-compressor's GPTQModifier with the preset's scheme
 }
