@@ -1071,10 +1071,7 @@ def _sensitivity(study: Study) -> dict[str, dict[str, dict[str, dict[str, Any]]]
         path = study._artifact_file("diagnose", label)
         if path.exists():
             tables = json.loads(path.read_text()).get("sensitivity") or {}
-            out[label] = {
-                recipe: {kind: {k: v for k, v in cell.items() if k != "layers"} for kind, cell in table.items()}
-                for recipe, table in tables.items()
-            }
+            out[label] = {recipe: _kind_cells(table) for recipe, table in tables.items()}
     return out
 
 
@@ -1086,11 +1083,13 @@ def _checkpoint_sensitivity(study: Study) -> dict[str, dict[str, dict[str, dict[
         for recipe in study.spec.recipes:
             path = study.artifact("quality", label, recipe) if recipe != BASELINE else None
             if path is not None and path.exists():
-                table = json.loads(path.read_text())["sensitivity"]
-                out.setdefault(label, {})[recipe] = {
-                    kind: {k: v for k, v in cell.items() if k != "layers"} for kind, cell in table.items()
-                }
+                out.setdefault(label, {})[recipe] = _kind_cells(json.loads(path.read_text())["sensitivity"])
     return out
+
+
+def _kind_cells(table: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A per-projection-kind SNR table (`quantkit.metrics.sensitivity_by_kind`) without its per-layer values."""
+    return {kind: {k: v for k, v in cell.items() if k != "layers"} for kind, cell in table.items()}
 
 
 def _smoothed_inputs(checkpoint_dir: Path) -> dict[str, float]:
