@@ -69,7 +69,7 @@ from quantkit.checkpoints import describe_architecture
 from quantkit.errors import BAD_INPUT
 from quantkit.evals.harness import BACKENDS, EvalBackend
 from quantkit.formats.schemes import UNQUANTIZED
-from quantkit.quantize.recipe import Backend, Recipe
+from quantkit.quantize.recipe import PEER_QUALITY, Backend, Recipe
 from quantkit.yamlfile import read_yaml
 
 logger = logging.getLogger(__name__)
@@ -429,14 +429,16 @@ class Study:
     def runs(self, stage: str, label: str, recipe: str = BASELINE) -> bool:
         """Whether a stage the spec may leave out runs for model `label` (and `recipe`): numerics with eval.numerics;
         reference with eval.reference for a trained model whose makers publish a score with a prompt protocol
-        quantkit runs; quality with the spec's `quality`, for a recipe quantkit quantizes (`quantkit quality`
-        reads quantkit checkpoints, not a peer's compressed-tensors ones)."""
+        quantkit runs; quality with the spec's `quality`, for a recipe quantkit quantizes or a peer preset `quantkit
+        quality` reads (`recipe.PEER_QUALITY`)."""
         if stage == "numerics":
             return bool(self.spec.eval.get("numerics"))
         if stage == "reference":
             return bool(self.spec.eval.get("reference")) and self.reference(label) is not None
         if stage == "quality":
-            return self.spec.quality is not None and self.recipe(recipe).backend == Backend.QUANTKIT
+            r = self.recipe(recipe)
+            readable = r.backend == Backend.QUANTKIT or r.scheme in PEER_QUALITY.get(r.backend, ())
+            return self.spec.quality is not None and readable
         return True
 
     def reference(self, label: str) -> Any:
@@ -882,7 +884,8 @@ def study_results(study: Study) -> dict[str, Any]:
             timings=timing_summary(study.timings),
             pending=pending,
             sensitivity=_sensitivity(study),
-            checkpoint_sensitivity=_checkpoint_sensitivity(study),
+            checkpoint_sensitivity=_checkpoint_sensitivity(study, "sensitivity"),
+            checkpoint_block_sensitivity=_checkpoint_sensitivity(study, "block_sensitivity"),
             verdicts=verdicts,
         ),
     )
@@ -1075,15 +1078,17 @@ def _sensitivity(study: Study) -> dict[str, dict[str, dict[str, dict[str, Any]]]
     return out
 
 
-def _checkpoint_sensitivity(study: Study) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
-    """{model label: {recipe: per-projection-kind SNR table of its checkpoint}} from the quality stage's artifacts
-    (`quantkit quality`'s `sensitivity`, the per-layer values left out), in the spec's recipe order; {} without."""
+def _checkpoint_sensitivity(study: Study, key: str) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+    """{model label: {recipe: per-kind SNR table of its checkpoint}} from the quality stage's artifacts (`quantkit
+    quality`'s `key`: `sensitivity` per projection kind, `block_sensitivity` per block; the per-layer values left
+    out), in the spec's recipe order, rows with an empty table left out; {} without."""
     out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
     for label in study.spec.models:
         for recipe in study.spec.recipes:
             path = study.artifact("quality", label, recipe) if recipe != BASELINE else None
-            if path is not None and path.exists():
-                out.setdefault(label, {})[recipe] = _kind_cells(json.loads(path.read_text())["sensitivity"])
+            table = json.loads(path.read_text()).get(key) if path is not None and path.exists() else None
+            if table:  # (an artifact from before block SNR has no block_sensitivity; a peer's no per-projection one)
+                out.setdefault(label, {})[recipe] = _kind_cells(table)
     return out
 
 

@@ -232,9 +232,10 @@ def test_the_report_shows_where_the_quantization_noise_sits(study):
 
 def test_the_report_shows_where_each_rows_noise_remains(study):
     """The quality stage measures each quantized row's checkpoint against its source (`quantkit quality` on the
-    spec's windows): results.json carries its per-projection table (meta.checkpoint_sensitivity, the per-layer values
-    left out) and the report renders it in its own section, each cell "mean (min @ layer)" of the artifact."""
-    from quantkit.report.render import CHECKPOINT_SENSITIVITY_TITLE
+    spec's windows): results.json carries its per-projection and per-block tables (meta.checkpoint_sensitivity,
+    meta.checkpoint_block_sensitivity; the per-layer values left out) and the report renders each in its own
+    section, each cell "mean (min @ layer)" of the artifact."""
+    from quantkit.report.render import BLOCK_SENSITIVITY_TITLE, CHECKPOINT_SENSITIVITY_TITLE
 
     _, run_dir = study
     measured = json.loads((run_dir / "quality" / "tiny-w4a4_nvfp4.json").read_text())
@@ -243,11 +244,17 @@ def test_the_report_shows_where_each_rows_noise_remains(study):
     assert set(measured["layer_snr_db"]) == set(quantized["quantization_config"]["quantized_modules"])
     table = json.loads((run_dir / "results.json").read_text())["meta"]["checkpoint_sensitivity"]["tiny"]["w4a4_nvfp4"]
     assert table == {kind: {k: v for k, v in c.items() if k != "layers"} for kind, c in measured["sensitivity"].items()}
+    blocks = json.loads((run_dir / "results.json").read_text())["meta"]["checkpoint_block_sensitivity"]["tiny"]
+    assert set(blocks["w4a4_nvfp4"]) == {"self_attn", "mlp"}  # and each block's section (BLOCK_SENSITIVITY_TITLE)
     kind, cell = next(iter(table.items()))
+    block, block_cell = next(iter(blocks["w4a4_nvfp4"].items()))
     for name in ("report.md", "report.html"):
         text = (run_dir / "report" / name).read_text()
-        section = text[text.index(CHECKPOINT_SENSITIVITY_TITLE) :]
+        section = text[text.index(CHECKPOINT_SENSITIVITY_TITLE) : text.index(BLOCK_SENSITIVITY_TITLE)]
         assert f"{cell['mean_db']:.1f} ({cell['min_db']:.1f} @ {cell['worst_layer']})" in section and kind in section
+        section = text[text.index(BLOCK_SENSITIVITY_TITLE) :]
+        assert f"{block_cell['mean_db']:.1f} ({block_cell['min_db']:.1f} @ {block_cell['worst_layer']})" in section
+        assert block in section
 
 
 def test_deleted_checkpoints_are_recreated_and_evals_kept(study, tmp_path):

@@ -160,9 +160,14 @@ def test_quality_table(source, tmp_path):
     ]
     table, (fp8, nvfp4, fp8_sq) = quality_table(source, dirs, num_sequences=4, seq_len=64)
     assert table.split("\n\n")[0].count("\n") == 4 and "| w8a8_fp8_block |" in table
-    # where the noise sits: per projection kind (quantkit.metrics.sensitivity_by_kind of the layer SNRs)
-    by_kind = table.split("\n\n")[1].splitlines()
+    # the blocks' noise (self_attn, mlp), then where the noise sits per projection kind (sensitivity_by_kind)
+    by_block, by_kind = (part.splitlines() for part in table.split("\n\n")[1:3])
+    assert len(by_block) == 2 + 3 and "| self_attn block SNR mean (min @ layer), dB |" in by_block[0]
     assert len(by_kind) == 2 + 3 and by_kind[0].startswith("| recipe | ") and "SNR mean (min @ layer), dB" in by_kind[0]
+    assert "block" not in by_kind[0]
+    assert set(nvfp4["block_sensitivity"]) == {"self_attn", "mlp"} and fp8["block_sensitivity"]["mlp"]["mean_db"] > (
+        nvfp4["block_sensitivity"]["mlp"]["mean_db"] + 6
+    )
     layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
     down = {int(n.split(".")[2]): v for n, v in nvfp4["layer_snr_db"].items() if n.endswith(".mlp.down_proj")}
     assert nvfp4["sensitivity"]["mlp.down_proj"]["layers"] == down and len(down) == layers
@@ -172,6 +177,70 @@ def test_quality_table(source, tmp_path):
     )
     # FP8 per-layer SNR ~ 30 dB; with the right (smoothed) reference the SQ checkpoint is comparable, not negative
     assert fp8_sq["min_snr_db"] > 20 and abs(fp8_sq["mean_snr_db"] - fp8["mean_snr_db"]) < 6
+
+
+def test_block_snr_needs_no_record_of_a_fold_the_projection_snr_does(source, tmp_path, monkeypatch):
+    """A peer's checkpoint folds its AWQ scales in without recording them. Simulated on a quantkit SmoothQuant
+    checkpoint read as if its factors were not recorded (the reference then stays unsmoothed): each block's SNR
+    (`block_snr_db`: the block's output, where the fold cancels) is the one measured with the record, while the
+    projections the fold scaled read inputs off by a factor per channel and their SNR collapses.
+
+    Tolerance, derived: the two references compute the same function and differ only by float32 rounding of the
+    folded weights and of every GEMM after them: relative epsilon <= (4L + 1) K u (u = 2^-24, K <= 256 the longest
+    reduction, L = 2 layers): ~1e-4. The noise energy of a block at SNR s dB then moves by at most 2 eps 10^(s/20)
+    (s <= 40: < 0.02) relative through the continuous part, and through E2M1 roundings flipped by the moved inputs
+    (a fraction ~eps of the elements, each at most one step, ~12x a rounding error's mean energy) by ~12 eps:
+    together under 2.5%, 0.1 dB. The collapse: SmoothQuant's factors here span more than 2x (asserted), so the
+    unsmoothed reference's input of a smoothed projection is off by O(1) per channel: its SNR drops far more than
+    3 dB."""
+    from transformers import AutoTokenizer
+
+    import quantkit.quantize.quality as quality_module
+    from quantkit.data import heldout_windows
+    from quantkit.quantize.output import read_smoothquant_factors
+    from quantkit.quantize.recipe import parse_recipe
+
+    sq = parse_recipe(
+        {"name": "nvfp4_sq", "scheme": "nvfp4", "smoothquant": {"alpha": 0.5, "num_sequences": 8, "seq_len": 64}}
+    )
+    out = quantize_checkpoint(source, sq, tmp_path / "sq")
+    factors = read_smoothquant_factors(out)["model.layers.0.input_layernorm"]
+    assert factors.max() > 2 * factors.min()
+    tokens = heldout_windows(AutoTokenizer.from_pretrained(source), 4, 64)
+    recorded = quality_module.quality(source, out, tokens)
+    read = quality_module.read_any_quantization_config
+    monkeypatch.setattr(quality_module, "read_any_quantization_config", lambda d: {**read(d), "smoothquant": None})
+    unrecorded = quality_module.quality(source, out, tokens)
+
+    layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    blocks = {f"model.layers.{i}.{b}" for i in range(layers) for b in ("self_attn", "mlp")}
+    assert set(recorded["block_snr_db"]) == set(unrecorded["block_snr_db"]) == blocks
+    for name in blocks:
+        assert abs(recorded["block_snr_db"][name] - unrecorded["block_snr_db"][name]) <= 0.1, name
+    q_proj = "model.layers.0.self_attn.q_proj"  # its input is input_layernorm's: smoothed
+    assert unrecorded["layer_snr_db"][q_proj] < recorded["layer_snr_db"][q_proj] - 3
+
+
+def test_each_block_reads_the_references_input_not_the_quantized_streams(source, tmp_path):
+    """Block SNR measures each block alone: the MLP reads the reference's attention output, not the quantized
+    attention's. So two checkpoints whose MLPs are the same bytes (NVFP4 everywhere vs FP8 attention + the same NVFP4
+    MLPs) have the same MLP block SNR bit for bit (the same float32 operations on the same inputs), while their
+    attention blocks differ (FP8's noise is ~2^-4 of NVFP4's in amplitude: > 6 dB apart)."""
+    from transformers import AutoTokenizer
+
+    from quantkit.data import heldout_windows
+    from quantkit.quantize.quality import quality
+
+    tokens = heldout_windows(AutoTokenizer.from_pretrained(source), 4, 64)
+    nvfp4, mixed = (
+        quality(source, quantize_checkpoint(source, r, tmp_path / r), tokens)
+        for r in ("w4a4_nvfp4", "mixed_fp8_attn_nvfp4")
+    )
+    mlp = [n for n in nvfp4["block_snr_db"] if n.endswith(".mlp")]
+    attention = [n for n in nvfp4["block_snr_db"] if n.endswith(".self_attn")]
+    assert mlp and attention and set(mixed["block_snr_db"]) == set(nvfp4["block_snr_db"])
+    assert all(mixed["block_snr_db"][n] == nvfp4["block_snr_db"][n] for n in mlp)
+    assert all(mixed["block_snr_db"][n] > nvfp4["block_snr_db"][n] + 6 for n in attention)
 
 
 def whole_model_kl(reference, quantized, tokens) -> tuple[torch.Tensor, float]:
@@ -312,6 +381,7 @@ def test_llmcompressor_peer_transforms(source, tmp_path):
     from quantkit.formats.hadamard import block_hadamard
     from quantkit.models.tiny import build_tiny_stock_checkpoint
     from quantkit.quantize.provenance import calibration_sets
+    from quantkit.quantize.quality import quality_table
     from quantkit.quantize.recipe import parse_recipe
 
     llama = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
@@ -325,6 +395,16 @@ def test_llmcompressor_peer_transforms(source, tmp_path):
     # AWQ divides each smoothed norm's weight by its searched scales (all positive, normalised to geometric mean 1):
     # a norm it smoothed differs from the source, one it skipped is bit-identical
     assert any(not torch.equal(state[k], src[k]) for k in norms), "AWQ folded no scales into any norm"
+    # `quantkit quality` reads the peer's checkpoint (quantize.peer_fake_quant): KL and block SNR; no per-projection
+    # SNR, since the AWQ scales in its norms are not recorded (its projections' inputs are not the source's). Sanity
+    # bound, not a measurement: NVFP4 rounds each element to within 1/4 of its group's scale step, so a block's
+    # output noise stays well under its signal (SNR > 6 dB); a global scale read inverted (~1e4 off) is far below.
+    _, (awq_quality,) = quality_table(llama, [tmp_path / "awq"], num_sequences=4, seq_len=64)
+    layers = json.loads((llama / "config.json").read_text())["num_hidden_layers"]
+    assert awq_quality["recipe"] == "awq" and awq_quality["layer_snr_db"] == {} and awq_quality["kl"] > 0
+    blocks = {f"model.layers.{i}.{b}" for i in range(layers) for b in ("self_attn", "mlp")}
+    assert set(awq_quality["block_snr_db"]) == blocks
+    assert all(db > 6 for db in awq_quality["block_snr_db"].values()), awq_quality["block_snr_db"]
 
     spin = parse_recipe(
         {

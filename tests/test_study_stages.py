@@ -68,21 +68,23 @@ def test_targets_follow_each_scope(tmp_path):
     assert study.targets(STAGE_BY_NAME["quality"]) == []  # only where the spec asks
 
 
-def test_the_quality_stage_runs_where_the_spec_asks_on_quantkit_checkpoints(tmp_path):
-    """With `quality`, each quantized row quantkit made gets the quality stage right after its degradation; a peer's
-    compressed-tensors row (llm-compressor) does not: `quantkit quality` reads quantkit checkpoints."""
+def test_the_quality_stage_runs_where_the_spec_asks_on_checkpoints_it_reads(tmp_path):
+    """With `quality`, each quantized row quantkit made gets the quality stage right after its degradation, and so
+    does a peer's row `quantkit quality` reads (llm-compressor's NVFP4, `recipe.PEER_QUALITY`); a peer's FP8-block or
+    ModelOpt row does not."""
     spec = StudySpec(
         name="t",
         models={"a": "zoo:ga"},
-        recipes=["bf16", "w4a4_nvfp4", "nvfp4_ct_awq"],
+        recipes=["bf16", "w4a4_nvfp4", "nvfp4_ct_awq", "fp8_block_ct", "nvfp4_modelopt"],
         quality=dict(num_sequences=4, seq_len=64),
     )
     study = Study(spec, tmp_path / "run")
-    assert study.targets(STAGE_BY_NAME["quality"]) == [("a", "w4a4_nvfp4")]
+    assert study.targets(STAGE_BY_NAME["quality"]) == [("a", "w4a4_nvfp4"), ("a", "nvfp4_ct_awq")]
     work = [(stage.name, label, recipe) for stage, label, recipe in study.work(STAGES)]
     at = work.index(("degradation", "a", "w4a4_nvfp4"))
-    assert work[at + 1 : at + 3] == [("quality", "a", "w4a4_nvfp4"), ("report", None, None)]
-    assert ("quality", "a", "nvfp4_ct_awq") not in work and ("degradation", "a", "nvfp4_ct_awq") in work
+    assert work[at + 1] == ("quality", "a", "w4a4_nvfp4")
+    for peer in ("fp8_block_ct", "nvfp4_modelopt"):
+        assert ("quality", "a", peer) not in work and ("degradation", "a", peer) in work
     assert study.artifact("quality", "a", "w4a4_nvfp4") == study.dir / "quality" / "a-w4a4_nvfp4.json"
 
 

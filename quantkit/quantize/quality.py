@@ -21,9 +21,16 @@
   layer its input before the transform (the fake-quant layer applies it itself). Without a residual rotation
   (`residual: false`) each quantized layer reads the unrotated reference's input and transforms it itself.
 
+- Block SNR of every decoder layer's blocks (its children holding quantized modules: self_attn, mlp, linear_attn):
+  after the reference layer, the quantized layer runs on the same input, its norms reading what the reference's
+  read, and each block's output is compared with the reference block's (`_block_hooks`). A block's output is where
+  a transform folded inside it cancels, so the figure needs no record of it: a peer's checkpoint (compressed-tensors
+  NVFP4 from llm-compressor, `quantkit.quantize.peer_fake_quant`), whose AWQ scales are folded in unrecorded, gets
+  block SNR and KL only (no per-layer SNR: its layers' inputs are not the reference's).
+
 Both models run one decoder layer at a time (`quantkit.calibrate.layers`), so memory does not grow with depth.
 
-    quantkit quality MODEL_DIR QUANTIZED_DIR [QUANTIZED_DIR ...]   -> markdown table (+ --json)
+    quantkit quality MODEL_DIR QUANTIZED_DIR [QUANTIZED_DIR ...]   -> markdown tables (+ --json)
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +59,7 @@ from quantkit.formats.schemes import checkpoint_suffixes
 from quantkit.metrics import energy, kl_divergence, sensitivity_by_kind, snr_db
 from quantkit.quantize.fake_quant import FakeQuantExperts, install_fake_quant, read_quantization_config
 from quantkit.quantize.output import read_smoothquant_factors
+from quantkit.quantize.peer_fake_quant import install_peer_fake_quant, is_peer_config, read_peer_quantization_config
 from quantkit.quantize.rotation import RotationPlan, plan_rotation, rotate_layer, rotate_outside
 from quantkit.quantize.routed_experts import (
     experts_call,
@@ -66,9 +75,12 @@ if TYPE_CHECKING:
 @torch.no_grad()
 def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.Tensor) -> dict:
     """{'recipe', 'kl', 'kl_per_window', 'layer_snr_db': {name: dB}, 'min_snr_db', 'mean_snr_db', 'expert_snr_db',
-    'sensitivity'} on token windows (N, T); kl is the mean over every position (nats/token), kl_per_window each
-    window's mean (N values: paired comparisons of two checkpoints on the same windows); layer_snr_db holds Linears
-    and expert matrices, min / mean are over all of them; sensitivity: per projection kind (`sensitivity_by_kind`).
+    'sensitivity', 'block_snr_db', 'block_sensitivity'} on token windows (N, T); kl is the mean over every position
+    (nats/token), kl_per_window each window's mean (N values: paired comparisons of two checkpoints on the same
+    windows); layer_snr_db holds Linears and expert matrices (none for a peer's checkpoint), min / mean are over all
+    of them; sensitivity: per projection kind (`sensitivity_by_kind`); block_snr_db {'<layer>.<block>': dB} and
+    block_sensitivity the same per block kind. The quantized layer runs twice per layer: on its own stream and,
+    for block SNR, on the reference's.
 
     The windows are embedded once per model (the checkpoint keeps the embeddings as the source stores them), then
     layer by layer the reference layer (float32 from the source, with the checkpoint's SmoothQuant factors folded
@@ -80,7 +92,7 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     (N x T x hidden x 4 bytes, per model)."""
     layer_engine.pin_mmap_threshold()
     reference_dir, quantized_dir = Path(reference_dir), Path(quantized_dir)
-    qc = read_quantization_config(quantized_dir)
+    qc = read_any_quantization_config(quantized_dir)
     reference = layer_engine.skeleton_model(AutoConfig.from_pretrained(reference_dir))
     q_config = AutoConfig.from_pretrained(quantized_dir)
     del q_config.quantization_config
@@ -110,7 +122,8 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
 
     signal: dict[str, float] = {}
     noise: dict[str, float] = {}
-    _layers(reference, quantized, source, packed, qc, streams, signal, noise, rotation)
+    blocks: tuple[dict[str, float], dict[str, float]] = ({}, {})
+    _layers(reference, quantized, source, packed, qc, streams, (signal, noise), blocks, rotation)
     # compared in the stored dtype before the reference's float32 head is loaded: the peak holds one head copy
     shared_head = head is not None and _same_unquantized(source, packed, f"{head}.weight", tied, qc)
     if rotation is None:  # (a rotated reference's head is loaded and rotated already)
@@ -122,10 +135,11 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     elif head is not None:
         _load_fake_quant(quantized, quantized, "", packed, qc, quantized_dir, keys=head_keys, tied=tied)
     modules = dict(reference.named_modules())
-    outside_quantized = [n for n in qc["quantized_modules"] if not n.startswith(f"{stack}.") and n in modules]
+    outside_quantized = [n for n in _matched_modules(qc) if not n.startswith(f"{stack}.") and n in modules]
     with _snr_hooks(reference, quantized, outside_quantized, set(qc["quantized_modules"]), signal, noise):
         per_window = _head_kl(reference, quantized, streams)
     snr = {n: snr_db(signal[n], noise[n]) for n in signal}  # expert matrices: those some token reached
+    block_snr = {n: snr_db(blocks[0][n], blocks[1][n]) for n in blocks[0]}
     return {
         "recipe": qc["recipe"],
         "kl": sum(per_window) / len(per_window),  # every window has T positions: the mean over all of them
@@ -135,6 +149,8 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
         "mean_snr_db": sum(snr.values()) / len(snr) if snr else None,
         "expert_snr_db": summarize_expert_snr(snr),
         "sensitivity": sensitivity_by_kind(snr),
+        "block_snr_db": block_snr,
+        "block_sensitivity": sensitivity_by_kind(block_snr),
     }
 
 
@@ -145,12 +161,13 @@ def _layers(
     packed: TensorReader,
     qc: dict,
     streams: list[layer_engine.Stream],
-    signal: dict[str, float],
-    noise: dict[str, float],
+    linears: tuple[dict[str, float], dict[str, float]],
+    blocks: tuple[dict[str, float], dict[str, float]],
     rotation: tuple[RotationPlan, torch.Tensor] | None = None,
 ) -> None:
     """The two streams through the decoder layers, one layer of each model in memory at a time, with the SNR
-    hooks on the reference's quantized modules (signal / noise accumulate per module name). rotation: the
+    hooks on the reference's quantized modules (`linears`: signal / noise accumulate per module name; none for a
+    peer's checkpoint, `_matched_modules`) and on each layer's blocks (`blocks`, `_block_hooks`). rotation: the
     reference's (`_reference_rotation`), each layer rotated right after it is materialized, before SmoothQuant's
     factors are folded (quantize's order)."""
     stack, ref_layers = layer_engine.decoder_stack(reference)
@@ -161,7 +178,7 @@ def _layers(
         factors = read_smoothquant_factors(packed.model_dir)
         flags = {k: v for k, v in qc["smoothquant"].items() if k in ("include_v_o", "include_up_down", "experts")}
         mappings = resolve_mappings(reference, **flags).mappings
-    quantized_set = set(qc["quantized_modules"])
+    quantized_set, matched = set(qc["quantized_modules"]), set(_matched_modules(qc))
     for i in tqdm(range(len(ref_layers)), desc=f"quality {qc['recipe']}", unit="layer"):
         prefix = f"{stack}.{i}."
         ref_layer = ref_layers[i]
@@ -176,12 +193,92 @@ def _layers(
             if m.smooth.startswith(prefix):
                 fold_mapping(reference, m, factors[m.smooth])
         _load_fake_quant(quantized, q_layers[i], prefix, packed, qc, packed.model_dir)
-        hooked = [n for n in quantized_set if n.startswith(prefix)]
-        with _snr_hooks(reference, quantized, hooked, quantized_set, signal, noise):
+        hooked = [n for n in matched if n.startswith(prefix)]
+        with (
+            _snr_hooks(reference, quantized, hooked, quantized_set, *linears),
+            _block_hooks(ref_layer, q_layers[i], prefix, quantized_set, *blocks),
+        ):
             layer_engine.advance_stream(streams[0], ref_layer, i)
         layer_engine.advance_stream(streams[1], q_layers[i], i)
         ref_layer.to("meta")
         q_layers[i].to("meta")
+
+
+def _matched_modules(qc: dict) -> list[str]:
+    """The quantized modules whose input in the reference is the one the checkpoint's module reads: every one of a
+    quantkit checkpoint (its SmoothQuant factors and rotation are recorded and applied to the reference), none of a
+    peer's (whose AWQ or SmoothQuant scales are folded in without a record)."""
+    return [] if is_peer_config(qc) else list(qc["quantized_modules"])
+
+
+@contextmanager
+def _block_hooks(
+    ref_layer: torch.nn.Module,
+    q_layer: torch.nn.Module,
+    prefix: str,
+    quantized: set[str],
+    signal: dict[str, float],
+    noise: dict[str, float],
+) -> Iterator[None]:
+    """Block SNR of decoder layer `prefix`: after each call of the reference layer, the quantized layer runs on the
+    same input and arguments, every child of it that is not a block (norms: the checkpoint's own, SmoothQuant's or
+    AWQ's scales folded in) reading the input the reference's same child read; each block's (a child holding a
+    quantized module: self_attn, mlp, linear_attn) output y_q is compared with the reference block's y, adding
+    sum y^2 and sum (y_q - y)^2 under `prefix + child`. A block's output is where the transforms a quantizer folds
+    inside it cancel (per-channel scales between a norm or a projection and its consumers, online Hadamards), so
+    this measures quantkit's and a peer's checkpoints alike: the noise of the block's quantized modules together,
+    on the reference's input."""
+    children = dict(ref_layer.named_children())
+    blocks = [c for c in children if any(n.startswith(f"{prefix}{c}.") for n in quantized)]
+    others = [c for c in children if c not in blocks]
+    inputs: dict[str, list] = {c: [] for c in others}  # the reference children's (args, kwargs), in call order
+    outputs: dict[str, list[torch.Tensor]] = {c: [] for c in blocks}
+
+    def keep_input(_, args, kwargs, child):
+        inputs[child].append((args, kwargs))
+
+    def keep_output(_, args, out, store):
+        store.append(out[0] if isinstance(out, tuple) else out)
+
+    def replay(_, args, kwargs, _out):
+        q_children = dict(q_layer.named_children())
+        q_outputs: dict[str, list[torch.Tensor]] = {c: [] for c in blocks}
+        hooks = [
+            q_children[c].register_forward_pre_hook(lambda _m, _a, _k, c=c: inputs[c].pop(0), with_kwargs=True)
+            for c in others
+        ]
+        hooks += [q_children[c].register_forward_hook(partial(keep_output, store=q_outputs[c])) for c in blocks]
+        try:
+            q_layer(*args, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+        for c in blocks:
+            for y, y_q in zip(outputs[c], q_outputs[c], strict=True):
+                signal[prefix + c] = signal.get(prefix + c, 0.0) + energy(y)
+                noise[prefix + c] = noise.get(prefix + c, 0.0) + energy(y_q - y)
+            outputs[c].clear()
+        for c in others:
+            inputs[c].clear()
+
+    hooks = [children[c].register_forward_pre_hook(partial(keep_input, child=c), with_kwargs=True) for c in others]
+    hooks += [children[c].register_forward_hook(partial(keep_output, store=outputs[c])) for c in blocks]
+    hooks.append(ref_layer.register_forward_hook(replay, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def read_any_quantization_config(model_dir: str | Path) -> dict:
+    """A quantized checkpoint's quantization_config as quality reads it: quantkit's (`read_quantization_config`)
+    or a peer's NVFP4 one (`quantkit.quantize.peer_fake_quant.read_peer_quantization_config`)."""
+    config, headers = check_checkpoint_dir(model_dir)
+    qc = config.get("quantization_config")
+    if is_peer_config(qc):
+        return read_peer_quantization_config(Path(model_dir), qc, headers)
+    return read_quantization_config(model_dir)
 
 
 def _reference_rotation(reference: PreTrainedModel, qc: dict) -> tuple[RotationPlan, torch.Tensor] | None:
@@ -247,7 +344,10 @@ def _load_fake_quant(
                 if source is not None and source in packed:
                     state[k] = packed[source]
     only = None if keys is None else {k.rpartition(".")[0] for k in keys}
-    rest = install_fake_quant(module, prefix, state, qc, True, model_dir, only)
+    if is_peer_config(qc):
+        rest = install_peer_fake_quant(module, prefix, state, qc, model_dir, only)
+    else:
+        rest = install_fake_quant(module, prefix, state, qc, True, model_dir, only)
     rest = {k: v.float() if v.is_floating_point() else v for k, v in rest.items()}
     try:
         module.load_state_dict(rest, strict=False, assign=True)
@@ -378,7 +478,7 @@ def quality_table(
     for model_dir in (reference_dir, *quantized_dirs):  # every input, before any model is loaded
         check_checkpoint_dir(model_dir)
     for model_dir in quantized_dirs:
-        read_quantization_config(model_dir)
+        read_any_quantization_config(model_dir)
     check_source(reference_dir, quantized_dirs, any_source)
     tokenizer = AutoTokenizer.from_pretrained(reference_dir)
     tokens = heldout_windows(tokenizer, num_sequences, seq_len)
@@ -393,6 +493,15 @@ def quality_table(
             continue
         worst = min(r["layer_snr_db"], key=r["layer_snr_db"].get)
         lines.append(f"| {r['recipe']} | {r['kl']:.2e} | {r['min_snr_db']:.1f} | {r['mean_snr_db']:.1f} | {worst} |")
+    kinds = list(dict.fromkeys(kind for r in rows for kind in r["block_sensitivity"]))
+    if kinds:  # the blocks' noise, a peer's checkpoint's too
+        lines += [
+            "",
+            "| recipe | " + " | ".join(f"{k} block SNR mean (min @ layer), dB" for k in kinds) + " |",
+            "|---|" + "---|" * len(kinds),
+        ]
+        for r in rows:
+            lines.append(f"| {r['recipe']} | {' | '.join(_kind_cell(r['block_sensitivity'], k) for k in kinds)} |")
     kinds = list(dict.fromkeys(kind for r in rows for kind in r["sensitivity"]))
     if kinds:  # where each recipe's noise sits: one column per projection kind, least SNR first (the first recipe)
         lines += [
@@ -401,13 +510,7 @@ def quality_table(
             "|---|" + "---|" * len(kinds),
         ]
         for r in rows:
-            cells = [
-                f"{c['mean_db']:.1f} ({c['min_db']:.1f} @ {c['worst_layer']})"
-                if (c := r["sensitivity"].get(k))
-                else "-"
-                for k in kinds
-            ]
-            lines.append(f"| {r['recipe']} | {' | '.join(cells)} |")
+            lines.append(f"| {r['recipe']} | {' | '.join(_kind_cell(r['sensitivity'], k) for k in kinds)} |")
     if any(r["expert_snr_db"] for r in rows):  # MoE: one row per recipe and experts module
         lines += [
             "",
@@ -424,3 +527,9 @@ def quality_table(
                     f"| {r['recipe']} | {experts} | {' | '.join(cells)} | {experts}.{v['min_expert']}.{proj} |"
                 )
     return "\n".join(lines), rows
+
+
+def _kind_cell(table: dict[str, dict], kind: str) -> str:
+    """'mean (min @ layer)' of one kind of a `sensitivity_by_kind` table, '-' where the recipe has none."""
+    c = table.get(kind)
+    return f"{c['mean_db']:.1f} ({c['min_db']:.1f} @ {c['worst_layer']})" if c else "-"

@@ -106,6 +106,9 @@ PEER_FORMATS: dict[str, str] = {  # a peer preset -> quantkit's scheme of the sa
     "NVFP4": "nvfp4",  # E2M1 groups of 16, E4M3 scales, FP32 global scale (activations: a static global scale)
     "FP8_BLOCK": "fp8_block",  # E4M3 128x128 weight blocks (activations: 1x128 groups)
 }
+PEER_QUALITY: dict[Backend, tuple[str, ...]] = {  # a peer's presets `quantkit quality` reads (quantize.peer_fake_quant)
+    Backend.LLMCOMPRESSOR: ("NVFP4",),  # compressed-tensors nvfp4-pack-quantized, static activation scales
+}
 PEER_GPTQ: dict[Backend, tuple[str, ...]] = {  # a peer's presets its own GPTQ quantizes (recipe key `gptq`)
     Backend.LLMCOMPRESSOR: ("NVFP4",),  # llm-compressor's GPTQModifier with the preset's scheme
 }

@@ -280,11 +280,13 @@ SensitivitySection = tuple[str, str, dict[str, Any]]  # (title, note, {model: {r
 
 
 def sensitivity_sections(results: Results | dict | str | Path) -> list[SensitivitySection]:
-    """The report's per-projection SNR sections, in order: the source's (`meta.sensitivity`, diagnose), then each
-    row's checkpoint's (`meta.checkpoint_sensitivity`, the quality stage)."""
+    """The report's SNR sections, in order: the source's per projection (`meta.sensitivity`, diagnose), then each
+    row's checkpoint's per projection (`meta.checkpoint_sensitivity`) and per block
+    (`meta.checkpoint_block_sensitivity`), both from the quality stage."""
     return [
         (SENSITIVITY_TITLE, SENSITIVITY_NOTE, _sensitivities(results, "sensitivity")),
         (CHECKPOINT_SENSITIVITY_TITLE, CHECKPOINT_SENSITIVITY_NOTE, _sensitivities(results, "checkpoint_sensitivity")),
+        (BLOCK_SENSITIVITY_TITLE, BLOCK_SENSITIVITY_NOTE, _sensitivities(results, "checkpoint_block_sensitivity")),
     ]
 
 
@@ -315,6 +317,14 @@ CHECKPOINT_SENSITIVITY_NOTE = (
     "reference computes the source's function), output SNR in dB per projection kind, mean over layers (worst "
     "layer); `quantkit quality`, the study's quality stage, on held-out text. Higher is less noise. A method that "
     "raises a kind's SNR removed noise there; the kinds that stay lowest are where the remaining loss comes from."
+)
+BLOCK_SENSITIVITY_TITLE = "Quantization noise by block, per row (peers included)"
+BLOCK_SENSITIVITY_NOTE = (
+    "The same checkpoints measured where every method's folded transform cancels: each decoder layer's attention "
+    "and MLP block, all its quantized layers together, fed the reference's input through the checkpoint's own "
+    "norms, output SNR in dB per block kind, mean over layers (worst layer); `quantkit quality`. It compares "
+    "quantkit's rows with the peers' (whose AWQ scales the checkpoint does not record, so their single projections "
+    "cannot be measured). Higher is less noise; noise that a block's later layers compound shows here, not above."
 )
 SENSITIVITY_NOTE = (
     "Where a format's rounding noise sits before any method: each Linear of the source quantized alone on held-out "
