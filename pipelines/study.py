@@ -15,8 +15,9 @@ Spec (YAML, see pipelines/default.yaml):
                                      # backend: the eval engines' prompt logprobs) | transformers (float32 reference);
                                      # top_k: null = full vocabulary, k = top-k lower bound (evals/degradation.py)
     diagnose: {num_sequences: 16, seq_len: 128}   # quantkit.diagnose on each source checkpoint
-    quality: {num_sequences: 16, seq_len: 256}    # optional: the quality stage, each quantkit checkpoint's layer
-                                     # SNRs vs its source on held-out text (where each row's noise sits)
+    quality: {num_sequences: 16, seq_len: 256}    # optional: the quality stage, each checkpoint's layer and block
+                                     # SNRs vs its source on held-out text (where each row's noise sits; peers:
+                                     # llm-compressor's NVFP4, blocks only)
     calibration: {num_sequences: 256, seq_len: 512, data: speeches+code, early_stop: 0.02}   # optional, each
                                      # key too: every recipe's calibration sets resized (recipes default to paper
                                      # 000's 4096 x 512 for SmoothQuant), their source (docs/calibration.md; default:
@@ -38,7 +39,7 @@ chain, as Ray tasks through the same `Study._do` (docs/scaling.md):
     evals/<label>-<recipe>/         `quantkit.evals.suite.evaluate` output (results.json, samples/, and with
                                     kl.source vllm heldout_logprobs.safetensors: the engine's held-out logprobs)
     degradation/<label>-<recipe>.json   flips, paired bootstrap (noise floor), held-out KL vs bf16
-    quality/<label>-<recipe>.json   (with `quality`) `quantkit quality` of the checkpoint: layer SNRs, per kind
+    quality/<label>-<recipe>.json   (with `quality`) `quantkit quality` : layer and block SNRs, per kind
     timings.json                    wall seconds per (stage, model, recipe), merged over resumed runs: a stage
                                     found done keeps the time of the run that made it (0 if unknown), `cached`;
                                     each stage merges its entry under `.timings.lock` (Ray tasks write it too)

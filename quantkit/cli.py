@@ -360,7 +360,11 @@ def _add_quantize_parser(sub: Subparsers) -> None:
 
 def _add_quality_parser(sub: Subparsers) -> None:
     """`quantkit quality MODEL QUANTIZED...`."""
-    quality = sub.add_parser("quality", help="per-layer SNR and KL of quantized checkpoints vs their source")
+    quality = sub.add_parser(
+        "quality",
+        help="per-layer and per-block SNR and KL of quantized checkpoints (quantkit's, llm-compressor's NVFP4) vs "
+        "their source",
+    )
     quality.add_argument("model", help="source checkpoint directory")
     quality.add_argument("quantized", nargs="+", help="quantized checkpoint directories")
     quality.add_argument("--num-sequences", type=int, default=16)

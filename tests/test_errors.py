@@ -151,7 +151,13 @@ def inputs(tiny_checkpoint, tmp_path_factory) -> SimpleNamespace:
         garbage_qc=copy(root / "garbage_qc", functools.partial(_edit_config, quantization_config="garbage")),
         fp8_no_qc=_copy(fp8, root / "fp8_no_qc", functools.partial(_edit_config, quantization_config=None)),
         fp8_says_nvfp4=_copy(fp8, root / "fp8_says_nvfp4", _claim_nvfp4),
+        ct_fp8=_copy(fp8, root / "ct_fp8", functools.partial(_edit_config, quantization_config=CT_FP8)),
+        ct_nvfp4_unpacked=_copy(fp8, root / "ct_nvfp4", functools.partial(_edit_config, quantization_config=CT_NVFP4)),
     )
+
+
+CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized"}  # a peer's FP8 checkpoint's config
+CT_NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
 
 
 def _edit_config(model_dir: Path, **changes) -> None:
@@ -478,6 +484,16 @@ ROWS = {
         "quality",
         lambda p, t: ["quality", p.other, p.fp8],
         r"fp8 was quantized from .*, not from .*other_model .*: pass its source, or --any-source",
+    ),
+    "quality_peer_format": Row(
+        "quality",
+        lambda p, t: ["quality", p.tiny, p.ct_fp8, "--any-source"],
+        r"compressed-tensors format\(s\) \['float-quantized'\]: quality reads a peer's nvfp4-pack-quantized",
+    ),
+    "quality_peer_tensors": Row(
+        "quality",
+        lambda p, t: ["quality", p.tiny, p.ct_nvfp4_unpacked, "--any-source"],
+        r"ct_nvfp4: not an NVFP4 checkpoint with static activation scales: no module stores weight_packed",
     ),
     "quality_quantized_source": Row(
         "quality", lambda p, t: ["quality", p.fp8, p.fp8], r"fp8 is a quantized checkpoint"
