@@ -164,7 +164,12 @@ def _quality(args: argparse.Namespace) -> int:
     from quantkit.quantize.quality import quality_table
 
     table, rows = quality_table(
-        args.model, args.quantized, num_sequences=args.num_sequences, seq_len=args.seq_len, any_source=args.any_source
+        args.model,
+        args.quantized,
+        num_sequences=args.num_sequences,
+        seq_len=args.seq_len,
+        any_source=args.any_source,
+        data=args.data,
     )
     print(table)
     if args.json:
@@ -370,6 +375,11 @@ def _add_quality_parser(sub: Subparsers) -> None:
     quality.add_argument("--num-sequences", type=int, default=16)
     quality.add_argument("--seq-len", type=int, default=256)
     quality.add_argument("--json", help="also write the per-layer figures to this JSON file")
+    quality.add_argument(
+        "--data",
+        help="measure on windows of this text instead of the held-out speeches: a calibration source (a built-in "
+        "corpus, or a .txt / .jsonl file of texts or chat messages; docs/calibration.md), e.g. the evaluation's domain",
+    )
     quality.add_argument(
         "--any-source",
         action="store_true",

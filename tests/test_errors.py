@@ -495,6 +495,11 @@ ROWS = {
         lambda p, t: ["quality", p.tiny, p.ct_nvfp4_unpacked, "--any-source"],
         r"ct_nvfp4: not an NVFP4 checkpoint with static activation scales: no module stores weight_packed",
     ),
+    "quality_data_missing": Row(
+        "quality",
+        lambda p, t: ["quality", p.tiny, p.fp8, "--data", t / "missing.txt"],
+        r"calibration file .*missing\.txt not found",
+    ),
     "quality_quantized_source": Row(
         "quality", lambda p, t: ["quality", p.fp8, p.fp8], r"fp8 is a quantized checkpoint"
     ),

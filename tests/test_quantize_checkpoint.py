@@ -148,7 +148,10 @@ def test_smoothquant_and_static_recipes(source, tmp_path):
 
 def test_quality_table(source, tmp_path):
     """Per-layer SNR and KL: FP8 beats NVFP4 on every measure; SmoothQuant's reference is the smoothed source."""
-    from quantkit.quantize.quality import quality_table
+    from transformers import AutoTokenizer
+
+    from quantkit.data import calibration_windows
+    from quantkit.quantize.quality import quality, quality_table
     from quantkit.quantize.recipe import parse_recipe
 
     sq = parse_recipe(
@@ -177,6 +180,13 @@ def test_quality_table(source, tmp_path):
     )
     # FP8 per-layer SNR ~ 30 dB; with the right (smoothed) reference the SQ checkpoint is comparable, not negative
     assert fp8_sq["min_snr_db"] > 20 and abs(fp8_sq["mean_snr_db"] - fp8["mean_snr_db"]) < 6
+
+    # --data: the same measurement on windows of another text (here: a .txt file), exactly those windows
+    text = tmp_path / "domain.txt"
+    text.write_text(" ".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(400)))
+    _, (on_text,) = quality_table(source, dirs[1:2], num_sequences=4, seq_len=64, data=str(text))
+    windows = calibration_windows(AutoTokenizer.from_pretrained(source), 4, 64, str(text))
+    assert on_text == quality(source, dirs[1], windows) and on_text["kl"] != nvfp4["kl"]
 
 
 def test_block_snr_needs_no_record_of_a_fold_the_projection_snr_does(source, tmp_path, monkeypatch):

@@ -51,7 +51,7 @@ import quantkit.models  # noqa: F401
 from quantkit.calibrate.mappings import SmoothMapping, resolve_mappings
 from quantkit.calibrate.smoothquant import fold_mapping
 from quantkit.checkpoints import CheckpointError, TensorReader, check_checkpoint_dir, source_record, weights_fingerprint
-from quantkit.data import heldout_windows
+from quantkit.data import calibration_windows, heldout_windows
 from quantkit.errors import QuantkitError
 from quantkit.formats.experts import EXPERT_PROJECTIONS, expert_matrices
 from quantkit.formats.hadamard import residual_rotation
@@ -472,16 +472,22 @@ def quality_table(
     num_sequences: int = 16,
     seq_len: int = 256,
     any_source: bool = False,
+    data: str | None = None,
 ) -> tuple[str, list[dict]]:
-    """Markdown table (one row per quantized checkpoint) and the per-checkpoint dicts, on held-out text.
-    Every input is checked first (`check_source`; `any_source` skips the source-identity check)."""
+    """Markdown table (one row per quantized checkpoint) and the per-checkpoint dicts, on held-out text (the held-out
+    speeches, `heldout_windows`), or with `data` on windows of that text source (`quantkit.data.calibration_windows`:
+    a built-in corpus or a .txt / .jsonl file, e.g. the evaluation's own domain). Every input is checked first
+    (`check_source`; `any_source` skips the source-identity check)."""
     for model_dir in (reference_dir, *quantized_dirs):  # every input, before any model is loaded
         check_checkpoint_dir(model_dir)
     for model_dir in quantized_dirs:
         read_any_quantization_config(model_dir)
     check_source(reference_dir, quantized_dirs, any_source)
     tokenizer = AutoTokenizer.from_pretrained(reference_dir)
-    tokens = heldout_windows(tokenizer, num_sequences, seq_len)
+    if data is None:
+        tokens = heldout_windows(tokenizer, num_sequences, seq_len)
+    else:
+        tokens = calibration_windows(tokenizer, num_sequences, seq_len, data)
     rows = [quality(reference_dir, d, tokens) for d in quantized_dirs]
     lines = [
         "| recipe | KL vs source (nats/token) | min layer SNR (dB) | mean layer SNR (dB) | worst layer |",
