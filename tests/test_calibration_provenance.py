@@ -42,11 +42,10 @@ def test_smoothquant_recipes_default_to_the_paper_count():
         "w8a8_fp8_block_sq",
     ]
     for name in sq:  # SmoothQuant's scales: the paper's count; AWQ's: llm-compressor's examples' 256 x 512
-        count = 256 if load_recipe(name).smoothquant.scales == "awq" else PAPER_NUM_SEQUENCES
+        rule = load_recipe(name).smoothquant.scales  # names the set: "smoothquant" or "awq"
+        count = 256 if rule == "awq" else PAPER_NUM_SEQUENCES
         assert calibration_sets(load_recipe(name))[0] == (  # a model of no known type: prose and code
-            dict(
-                use="smoothquant", source=describe_calibration_source("speeches+code"), num_sequences=count, seq_len=512
-            )
+            dict(use=rule, source=describe_calibration_source("speeches+code"), num_sequences=count, seq_len=512)
         )
     assert [s["use"] for s in calibration_sets(load_recipe("w4a4_nvfp4_sq_gptq"))] == ["smoothquant", "gptq"]
     assert PAPER_NUM_SEQUENCES == 4096  # paper 000 App. A.4.2
@@ -56,6 +55,7 @@ def test_smoothquant_recipes_default_to_the_paper_count():
     assert describe(calibration_sets(load_recipe("fp8_block_ct"))) == "none"  # llmcompressor FP8_BLOCK: dynamic
     assert describe(calibration_sets(load_recipe("nvfp4_ct_gptq"))) == "128x512 gptq+scales"  # one set, two uses
     assert describe(calibration_sets(load_recipe("nvfp4_ct_awq"))) == "64x512 awq+scales"
+    assert describe(calibration_sets(load_recipe("w4a4_nvfp4_awq"))) == "256x512 awq"  # quantkit's AWQ: its own name
 
 
 def test_a_study_resizes_every_calibration_set():

@@ -79,8 +79,13 @@ def calibration_sets(
 ) -> list[dict[str, Any]]:
     """The calibration sets quantizing with `recipe` draws for a model of `model_type`, one dict per use:
     {"use", "source", "num_sequences", "seq_len"} (seq_len as drawn: `quantkit.quantize.plan.calibration_windows_of`,
-    the windows the plan draws); [] for a recipe that calibrates nothing."""
-    return [w.record() for w in calibration_windows_of(recipe, max_positions, model_type)]
+    the windows the plan draws); [] for a recipe that calibrates nothing. The smoothing step's set is named by its
+    rule (`smoothquant.scales`: "smoothquant", or "awq" for AWQ's scales)."""
+    sets = [w.record() for w in calibration_windows_of(recipe, max_positions, model_type)]
+    for s in sets:
+        if s["use"] == "smoothquant" and recipe.smoothquant is not None:
+            s["use"] = str(recipe.smoothquant.scales)
+    return sets
 
 
 def checkpoint_calibration(recipe: Recipe, checkpoint_dir: str | Path) -> list[dict[str, Any]]:
@@ -91,9 +96,9 @@ def checkpoint_calibration(recipe: Recipe, checkpoint_dir: str | Path) -> list[d
     config = json.loads((checkpoint_dir / "config.json").read_text())
     sets = calibration_sets(recipe, config.get("max_position_embeddings"), config.get("model_type"))
     report = checkpoint_dir / "smoothquant.json"
-    if report.exists():
+    if report.exists() and recipe.smoothquant is not None:
         sq = json.loads(report.read_text())
         for s in sets:
-            if s["use"] == "smoothquant":
+            if s["use"] == str(recipe.smoothquant.scales):
                 s.update(num_sequences=sq["num_sequences"], seq_len=sq["seq_len"])
     return sets
