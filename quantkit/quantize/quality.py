@@ -11,6 +11,8 @@
   second table).
   For SmoothQuant checkpoints the reference is the source with the checkpoint's own SmoothQuant factors folded
   in (`smoothquant_factors.pt`; function-preserving, so KL is unaffected), so that x and W match W_q.
+- Top-1 agreement: the fraction of held-out positions whose most likely next token the two models agree on (what
+  greedy decoding picks; a measure of the few positions where noise changes a choice, which KL averages away).
 - Whole-model KL(ref || quantized) of the next-token distributions, mean over held-out tokens (nats;
   `quantkit.metrics.kl_divergence`, float64).
 - Rotated checkpoints (`quantkit.quantize.rotation`): the quantized stream starts from the checkpoint's own (rotated)
@@ -74,13 +76,14 @@ if TYPE_CHECKING:
 
 @torch.no_grad()
 def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.Tensor) -> dict:
-    """{'recipe', 'kl', 'kl_per_window', 'layer_snr_db': {name: dB}, 'min_snr_db', 'mean_snr_db', 'expert_snr_db',
-    'sensitivity', 'block_snr_db', 'block_sensitivity'} on token windows (N, T); kl is the mean over every position
-    (nats/token), kl_per_window each window's mean (N values: paired comparisons of two checkpoints on the same
-    windows); layer_snr_db holds Linears and expert matrices (none for a peer's checkpoint), min / mean are over all
-    of them; sensitivity: per projection kind (`sensitivity_by_kind`); block_snr_db {'<layer>.<block>': dB} and
-    block_sensitivity the same per block kind. The quantized layer runs twice per layer: on its own stream and,
-    for block SNR, on the reference's.
+    """{'recipe', 'kl', 'kl_per_window', 'top1_agreement', 'layer_snr_db': {name: dB}, 'min_snr_db', 'mean_snr_db',
+    'expert_snr_db', 'sensitivity', 'block_snr_db', 'block_sensitivity'} on token windows (N, T); kl is the mean over
+    every position (nats/token), kl_per_window each window's mean (N values: paired comparisons of two checkpoints on
+    the same windows); top1_agreement the fraction of positions whose most likely next token both models agree on
+    (greedy decoding's choice); layer_snr_db holds Linears and expert matrices (none for a peer's checkpoint), min /
+    mean are over all of them; sensitivity: per projection kind (`sensitivity_by_kind`); block_snr_db
+    {'<layer>.<block>': dB} and block_sensitivity the same per block kind. The quantized layer runs twice per layer:
+    on its own stream and, for block SNR, on the reference's.
 
     The windows are embedded once per model (the checkpoint keeps the embeddings as the source stores them), then
     layer by layer the reference layer (float32 from the source, with the checkpoint's SmoothQuant factors folded
@@ -137,13 +140,14 @@ def quality(reference_dir: str | Path, quantized_dir: str | Path, tokens: torch.
     modules = dict(reference.named_modules())
     outside_quantized = [n for n in _matched_modules(qc) if not n.startswith(f"{stack}.") and n in modules]
     with _snr_hooks(reference, quantized, outside_quantized, set(qc["quantized_modules"]), signal, noise):
-        per_window = _head_kl(reference, quantized, streams)
+        per_window, top1 = _head_kl(reference, quantized, streams)
     snr = {n: snr_db(signal[n], noise[n]) for n in signal}  # expert matrices: those some token reached
     block_snr = {n: snr_db(blocks[0][n], blocks[1][n]) for n in blocks[0]}
     return {
         "recipe": qc["recipe"],
         "kl": sum(per_window) / len(per_window),  # every window has T positions: the mean over all of them
         "kl_per_window": per_window,
+        "top1_agreement": sum(top1) / len(top1),  # every window has T positions: the mean over all of them
         "layer_snr_db": snr,
         "min_snr_db": min(snr.values()) if snr else None,
         "mean_snr_db": sum(snr.values()) / len(snr) if snr else None,
@@ -293,24 +297,27 @@ def _reference_rotation(reference: PreTrainedModel, qc: dict) -> tuple[RotationP
     return plan, residual_rotation(hidden, record["seed"], record.get("residual_block"))
 
 
-def _head_kl(reference: torch.nn.Module, quantized: torch.nn.Module, streams: list[layer_engine.Stream]) -> list[float]:
-    """Per window, the mean KL(reference || quantized) of the next-token distributions over its positions: each
-    model's final norm and head on `HEAD_POSITIONS` positions of one window at a time (float64 copies of (1, 64, V):
-    ~0.1 GB at V = 152k)."""
+def _head_kl(
+    reference: torch.nn.Module, quantized: torch.nn.Module, streams: list[layer_engine.Stream]
+) -> tuple[list[float], list[float]]:
+    """Per window, the mean KL(reference || quantized) of the next-token distributions over its positions, and the
+    fraction of its positions whose most likely next token is the same in both models (greedy decoding's choice;
+    ties go to the lower token id in both): each model's final norm and head on `HEAD_POSITIONS` positions of one
+    window at a time (float64 copies of (1, 64, V): ~0.1 GB at V = 152k)."""
     _, ref_layers = layer_engine.decoder_stack(reference)
     _, q_layers = layer_engine.decoder_stack(quantized)
-    per_window = []
+    per_window, top1 = [], []
     for b in range(len(streams[0].hidden)):
         for ref_hidden, q_hidden in zip(streams[0].hidden[b].split(1), streams[1].hidden[b].split(1)):
-            kl_sum = 0.0
+            kl_sum, same = 0.0, 0
             for start in range(0, ref_hidden.shape[1], layer_engine.HEAD_POSITIONS):
-                kl = kl_divergence(
-                    layer_engine.head_logits(reference, ref_layers, ref_hidden, start),
-                    layer_engine.head_logits(quantized, q_layers, q_hidden, start),
-                )
-                kl_sum += kl.sum().item()
+                ref_logits = layer_engine.head_logits(reference, ref_layers, ref_hidden, start)
+                q_logits = layer_engine.head_logits(quantized, q_layers, q_hidden, start)
+                kl_sum += kl_divergence(ref_logits, q_logits).sum().item()
+                same += int((ref_logits.argmax(-1) == q_logits.argmax(-1)).sum().item())
             per_window.append(kl_sum / ref_hidden.shape[1])
-    return per_window
+            top1.append(same / ref_hidden.shape[1])
+    return per_window, top1
 
 
 def _input_embeddings_prefix(model: PreTrainedModel) -> str:
@@ -490,15 +497,17 @@ def quality_table(
         tokens = calibration_windows(tokenizer, num_sequences, seq_len, data)
     rows = [quality(reference_dir, d, tokens) for d in quantized_dirs]
     lines = [
-        "| recipe | KL vs source (nats/token) | min layer SNR (dB) | mean layer SNR (dB) | worst layer |",
-        "|---|---|---|---|---|",
+        "| recipe | KL vs source (nats/token) | top-1 agreement | min layer SNR (dB) | mean layer SNR (dB) "
+        "| worst layer |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        if not r["layer_snr_db"]:  # nothing quantized inside the layers or at the head
-            lines.append(f"| {r['recipe']} | {r['kl']:.2e} | - | - | - |")
+        head = f"| {r['recipe']} | {r['kl']:.2e} | {100 * r['top1_agreement']:.2f}%"
+        if not r["layer_snr_db"]:  # nothing quantized inside the layers or at the head (or a peer's checkpoint)
+            lines.append(f"{head} | - | - | - |")
             continue
         worst = min(r["layer_snr_db"], key=r["layer_snr_db"].get)
-        lines.append(f"| {r['recipe']} | {r['kl']:.2e} | {r['min_snr_db']:.1f} | {r['mean_snr_db']:.1f} | {worst} |")
+        lines.append(f"{head} | {r['min_snr_db']:.1f} | {r['mean_snr_db']:.1f} | {worst} |")
     kinds = list(dict.fromkeys(kind for r in rows for kind in r["block_sensitivity"]))
     if kinds:  # the blocks' noise, a peer's checkpoint's too
         lines += [
