@@ -7,8 +7,8 @@ quantized-dequantized by vLLM's `ref_nvfp4_quant_dequant` with the checkpoint's 
 (compressed-tensors stores both as quantization scales, 448 * 6 / amax: the inverse of quantkit's decode scales),
 as vLLM's compressed-tensors W4A4 NVFP4 scheme prepares them. These are the functions that serve the row on CPU
 (`quantkit.serve.cpu.peer_kernels.DecodedOnceNvFp4LinearKernel`), here in float32 as quantkit's own fake-quant
-reference runs; in float32 the activation quantizer is also compressed-tensors' own, bit for bit
-(tests/test_quality.py). vLLM is imported only when a peer checkpoint is read (~7 s).
+reference runs (bit-equal to the served layer in float32: tests/test_serve_quantized.py). vLLM is imported only
+when a peer checkpoint is read (~7 s).
 
 What `read_peer_quantization_config` returns has the keys `quality` reads of a quantkit quantization_config:
 recipe (the checkpoint directory's name), quantized_modules, smoothquant None, rotation None. A peer's own
