@@ -9,7 +9,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
 
 import quantkit
 from quantkit.errors import BAD_INPUT, EXIT_BAD_INPUT, print_error
@@ -111,7 +110,7 @@ def _quantize(args: argparse.Namespace) -> int:
     from quantkit.diagnose.budget import resolve_bit_budget
     from quantkit.quantize.checkpoint import quantize_checkpoint
     from quantkit.quantize.provenance import calibration_sets, with_calibration, with_calibration_data, with_early_stop
-    from quantkit.quantize.recipe import SmoothQuantSettings, load_recipe, with_bit_budget
+    from quantkit.quantize.recipe import load_recipe, with_bit_budget
 
     recipe = load_recipe(args.recipe)
     if args.avg_bits is not None:
@@ -123,8 +122,9 @@ def _quantize(args: argparse.Namespace) -> int:
     if args.early_stop is not None:
         recipe = with_early_stop(recipe, None if args.early_stop < 0 else args.early_stop)
     for s in calibration_sets(recipe, config.get("max_position_embeddings"), config.get("model_type")):
-        # the cost, before it starts (a "smoothquant" set comes from a recipe with SmoothQuant settings)
-        stop = cast(SmoothQuantSettings, recipe.smoothquant).early_stop if s["use"] == "smoothquant" else None
+        # the cost, before it starts
+        smoothing = recipe.smoothquant  # its set is named by its rule: "smoothquant" or "awq"
+        stop = smoothing.early_stop if smoothing is not None and s["use"] == str(smoothing.scales) else None
         print(
             f"calibration ({s['use']}): {s['num_sequences']} x {s['seq_len']} tokens of {s['source']}"
             + (f", or fewer once the maxima settle (early stop {stop:g})" if stop is not None else ""),

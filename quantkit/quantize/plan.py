@@ -48,19 +48,20 @@ ROTATION_CHECK_WINDOWS = (2, 128)  # rotation's function check: N windows of up 
 class Windows:
     """N calibration windows of T tokens of a `quantkit.data` calibration source, drawn for one use."""
 
-    use: str  # "smoothquant" | "gptq" | "activation scales" | "rotation check"
+    use: str  # "smoothquant" | "gptq" | "activation scales" | "rotation check": the step that reads them
     num_sequences: int
     seq_len: int
     source: str
+    label: str | None = None  # the name the provenance record gives the set (None: `use`), e.g. "awq"
 
     def tokens(self, tokenizer) -> torch.Tensor:
         """The (N, T) int64 windows (`quantkit.data.calibration_windows`)."""
         return calibration_windows(tokenizer, self.num_sequences, self.seq_len, self.source)
 
     def record(self) -> dict[str, Any]:
-        """The provenance entry: {"use", "source" (described), "num_sequences", "seq_len"}."""
+        """The provenance entry: {"use" (the label), "source" (described), "num_sequences", "seq_len"}."""
         return dict(
-            use=self.use,
+            use=self.label or self.use,
             source=describe_calibration_source(self.source),
             num_sequences=self.num_sequences,
             seq_len=self.seq_len,
@@ -110,7 +111,8 @@ def calibration_windows_of(
         return (Windows(" and ".join(uses), num_sequences, seq_len, source),)
     sets = []
     if recipe.smoothquant is not None:
-        sets.append(Windows("smoothquant", recipe.smoothquant.num_sequences, recipe.smoothquant.seq_len, source))
+        sq = recipe.smoothquant  # the smoothing step's set is named by its rule: "smoothquant" or "awq"
+        sets.append(Windows("smoothquant", sq.num_sequences, sq.seq_len, source, label=str(sq.scales)))
     if recipe.gptq is not None:
         sets.append(Windows("gptq", recipe.gptq.num_sequences, _cut(recipe.gptq.seq_len, max_positions), source))
     if calibrates(recipe):

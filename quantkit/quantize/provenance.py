@@ -80,12 +80,8 @@ def calibration_sets(
     """The calibration sets quantizing with `recipe` draws for a model of `model_type`, one dict per use:
     {"use", "source", "num_sequences", "seq_len"} (seq_len as drawn: `quantkit.quantize.plan.calibration_windows_of`,
     the windows the plan draws); [] for a recipe that calibrates nothing. The smoothing step's set is named by its
-    rule (`smoothquant.scales`: "smoothquant", or "awq" for AWQ's scales)."""
-    sets = [w.record() for w in calibration_windows_of(recipe, max_positions, model_type)]
-    for s in sets:
-        if s["use"] == "smoothquant" and recipe.smoothquant is not None:
-            s["use"] = str(recipe.smoothquant.scales)
-    return sets
+    rule (`smoothquant.scales`: "smoothquant", or "awq" for AWQ's scales: `Windows.label`)."""
+    return [w.record() for w in calibration_windows_of(recipe, max_positions, model_type)]
 
 
 def checkpoint_calibration(recipe: Recipe, checkpoint_dir: str | Path) -> list[dict[str, Any]]:
