@@ -181,6 +181,38 @@ def test_study_kl_pairs_compares_rows_window_by_window(tmp_path):
     assert cells[-1] == "4/4" and float(cells[2].rstrip("x")) < 1 and cells[3].startswith("-"), row
 
 
+def test_generation_agreement_pairs_answers_item_by_item(tmp_path):
+    """benchmarks/generation_agreement.py on a synthetic study of 4 items of 10-character answers: the baseline
+    row differs from BF16 at character 0 on every item, the other row matches two items whole and the other two
+    up to character 5. Exact: identical 50%, shared prefix (1 + 1 + 0.5 + 0.5) / 4 = 75%, +75.0 points on the
+    baseline, longer on 4 items, shorter on none; the numerics row is read where present."""
+    bf16 = [f"answer{i:03d}x" for i in range(4)]
+    rows = {
+        "bf16": bf16,
+        "bf16-numerics": bf16,
+        "w4a4_nvfp4": ["Z" + a[1:] for a in bf16],
+        "better": bf16[:2] + [a[:5] + "ZZZZZ" for a in bf16[2:]],
+    }
+    for recipe, texts in rows.items():
+        (tmp_path / "evals" / f"m-{recipe}" / "samples").mkdir(parents=True)
+        lines = [json.dumps(dict(doc_id=i, answer=t, score=1.0)) for i, t in enumerate(texts)]
+        (tmp_path / "evals" / f"m-{recipe}" / "samples" / "task.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "spec.json").write_text(json.dumps({"models": {"m": "x"}, "recipes": ["bf16", "w4a4_nvfp4", "better"]}))
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "generation_agreement.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    cells = {
+        line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
+        for line in run.stdout.splitlines()
+        if line.startswith("| ") and "items)" not in line
+    }
+    assert cells["better"] == ["50.0%", "75.0%", "+75.0 (14.4)", "4/0"], run.stdout
+    assert cells["w4a4_nvfp4"][:2] == ["0.0%", "0.0%"] and cells["bf16-numerics"][:2] == ["100.0%", "100.0%"]
+
+
 def test_recipe_trail_stays_in_the_quantize_modules():
     """benchmarks/recipe_trail.py on a composed recipe (SmoothQuant + GPTQ): the recipe's and the plan's fields are
     read only by quantize's orchestration (checkpoint, plan, streaming, output), in at most 15 stays on either path
