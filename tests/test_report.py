@@ -168,8 +168,9 @@ def test_render_writes_four_self_contained_files(tmp_path):
 def test_sensitivity_tables_render_and_malformed_ones_are_skipped(tmp_path):
     """meta.sensitivity (free-form meta, written by a study): each model's table renders in report.md and .html,
     kinds in the order given, "mean (min @ layer)"; a table with a cell missing a figure is left out, not a
-    traceback; no section at all without a valid table."""
-    from quantkit.report.render import SENSITIVITY_TITLE
+    traceback; no section at all without a valid table. The block section (meta.checkpoint_block_sensitivity) heads
+    its first column "block", the projection sections "projection (kind)"."""
+    from quantkit.report.render import BLOCK_SENSITIVITY_TITLE, SENSITIVITY_TITLE
 
     results = mini_results()
     good = {
@@ -186,6 +187,13 @@ def test_sensitivity_tables_render_and_malformed_ones_are_skipped(tmp_path):
     assert "w8a8_fp8_block" not in md  # its cell lacks min_db / worst_layer
     page = paths["report.html"].read_text()
     assert html.escape(SENSITIVITY_TITLE) in page and "<td>17.1 (14.7 @ 14)</td>" in page
+    blocks = {"self_attn": {"mean_db": 13.2, "min_db": 9.0, "worst_layer": 16}}
+    results["meta"] = {"checkpoint_block_sensitivity": {"ga": {"w4a4_nvfp4": blocks}}}
+    paths = render_report(results, tmp_path / "blocks")
+    md = paths["report.md"].read_text()
+    assert f"## {BLOCK_SENSITIVITY_TITLE}" in md and "| block | w4a4_nvfp4: mean dB (min @ layer) |" in md
+    assert "projection (kind)" not in md and "| self_attn | 13.2 (9.0 @ 16) |" in md
+    assert ">block</th>" in paths["report.html"].read_text()
     results["meta"] = {"sensitivity": {"ga": {"w4a4_nvfp4": {"x": "not a cell"}}, "gn": "not tables"}}
     assert SENSITIVITY_TITLE not in render_report(results, tmp_path / "bad")["report.md"].read_text()
 

@@ -251,16 +251,19 @@ def _meta(results: Results | dict | str | Path) -> dict[str, Any]:
     return doc["meta"] if isinstance(doc.get("meta"), dict) else {}
 
 
-def sensitivity_cells(sensitivity: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], list[list[str]]]:
-    """(header, rows) of a per-projection-kind SNR table (`quantkit diagnose`'s `sensitivity`: recipe -> kind ->
-    {mean_db, min_db, worst_layer}): one row per kind, most sensitive first by the first recipe with a table, per
-    recipe "mean (min @ layer)" in dB; ([], []) when no recipe has one."""
+def sensitivity_cells(
+    sensitivity: dict[str, dict[str, dict[str, Any]]], unit: str = "projection (kind)"
+) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of a per-kind SNR table (`quantkit diagnose`'s `sensitivity`: recipe -> kind ->
+    {mean_db, min_db, worst_layer}; a kind is a projection, or a block: `unit` heads its column): one row per kind,
+    most sensitive first by the first recipe with a table, per recipe "mean (min @ layer)" in dB; ([], []) when no
+    recipe has one."""
     recipes = [r for r, table in sensitivity.items() if table]
     if not recipes:
         return [], []
     kinds = list(sensitivity[recipes[0]])
     kinds += [k for r in recipes[1:] for k in sensitivity[r] if k not in kinds]
-    head = ["projection (kind)"] + [f"{r}: mean dB (min @ layer)" for r in recipes]
+    head = [unit] + [f"{r}: mean dB (min @ layer)" for r in recipes]
     return head, [[kind] + [_sensitivity_cell(sensitivity[r].get(kind)) for r in recipes] for kind in kinds]
 
 
@@ -268,15 +271,15 @@ def _sensitivity_cell(cell: dict[str, Any] | None) -> str:
     return DASH if cell is None else f"{cell['mean_db']:.1f} ({cell['min_db']:.1f} @ {cell['worst_layer']})"
 
 
-def sensitivity_table(sensitivity: dict[str, dict[str, dict[str, Any]]]) -> str:
+def sensitivity_table(sensitivity: dict[str, dict[str, dict[str, Any]]], unit: str = "projection (kind)") -> str:
     """`sensitivity_cells` as a Markdown table ("" when empty)."""
-    head, rows = sensitivity_cells(sensitivity)
+    head, rows = sensitivity_cells(sensitivity, unit)
     if not head:
         return ""
     return "\n".join([_md_row(head), _md_row(["---"] + ["---:"] * (len(head) - 1)), *map(_md_row, rows)])
 
 
-SensitivitySection = tuple[str, str, dict[str, Any]]  # (title, note, {model: {recipe: {kind: cell}}})
+SensitivitySection = tuple[str, str, str, dict[str, Any]]  # (title, note, unit, {model: {recipe: {kind: cell}}})
 
 
 def sensitivity_sections(results: Results | dict | str | Path) -> list[SensitivitySection]:
@@ -284,9 +287,19 @@ def sensitivity_sections(results: Results | dict | str | Path) -> list[Sensitivi
     row's checkpoint's per projection (`meta.checkpoint_sensitivity`) and per block
     (`meta.checkpoint_block_sensitivity`), both from the quality stage."""
     return [
-        (SENSITIVITY_TITLE, SENSITIVITY_NOTE, _sensitivities(results, "sensitivity")),
-        (CHECKPOINT_SENSITIVITY_TITLE, CHECKPOINT_SENSITIVITY_NOTE, _sensitivities(results, "checkpoint_sensitivity")),
-        (BLOCK_SENSITIVITY_TITLE, BLOCK_SENSITIVITY_NOTE, _sensitivities(results, "checkpoint_block_sensitivity")),
+        (SENSITIVITY_TITLE, SENSITIVITY_NOTE, "projection (kind)", _sensitivities(results, "sensitivity")),
+        (
+            CHECKPOINT_SENSITIVITY_TITLE,
+            CHECKPOINT_SENSITIVITY_NOTE,
+            "projection (kind)",
+            _sensitivities(results, "checkpoint_sensitivity"),
+        ),
+        (
+            BLOCK_SENSITIVITY_TITLE,
+            BLOCK_SENSITIVITY_NOTE,
+            "block",
+            _sensitivities(results, "checkpoint_block_sensitivity"),
+        ),
     ]
 
 
@@ -418,8 +431,8 @@ def to_markdown(
         for r in degraded:
             cells = [_degradation_cell(r, b.key)[0] for b in table.columns] + [_degradation_cell(r, None)[0]]
             lines.append(_md_row([f(r) for _, f in lead] + cells))
-    for title, note, per_model in sensitivity:
-        tables = {model: sensitivity_table(t) for model, t in per_model.items()}
+    for title, note, unit, per_model in sensitivity:
+        tables = {model: sensitivity_table(t, unit) for model, t in per_model.items()}
         if any(tables.values()):
             lines += ["", f"## {title}", "", note]
             for model, text in tables.items():
@@ -661,10 +674,10 @@ def to_html(
             (plot_variant_kl(table), "KL vs BF16 per variant and precision (nats/token, held-out text)"),
         ]
         parts.append('<div class="figs">' + "".join(_figure(svg, c) for svg, c in side if svg) + "</div>")
-    for title, note, per_model in sensitivity:
+    for title, note, unit, per_model in sensitivity:
         sensitivity_parts = []
         for model, per_recipe in per_model.items():
-            head, rows = sensitivity_cells(per_recipe)
+            head, rows = sensitivity_cells(per_recipe, unit)
             if head:
                 sensitivity_parts += [
                     f"<h3>{html.escape(model)}</h3>",
