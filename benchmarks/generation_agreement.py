@@ -18,10 +18,10 @@ agreement last-bit changes alone leave. Prints a Markdown table.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from pathlib import Path
+
+from study_kl_pairs import study_rows  # benchmarks/ is sys.path[0]
 
 from quantkit.evals.degradation import read_samples
 
@@ -44,16 +44,8 @@ def answers(eval_dir: Path) -> dict[tuple[str, int], str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--model", default=None, help="model label (default: the spec's only model)")
-    parser.add_argument("--baseline", default="w4a4_nvfp4")
-    args = parser.parse_args()
-    spec = json.loads((args.run_dir / "spec.json").read_text())
-    label = args.model or next(iter(spec["models"]))
-    evals = args.run_dir / "evals"
+    args, label, evals, rows = study_rows(__doc__.splitlines()[0], extra=("bf16-numerics",))
     reference = answers(evals / f"{label}-bf16")
-    rows = [r for r in ["bf16-numerics", *spec["recipes"]] if r != "bf16" and (evals / f"{label}-{r}").is_dir()]
     prefix = {}
     identical = {}
     for row in rows:

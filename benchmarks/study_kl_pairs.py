@@ -28,8 +28,11 @@ def window_kl(bf16_dir: Path, row_dir: Path) -> torch.Tensor:
     return kl.double().reshape(ref["tokens"].shape[0], -1).mean(-1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def study_rows(description: str, extra: tuple[str, ...] = ()) -> tuple[argparse.Namespace, str, Path, list[str]]:
+    """The command line of a paired comparison of a study's rows (RUN_DIR [--model LABEL] [--baseline RECIPE]):
+    (args, model label, the run's evals/ directory, the rows evaluated there: `extra` then the spec's recipes,
+    bf16 left out)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--model", default=None, help="model label (default: the spec's only model)")
     parser.add_argument("--baseline", default="w4a4_nvfp4")
@@ -37,7 +40,12 @@ def main() -> None:
     spec = json.loads((args.run_dir / "spec.json").read_text())
     label = args.model or next(iter(spec["models"]))
     evals = args.run_dir / "evals"
-    rows = [r for r in spec["recipes"] if r != "bf16" and (evals / f"{label}-{r}").is_dir()]
+    rows = [r for r in [*extra, *spec["recipes"]] if r != "bf16" and (evals / f"{label}-{r}").is_dir()]
+    return args, label, evals, rows
+
+
+def main() -> None:
+    args, label, evals, rows = study_rows(__doc__.splitlines()[0])
     kl = {r: window_kl(evals / f"{label}-bf16", evals / f"{label}-{r}") for r in rows}
     base = kl[args.baseline]
     print(f"| {label} | KL | vs {args.baseline} | paired diff per window (SE) | windows better |")
