@@ -132,6 +132,7 @@ def test_the_method_comparison_study_loads_with_one_label_per_method():
             "W4A4/W8A8/BF16@5b",
             "nvfp4_ct_gptq",
             "nvfp4_ct_awq",
+            "nvfp4_ct",
         ]
     )
 
