@@ -1026,6 +1026,7 @@ def _precision(recipe: str) -> str:
         + _rotation_label(r.rotation)
         + smoothing
         + ("(search)" if r.smoothquant and r.smoothquant.search_alpha else "")
+        + ("(W)" if r.smoothquant and r.smoothquant.search_weights_only else "")
         + (f"+{scheme.method}" if scheme is not None and scheme.method else "")
         + ("+4/6(W)" if r.weight_scales == WeightScales.FOUR_OVER_SIX and not (scheme and scheme.method) else "")
         + ("+MSE" if r.weight_scales == WeightScales.MSE else "")

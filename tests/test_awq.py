@@ -116,3 +116,71 @@ def test_named_recipes_load():
         recipe = load_recipe(name)
         assert recipe.smoothquant is not None and recipe.smoothquant.scales == "awq"
         assert recipe.smoothing_search(lambda *a: None).weight_block("model.layers.0.mlp.down_proj") == (1, 16)
+
+
+def test_the_weights_only_search_quantizes_the_weights_alone():
+    """`smoothquant.search_weights_only` (llm-compressor's AWQ objective: its calibration forward runs with activation
+    quantization disabled): the plan's searched product is x @ Q(W)^T with x in float32, where the default is
+    Q(x) @ Q(W)^T. Both sides run the same float32 operations on the same operands (the NVFP4 weight fake-quant,
+    bit-exact to the reference in tests/test_formats.py, then one matmul), so equality is exact. The recipe records
+    the key, the row label says it, and the key without a search is refused on load."""
+    import yaml
+    from transformers import LlamaConfig
+
+    from quantkit.formats.schemes import scheme_for
+    from quantkit.pipelines.study import _precision
+    from quantkit.quantize.plan import QuantPlan
+    from quantkit.quantize.recipe import parse_recipe
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+    name = "model.layers.0.mlp.down_proj"
+    torch.manual_seed(0)
+    x, w = torch.randn(32, 128), torch.randn(64, 128)
+    x[:, 5] *= 40.0  # an outlier channel: per-token activation quantization then loses the small ones
+    nvfp4 = scheme_for("nvfp4")
+    weights_only = x @ nvfp4.fake_quant_weight(w, name).T
+    both = nvfp4.fake_quant_activation(x) @ nvfp4.fake_quant_weight(w, name).T
+    products = {}
+    for recipe_name in ("w4a4_nvfp4_static_awq_wonly", "w4a4_nvfp4_static_awq"):
+        plan = QuantPlan.resolve(load_recipe(recipe_name), config, [name])
+        products[recipe_name] = plan.smoothquant.search.product(name, x, w)
+    assert torch.equal(products["w4a4_nvfp4_static_awq_wonly"], weights_only)
+    assert torch.equal(products["w4a4_nvfp4_static_awq"], both)
+    assert not torch.equal(weights_only, both)
+    assert load_recipe("w4a4_nvfp4_static_awq_wonly").smoothquant.search_weights_only
+    assert _precision("w4a4_nvfp4_static_awq_wonly") == "W4A4+AWQ(W) (static)"
+    with pytest.raises(ValueError, match="search_weights_only needs a search"):
+        parse_recipe(yaml.safe_load("name: r\nscheme: nvfp4\nsmoothquant: {search_weights_only: true}\n"), "r.yaml")
+
+
+def test_the_weights_only_search_chooses_by_its_own_error_and_both_paths_write_the_same_bytes(tmp_path):
+    """On a tiny Llama with every AWQ mapping: the weights-only search records other errors than the default search
+    (another objective), each mapping's ratio is the grid's of least recorded error, the whole-model and streaming
+    paths write the same bytes (the same float32 operations on the same batches), and the checkpoint's
+    quantization_config records `search_weights_only: true`."""
+    from safetensors.torch import load_file
+
+    from quantkit.checkpoints import weight_files
+    from quantkit.models.tiny import build_tiny_stock_checkpoint
+    from quantkit.quantize.checkpoint import quantize_checkpoint
+
+    def state_of(model_dir) -> dict[str, torch.Tensor]:
+        return {k: v for f in weight_files(model_dir) for k, v in load_file(str(f)).items()}
+
+    source = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
+    settings = "scales: awq, num_sequences: 8, seq_len: 32, include_v_o: true, include_up_down: true"
+    for name, extra in (("wonly", ", search_weights_only: true"), ("both", "")):
+        (tmp_path / f"{name}.yaml").write_text(f"name: {name}\nscheme: nvfp4\nsmoothquant: {{{settings}{extra}}}\n")
+    whole = quantize_checkpoint(source, str(tmp_path / "wonly.yaml"), tmp_path / "w", streaming=False)
+    stream = quantize_checkpoint(source, str(tmp_path / "wonly.yaml"), tmp_path / "s", streaming=True)
+    both = quantize_checkpoint(source, str(tmp_path / "both.yaml"), tmp_path / "b", streaming=False)
+    report = json.loads((whole / "smoothquant.json").read_text())
+    ratios = [r for r, _ in AWQ_GRID]
+    for m in report["mappings"]:
+        errors = report["alpha_errors"][m["name"]]
+        assert m["alpha"] == ratios[errors.index(min(errors))]
+    assert report["alpha_errors"] != json.loads((both / "smoothquant.json").read_text())["alpha_errors"]
+    a, b = state_of(whole), state_of(stream)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    qc = json.loads((whole / "config.json").read_text())["quantization_config"]
+    assert qc["smoothquant"]["search_weights_only"] is True

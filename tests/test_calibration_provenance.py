@@ -40,6 +40,7 @@ def test_smoothquant_recipes_default_to_the_paper_count():
         "w4a4_nvfp4_sq_updown",
         "w4a4_nvfp4_sq_updown_gptq_mse",
         "w4a4_nvfp4_static_awq",
+        "w4a4_nvfp4_static_awq_wonly",
         "w8a8_fp8_block_sq",
     ]
     for name in sq:  # SmoothQuant's scales: the paper's count; AWQ's: llm-compressor's examples' 256 x 512
@@ -136,6 +137,7 @@ def test_the_method_comparison_study_loads_with_one_label_per_method():
             "nvfp4_ct",
             "W4A4 (static)",
             "W4A4+AWQ (static)",
+            "W4A4+AWQ(W) (static)",
         ]
     )
 

@@ -148,18 +148,20 @@ class FakeQuantExperts(torch.nn.Module):
         return out.to(hidden_states.dtype)
 
 
-def quantized_product(recipe: Recipe) -> QuantizedProduct:
+def quantized_product(recipe: Recipe, activations: bool = True) -> QuantizedProduct:
     """What serving computes for the recipe's Linear `name`, for SmoothQuant's alpha search
     (`quantkit.calibrate.alpha_search`): x (rows, K) and weight (N, K) float32 -> fake_quant(x) @
     fake_quant_weight(weight)^T, (rows, N) float32, with the module's scheme (`Recipe.scheme_of`), min-max weight
     scales and per-token activation scales (a static-scale recipe's scale is calibrated after smoothing: per token
-    stands in); x @ weight^T for a module the recipe keeps unquantized."""
+    stands in); x @ weight^T for a module the recipe keeps unquantized. `activations` False: x stays float32
+    (x @ fake_quant_weight(weight)^T; recipe key `smoothquant.search_weights_only`)."""
 
     def product(name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         scheme = None if recipe.ignores(name) else scheme_for(recipe.scheme_of(name))
         if scheme is None:
             return x @ weight.T
-        return scheme.fake_quant_activation(x) @ scheme.fake_quant_weight(weight, name).T
+        x_served = scheme.fake_quant_activation(x) if activations else x
+        return x_served @ scheme.fake_quant_weight(weight, name).T
 
     return product
 

@@ -211,7 +211,11 @@ class QuantPlan:
             rotation=rotation,
             smoothquant=None
             if sq is None
-            else SmoothQuantStep(sq, windows["smoothquant"], recipe.smoothing_search(quantized_product(recipe))),
+            else SmoothQuantStep(
+                sq,
+                windows["smoothquant"],
+                recipe.smoothing_search(quantized_product(recipe, activations=not sq.search_weights_only)),
+            ),
             gptq=None if recipe.gptq is None else GPTQStep(recipe.gptq, windows["gptq"]),
             static_scales=windows.get("activation scales"),
             weight_scales=recipe.weight_scales,

@@ -216,6 +216,9 @@ class SmoothQuantSettings:
     include_up_down: bool = False  # also smooth up_proj -> down_proj (down_proj's inputs hold the largest outliers)
     search_alpha: bool = False  # alpha per mapping by the quantized output error (quantkit.calibrate.alpha_search)
     scales: str = Rule.SMOOTHQUANT  # smoothquant | awq: AWQ's scales, searched per mapping (alpha_search.Rule)
+    # the searched error quantizes the consumers' weights only, activations in float32 (llm-compressor's AWQ: its
+    # calibration forward runs with activation quantization disabled); default: both operands, as served
+    search_weights_only: bool = False
 
     def early_stop_rule(self) -> EarlyStop | None:
         """The statistics' early stop (`quantkit.calibrate.stats.EarlyStop`), None when off."""
@@ -441,6 +444,8 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     rotation = _rotation(data.get("rotation"), backend, scheme, source)
     if smoothquant is not None and smoothquant.scales == Rule.AWQ and smoothquant.search_alpha:
         raise ValueError(f"{source}: smoothquant.scales awq searches its own grid; drop search_alpha")
+    if smoothquant is not None and smoothquant.search_weights_only and not smoothquant.searched:
+        raise ValueError(f"{source}: smoothquant.search_weights_only needs a search (scales: awq or search_alpha: true)")
     if rotation is not None and smoothquant is not None and smoothquant.searched:
         key = "search_alpha" if smoothquant.search_alpha else "scales: awq"
         raise ValueError(f"{source}: smoothquant.{key} measures unrotated products; it does not compose with rotation")
