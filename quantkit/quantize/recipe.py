@@ -445,7 +445,9 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     if smoothquant is not None and smoothquant.scales == Rule.AWQ and smoothquant.search_alpha:
         raise ValueError(f"{source}: smoothquant.scales awq searches its own grid; drop search_alpha")
     if smoothquant is not None and smoothquant.search_weights_only and not smoothquant.searched:
-        raise ValueError(f"{source}: smoothquant.search_weights_only needs a search (scales: awq or search_alpha: true)")
+        raise ValueError(
+            f"{source}: smoothquant.search_weights_only needs a search (scales: awq or search_alpha: true)"
+        )
     if rotation is not None and smoothquant is not None and smoothquant.searched:
         key = "search_alpha" if smoothquant.search_alpha else "scales: awq"
         raise ValueError(f"{source}: smoothquant.{key} measures unrotated products; it does not compose with rotation")
