@@ -1026,7 +1026,7 @@ def _precision(recipe: str) -> str:
         + _rotation_label(r.rotation)
         + smoothing
         + ("(search)" if r.smoothquant and r.smoothquant.search_alpha else "")
-        + ("(W)" if r.smoothquant and r.smoothquant.search_weights_only else "")
+        + _search_error_label(r.smoothquant)
         + (f"+{scheme.method}" if scheme is not None and scheme.method else "")
         + ("+4/6(W)" if r.weight_scales == WeightScales.FOUR_OVER_SIX and not (scheme and scheme.method) else "")
         + ("+MSE" if r.weight_scales == WeightScales.MSE else "")
@@ -1035,6 +1035,14 @@ def _precision(recipe: str) -> str:
         + (" (static)" if r.static_activations else "")
         + (f"@{r.bit_budget.avg_bits:g}b" if r.bit_budget else "")
     )
+
+
+def _search_error_label(smoothquant) -> str:
+    """(parent): the searched error is the parent module's output (weights alone quantized), (W): the consumers'
+    products with the weights alone quantized, "" the served products (or no search)."""
+    if smoothquant is None or not smoothquant.search_weights_only:
+        return ""
+    return "(parent)" if smoothquant.search_parent_output else "(W)"
 
 
 def _rotation_label(rotation) -> str:

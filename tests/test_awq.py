@@ -153,34 +153,111 @@ def test_the_weights_only_search_quantizes_the_weights_alone():
         parse_recipe(yaml.safe_load("name: r\nscheme: nvfp4\nsmoothquant: {search_weights_only: true}\n"), "r.yaml")
 
 
-def test_the_weights_only_search_chooses_by_its_own_error_and_both_paths_write_the_same_bytes(tmp_path):
-    """On a tiny Llama with every AWQ mapping: the weights-only search records other errors than the default search
-    (another objective), each mapping's ratio is the grid's of least recorded error, the whole-model and streaming
-    paths write the same bytes (the same float32 operations on the same batches), and the checkpoint's
-    quantization_config records `search_weights_only: true`."""
+def test_the_parent_of_a_mapping_is_its_consumers_lowest_common_ancestor():
+    from quantkit.calibrate.alpha_search import parent_of
+
+    attn = [f"model.layers.3.self_attn.{p}_proj" for p in "qkv"]
+    assert parent_of(attn) == "model.layers.3.self_attn"
+    assert parent_of(["model.layers.3.mlp.gate_proj", "model.layers.3.mlp.up_proj"]) == "model.layers.3.mlp"
+    assert parent_of(["model.layers.3.mlp.down_proj"]) == "model.layers.3.mlp.down_proj"
+    with pytest.raises(ValueError, match="share no parent"):
+        parent_of(["a.q", "b.k"])
+
+
+def test_the_parent_output_error_is_the_mlps_own_output_error_and_the_weights_come_back():
+    """`choose_scales_by_parent` on a Llama MLP (gate/up the quantized consumers, down_proj float32): each
+    candidate's error is sum ||mlp(x; W <- Q(W s) / s) - mlp(x)||^2, recomputed here with the same float32
+    operations in the same order (F.linear, SiLU, product, F.linear), so equal exactly; the least error wins; the
+    consumers' weights are the same tensors, unchanged, after the search."""
+    import torch.nn.functional as F
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from quantkit.calibrate.alpha_search import AlphaSearch, choose_scales_by_parent
+    from quantkit.quantize.fake_quant import quantized_product, quantized_weight
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=96)).eval()
+    x = torch.randn(2, 16, 64)
+    x[..., 7] *= 30.0
+    recipe = load_recipe("w4a4_nvfp4_static_awq_parent")
+    weight = quantized_weight(recipe)
+    search = AlphaSearch(
+        quantized_product(recipe, activations=False),
+        rule="awq",
+        weight_block=recipe.weight_block_of,
+        parent_output=True,
+        weight=weight,
+    )
+    with torch.no_grad():
+        reference = mlp(x)
+    candidates = [torch.ones(64), 1.0 + torch.rand(64), (x.abs().mean((0, 1)) ** 0.5)]
+    originals = {n: getattr(mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")}
+    copies = {n: w.detach().clone() for n, w in originals.items()}
+    consumers = [("model.layers.0.mlp.gate_proj", mlp.gate_proj), ("model.layers.0.mlp.up_proj", mlp.up_proj)]
+    best, errors = choose_scales_by_parent(
+        search, mlp, [((x,), {}, reference)], consumers, torch.arange(64), candidates
+    )
+
+    def by_hand(s: torch.Tensor) -> float:
+        gate = weight("model.layers.0.mlp.gate_proj", copies["gate_proj"] * s) / s
+        up = weight("model.layers.0.mlp.up_proj", copies["up_proj"] * s) / s
+        out = F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), copies["down_proj"])
+        return float((out - reference).pow(2).sum())
+
+    assert errors == [by_hand(s) for s in candidates]
+    assert best == errors.index(min(errors)) and len(set(errors)) == len(errors)
+    for n, w in originals.items():
+        assert getattr(mlp, n).weight is w and torch.equal(w, copies[n])
+
+
+def test_each_search_error_chooses_by_its_own_error_and_both_paths_write_the_same_bytes(tmp_path):
+    """On a tiny Llama with every AWQ mapping, three objectives: the served products (default), the products with
+    the weights alone quantized (`search_weights_only`) and the parent module's output (`search_parent_output`:
+    llm-compressor's; the q/k/v mapping's parent is self_attn, re-run with its recorded keyword arguments, rotary
+    embeddings and mask). Each mapping records the ratio of least recorded error; each objective records other
+    errors than the others; the parent search's whole-model and streaming paths write the same bytes (the same
+    float32 operations on the same batches); the checkpoint records the keys; and search_parent_output without
+    search_weights_only is refused on load."""
+    import yaml
     from safetensors.torch import load_file
 
     from quantkit.checkpoints import weight_files
     from quantkit.models.tiny import build_tiny_stock_checkpoint
     from quantkit.quantize.checkpoint import quantize_checkpoint
+    from quantkit.quantize.recipe import parse_recipe
 
     def state_of(model_dir) -> dict[str, torch.Tensor]:
         return {k: v for f in weight_files(model_dir) for k, v in load_file(str(f)).items()}
 
     source = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
     settings = "scales: awq, num_sequences: 8, seq_len: 32, include_v_o: true, include_up_down: true"
-    for name, extra in (("wonly", ", search_weights_only: true"), ("both", "")):
+    objectives = {
+        "products": "",
+        "wonly": ", search_weights_only: true",
+        "parent": ", search_weights_only: true, search_parent_output: true",
+    }
+    errors_of = {}
+    for name, extra in objectives.items():
         (tmp_path / f"{name}.yaml").write_text(f"name: {name}\nscheme: nvfp4\nsmoothquant: {{{settings}{extra}}}\n")
-    whole = quantize_checkpoint(source, str(tmp_path / "wonly.yaml"), tmp_path / "w", streaming=False)
-    stream = quantize_checkpoint(source, str(tmp_path / "wonly.yaml"), tmp_path / "s", streaming=True)
-    both = quantize_checkpoint(source, str(tmp_path / "both.yaml"), tmp_path / "b", streaming=False)
-    report = json.loads((whole / "smoothquant.json").read_text())
-    ratios = [r for r, _ in AWQ_GRID]
-    for m in report["mappings"]:
-        errors = report["alpha_errors"][m["name"]]
-        assert m["alpha"] == ratios[errors.index(min(errors))]
-    assert report["alpha_errors"] != json.loads((both / "smoothquant.json").read_text())["alpha_errors"]
-    a, b = state_of(whole), state_of(stream)
+        out = quantize_checkpoint(source, str(tmp_path / f"{name}.yaml"), tmp_path / name, streaming=False)
+        report = json.loads((out / "smoothquant.json").read_text())
+        assert len({m["kind"] for m in report["mappings"]}) >= 3
+        ratios = [r for r, _ in AWQ_GRID]
+        for m in report["mappings"]:
+            errors = report["alpha_errors"][m["name"]]
+            assert len(errors) == len(AWQ_GRID) and m["alpha"] == ratios[errors.index(min(errors))]
+        errors_of[name] = report["alpha_errors"]
+    attention = [n for n in errors_of["parent"] if n.endswith("q_proj, k_proj, v_proj")]
+    assert attention
+    for n in attention:
+        assert errors_of["parent"][n] != errors_of["wonly"][n] != errors_of["products"][n]
+    stream = quantize_checkpoint(source, str(tmp_path / "parent.yaml"), tmp_path / "s", streaming=True)
+    a, b = state_of(tmp_path / "parent"), state_of(stream)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    qc = json.loads((whole / "config.json").read_text())["quantization_config"]
-    assert qc["smoothquant"]["search_weights_only"] is True
+    qc = json.loads((tmp_path / "parent" / "config.json").read_text())["quantization_config"]
+    assert qc["smoothquant"]["search_parent_output"] is True and qc["smoothquant"]["search_weights_only"] is True
+    with pytest.raises(ValueError, match="set search_weights_only: true with it"):
+        parse_recipe(
+            yaml.safe_load("name: r\nscheme: nvfp4\nsmoothquant: {scales: awq, search_parent_output: true}\n"), "r.yaml"
+        )

@@ -15,6 +15,13 @@ serving computes for consumer c, supplied by the caller as `QuantizedProduct` (`
 quantized_product`: the recipe's scheme for that module, min-max weight scales, per-token activation scales):
 this module knows no format. The grid's first alpha wins ties. The statistics (max|X|) stay those of every
 calibration window; only the error is measured on the sample.
+
+With `parent_output` (recipe key `smoothquant.search_parent_output`: llm-compressor's AWQ objective) the error is
+instead that of the consumers' parent module's output (their lowest common ancestor: self_attn for q/k/v, mlp for
+gate/up, the consumer itself when it is alone), run in float32 on whole calibration batches with each consumer's
+weight replaced by Q_c(W_c s) / s and nothing else quantized:
+
+    err(s) = sum_b || parent(inputs_b; W_c <- Q_c(W_c s) / s) - parent(inputs_b) ||_F^2
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import cast
 
 import torch
 from torch import nn
@@ -30,6 +38,8 @@ from quantkit.calibrate.stats import PreHooks
 
 # (consumer module name, x (rows, K) float32, weight (N, K) float32) -> the quantized product x W^T, (rows, N)
 QuantizedProduct = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
+# (consumer module name, weight (N, K) float32) -> the weight as served, decoded (N, K) float32
+QuantizedWeight = Callable[[str, torch.Tensor], torch.Tensor]
 
 DEFAULT_GRID = tuple(i / 10 for i in range(3, 10))  # 0.3, 0.4, ..., 0.9: the paper's 0.5 among them
 # AWQ's grid (llm-compressor's AWQModifier defaults, n_grid 20, duo_scaling True): the identity scaling (ratio 0
@@ -54,13 +64,17 @@ class AlphaSearch:
     """How `smoothquant.layer_factors` chooses each mapping's scales: `product` the served quantized product of a
     consumer, `grid` the candidate alphas in [0, 1] (first wins ties), `max_rows` the rows of X sampled. `rule`
     AWQ: the candidates are AWQ_GRID's instead (`grid` unused), and `weight_block(name)` gives the (rows, columns)
-    of one weight decode scale of consumer `name` (its scheme's), which AWQ's w_mean normalizes by."""
+    of one weight decode scale of consumer `name` (its scheme's), which AWQ's w_mean normalizes by. `parent_output`:
+    the error is the consumers' parent's output with `weight` (each consumer's decoded weight) in place
+    (`choose_scales_by_parent`), on the first max_rows x ROW_STRIDE tokens' whole batches."""
 
     product: QuantizedProduct
     grid: tuple[float, ...] = DEFAULT_GRID
     max_rows: int = DEFAULT_MAX_ROWS
     rule: Rule = Rule.SMOOTHQUANT
     weight_block: Callable[[str], tuple[int, int]] | None = None
+    parent_output: bool = False
+    weight: QuantizedWeight | None = None
 
     def __post_init__(self) -> None:
         if not self.grid or not all(0.0 <= a <= 1.0 for a in self.grid):
@@ -69,6 +83,13 @@ class AlphaSearch:
             raise ValueError(f"SmoothQuant alpha search: max_rows must be >= 1, got {self.max_rows}")
         if self.rule == Rule.AWQ and self.weight_block is None:
             raise ValueError("AWQ search: weight_block (each consumer's weight scale block) is required")
+        if self.parent_output and self.weight is None:
+            raise ValueError("parent-output search: weight (each consumer's served weight) is required")
+
+    @property
+    def parent_tokens(self) -> int:
+        """Tokens of whole batches kept per parent module for `parent_output` (the span RowSampler's rows cover)."""
+        return self.max_rows * ROW_STRIDE
 
     def searched_values(self) -> list[float]:
         """What a report lists as the searched grid: the alphas, or AWQ's ratios (in AWQ_GRID's order)."""
@@ -113,6 +134,86 @@ class RowSampler(PreHooks):
             self.rows[name] = new if kept is None else torch.cat([kept, new])
 
         return hook
+
+
+def parent_of(consumers: Sequence[str]) -> str:
+    """The lowest common ancestor of dotted module names: their longest shared prefix of whole parts (a lone
+    consumer is its own parent). ValueError when they share none."""
+    parts = [c.split(".") for c in consumers]
+    shared = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        shared.append(level[0])
+    if not shared:
+        raise ValueError(f"{list(consumers)} share no parent module")
+    return ".".join(shared)
+
+
+class ParentSampler:
+    """Forward hooks keeping each named module's calls, whole batches, until `max_tokens` tokens each: its inputs
+    (args, kwargs, as given) and its output (the first element of a tuple) detached. Use as a context manager;
+    `calls[name]` is a list of (args, kwargs, output)."""
+
+    def __init__(self, model: nn.Module, module_names: Sequence[str], max_tokens: int) -> None:
+        self.model, self.names, self.max_tokens = model, list(dict.fromkeys(module_names)), max_tokens
+        self.calls: dict[str, list[tuple[tuple, dict, torch.Tensor]]] = {}
+        self.tokens: dict[str, int] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> ParentSampler:
+        for name in self.names:
+            hook = self._hook(name)
+            self._handles.append(self.model.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, name: str):
+        def hook(_module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+            if self.tokens.get(name, 0) >= self.max_tokens:
+                return
+            out = (output[0] if isinstance(output, tuple) else output).detach()
+            self.calls.setdefault(name, []).append((args, dict(kwargs), out))
+            self.tokens[name] = self.tokens.get(name, 0) + out.shape[:-1].numel()
+
+        return hook
+
+
+@torch.no_grad()
+def choose_scales_by_parent(
+    search: AlphaSearch,
+    parent: nn.Module,
+    calls: Sequence[tuple[tuple, dict, torch.Tensor]],
+    consumers: Sequence[tuple[str, nn.Linear]],
+    channel_index: torch.Tensor,
+    candidates: Sequence[torch.Tensor],
+) -> tuple[int, list[float]]:
+    """As `choose_scales`, with the error of `parent`'s output (`parent_output`): for each candidate s, every
+    consumer's weight is set to weight(W s) / s (its input columns' s, `channel_index`), `parent` runs again on
+    each recorded call and its squared difference from the recorded output is summed; the weights are restored
+    after the search. consumers: (name, Linear) of each quantized consumer, inside `parent`."""
+    weight = cast(QuantizedWeight, search.weight)
+    originals = [module.weight.data for _, module in consumers]
+    errors = []
+    try:
+        for factors in candidates:
+            s = factors.to(originals[0].device)[channel_index].float()
+            for (name, module), w in zip(consumers, originals):
+                module.weight.data = (weight(name, w.float() * s) / s).to(w.dtype)
+            err = 0.0
+            for args, kwargs, reference in calls:
+                out = parent(*args, **kwargs)
+                out = out[0] if isinstance(out, tuple) else out
+                err += float((out.float() - reference.float()).pow(2).sum())
+            errors.append(err)
+    finally:
+        for (_, module), w in zip(consumers, originals):
+            module.weight.data = w
+    return min(range(len(errors)), key=lambda i: (errors[i], i)), errors
 
 
 @torch.no_grad()

@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from typing import Protocol, cast
 
 import torch
@@ -44,11 +43,13 @@ from tqdm import tqdm
 from quantkit.calibrate.alpha_search import (
     AWQ_GRID,
     AlphaSearch,
+    ParentSampler,
     RowSampler,
     Rule,
     awq_factors,
-    choose_alpha,
     choose_scales,
+    choose_scales_by_parent,
+    parent_of,
     weight_mean,
 )
 from quantkit.calibrate.layers import (
@@ -396,6 +397,8 @@ def layer_factors(
     searched = [m for m in mappings if search is not None and _searchable(model, m)]
     rows: dict[str, torch.Tensor] = {}
     means: dict[str, torch.Tensor] = {}
+    parents = {m.name: parent_of(_quantized_consumers(m)) for m in searched if cast(AlphaSearch, search).parent_output}
+    parent_calls: dict[str, list] = {}
     if statistics is None:
         if stream is None:
             raise ValueError(f"layer {i}: SmoothQuant statistics need a calibration stream or cached statistics")
@@ -405,6 +408,7 @@ def layer_factors(
             RowSampler(
                 model, sample_at, search.max_rows if search else 0, means=search is not None and search.rule == Rule.AWQ
             ) as sampler,
+            ParentSampler(model, list(parents.values()), search.parent_tokens if search else 0) as parent_sampler,
         ):
             settling = Settling(observer, early_stop)
             chunks = stream.chunks
@@ -412,6 +416,7 @@ def layer_factors(
         last_change = settling.change[-1] if settling.change else 0.0
         statistics, rows = LayerStatistics(observer.maxima, settling.windows, last_change), sampler.rows
         means = {name: sampler.mean_abs(name) for name in sampler.abs_sum}
+        parent_calls = parent_sampler.calls
     elif searched:
         raise ValueError("the alpha search samples rows during the statistics pass; cached statistics have none")
     maxima = statistics.maxima
@@ -421,6 +426,23 @@ def layer_factors(
     sub_plan = MappingPlan("", tuple(mappings), ())
     _check_finite(sub_plan, maxima)
     _check_shared_input(sub_plan, maxima)
+
+    def least_error(m: SmoothMapping, candidates: list[torch.Tensor]) -> tuple[int, list[float]]:
+        """The searched mapping's candidate of least error and every candidate's error (`alpha_search`): the
+        consumers' products on the sampled rows, or with `parent_output` their parent's output."""
+        names = _quantized_consumers(m)
+        if m.name in parents:
+            linears = [(c, cast(nn.Linear, model.get_submodule(c))) for c in names]
+            index = m.channel_index(linears[0][1].in_features, linears[0][1].weight.device)
+            parent = parents[m.name]
+            return choose_scales_by_parent(
+                cast(AlphaSearch, search), model.get_submodule(parent), parent_calls[parent], linears, index, candidates
+            )
+        sampled = rows[m.consumers[0]]
+        quantized = [(c, input_weight(model.get_submodule(c)).detach()) for c in names]
+        index = m.channel_index(sampled.shape[-1], sampled.device)
+        return choose_scales(cast(AlphaSearch, search), sampled, quantized, index, candidates)
+
     factors, alphas, errors = [], {}, {}
     for m in mappings:
         channels = _smoothing_channels(model, m)
@@ -428,39 +450,27 @@ def layer_factors(
         w = _to_smoothing_channels(m, _weight_col_max(model, m).to(x.device), channels)
         alphas[m.name] = alpha
         if m in searched and cast(AlphaSearch, search).rule == Rule.AWQ:
-            sampled = rows[m.consumers[0]]
-            quantized = [
-                (c, input_weight(model.get_submodule(c)).detach()) for c in m.consumers if c not in m.fold_only
-            ]
+            quantized = [input_weight(model.get_submodule(c)).detach() for c in _quantized_consumers(m)]
             block_of = cast(Callable[[str], tuple[int, int]], cast(AlphaSearch, search).weight_block)
-            mean_w = weight_mean([w for _, w in quantized], [block_of(c) for c, _ in quantized])
+            mean_w = weight_mean(quantized, [block_of(c) for c in _quantized_consumers(m)])
             x_mean = _to_smoothing_channels(m, means[m.consumers[0]].to(x.device), channels)
             w_mean = _to_smoothing_channels(m, mean_w.to(x.device), channels)
             candidates = [awq_factors(x_mean, w_mean, ratio, duo) for ratio, duo in AWQ_GRID]
-            best, errors[m.name] = choose_scales(
-                cast(AlphaSearch, search),
-                sampled,
-                quantized,
-                m.channel_index(sampled.shape[-1], sampled.device),
-                candidates,
-            )
+            best, errors[m.name] = least_error(m, candidates)
             alphas[m.name] = AWQ_GRID[best][0]
             factors.append((m, candidates[best], x, w))
             continue
         if m in searched:
-            sampled = rows[m.consumers[0]]
-            quantized = [
-                (c, input_weight(model.get_submodule(c)).detach()) for c in m.consumers if c not in m.fold_only
-            ]
-            alphas[m.name], errors[m.name] = choose_alpha(
-                cast(AlphaSearch, search),
-                sampled,
-                quantized,
-                m.channel_index(sampled.shape[-1], sampled.device),
-                partial(smoothing_factors, x, w, power_of_two=power_of_two),
-            )
+            grid = cast(AlphaSearch, search).grid
+            best, errors[m.name] = least_error(m, [smoothing_factors(x, w, a, power_of_two) for a in grid])
+            alphas[m.name] = grid[best]
         factors.append((m, smoothing_factors(x, w, alphas[m.name], power_of_two), x, w))
     return LayerFactors(factors, statistics, alphas, errors)
+
+
+def _quantized_consumers(mapping: SmoothMapping) -> list[str]:
+    """The mapping's consumers that are quantized (not `fold_only`)."""
+    return [c for c in mapping.consumers if c not in mapping.fold_only]
 
 
 def statistics_entry(

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import quantkit.models  # noqa: F401
-from quantkit.calibrate.alpha_search import QuantizedProduct
+from quantkit.calibrate.alpha_search import QuantizedProduct, QuantizedWeight
 from quantkit.checkpoints import check_checkpoint_dir, read_state
 from quantkit.formats.checkpoint_tensors import check_quantized_tensors
 from quantkit.formats.experts import (
@@ -148,6 +148,11 @@ class FakeQuantExperts(torch.nn.Module):
         return out.to(hidden_states.dtype)
 
 
+def _served_scheme(recipe: Recipe, name: str):
+    """The scheme serving computes the recipe's Linear `name` with; None where the recipe keeps it unquantized."""
+    return None if recipe.ignores(name) else scheme_for(recipe.scheme_of(name))
+
+
 def quantized_product(recipe: Recipe, activations: bool = True) -> QuantizedProduct:
     """What serving computes for the recipe's Linear `name`, for SmoothQuant's alpha search
     (`quantkit.calibrate.alpha_search`): x (rows, K) and weight (N, K) float32 -> fake_quant(x) @
@@ -157,13 +162,26 @@ def quantized_product(recipe: Recipe, activations: bool = True) -> QuantizedProd
     (x @ fake_quant_weight(weight)^T; recipe key `smoothquant.search_weights_only`)."""
 
     def product(name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        scheme = None if recipe.ignores(name) else scheme_for(recipe.scheme_of(name))
+        scheme = _served_scheme(recipe, name)
         if scheme is None:
             return x @ weight.T
         x_served = scheme.fake_quant_activation(x) if activations else x
         return x_served @ scheme.fake_quant_weight(weight, name).T
 
     return product
+
+
+def quantized_weight(recipe: Recipe) -> QuantizedWeight:
+    """The recipe's Linear `name` weight as served, decoded: weight (N, K) float32 -> fake_quant_weight(weight),
+    (N, K) float32, with the module's scheme and min-max scales (the weight side of `quantized_product`); the
+    weight itself for a module the recipe keeps unquantized. For the parent-output search
+    (`quantkit.calibrate.alpha_search.choose_scales_by_parent`)."""
+
+    def weight_as_served(name: str, weight: torch.Tensor) -> torch.Tensor:
+        scheme = _served_scheme(recipe, name)
+        return weight if scheme is None else scheme.fake_quant_weight(weight, name)
+
+    return weight_as_served
 
 
 def read_quantization_config(model_dir: str | Path) -> dict:

@@ -30,7 +30,7 @@ from quantkit.data import calibration_windows, describe_calibration_source
 from quantkit.formats.constants import WeightScales
 from quantkit.formats.experts import EXPERT_MATRIX
 from quantkit.formats.schemes import Scheme, scheme_for
-from quantkit.quantize.fake_quant import quantized_product
+from quantkit.quantize.fake_quant import quantized_product, quantized_weight
 from quantkit.quantize.recipe import (
     PEER_MODIFIERS,
     Backend,
@@ -214,7 +214,9 @@ class QuantPlan:
             else SmoothQuantStep(
                 sq,
                 windows["smoothquant"],
-                recipe.smoothing_search(quantized_product(recipe, activations=not sq.search_weights_only)),
+                recipe.smoothing_search(
+                    quantized_product(recipe, activations=not sq.search_weights_only), quantized_weight(recipe)
+                ),
             ),
             gptq=None if recipe.gptq is None else GPTQStep(recipe.gptq, windows["gptq"]),
             static_scales=windows.get("activation scales"),

@@ -70,7 +70,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from quantkit.calibrate.alpha_search import AlphaSearch, QuantizedProduct, Rule
+from quantkit.calibrate.alpha_search import AlphaSearch, QuantizedProduct, QuantizedWeight, Rule
 from quantkit.calibrate.stats import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_LEN, EarlyStop
 from quantkit.configs import RECIPES_DIR
 from quantkit.data import default_calibration_source
@@ -219,6 +219,9 @@ class SmoothQuantSettings:
     # the searched error quantizes the consumers' weights only, activations in float32 (llm-compressor's AWQ: its
     # calibration forward runs with activation quantization disabled); default: both operands, as served
     search_weights_only: bool = False
+    # the searched error is the consumers' parent module's output (self_attn for q/k/v, mlp for gate/up), float32,
+    # the consumers' weights alone quantized: llm-compressor's AWQ objective (needs search_weights_only)
+    search_parent_output: bool = False
 
     def early_stop_rule(self) -> EarlyStop | None:
         """The statistics' early stop (`quantkit.calibrate.stats.EarlyStop`), None when off."""
@@ -326,16 +329,22 @@ class Recipe:
             and self.bit_budget is None
         )
 
-    def smoothing_search(self, product: QuantizedProduct) -> AlphaSearch | None:
+    def smoothing_search(self, product: QuantizedProduct, weight: QuantizedWeight | None = None) -> AlphaSearch | None:
         """How SmoothQuant searches each mapping's scales (`quantkit.calibrate.alpha_search`) with `product` the
-        served quantized product: the alpha grid, AWQ's scales (each consumer's weight block from its scheme), or
-        None (the recipe's alpha everywhere)."""
+        served quantized product and `weight` the served weight (for `search_parent_output`): the alpha grid, AWQ's
+        scales (each consumer's weight block from its scheme), or None (the recipe's alpha everywhere)."""
         sq = self.smoothquant
         if sq is None or not sq.searched:
             return None
         if sq.scales == Rule.AWQ:
-            return AlphaSearch(product, rule=Rule.AWQ, weight_block=self.weight_block_of)
-        return AlphaSearch(product)
+            return AlphaSearch(
+                product,
+                rule=Rule.AWQ,
+                weight_block=self.weight_block_of,
+                parent_output=sq.search_parent_output,
+                weight=weight,
+            )
+        return AlphaSearch(product, parent_output=sq.search_parent_output, weight=weight)
 
     def weight_block_of(self, module_name: str) -> tuple[int, int]:
         """The (rows, columns) one weight decode scale covers in `module_name` (its scheme's; the recipe's scheme's
@@ -447,6 +456,11 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     if smoothquant is not None and smoothquant.search_weights_only and not smoothquant.searched:
         raise ValueError(
             f"{source}: smoothquant.search_weights_only needs a search (scales: awq or search_alpha: true)"
+        )
+    if smoothquant is not None and smoothquant.search_parent_output and not smoothquant.search_weights_only:
+        raise ValueError(
+            f"{source}: smoothquant.search_parent_output runs the parent module in float32, activations unquantized: "
+            "set search_weights_only: true with it"
         )
     if rotation is not None and smoothquant is not None and smoothquant.searched:
         key = "search_alpha" if smoothquant.search_alpha else "scales: awq"
