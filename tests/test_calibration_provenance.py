@@ -42,6 +42,7 @@ def test_smoothquant_recipes_default_to_the_paper_count():
         "w4a4_nvfp4_static_awq",
         "w4a4_nvfp4_static_awq_parent",
         "w4a4_nvfp4_static_awq_wonly",
+        "w4a4_nvfp4_static_awq_wonly_gptq_mse",
         "w8a8_fp8_block_sq",
     ]
     for name in sq:  # SmoothQuant's scales: the paper's count; AWQ's: llm-compressor's examples' 256 x 512
@@ -139,6 +140,7 @@ def test_the_method_comparison_study_loads_with_one_label_per_method():
             "W4A4 (static)",
             "W4A4+AWQ (static)",
             "W4A4+AWQ(W) (static)",
+            "W4A4+AWQ(W)+MSE+GPTQ (static)",
             "W4A4+AWQ(parent) (static)",
         ]
     )
