@@ -59,6 +59,7 @@ def test_smoothquant_recipes_default_to_the_paper_count():
     assert describe(calibration_sets(load_recipe("fp8_block_ct"))) == "none"  # llmcompressor FP8_BLOCK: dynamic
     assert describe(calibration_sets(load_recipe("nvfp4_ct_gptq"))) == "128x512 gptq+scales"  # one set, two uses
     assert describe(calibration_sets(load_recipe("nvfp4_ct_awq"))) == "64x512 awq+scales"
+    assert describe(calibration_sets(load_recipe("nvfp4_ct_awq_gptq"))) == "128x512 awq+gptq+scales"  # GPTQ's
     assert describe(calibration_sets(load_recipe("w4a4_nvfp4_awq"))) == "256x512 awq"  # quantkit's AWQ: its own name
 
 
@@ -136,6 +137,7 @@ def test_the_method_comparison_study_loads_with_one_label_per_method():
             "W4A4/W8A8/BF16@5b",
             "nvfp4_ct_gptq",
             "nvfp4_ct_awq",
+            "nvfp4_ct_awq_gptq",
             "nvfp4_ct",
             "W4A4 (static)",
             "W4A4+AWQ (static)",

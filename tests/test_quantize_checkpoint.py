@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -430,6 +431,18 @@ def test_llmcompressor_peer_transforms(source, tmp_path):
     blocks = {f"model.layers.{i}.{b}" for i in range(layers) for b in ("self_attn", "mlp")}
     assert set(awq_quality["block_snr_db"]) == blocks
     assert all(db > 6 for db in awq_quality["block_snr_db"].values()), awq_quality["block_snr_db"]
+
+    # AWQ then GPTQ (recipe nvfp4_ct_awq_gptq): both run, in that order, on one set of windows (GPTQ's); the peer's
+    # own record of what it ran (recipe.yaml) lists them, and AWQ's scales are folded into the norms as above
+    awq_gptq = parse_recipe(
+        {**peer, "name": "awq_gptq", "gptq": small, "peer_modifiers": {"AWQModifier": {"n_grid": 5}}}
+    )
+    assert [s["use"] for s in calibration_sets(awq_gptq)] == ["awq and gptq and activation scales"]
+    out = quantize_checkpoint(llama, awq_gptq, tmp_path / "awq_gptq")
+    ran = yaml.safe_load((out / "recipe.yaml").read_text())["default_stage"]["default_modifiers"]
+    assert list(ran) == ["AWQModifier", "GPTQModifier"] and ran["GPTQModifier"]["scheme"] == "NVFP4"
+    state = load_file(out / "model.safetensors")
+    assert any(not torch.equal(state[k], src[k]) for k in norms), "AWQ folded no scales into any norm"
 
     spin = parse_recipe(
         {
