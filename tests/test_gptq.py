@@ -297,3 +297,66 @@ def test_gptq_with_searched_scales_streams_the_same_bytes(tmp_path):
     assert all(torch.equal(v.view(torch.uint8), stream[k].view(torch.uint8)) for k, v in whole.items())
     scales = [k for k in whole if k.endswith(".weight_scale")]
     assert scales and any(not torch.equal(whole[k].view(torch.uint8), minmax[k].view(torch.uint8)) for k in scales)
+
+
+def test_gptq_after_a_fold_reads_the_folded_inputs(tmp_path, monkeypatch):
+    """GPTQ composed with a fold (SmoothQuant's or AWQ's scales, `w4a4_nvfp4_sq_gptq`,
+    `w4a4_nvfp4_static_awq_wonly_gptq_mse`) runs on the folded model: the Hessian GPTQ uses for layer 0's q_proj is
+    that of its smoothed input x / s, diag(1/s) H_raw diag(1/s), with s read back from the checkpoint's folded norm
+    (source norm / stored norm, float32). The other order is a real defect: llm-compressor 0.14 stacks AWQ -> GPTQ
+    with the Hessians accumulated in the calibration pass before AWQ folds (its KL on SmolLM2: 1.7x plain W4A4's,
+    docs/results/methods-study-smollm.md).
+    Tolerance, per entry (i, j), relative to sqrt(H_ii H_jj) (Cauchy-Schwarz bounds sum |x_i x_j| by it): each
+    Hessian is float32 products summed over <= 256 tokens a batch (<= 256 x 2**-24 = 1.5e-5 each, two Hessians),
+    the fold's float32 rounding of x / s (a few 2**-24): 1e-4 bounds it with 3x margin. A Hessian in the raw
+    coordinates misses by |1/(s_i s_j) - 1|, asserted far larger (the smoothing scales are not ~1)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import quantkit.quantize.gptq as gptq_module
+    from quantkit.models.tiny import build_tiny_stock_checkpoint
+    from quantkit.quantize.checkpoint import quantize_checkpoint
+
+    source = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
+    recorded: dict[str, torch.Tensor] = {}
+    layers, hessians = gptq_module.gptq_layers, gptq_module._layer_hessians
+
+    def record_tokens(model, tokens, *args, **kwargs):
+        recorded["tokens"] = tokens.clone()
+        return layers(model, tokens, *args, **kwargs)
+
+    def record_hessians(layer, i, stream, linears, experts):
+        found = hessians(layer, i, stream, linears, experts)
+        if i == 0:
+            recorded["h"] = found["model.layers.0.self_attn.q_proj"].clone()
+        return found
+
+    monkeypatch.setattr(gptq_module, "gptq_layers", record_tokens)
+    monkeypatch.setattr(gptq_module, "_layer_hessians", record_hessians)
+    recipe = tmp_path / "sq_gptq_small.yaml"
+    recipe.write_text(
+        "name: sq_gptq_small\nscheme: nvfp4\nsmoothquant: {alpha: 0.5, num_sequences: 8, seq_len: 32}\n"
+        "gptq: {num_sequences: 8, seq_len: 32}\n"
+    )
+    out = quantize_checkpoint(source, str(recipe), tmp_path / "q")
+
+    norm = "model.layers.0.input_layernorm.weight"
+    source_norm, folded_norm = load_file(source / "model.safetensors")[norm], load_file(out / "model.safetensors")[norm]
+    assert source_norm.dtype == folded_norm.dtype == torch.float32
+    s = source_norm.double() / folded_norm.double()  # the smoothing scales SmoothQuant folded into the norm
+    assert (s - 1).abs().max() > 0.1, "nothing was smoothed: the test would not tell the two orders apart"
+
+    model = AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.float32).eval()
+    inputs = []
+    handle = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, o: inputs.append(a[0]))
+    with torch.no_grad():
+        model(recorded["tokens"])
+    handle.remove()
+    x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs]).double()
+    raw = 2 * x.T @ x / x.shape[0]  # the source model's (unsmoothed) Hessian on the same windows
+
+    h = recorded["h"]
+    scale = torch.sqrt(torch.outer(h.diagonal(), h.diagonal()))
+    folded = raw / torch.outer(s, s)
+    assert ((h - folded).abs() / scale).max() <= 1e-4
+    assert ((h - raw).abs() / scale).max() > 100 * 1e-4  # the raw coordinates would be caught
