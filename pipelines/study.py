@@ -894,16 +894,25 @@ def study_results(study: Study) -> dict[str, Any]:
 
 def method_baseline(recipe: str, recipes: Sequence[str]) -> str | None:
     """The recipe a method row is judged against: the first round-to-nearest recipe of `recipes` with the same
-    scheme (plain W4A4 for W4A4+SQ, W4A4/W8A8 mixed, and for a peer's NVFP4 rows, whose preset takes the same
-    weight format: `PEER_FORMATS`); None for bf16, a plain recipe itself, a peer preset without a quantkit
-    format, or a study without the plain one."""
+    weight format (`Scheme.weight_grid`: plain W4A4 for W4A4+SQ, W4A4/W8A8 mixed, Four Over Six, and for a
+    peer's NVFP4 rows, whose preset takes the same weight format: `PEER_FORMATS`); None for bf16, a plain recipe
+    itself, a peer preset without a quantkit format, or a study without the plain one."""
+    from quantkit.formats.schemes import SCHEMES
     from quantkit.quantize.recipe import PEER_FORMATS, load_recipe
 
     rec = load_recipe(recipe)
     if rec.scheme == UNQUANTIZED or rec.round_to_nearest:
         return None
     scheme = rec.scheme if rec.backend == Backend.QUANTKIT else PEER_FORMATS.get(rec.scheme)
-    return next((r for r in recipes if load_recipe(r).round_to_nearest and load_recipe(r).scheme == scheme), None)
+    if scheme is None:
+        return None
+    grid = SCHEMES[scheme].weight_grid
+
+    def is_plain(r: str) -> bool:
+        rec = load_recipe(r)
+        return rec.round_to_nearest and SCHEMES[rec.scheme].weight_grid == grid
+
+    return next((r for r in recipes if is_plain(r)), None)
 
 
 HISTORY_FILE = "history.json"  # per measured row: [{avg, date, host, suite}, ...], one entry per evaluation read

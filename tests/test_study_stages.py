@@ -227,8 +227,9 @@ def test_eval_checks_servability_before_any_work(tiny_checkpoint, tmp_path, monk
 
 def test_a_method_row_is_judged_against_the_plain_recipe_of_its_format():
     """`method_baseline`: quantkit's methods against the plain round-to-nearest recipe of their scheme; a peer's
-    NVFP4 / FP8-block rows against quantkit's plain recipe of the same weight format (`PEER_FORMATS`); nothing for
-    BF16, a plain recipe itself, a format quantkit has no plain recipe of, or a study without the plain one."""
+    NVFP4 / FP8-block rows against quantkit's plain recipe of the same weight format (`PEER_FORMATS`), Four Over Six
+    (its own scheme, NVFP4's weight grid) against plain NVFP4; nothing for BF16, a plain recipe itself, a format
+    quantkit has no plain recipe of, or a study without the plain one."""
     from quantkit.pipelines.study import method_baseline
 
     recipes = ["bf16", "w4a4_nvfp4", "w8a8_fp8_block", "w4a4_nvfp4_awq", "nvfp4_ct_awq", "fp8_block_ct"]
@@ -236,7 +237,15 @@ def test_a_method_row_is_judged_against_the_plain_recipe_of_its_format():
     assert method_baseline("nvfp4_ct_awq", recipes) == "w4a4_nvfp4"
     assert method_baseline("fp8_block_ct", recipes) == "w8a8_fp8_block"
     assert method_baseline("mixed_fp8_attn_nvfp4", recipes) == "w4a4_nvfp4"
+    assert method_baseline("w4a4_nvfp4_46", recipes) == "w4a4_nvfp4"  # Four Over Six: NVFP4's weights, a method
     for recipe in ("bf16", "w4a4_nvfp4"):
         assert method_baseline(recipe, recipes) is None
     assert method_baseline("fp8_pc_pt_modelopt", [*recipes, "fp8_pc_pt_modelopt"]) is None
     assert method_baseline("nvfp4_ct_awq", ["bf16", "nvfp4_ct_awq"]) is None
+    from dataclasses import replace
+
+    from quantkit.formats.constants import WeightScales
+    from quantkit.quantize.recipe import load_recipe
+
+    four_over_six_activations = replace(load_recipe("w4a4_nvfp4_46"), weight_scales=WeightScales.MINMAX)
+    assert not four_over_six_activations.round_to_nearest  # min-max weights, but 4/6 activations: a method

@@ -315,11 +315,13 @@ class Recipe:
 
     @property
     def round_to_nearest(self) -> bool:
-        """Whether this is a scheme's plain recipe: quantkit's own numerics, one scheme for every module, min-max
-        scales, dynamic activations, no SmoothQuant, rotation or GPTQ (the baseline a method row is judged against)."""
+        """Whether this is a scheme's plain recipe: quantkit's own numerics, one scheme for every module and no
+        method in its activation rule (not Four Over Six: `Scheme.method`), min-max scales, dynamic activations,
+        no SmoothQuant, rotation or GPTQ (the baseline a method row is judged against)."""
         return (
             self.backend == Backend.QUANTKIT
             and self.scheme != UNQUANTIZED
+            and not SCHEMES[self.scheme].method
             and not self.module_schemes
             and self.weight_scales == WeightScales.MINMAX
             and not self.static_activations
