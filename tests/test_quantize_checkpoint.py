@@ -410,7 +410,7 @@ def test_llmcompressor_peer_transforms(source, tmp_path):
     from quantkit.quantize.quality import quality_table
     from quantkit.quantize.recipe import parse_recipe
 
-    llama = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
+    llama = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0, dtype=torch.bfloat16)
     src = load_file(llama / "model.safetensors")
     small = {"num_sequences": 4, "seq_len": 64}
     peer = {"scheme": "NVFP4", "backend": "llmcompressor"}
@@ -421,6 +421,12 @@ def test_llmcompressor_peer_transforms(source, tmp_path):
     # AWQ divides each smoothed norm's weight by its searched scales (all positive, normalised to geometric mean 1):
     # a norm it smoothed differs from the source, one it skipped is bit-identical
     assert any(not torch.equal(state[k], src[k]) for k in norms), "AWQ folded no scales into any norm"
+    # llm-compressor runs on a float32 copy; what it does not quantize is saved in the source's bfloat16 (the
+    # embedding bit-identical), and the config says so: a float32 save is twice the size of the user's checkpoint
+    unquantized = {k: t.dtype for k, t in state.items() if k.endswith((".weight", ".bias"))}
+    assert set(unquantized.values()) == {torch.bfloat16}, unquantized
+    assert torch.equal(state["model.embed_tokens.weight"], src["model.embed_tokens.weight"])
+    assert json.loads((tmp_path / "awq" / "config.json").read_text())["dtype"] == "bfloat16"
     # `quantkit quality` reads the peer's checkpoint (quantize.peer_fake_quant): KL and block SNR; no per-projection
     # SNR, since the AWQ scales in its norms are not recorded (its projections' inputs are not the source's). Sanity
     # bound, not a measurement: NVFP4 rounds each element to within 1/4 of its group's scale step, so a block's
@@ -465,8 +471,12 @@ def test_llmcompressor_peer_transforms(source, tmp_path):
     embed = embed - embed.mean(-1, keepdim=True)  # SpinQuant centers the embedding rows first
     rotated = load_file(out / "model.safetensors")["model.embed_tokens.weight"].float()
     # each output is a sum of 16 products +-e/4: float32 rounding of our centering and transform, and of the peer's
-    # float64 result, each ~2**-24 relative per term: 16 terms bound the difference by 2**-20 x max|e|
-    assert (block_hadamard(embed, 16) - rotated).abs().max() <= 2.0**-20 * embed.abs().max()
+    # float64 result, each ~2**-24 relative per term: 16 terms bound that difference by 2**-20 x max|e|; the peer's
+    # result is then stored in the source's bfloat16, rounding each element by <= 2**-8 of itself (the unit
+    # roundoff of its 8-bit significand), so |ours - stored| <= 2**-8 |ours| + (1 + 2**-8) 2**-20 max|e|, under
+    # 2**-8 |ours| + 2**-19 max|e|
+    ours = block_hadamard(embed, 16)
+    assert ((ours - rotated).abs() <= 2.0**-8 * ours.abs() + 2.0**-19 * embed.abs().max()).all()
 
     with pytest.raises(BackendError, match=r"sequential pipeline.*'quantkit'"):
         quantize_checkpoint(source, dataclasses.replace(awq, name="awq_zoo"), tmp_path / "awq_zoo")

@@ -23,7 +23,7 @@ from llmcompressor import oneshot
 from llmcompressor.modifiers import transform
 from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 from llmcompressor.pipelines.cache import IntermediatesCache
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from quantkit.models.attention import load_reference_model  # registers model_type "quantkit"
 
@@ -31,8 +31,9 @@ from quantkit.models.attention import load_reference_model  # registers model_ty
 def main(job_path: str) -> None:
     """Run JOB.json: llmcompressor's oneshot() with the job's transform modifiers, then its scheme (by GPTQ when the
     job has "gptq"), on the float32 model (calibrated on its token windows (N, T) when given), saved compressed with
-    the tokenizer to the job's out directory."""
+    the tokenizer to the job's out directory, its unquantized tensors in the source's dtype (`in_source_dtype`)."""
     job = json.loads(Path(job_path).read_text())
+    source_dtype = AutoConfig.from_pretrained(job["model"]).dtype
     model = load_reference_model(job["model"], torch.float32)
     if not torch.accelerator.is_available():  # no device to copy to: nothing to pin (module docstring)
         IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
@@ -57,8 +58,24 @@ def main(job_path: str) -> None:
         )
     else:
         oneshot(model=model, recipe=recipe)
+    in_source_dtype(model, source_dtype)
     model.save_pretrained(job["out"], save_compressed=True)
     AutoTokenizer.from_pretrained(job["model"]).save_pretrained(job["out"])
+
+
+def in_source_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> None:
+    """Cast what llm-compressor did not quantize (embeddings, norms, biases, ignored layers such as lm_head) from the
+    float32 copy it ran on back to the source's `dtype`, and record that dtype in the config: the checkpoint a
+    user's run on the source saves, not one twice its size. A quantized module (one with a `quantization_scheme`)
+    keeps its float32 weight and scales, which compression turns into codes, and casts only its bias."""
+    if dtype is None or dtype == torch.float32:
+        return
+    for module in model.modules():
+        quantized = getattr(module, "quantization_scheme", None) is not None
+        for name, param in module.named_parameters(recurse=False):
+            if param.is_floating_point() and (not quantized or name == "bias"):
+                param.data = param.data.to(dtype)
+    model.config.dtype = dtype
 
 
 if __name__ == "__main__":
