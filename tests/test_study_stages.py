@@ -174,6 +174,36 @@ def test_rows_arrive_early(tmp_path):
     assert study.expected("eval") == ""
 
 
+def test_a_resumed_run_renders_the_report_only_where_something_changed(tmp_path, monkeypatch):
+    """`Study.run` locally: the report renders at its first place in the order (this run's spec), after a stage
+    that ran, and at the end; a report whose preceding stages were all cached would render the same rows again."""
+    study = _study(tmp_path)
+    work = [(stage.name, label, recipe) for stage, label, recipe in study.work(STAGES)]
+    assert [i for i, w in enumerate(work) if w[0] == "report"] == [4, 8, 13, 17]
+    done: list[tuple[str, str | None, str | None]] = []
+
+    def do(self, stage, label, recipe):  # every stage cached but the first model's W4A4 evaluation
+        done.append((stage.name, label, recipe))
+        return (stage.name, label, recipe) == ("eval", "a", "w4a4_nvfp4")
+
+    monkeypatch.setattr(Study, "_do", do)
+    study.run()
+    taken = _positions(work, done)
+    assert len(taken) == len(done)  # done is work in order, with some reports left out
+    assert [i for i in taken if work[i][0] != "report"] == [i for i, w in enumerate(work) if w[0] != "report"]
+    assert sorted(i for i in taken if work[i][0] == "report") == [4, 8, 17]  # first, after the eval that ran, last
+
+
+def _positions(work: list, done: list) -> set[int]:
+    """The indices of `work` that `done` (a subsequence of it, in order) took."""
+    out, i = set(), 0
+    for n, w in enumerate(work):
+        if i < len(done) and done[i] == w:
+            out.add(n)
+            i += 1
+    return out
+
+
 def test_artifacts_are_the_run_directory_layout(tmp_path):
     study = _study(tmp_path)
     run = study.dir
