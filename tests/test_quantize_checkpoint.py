@@ -17,6 +17,7 @@ from quantkit.checkpoints import CheckpointError
 from quantkit.formats import dequantize_fp8_block, quantize_fp8_block, quantize_nvfp4_weight
 from quantkit.quantize.checkpoint import quantize_checkpoint
 from quantkit.quantize.fake_quant import FakeQuantLinear, load_fake_quant_model
+from quantkit.quantize.recipe import CalibrationSettings
 
 IDS = torch.tensor([[0, 5, 9, 44, 100, 7, 300, 12, 81, 3]])
 
@@ -482,18 +483,26 @@ def test_llmcompressor_peer_transforms(source, tmp_path):
         quantize_checkpoint(source, dataclasses.replace(awq, name="awq_zoo"), tmp_path / "awq_zoo")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_modelopt_search_algorithms_are_refused_without_cuda(source, tmp_path):
-    """ModelOpt 0.42's AWQ and MSE calibrations fake-quantize NVFP4 with CUDA kernels only (its own assertion on CPU:
-    "amax must be a CUDA tensor for dynamic block quantization"): refused before the model loads, naming the way
-    out, and nothing written."""
-    from quantkit.errors import BackendError
+def test_modelopt_search_algorithms_run_on_cpu(source, tmp_path):
+    """ModelOpt 0.42's AWQ and MSE calibrations run without a GPU on quantkit.quantize.modelopt_cpu's transcriptions
+    of its NVFP4 kernels (tests/test_modelopt_cpu.py checks them against ModelOpt's code): AWQ-lite exports
+    NVFP4_AWQ with per-channel pre_quant_scale tensors (where a norm could not take them); MSE exports NVFP4 whose
+    weight scales differ from max calibration's (its search moved them: the candidates, 0.25..4 x max in 0.1 steps,
+    do not include 1 x max)."""
     from quantkit.quantize.recipe import load_recipe
 
-    for name in ("nvfp4_modelopt_awq", "nvfp4_modelopt_mse"):
-        with pytest.raises(BackendError, match=r"calibration needs a CUDA GPU.*nvfp4_modelopt \(max calibration\)"):
-            quantize_checkpoint(source, load_recipe(name), tmp_path / name)
-        assert not (tmp_path / name).exists()
+    calibration = CalibrationSettings(num_sequences=4, seq_len=64)
+    out = {}
+    for name in ("nvfp4_modelopt", "nvfp4_modelopt_awq", "nvfp4_modelopt_mse"):
+        recipe = dataclasses.replace(load_recipe(name), calibration=calibration)
+        out[name] = quantize_checkpoint(source, recipe, tmp_path / name)
+    algo = {n: json.loads((d / "config.json").read_text())["quantization_config"]["quant_algo"] for n, d in out.items()}
+    assert algo == {"nvfp4_modelopt": "NVFP4", "nvfp4_modelopt_awq": "NVFP4_AWQ", "nvfp4_modelopt_mse": "NVFP4"}
+    awq = load_file(out["nvfp4_modelopt_awq"] / "model.safetensors")
+    assert any(key.endswith(".pre_quant_scale") for key in awq)
+    plain, mse = (load_file(out[n] / "model.safetensors") for n in ("nvfp4_modelopt", "nvfp4_modelopt_mse"))
+    scales = [k for k in plain if k.endswith(".weight_scale")]
+    assert scales and any(not torch.equal(plain[k].view(torch.uint8), mse[k].view(torch.uint8)) for k in scales)
 
 
 def test_modelopt_export(source, tmp_path):

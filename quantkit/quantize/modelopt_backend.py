@@ -12,8 +12,9 @@ plus `hf_quant_config.json`), which vLLM serves (on CPU too: docs/serving.md). W
 ModelOpt's own failures (and a missing nvidia-modelopt) raise BackendError naming the recipe.
 
 A recipe's `peer_modifiers` may name one of ModelOpt's calibration algorithms instead of "max" (`awq_lite`, as
-NVFP4_AWQ_LITE_CFG; `awq_clip`, `awq_full`, `mse`; recipe.PEER_MODIFIERS). ModelOpt 0.42 runs them on CUDA only:
-their search fake-quantizes NVFP4 with its CUDA kernels, so on a CPU-only machine they are refused up front.
+NVFP4_AWQ_LITE_CFG; `awq_clip`, `awq_full`, `mse`; recipe.PEER_MODIFIERS). Their searches fake-quantize NVFP4
+with Triton kernels ModelOpt 0.42 loads on CUDA only; without a GPU they run on `quantkit.quantize.modelopt_cpu`'s
+torch transcriptions of those kernels (ModelOpt's algorithms unchanged).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from quantkit.atomic import atomic_dir
 from quantkit.checkpoints import write_source_record
 from quantkit.errors import BackendError
 from quantkit.models.attention import load_reference_model
+from quantkit.quantize.modelopt_cpu import modelopt_fp4_on_cpu
 from quantkit.quantize.plan import calibration_windows_of
 from quantkit.quantize.recipe import Recipe
 
@@ -76,12 +78,6 @@ def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Pa
     except ImportError as err:
         raise BackendError(f"recipe {recipe.name} needs nvidia-modelopt ({err}): pip install -e '.[backends]'") from err
 
-    if recipe.peer_modifiers and not torch.cuda.is_available():
-        raise BackendError(
-            f"recipe {recipe.name}: ModelOpt's {recipe.peer_modifiers[0][0]} calibration needs a CUDA GPU (its "
-            "search fake-quantizes NVFP4 with CUDA kernels only: 'amax must be a CUDA tensor for dynamic block "
-            "quantization'); on this machine use nvfp4_modelopt (max calibration) or llm-compressor's nvfp4_ct_awq"
-        )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_reference_model(model_dir, torch.bfloat16)
     # ModelOpt calibrates every preset: one set of windows (`quantkit.quantize.plan.SCALE_CALIBRATION`)
@@ -95,7 +91,7 @@ def quantize_with_modelopt(model_dir: Path, recipe: Recipe, out_dir: Path) -> Pa
 
     with atomic_dir(out_dir, overwrite=True) as tmp:
         try:
-            with _cpu_safe_fp4_check():
+            with _cpu_safe_fp4_check(), modelopt_fp4_on_cpu():
                 mtq.quantize(model, modelopt_config(recipe, model), forward_loop)
                 export_hf_checkpoint(model, export_dir=str(tmp))
         except Exception as err:  # ModelOpt raises its own and torch's error types
