@@ -550,6 +550,80 @@ def test_quality_reads_a_peers_nvfp4_layer_as_vllm_serves_it():
         assert torch.equal(ours(x), served.apply_weights(layer, x, bias))
 
 
+@pytest.fixture
+def one_rank_vllm():
+    """vLLM's parallel state for one rank in this process (what its parameters' loaders read), torn down after."""
+    import socket
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+        initialize_model_parallel(1)
+        try:
+            yield
+        finally:
+            destroy_model_parallel()
+            destroy_distributed_environment()
+
+
+def test_modelopt_awq_layer_is_the_nvfp4_layer_on_the_scaled_input(one_rank_vllm):
+    """vLLM serves ModelOpt's NVFP4_AWQ (`quantkit.serve.modelopt_awq`): a layer storing pre_quant_scale p computes,
+    bit for bit, what vLLM's own NVFP4 layer with the same tensors computes on p * x (the product rounded to x's
+    dtype once, as ModelOpt's input quantizer takes it); a layer without p (folded into a norm) is the NVFP4 layer
+    itself. A fused projection (q/k/v) whose parts store different factors is refused at load."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.quantization import modelopt
+
+    from quantkit.serve import modelopt_awq
+    from quantkit.serve.cpu.peer_kernels import register_cpu_emulation_kernels
+
+    register_cpu_emulation_kernels()
+    modelopt_awq.install()
+    torch.manual_seed(0)
+    n, k = 48, 64
+    stored = dict(
+        weight=torch.randint(0, 256, (n, k // 2), dtype=torch.uint8),
+        weight_scale=(torch.rand(n, k // NVFP4_GROUP) * 4 + 0.25).to(torch.float8_e4m3fn),
+        weight_scale_2=torch.tensor([0.02]),
+        input_scale=torch.tensor([0.05]),
+    )
+    p = (torch.rand(k) * 3 + 0.2).to(torch.bfloat16)
+
+    def served(algo: str, tensors: dict[str, torch.Tensor], partitions=(n,)):
+        method = modelopt.build_linear_method(SimpleNamespace(group_size=NVFP4_GROUP), algo, "o_proj")
+        layer = torch.nn.Module()
+        method.create_weights(layer, k, list(partitions), k, sum(partitions), torch.bfloat16, weight_loader=None)
+        for name, value in tensors.items():
+            getattr(layer, name).load_row_parallel_weight(value)
+        if tensors:
+            method.process_weights_after_loading(layer)
+        return method, layer
+
+    (awq, a), (nvfp4, b) = served("NVFP4_AWQ", {**stored, "pre_quant_scale": p}), served("NVFP4", stored)
+    (folded, c) = served("NVFP4_AWQ", stored)
+    for rows in (1, 7):
+        x = torch.randn(rows, k).to(torch.bfloat16) * 4
+        assert torch.equal(awq.apply(a, x), nvfp4.apply(b, x * p))
+        assert not torch.equal(awq.apply(a, x), nvfp4.apply(b, x))
+        assert torch.equal(folded.apply(c, x), nvfp4.apply(b, x))
+    _, fused = served("NVFP4_AWQ", {}, partitions=(n, n // 2, n // 2))
+    fused.pre_quant_scale.load_qkv_weight(p, shard_id="q")
+    fused.pre_quant_scale.load_qkv_weight(p.clone(), shard_id="k")
+    with pytest.raises(ValueError, match="fused projections of one layer store different pre_quant_scale"):
+        fused.pre_quant_scale.load_qkv_weight(p * 2, shard_id="v")
+
+
 @pytest.mark.parametrize(
     "recipe, kernel, source",
     [
@@ -561,6 +635,8 @@ def test_quality_reads_a_peers_nvfp4_layer_as_vllm_serves_it():
         # ModelOpt's exports: vLLM's modelopt method, NVFP4 through the same emulation kernel, FP8 per channel / per
         # token through vLLM's own CPU FP8 path (which logs no kernel name); a 16-bit engine (vLLM refuses float32)
         ("nvfp4_modelopt", "DecodedOnceNvFp4LinearKernel", "llama"),
+        # its AWQ-lite: NVFP4_AWQ, o_proj's pre_quant_scale unfolded under GQA (quantkit.serve.modelopt_awq)
+        ("nvfp4_modelopt_awq", "DecodedOnceNvFp4LinearKernel", "llama"),
         ("fp8_pc_pt_modelopt", None, "llama"),
     ],
 )
@@ -587,6 +663,10 @@ def test_peer_checkpoints_served_on_cpu(recipe, kernel, source, sources, tmp_pat
     quantized = quantize_checkpoint(sources[source], parse_recipe(data), tmp_path / recipe)
     method = json.loads((quantized / "config.json").read_text())["quantization_config"]["quant_method"]
     assert method == ("modelopt" if data["backend"] == "modelopt" else "compressed-tensors")
+    if recipe == "nvfp4_modelopt_awq":  # served with an unfolded factor: GQA leaves o_proj's
+        from safetensors.torch import load_file
+
+        assert any(k.endswith("o_proj.pre_quant_scale") for k in load_file(quantized / "model.safetensors"))
     tok = AutoTokenizer.from_pretrained(quantized)
     dtype = "bfloat16" if method == "modelopt" else "float32"
     run = generate(

@@ -22,8 +22,9 @@ TRACE_ENV = "QUANTKIT_PLUGIN_TRACE"
 
 def register() -> None:
     """Register quantkit's config type with transformers, its architectures, its quantization method
-    (`quant_method: "quantkit"`), CPU emulation kernels for the peers' formats, float32 loading of SmoothQuant's folded
-    norm weights (`quantkit.serve.float32_norms`), the module names of transformers 5 for vLLM's stock classes
+    (`quant_method: "quantkit"`), CPU emulation kernels for the peers' formats, ModelOpt's NVFP4_AWQ exports
+    (`quantkit.serve.modelopt_awq`), float32 loading of SmoothQuant's folded norm weights
+    (`quantkit.serve.float32_norms`), the module names of transformers 5 for vLLM's stock classes
     (`quantkit.serve.stock_names`), prompt log-probabilities from a requested position on
     (`quantkit.serve.prompt_logprobs`), and, on CPUs without bf16 matmuls,
     the batched Gated DeltaNet prefill conv (`quantkit.serve.cpu.gdn`) and float32 compute for unquantized bf16
@@ -33,13 +34,14 @@ def register() -> None:
 
     import quantkit.models
     import quantkit.serve.quant_method  # noqa: F401  (@register_quantization_config("quantkit"))
-    from quantkit.serve import float32_norms, prompt_logprobs, stock_names
+    from quantkit.serve import float32_norms, modelopt_awq, prompt_logprobs, stock_names
     from quantkit.serve.cpu import gdn as gdn_cpu
     from quantkit.serve.cpu import heap as cpu_heap
     from quantkit.serve.cpu import linear as cpu_linear
     from quantkit.serve.cpu.peer_kernels import register_cpu_emulation_kernels
 
     register_cpu_emulation_kernels()
+    modelopt_awq.install()
     float32_norms.install()
     stock_names.install()
     prompt_logprobs.install()
