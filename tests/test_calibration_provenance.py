@@ -139,6 +139,8 @@ def test_the_method_comparison_study_loads_with_one_label_per_method():
             "nvfp4_ct_awq",
             "nvfp4_ct_awq_gptq",
             "nvfp4_ct",
+            "nvfp4_modelopt_mse",
+            "nvfp4_modelopt_awq",
             "W4A4 (static)",
             "W4A4+AWQ (static)",
             "W4A4+AWQ(W) (static)",
