@@ -181,6 +181,26 @@ def test_study_kl_pairs_compares_rows_window_by_window(tmp_path):
     assert cells[-1] == "4/4" and float(cells[2].rstrip("x")) < 1 and cells[3].startswith("-"), row
 
 
+def test_posthoc_pairs_compares_rows_item_by_item_under_holm(tmp_path):
+    """benchmarks/posthoc_pairs.py on a synthetic study of one benchmark of 200 items: row `far` gains 40 items over
+    the base row and loses none (+20 points: the paired bootstrap's p is its floor, 1/10001, and Holm over two doubles
+    it at most), row `same` is the base row itself (+0.00, Holm p 1); a missing row is refused with exit code 2."""
+    from test_verdicts import write_run
+
+    base = [1.0] * 100 + [0.0] * 100
+    for recipe, scores in (("base", base), ("far", [1.0] * 140 + [0.0] * 60), ("same", base)):
+        write_run(tmp_path / "evals", f"m-{recipe}", {"B": {"b": scores}})
+    command = [sys.executable, str(REPO / "benchmarks" / "posthoc_pairs.py"), str(tmp_path), "m", "base"]
+    run = subprocess.run([*command, "far", "same"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    far = next(line for line in run.stdout.splitlines() if line.strip().startswith("far:"))
+    same = next(line for line in run.stdout.splitlines() if line.strip().startswith("same:"))
+    assert far.split(":")[1].split()[0] == "+20.00" and "Holm p 0.000" in far and "separable" in far, far
+    assert "+0.00" in same and same.rstrip().endswith("Holm p 1.000"), same
+    missing = subprocess.run([*command, "absent"], capture_output=True, text=True)
+    assert missing.returncode == 2 and "no finished evaluation" in missing.stderr and "absent" in missing.stderr
+
+
 def test_generation_agreement_pairs_answers_item_by_item(tmp_path):
     """benchmarks/generation_agreement.py on a synthetic study of 4 items of 10-character answers: the baseline
     row differs from BF16 at character 0 on every item, the other row matches two items whole and the other two

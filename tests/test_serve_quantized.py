@@ -624,6 +624,26 @@ def test_modelopt_awq_layer_is_the_nvfp4_layer_on_the_scaled_input(one_rank_vllm
         fused.pre_quant_scale.load_qkv_weight(p * 2, shard_id="v")
 
 
+def _assert_pre_quant_scale_is_served(quantized: Path, run, tok, dtype: str) -> None:
+    """The checkpoint stores o_proj's pre_quant_scale, and serving it with those factors set to 1 (as a loader that
+    dropped them would) gives other output: the factors reach the served layers (how they are used:
+    test_modelopt_awq_layer_is_the_nvfp4_layer_on_the_scaled_input)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(quantized / "model.safetensors")
+    factors = [k for k in state if k.endswith("o_proj.pre_quant_scale")]
+    assert factors and any(not bool((state[k] == 1).all()) for k in factors)
+    ones = quantized.parent / f"{quantized.name}-ones"
+    shutil.copytree(quantized, ones)
+    save_file({k: torch.ones_like(v) if k in factors else v for k, v in state.items()}, ones / "model.safetensors")
+    control = generate(
+        ones, [tok(p)["input_ids"] for p in PROMPTS], max_tokens=DECODE_TOKENS, max_model_len=256, dtype=dtype
+    )
+    assert [g.logprobs for g in control.generations] != [g.logprobs for g in run.generations]
+
+
 @pytest.mark.parametrize(
     "recipe, kernel, source",
     [
@@ -663,16 +683,14 @@ def test_peer_checkpoints_served_on_cpu(recipe, kernel, source, sources, tmp_pat
     quantized = quantize_checkpoint(sources[source], parse_recipe(data), tmp_path / recipe)
     method = json.loads((quantized / "config.json").read_text())["quantization_config"]["quant_method"]
     assert method == ("modelopt" if data["backend"] == "modelopt" else "compressed-tensors")
-    if recipe == "nvfp4_modelopt_awq":  # served with an unfolded factor: GQA leaves o_proj's
-        from safetensors.torch import load_file
-
-        assert any(k.endswith("o_proj.pre_quant_scale") for k in load_file(quantized / "model.safetensors"))
     tok = AutoTokenizer.from_pretrained(quantized)
     dtype = "bfloat16" if method == "modelopt" else "float32"
     run = generate(
         quantized, [tok(p)["input_ids"] for p in PROMPTS], max_tokens=DECODE_TOKENS, max_model_len=256, dtype=dtype
     )
     assert kernel is None or f"Using {kernel}" in capfd.readouterr().out
+    if recipe == "nvfp4_modelopt_awq":  # GQA leaves o_proj's factor unfolded: the served model must apply it
+        _assert_pre_quant_scale_is_served(quantized, run, tok, dtype)
     token_ids = [g.token_ids for g in run.generations]
     model = AutoModelForCausalLM.from_pretrained(sources[source], dtype=torch.float32).eval()
     diff = token_diffs([torch.tensor(g.logprobs) for g in run.generations], reference_logprobs(model, token_ids))
