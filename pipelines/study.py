@@ -40,8 +40,10 @@ chain, as Ray tasks through the same `Study._do` (docs/scaling.md):
                                     kl.source vllm heldout_logprobs.safetensors: the engine's held-out logprobs)
     degradation/<label>-<recipe>.json   flips, paired bootstrap (noise floor), held-out KL vs bf16
     quality/<label>-<recipe>.json   (with `quality`) `quantkit quality` : layer and block SNRs, per kind
-    timings.json                    wall seconds per (stage, model, recipe), merged over resumed runs: a stage
-                                    found done keeps the time of the run that made it (0 if unknown), `cached`;
+    timings.json                    wall seconds and peak memory (GiB, `quantkit.peak_memory`: this process
+                                    and its children) per (stage, model, recipe), merged over resumed runs: a
+                                    stage found done keeps the figures of the run that made it (seconds 0 and no
+                                    peak_gib if unknown), `cached`;
                                     each stage merges its entry under `.timings.lock` (Ray tasks write it too)
     results.json                    the report's input (docs/report-format.md; timings in meta.timings)
     report/                         Markdown, CSV, JSON, HTML (quantkit.report), with a "Time:" line
@@ -70,6 +72,7 @@ from quantkit.checkpoints import describe_architecture
 from quantkit.errors import BAD_INPUT
 from quantkit.evals.harness import BACKENDS, EvalBackend
 from quantkit.formats.schemes import UNQUANTIZED
+from quantkit.peak_memory import PeakMemory
 from quantkit.quantize.recipe import PEER_QUALITY, Backend, Recipe
 from quantkit.yamlfile import read_yaml
 
@@ -492,7 +495,8 @@ class Study:
         tqdm.write(f"stage {_where(stage.name, label, recipe)}: started{self.expected(stage.name)}", file=sys.stderr)
         start = time.perf_counter()
         try:
-            stage.run(self, label, recipe)
+            with PeakMemory() as peak:
+                stage.run(self, label, recipe)
         except Exception as err:
             raise StageError(
                 f"stage {stage.name!r} failed{describe_target(label, recipe)} ({self.dir}): "
@@ -500,16 +504,19 @@ class Study:
                 bad_input=isinstance(err, BAD_INPUT),
             ) from err
         seconds = time.perf_counter() - start
-        self._record_timing(key, {"seconds": round(seconds, 2), "cached": False})
-        tqdm.write(f"stage {_where(stage.name, label, recipe)}: {seconds:.1f} s", file=sys.stderr)
+        self._record_timing(key, {"seconds": round(seconds, 2), "cached": False, "peak_gib": round(peak.gib, 2)})
+        tqdm.write(
+            f"stage {_where(stage.name, label, recipe)}: {seconds:.1f} s, peak memory {peak.gib:.2f} GiB",
+            file=sys.stderr,
+        )
         return True
 
     def _record_timing(self, key: tuple[str, str, str], timing: dict[str, Any] | None) -> None:
-        """Merge one entry (None: found done, keeping the seconds on file) into timings.json, under a lock: the
+        """Merge one entry (None: found done, keeping the figures on file) into timings.json, under a lock: the
         stages of a Ray study write it from several processes. `self.timings` becomes the merged table."""
         with exclusive_lock(self.dir / ".timings.lock", f"timings of {self.dir}", wait=True):
             timings = read_timings(self.dir)
-            timings[key] = timing or {"seconds": timings.get(key, {}).get("seconds", 0.0), "cached": True}
+            timings[key] = timing or {**timings.get(key, {"seconds": 0.0}), "cached": True}
             write_timings(self.dir, timings)
         self.timings = timings
 
@@ -768,10 +775,14 @@ def _measured(timing: dict[str, Any]) -> bool:
 
 
 def read_timings(run_dir: Path) -> dict[tuple[str, str, str], dict[str, Any]]:
-    """timings.json of a run directory as {(stage, model, recipe): {seconds, cached}} ({} when absent)."""
+    """timings.json of a run directory as {(stage, model, recipe): {seconds, cached[, peak_gib]}} ({} when absent;
+    peak_gib is missing from entries written before it was measured)."""
     path = run_dir / "timings.json"
     entries = json.loads(path.read_text())["entries"] if path.exists() else []
-    return {(e["stage"], e["model"], e["recipe"]): {"seconds": e["seconds"], "cached": e["cached"]} for e in entries}
+    return {
+        (e["stage"], e["model"], e["recipe"]): {k: e[k] for k in ("seconds", "cached", "peak_gib") if k in e}
+        for e in entries
+    }
 
 
 def write_timings(run_dir: Path, timings: dict[tuple[str, str, str], dict[str, Any]]) -> None:
@@ -1012,13 +1023,17 @@ def _published(study: Study, label: str) -> Any:
 
 
 def timing_summary(timings: dict[tuple[str, str, str], dict[str, Any]]) -> dict[str, Any]:
-    """Wall seconds per stage and in total, and the per (stage, model, recipe) entries; the report stage, in
-    flight while results.json is written, is left out."""
+    """Wall seconds per stage and in total, the largest peak memory per stage (GiB, over the entries that have
+    one: stages measured before it was recorded have none) and the per (stage, model, recipe) entries; the report
+    stage, in flight while results.json is written, is left out."""
     entries = [e for e in _timing_entries(timings) if e["stage"] != "report"]
     stages: dict[str, float] = {}
+    peak_gib: dict[str, float] = {}
     for e in entries:
         stages[e["stage"]] = round(stages.get(e["stage"], 0.0) + e["seconds"], 2)
-    return dict(stages=stages, total=round(sum(stages.values()), 2), entries=entries)
+        if "peak_gib" in e:
+            peak_gib[e["stage"]] = max(peak_gib.get(e["stage"], 0.0), e["peak_gib"])
+    return dict(stages=stages, total=round(sum(stages.values()), 2), peak_gib=peak_gib, entries=entries)
 
 
 def _precision(recipe: str) -> str:

@@ -186,9 +186,9 @@ def test_sigkill_during_eval_reuses_and_leaves_no_half_artifact(spec, killed_in_
 
 
 def test_resumed_study_completes_and_reuses(spec, killed_in_eval, timings_before_resume, resumed):
-    """A stage found done keeps the seconds recorded by the run that made it; that is 0.0 when the run was killed
-    between finishing the artifact and writing timings.json (the first kill can land there, so the cached bf16
-    quantize is compared with the killed runs' record, not required to be positive)."""
+    """A stage found done keeps the seconds (and peak memory) recorded by the run that made it; that is 0.0 (and no
+    peak) when the run was killed between finishing the artifact and writing timings.json (the first kill can land
+    there, so the cached bf16 quantize is compared with the killed runs' record, not required to be positive)."""
     _, run_dir = spec
     entries = assert_resumed(run_dir, killed_in_eval)
     before = timings_before_resume[("quantize", "tiny", "bf16")]
@@ -196,7 +196,7 @@ def test_resumed_study_completes_and_reuses(spec, killed_in_eval, timings_before
         "stage": "quantize",
         "model": "tiny",
         "recipe": "bf16",
-        "seconds": before["seconds"],
+        **before,
         "cached": True,
     }
     assert not entries[("eval", "w4a4_nvfp4")]["cached"] and entries[("eval", "w4a4_nvfp4")]["seconds"] > 0

@@ -101,7 +101,14 @@ def test_study_writes_every_artifact(study):
         ("eval", "bf16"),
         ("eval", "w4a4_nvfp4"),
     }
+    # peak memory per measured stage (GiB): at least the study process's own resident set, which holds torch
+    measured = [e for e in timings["entries"] if not e["cached"]]
+    assert all(e["peak_gib"] > 0.1 for e in measured), measured
+    assert timings["peak_gib"] == {
+        stage: max(e["peak_gib"] for e in measured if e["stage"] == stage) for stage in {e["stage"] for e in measured}
+    }
     assert "Time: checkpoint" in (run_dir / "report" / "report.md").read_text()
+    assert "; peak memory: " in (run_dir / "report" / "report.md").read_text()
 
 
 def test_numerics_floor_and_verdicts_in_words(study):

@@ -217,15 +217,19 @@ def notes(table: Table) -> str:
 
 
 def timing_line(timings: Any) -> str | None:
-    """ "Time: checkpoint 12 s, quantize 30 s, ... (total 342 s)" from a results file's `meta.timings` (the study's
-    wall seconds per stage), or None when there are none."""
+    """ "Time: checkpoint 12 s, quantize 30 s, ... (total 342 s); peak memory: quantize 1.9 GiB, eval 6.9 GiB" from a
+    results file's `meta.timings` (the study's wall seconds per stage; its largest peak memory per stage where
+    measured), or None when there are none."""
     stages = timings.get("stages") if isinstance(timings, dict) else None
     if not isinstance(stages, dict) or not stages:
         return None
+    peaks = timings.get("peak_gib") or {}
+    memory = "; peak memory: " + ", ".join(f"{k} {v:.1f} GiB" for k, v in peaks.items()) if peaks else ""
     return (
         "Time: "
         + ", ".join(f"{k} {_seconds(v)}" for k, v in stages.items())
         + f" (total {_seconds(sum(stages.values()))})"
+        + memory
     )
 
 
