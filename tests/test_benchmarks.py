@@ -201,6 +201,31 @@ def test_posthoc_pairs_compares_rows_item_by_item_under_holm(tmp_path):
     assert missing.returncode == 2 and "no finished evaluation" in missing.stderr and "absent" in missing.stderr
 
 
+def test_posthoc_pairs_averages_the_benchmarks_the_study_averages(tmp_path):
+    """With the run directory's spec.json naming the `code` suite, ΔAvg is over its Avg set alone, HE+MBPP pooled,
+    as the study's report computes it. Exact: HumanEval 10 items (base all right, other all wrong: -100), MBPP 30
+    (base all wrong, other all right: +100), pooled 10/40 -> 30/40 = +50.00; the mean over all three columns, what
+    the script gave before it read the spec, would be +16.67."""
+    from test_verdicts import write_run
+
+    he_base, mbpp_base = [1.0] * 10, [0.0] * 30
+    he_other, mbpp_other = [0.0] * 10, [1.0] * 30
+    for recipe, he, mbpp in (("base", he_base, mbpp_base), ("other", he_other, mbpp_other)):
+        pooled = {"he": he, "mbpp": mbpp}
+        write_run(
+            tmp_path / "evals",
+            f"m-{recipe}",
+            {"HumanEval": {"he": he}, "MBPP": {"mbpp": mbpp}, "HumanEval+MBPP": pooled},
+        )
+    (tmp_path / "spec.json").write_text(json.dumps({"eval": {"suite": "code", "suites": {}}}))
+    command = [sys.executable, str(REPO / "benchmarks" / "posthoc_pairs.py"), str(tmp_path), "m", "base", "other"]
+    run = subprocess.run(command, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ΔAvg over HumanEval+MBPP)" in run.stdout, run.stdout
+    other = next(line for line in run.stdout.splitlines() if line.strip().startswith("other:"))
+    assert other.split(":")[1].split()[0] == "+50.00", other
+
+
 def test_generation_agreement_pairs_answers_item_by_item(tmp_path):
     """benchmarks/generation_agreement.py on a synthetic study of 4 items of 10-character answers: the baseline
     row differs from BF16 at character 0 on every item, the other row matches two items whole and the other two
