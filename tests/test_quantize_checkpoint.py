@@ -1,5 +1,6 @@
 """`quantkit quantize` writes checkpoints in docs/checkpoint-format.md; the fake-quant model reads them exactly."""
 
+import copy
 import dataclasses
 import json
 import re
@@ -503,6 +504,39 @@ def test_modelopt_search_algorithms_run_on_cpu(source, tmp_path):
     plain, mse = (load_file(out[n] / "model.safetensors") for n in ("nvfp4_modelopt", "nvfp4_modelopt_mse"))
     scales = [k for k in plain if k.endswith(".weight_scale")]
     assert scales and any(not torch.equal(plain[k].view(torch.uint8), mse[k].view(torch.uint8)) for k in scales)
+
+
+def test_modelopt_cannot_export_its_fp8_scale_sweep(source, tmp_path):
+    """Why recipes refuse ModelOpt's `mse: {fp8_scale_sweep: true}` (recipe._modelopt_mse_check): the sweep searches
+    stored per-group scales, so it needs static NVFP4 weight blocks, and ModelOpt 0.42's export reads such a
+    quantizer's per-group amax as the per-tensor one and fails. When this test fails, ModelOpt can export the sweep
+    and the refusal should go."""
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+
+    from quantkit.models.attention import load_reference_model
+    from quantkit.quantize.modelopt_backend import _cpu_safe_fp4_check
+    from quantkit.quantize.modelopt_cpu import modelopt_fp4_on_cpu
+    from quantkit.quantize.recipe import parse_recipe
+
+    sweep = {"mse": {"fp8_scale_sweep": True}}
+    with pytest.raises(ValueError, match=r"fp8_scale_sweep is not supported.*static NVFP4 weight blocks"):
+        parse_recipe({"name": "x", "backend": "modelopt", "scheme": "NVFP4", "peer_modifiers": sweep})
+    model = load_reference_model(source, torch.bfloat16)
+    config = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
+    config["quant_cfg"]["*weight_quantizer"]["block_sizes"] = {-1: 16, "type": "static", "scale_bits": (4, 3)}
+    config["algorithm"] = {"method": "mse", "fp8_scale_sweep": True}
+    tokens = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def forward_loop(m: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for row in tokens:
+                m(row[None])
+
+    with _cpu_safe_fp4_check(), modelopt_fp4_on_cpu():
+        mtq.quantize(model, config, forward_loop)
+        with pytest.raises(RuntimeError, match="must match the size"):
+            export_hf_checkpoint(model, export_dir=str(tmp_path / "out"))
 
 
 def test_modelopt_export(source, tmp_path):

