@@ -130,6 +130,7 @@ def test_the_method_comparison_study_loads_with_one_label_per_method():
             "W4A4+Rot+GPTQ",
             "W4A4+Rot16+MSE+GPTQ",
             "W4A4+Had16+MSE+GPTQ",
+            "W4A4+Had16+4/6+MSE+GPTQ",
             "W4A4+AWQ",
             "W4A4+AWQ+MSE+GPTQ",
             "W4A4+4/6",
