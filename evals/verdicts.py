@@ -9,12 +9,16 @@ giving Delta Avg (points), its 95% CI, a two-sided bootstrap p and the recovery 
 - each quantized row against BF16: "is the loss real?";
 - each method row against its own baseline (`method_baseline`: the plain round-to-nearest recipe of its scheme in
   the same study, e.g. plain W4A4 for W4A4+GPTQ): "does the method help?";
-- BF16 against BF16 evaluated in a second, equally valid summation order (the study's numerics stage): the
-  numerics floor, NUMERICS = the largest |Delta Avg| that comparison's 95% CI admits, and its answer flips.
+- a row against itself evaluated in a second, equally valid summation order (the study's numerics stage, for the
+  rows `eval.numerics` names: BF16 at least): that row's numerics floor = the largest |Delta Avg| that comparison's
+  95% CI admits, and its answer flips.
 
 The rule (stated in the report): a delta is beyond the item-sampling floor when Holm's adjusted p <= ALPHA over the
 k comparisons of its family (Holm 1979: family-wise error <= ALPHA under any dependence), and beyond the numerics
-floor when |delta| > NUMERICS. "Real" (a loss) and "separable" (a method) are said only beyond both; without a
+floor when |delta| exceeds the larger of its two rows' floors (`pair_floor`: each row's own where measured; a
+quantized row without one takes the largest measured quantized row's, else BF16's). BF16's floor need not bound a
+quantized row's (docs/verdicts.md: W4A4 moved 3.6x BF16's floor between two machine kinds), so the report says
+when quantized rows borrow it. "Real" (a loss) and "separable" (a method) are said only beyond both; without a
 numerics run the report says the numerics floor is unmeasured and claims nothing past the item floor.
 """
 
@@ -33,8 +37,10 @@ ALPHA = 0.05  # family-wise error rate of each family of comparisons (Holm)
 RULE = (
     f"a delta is beyond the item-sampling floor when its paired-bootstrap p, Holm-adjusted over the k comparisons of "
     f"its family (one model's quantized rows vs BF16; one model's methods vs their plain baseline), is <= {ALPHA}, "
-    "and beyond the numerics floor when |ΔAvg| exceeds the largest |ΔAvg| that BF16 re-run in a second summation "
-    "order admits (95% CI); a loss is called real, and a method separable, only beyond both floors"
+    "and beyond the numerics floor when |ΔAvg| exceeds the larger of its two rows' numerics floors (a row's floor: "
+    "the largest |ΔAvg| that the row re-run in a second summation order admits, 95% CI; a quantized row not re-run "
+    "takes the largest measured quantized row's, else BF16's); a loss is called real, and a method separable, only "
+    "beyond both floors"
 )
 
 
@@ -72,25 +78,47 @@ def compare_runs(
 
 
 def numerics_floor(comparison: Mapping[str, Any] | None) -> float | None:
-    """The numerics floor (points) of a BF16-vs-BF16' `compare_runs` result: max(|CI low|, |CI high|); None without."""
+    """The numerics floor (points) of a row-vs-row' `compare_runs` result: max(|CI low|, |CI high|); None without."""
     return None if comparison is None else max(abs(comparison["ci_low"]), abs(comparison["ci_high"]))
 
 
-def judge(comparisons: Mapping[str, dict[str, Any]], floor: float | None) -> dict[str, dict[str, Any]]:
+def row_floor(floors: Mapping[str, float], row: str, baseline: str) -> float | None:
+    """The numerics floor (points) a verdict uses for `row`, from `floors` (recipe -> floor, the rows measured): its
+    own; a quantized row without one the largest measured quantized row's (the conservative choice), else the
+    `baseline` (BF16) row's; None where no row was measured."""
+    if row in floors:
+        return floors[row]
+    quantized = [f for r, f in floors.items() if r != baseline]
+    return max(quantized) if row != baseline and quantized else floors.get(baseline)
+
+
+def pair_floor(floors: Mapping[str, float], a: str, b: str, baseline: str) -> float | None:
+    """The numerics floor of a delta between rows `a` and `b`: the larger of their `row_floor`s (each row's score
+    carries its own summation-order noise); None where neither has one."""
+    found = [f for f in (row_floor(floors, a, baseline), row_floor(floors, b, baseline)) if f is not None]
+    return max(found) if found else None
+
+
+def judge(
+    comparisons: Mapping[str, dict[str, Any]], floor: float | Mapping[str, float | None] | None
+) -> dict[str, dict[str, Any]]:
     """Each comparison of one family (label -> `compare_runs` result) with Holm's adjusted p and the verdict
-    fields: `beyond_items` (adjusted p <= ALPHA), `beyond_numerics` (|delta| > floor; None: floor unmeasured),
+    fields: `numerics_floor` (the floor it is held to: `floor`, or `floor[label]` where a mapping gives one per
+    comparison), `beyond_items` (adjusted p <= ALPHA), `beyond_numerics` (|delta| > that floor; None: unmeasured),
     `beyond_both` (True / False; None when the items say yes and the numerics floor is unmeasured)."""
     labels = list(comparisons)
     adjusted = holm([comparisons[k]["p_two_sided"] for k in labels], ALPHA)
     out = {}
     for label, (p_holm, beyond_items) in zip(labels, adjusted):
         c = comparisons[label]
-        beyond_numerics = None if floor is None else abs(c["delta"]) > floor
+        f = floor.get(label) if isinstance(floor, Mapping) else floor
+        beyond_numerics = None if f is None else abs(c["delta"]) > f
         both = False if not beyond_items or beyond_numerics is False else beyond_numerics
         out[label] = dict(
             c,
             p_holm=p_holm,
             family=len(labels),
+            numerics_floor=f,
             beyond_items=beyond_items,
             beyond_numerics=beyond_numerics,
             beyond_both=both,
@@ -114,7 +142,8 @@ def _verdict(c: Mapping[str, Any], real: str, noun: str) -> str:
     if not c["beyond_items"]:
         return f"not resolved by the items (Holm p {c['p_holm']:.2g} of {c['family']}): {noun}"
     if c["beyond_numerics"] is False:
-        return f"beyond the items (Holm p {c['p_holm']:.3g}) but within the numerics floor: {noun}"
+        floor = f" ±{c['numerics_floor']:.2f}" if c.get("numerics_floor") is not None else ""
+        return f"beyond the items (Holm p {c['p_holm']:.3g}) but within the numerics floor{floor}: {noun}"
     return f"beyond the items (Holm p {c['p_holm']:.3g}); numerics floor unmeasured, so not claimed"
 
 
@@ -131,6 +160,17 @@ def model_sentences(label: str, verdicts: Mapping[str, Any], names: Mapping[str,
         )
     else:
         lines.append(f"{label}: numerics floor not measured (set eval.numerics: true); verdicts rest on items alone.")
+    row_numerics = verdicts.get("row_numerics") or {}
+    if numerics is not None and not row_numerics and verdicts.get("vs_bf16"):
+        lines[-1] += (
+            " No quantized row's own floor was measured (eval.numerics: [bf16, <a quantized recipe>] measures one): "
+            "the verdicts below use BF16's, which need not bound a quantized row's."
+        )
+    for recipe, c in row_numerics.items():
+        lines.append(
+            f"{label} {names.get(recipe, recipe)}: its own numerics floor ±{numerics_floor(c):.2f} points: re-run in "
+            f"the second order flips {100 * c['flip_rate']:.1f}% of {c['n']} items, ΔAvg {_ci(c)}."
+        )
     ref = verdicts.get("reference")
     if ref is not None:
         lines.append(ref["sentence"])
@@ -199,16 +239,15 @@ def reference_sentence(
 def moved_rows(history: Mapping[str, Sequence[Mapping[str, Any]]], floor: Mapping[str, float | None]) -> list[dict]:
     """Rows whose Avg changed between their last two recorded evaluations, each explained: `history`:
     {"<model> <recipe>": [{avg, date, host, suite}, ...] oldest first; suite "<name> v<version>", absent in records
-    before 2026-11-29}; `floor`: model -> numerics floor (points). Under two suite versions: not comparable (the suite
-    changed). Else within the floor: consistent with summation-order noise (the hosts named when they differ);
-    beyond it: not explained by numerics."""
+    before 2026-11-29}; `floor`: "<model> <recipe>" -> that row's numerics floor (points, `row_floor`). Under two
+    suite versions: not comparable (the suite changed). Else within the floor: consistent with summation-order noise
+    (the hosts named when they differ); beyond it: not explained by numerics."""
     out = []
     for key, runs in history.items():
         if len(runs) < 2 or math.isclose(runs[-2]["avg"], runs[-1]["avg"]):
             continue
         before, now = runs[-2], runs[-1]
-        model = key.split(" ", 1)[0]
-        delta, f = now["avg"] - before["avg"], floor.get(model)
+        delta, f = now["avg"] - before["avg"], floor.get(key)
         hosts = (
             f"; hosts differ ({_host(before.get('host'))} then {_host(now.get('host'))})"
             if _host(before.get("host")) != _host(now.get("host"))

@@ -52,7 +52,7 @@ from quantkit.pipelines.study import (
     read_timings,
 )
 
-SCOPE_ORDER = ("model", "recipe", "baseline", "quantized", "study")  # the order the Ray executor runs scopes in
+SCOPE_ORDER = ("model", "recipe", "asked", "quantized", "study")  # the order the Ray executor runs scopes in
 TASK_KINDS = {"model": "model", "recipe": "chain", "quantized": "compare"}  # a task's name: "<kind> <model> [<recipe>]"
 CONNECT_TIMEOUT_S = 10.0  # ray.init retries an unreachable address for minutes; a TCP connect answers in this
 
@@ -169,10 +169,10 @@ class RayExecutor:
             """Submit the task of (scope, label, recipe); with no stage of that scope to run, go on to its
             dependents."""
             extra = (
-                tuple(s for s in by_scope["baseline"] if study.runs(s, label))
-                if scope == "recipe" and recipe == BASELINE
+                tuple(s for s in by_scope["asked"] if study.runs(s, label, cast(str, recipe)))
+                if scope == "recipe"
                 else ()
-            )  # the bf16 chain carries the baseline-scope stages (they need its checkpoint)
+            )  # a row's chain carries its asked-scope stages (they need its checkpoint)
             own = by_scope[scope]
             if scope == "quantized":  # the stages the spec may leave out (quality) where it does
                 own = tuple(s for s in own if study.runs(s, label, cast(str, recipe)))

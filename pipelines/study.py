@@ -105,7 +105,8 @@ EVAL_DEFAULTS = dict(
     allow_code=False,
     seed=1234,
     dtype="bfloat16",
-    numerics=False,  # the numerics stage: BF16 evaluated again in NUMERICS_ORDER (the numerics floor)
+    numerics=False,  # the numerics stage: true (the bf16 row) or a list of the spec's recipes, each row evaluated
+    # again in NUMERICS_ORDER (its numerics floor); false: none
     reference=False,  # the reference stage: BF16 under the makers' prompt protocol (trained models that publish one)
 )
 KL_DEFAULTS = dict(num_sequences=16, seq_len=128, source=None, top_k=None)  # source None: vllm with the vllm backend
@@ -189,8 +190,10 @@ def load_spec(path: str | Path, model: str | None = None) -> StudySpec:
     spec.eval["limits"] = _model_limits(path, spec.eval["limits"], spec.models)
     if spec.eval["numerics"] and spec.eval["backend"] != EvalBackend.VLLM:
         raise ValueError(
-            f"{path}: eval.numerics re-runs BF16 in vLLM's second CPU summation order: it needs eval.backend vllm"
+            f"{path}: eval.numerics re-runs rows in vLLM's second CPU summation order: it needs eval.backend vllm"
         )
+    if isinstance(spec.eval["numerics"], list) and (unknown := sorted(set(spec.eval["numerics"]) - set(spec.recipes))):
+        raise ValueError(f"{path}: eval.numerics names {unknown}, not among the spec's recipes {spec.recipes}")
     if spec.eval["backend"] == EvalBackend.HF and (quantized := [r for r in spec.recipes if r != BASELINE]):
         raise ValueError(
             f"{path}: eval.backend hf (transformers) evaluates unquantized checkpoints only; recipes {quantized} "
@@ -261,7 +264,11 @@ def _check_eval(path: Path, settings: dict[str, Any]) -> None:
         raise ValueError(f"{path}: eval.limit must be a positive integer or null, not {limit!r}")
     if type(seed) is not int:
         raise ValueError(f"{path}: eval.seed must be an integer, not {seed!r}")
-    for key in ("numerics", "reference", "allow_code"):
+    numerics = settings["numerics"]
+    rows = isinstance(numerics, list) and all(isinstance(r, str) for r in numerics)
+    if not isinstance(numerics, bool) and not rows:
+        raise ValueError(f"{path}: eval.numerics must be true, false or a list of the spec's recipes, not {numerics!r}")
+    for key in ("reference", "allow_code"):
         if not isinstance(settings[key], bool):
             raise ValueError(f"{path}: eval.{key} must be true or false, not {settings[key]!r}")
 
@@ -350,9 +357,14 @@ class Study:
         """evals/<label>-<recipe>/ of this run directory: the eval stage's output (results.json, samples/)."""
         return self._artifact_file("eval", label, recipe).parent
 
-    def numerics_dir(self, label: str) -> Path:
-        """evals/<label>-bf16-numerics/: the BF16 checkpoint evaluated in the second summation order."""
-        return self._artifact_file("numerics", label, BASELINE).parent
+    def numerics_dir(self, label: str, recipe: str = BASELINE) -> Path:
+        """evals/<label>-<recipe>-numerics/: the row's checkpoint evaluated in the second summation order."""
+        return self._artifact_file("numerics", label, recipe).parent
+
+    def numerics_rows(self) -> list[str]:
+        """The recipes whose rows the numerics stage re-evaluates: eval.numerics true -> [bf16], a list -> it."""
+        numerics = self.spec.eval.get("numerics")
+        return list(numerics) if isinstance(numerics, list) else [BASELINE] if numerics else []
 
     def reference_dir(self, label: str) -> Path:
         """evals/<label>-bf16-reference/: the BF16 checkpoint evaluated in its makers' prompt protocol."""
@@ -397,7 +409,7 @@ class Study:
         checkpoint, then per recipe (bf16 first) the chain quantize -> eval -> degradation followed by the
         report (re-rendered with the rows so far); the model's diagnostics right after its bf16 row."""
         model_scope = [s for s in stages if s.scope == "model"]
-        chain = [s for s in stages if s.scope in ("recipe", "baseline", "quantized")]
+        chain = [s for s in stages if s.scope in ("recipe", "asked", "quantized")]
         report = [(s, None, None) for s in stages if s.scope == "study"]
         recipes = [BASELINE, *(r for r in self.spec.recipes if r != BASELINE)]
         out: list[tuple[Stage, str | None, str | None]] = []
@@ -408,7 +420,7 @@ class Study:
                     (s, label, recipe)
                     for s in chain
                     if s.scope == "recipe"
-                    or (s.scope == "baseline" and recipe == BASELINE and self.runs(s.name, label))
+                    or (s.scope == "asked" and self.runs(s.name, label, recipe))
                     or (s.scope == "quantized" and recipe != BASELINE and self.runs(s.name, label, recipe))
                 ]
                 if recipe == BASELINE:
@@ -437,14 +449,14 @@ class Study:
         return "left: " + ", ".join(f"{n} {name}" for name, n in counts.items()) + f" ({eta})" if todo else "left: none"
 
     def runs(self, stage: str, label: str, recipe: str = BASELINE) -> bool:
-        """Whether a stage the spec may leave out runs for model `label` (and `recipe`): numerics with eval.numerics;
-        reference with eval.reference for a trained model whose makers publish a score with a prompt protocol
-        quantkit runs; quality with the spec's `quality`, for a recipe quantkit quantizes or a peer preset `quantkit
-        quality` reads (`recipe.PEER_QUALITY`)."""
+        """Whether a stage the spec may leave out runs for model `label` (and `recipe`): numerics for the rows
+        eval.numerics names (`numerics_rows`); reference with eval.reference on the bf16 row of a trained model whose
+        makers publish a score with a prompt protocol quantkit runs; quality with the spec's `quality`, for a recipe
+        quantkit quantizes or a peer preset `quantkit quality` reads (`recipe.PEER_QUALITY`)."""
         if stage == "numerics":
-            return bool(self.spec.eval.get("numerics"))
+            return recipe in self.numerics_rows()
         if stage == "reference":
-            return bool(self.spec.eval.get("reference")) and self.reference(label) is not None
+            return recipe == BASELINE and bool(self.spec.eval.get("reference")) and self.reference(label) is not None
         if stage == "quality":
             r = self.recipe(recipe)
             readable = r.backend == Backend.QUANTKIT or r.scheme in PEER_QUALITY.get(r.backend, ())
@@ -472,8 +484,13 @@ class Study:
             return [(None, None)]
         if stage.scope == "model":
             return [(label, None) for label in self.spec.models]
-        if stage.scope == "baseline":
-            return [(label, BASELINE) for label in self.spec.models if self.runs(stage.name, label)]
+        if stage.scope == "asked":
+            return [
+                (label, recipe)
+                for label in self.spec.models
+                for recipe in self.spec.recipes
+                if self.runs(stage.name, label, recipe)
+            ]
         if stage.scope == "recipe":
             return [(label, recipe) for label in self.spec.models for recipe in self.spec.recipes]
         return [
@@ -576,15 +593,18 @@ class Study:
         )
 
     def _numerics(self, label: str, recipe: str) -> None:
-        """The BF16 checkpoint's suite again, every half-precision Linear summed in the second order (NUMERICS_ORDER,
-        `quantkit.serve.cpu.linear`): its answer flips against the eval stage's BF16 are the numerics floor."""
+        """The row's checkpoint and suite again, every half-precision and emulated quantized Linear summed in the
+        second order (NUMERICS_ORDER, `quantkit.serve.cpu.linear`): its answer flips against the eval stage's run of
+        the same row are that row's numerics floor."""
         from quantkit.serve.engine import SUMMATION_ENV
 
         self._checkpoint_ready(label, recipe)
         saved = os.environ.get(SUMMATION_ENV)
         os.environ[SUMMATION_ENV] = NUMERICS_ORDER  # read by the engine's layers as they load (here and spawned)
         try:
-            self._evaluate(label, self.checkpoint_dir(label, recipe), self.numerics_dir(label), self.suite(label), None)
+            self._evaluate(
+                label, self.checkpoint_dir(label, recipe), self.numerics_dir(label, recipe), self.suite(label), None
+            )
         finally:
             if saved is None:
                 os.environ.pop(SUMMATION_ENV, None)
@@ -706,7 +726,7 @@ class Study:
 SCOPES = {  # scope -> the (model, recipe) targets a stage runs for (Study.targets)
     "model": "per model",
     "recipe": "per model x recipe",
-    "baseline": "per model, on its bf16 checkpoint, where the spec asks",
+    "asked": "per model x recipe where the spec asks (numerics: eval.numerics's rows; reference: bf16)",
     "quantized": "per model x recipe, bf16 excepted (quality: where the spec asks)",
     "study": "once",
 }
@@ -734,8 +754,8 @@ STAGES = (  # in order; `quantkit run --until` and the Makefile's study targets 
     Stage("diagnose", "model", "diagnostics/{model}/diagnostics.json", Study._diagnose),
     Stage("quantize", "recipe", "checkpoints/{model}-{recipe}/config.json", Study._quantize),
     Stage("eval", "recipe", "evals/{model}-{recipe}/results.json", Study._eval),  # checks servability first
-    Stage("numerics", "baseline", "evals/{model}-{recipe}-numerics/results.json", Study._numerics),
-    Stage("reference", "baseline", "evals/{model}-{recipe}-reference/results.json", Study._reference),
+    Stage("numerics", "asked", "evals/{model}-{recipe}-numerics/results.json", Study._numerics),
+    Stage("reference", "asked", "evals/{model}-{recipe}-reference/results.json", Study._reference),
     Stage("degradation", "quantized", "degradation/{model}-{recipe}.json", Study._degradation),
     Stage("quality", "quantized", "quality/{model}-{recipe}.json", Study._quality),  # where the spec asks
     Stage("report", "study", None, Study._report),  # re-rendered on every run
@@ -938,8 +958,9 @@ HISTORY_FILE = "history.json"  # per measured row: [{avg, date, host, suite}, ..
 
 def study_verdicts(study: Study, measured: Sequence[tuple[str, str]]) -> dict[str, Any]:
     """meta.verdicts of results.json (`quantkit.evals.verdicts` says what each figure is and the rule): per model
-    the numerics floor, each measured quantized row against BF16 and each method row against its plain baseline
-    (each family Holm-corrected), the published reference and its protocol's measured effect, and rows whose Avg
+    the numerics floors (BF16's, and each quantized row's that eval.numerics names), each measured quantized row
+    against BF16 and each method row against its plain baseline (each family Holm-corrected, each delta held to the
+    larger of its two rows' floors), the published reference and its protocol's measured effect, and rows whose Avg
     moved since the last report of this run directory (HISTORY_FILE, updated here)."""
     from quantkit.evals import verdicts as v
     from quantkit.evals.suite import load_suite
@@ -948,23 +969,28 @@ def study_verdicts(study: Study, measured: Sequence[tuple[str, str]]) -> dict[st
     done = set(measured)
     out: dict[str, Any] = dict(rule=v.RULE, alpha=v.ALPHA, models={})
     current: dict[str, dict[str, Any]] = {}
-    floors: dict[str, float | None] = {}
+    floors: dict[str, float | None] = {}  # "<model> <recipe>" -> the numerics floor its verdicts use (row_floor)
     for label in study.spec.models:
         if (label, BASELINE) not in done:
             continue
         base_dir = study.eval_dir(label, BASELINE)
         suite = load_suite(study.suite(label))
         in_avg = suite.avg or list(suite.benchmarks)
-        numerics_done = study._artifact_file("numerics", label, BASELINE).exists()
-        numerics = None
-        if numerics_done:
-            numerics = v.compare_runs(base_dir, study.numerics_dir(label), in_avg, seed)
-            host = json.loads(study._artifact_file("numerics", label, BASELINE).read_text()).get("host") or {}
-            numerics["order"] = host.get("summation")  # None in records older than the host record
-        floor = floors[label] = v.numerics_floor(numerics)
         quantized = [r for r in study.spec.recipes if r != BASELINE and (label, r) in done]
+        row_numerics: dict[str, dict[str, Any]] = {}  # recipe -> its row against itself in the second order
+        for r in [BASELINE, *quantized]:
+            if study._artifact_file("numerics", label, r).exists():
+                row_numerics[r] = v.compare_runs(study.eval_dir(label, r), study.numerics_dir(label, r), in_avg, seed)
+                host = json.loads(study._artifact_file("numerics", label, r).read_text()).get("host") or {}
+                row_numerics[r]["order"] = host.get("summation")  # None in records older than the host record
+        measured_floors = {r: cast(float, v.numerics_floor(c)) for r, c in row_numerics.items()}
+        numerics = row_numerics.pop(BASELINE, None)
+        floor = v.numerics_floor(numerics)
+        for r in [BASELINE, *quantized]:
+            floors[f"{label} {r}"] = v.row_floor(measured_floors, r, BASELINE)
         vs_bf16 = v.judge(
-            {r: v.compare_runs(base_dir, study.eval_dir(label, r), in_avg, seed) for r in quantized}, floor
+            {r: v.compare_runs(base_dir, study.eval_dir(label, r), in_avg, seed) for r in quantized},
+            {r: v.pair_floor(measured_floors, BASELINE, r, BASELINE) for r in quantized},
         )
         families: dict[str, dict[str, Any]] = {}
         for r in quantized:
@@ -976,8 +1002,12 @@ def study_verdicts(study: Study, measured: Sequence[tuple[str, str]]) -> dict[st
         entry: dict[str, Any] = dict(
             numerics=numerics,
             numerics_floor=floor,
+            row_numerics=row_numerics,
             vs_bf16=vs_bf16,
-            vs_baseline={base: v.judge(family, floor) for base, family in families.items()},
+            vs_baseline={
+                base: v.judge(family, {r: v.pair_floor(measured_floors, base, r, BASELINE) for r in family})
+                for base, family in families.items()
+            },
         )
         published = _published(study, label)
         if published is not None:

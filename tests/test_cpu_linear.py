@@ -234,3 +234,40 @@ def test_permute_k_summation_order_is_the_default_kernel_on_permuted_columns(mon
 def test_summation_order_names():
     """Every order the study may set is known; a misspelt one is refused naming the choices."""
     assert set(cpu_linear.SUMMATION_ORDERS) == {"default", "permute-k", "split-k"}
+
+
+@pytest.mark.parametrize("order", ["default", "permute-k", "split-k"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_ordered_float32_linear_sums_the_same_products_in_its_order(order, with_bias):
+    """The emulated quantized Linears' orders (`ordered_float32_linear`, float32 operands x (2, 32, K), weight
+    (512, K), K = 1001 odd): default is F.linear on the weight it is called with; permute-k is F.linear on both
+    operands' columns in `k_permutation`'s order, split-k the two half-K products (500 and 501 columns) added, then
+    the bias -- each bit for bit (the same functions on the same inputs are deterministic). Every order is within
+    the float32 bound of the default: any order's float32 sum of the K products (and the bias) is within
+    (K + 1) 2^-24 S of the exact sum (Higham, gamma_n ~ n u), S = |x| @ |w|.T + |bias|, so two orders differ by
+    at most 2 (K + 1) 2^-24 S; the check allows (K + 1) 2^-22 S. The second orders are different orders: of the
+    32k float32 outputs at least one differs in its last bits from the default (each float32 sum of 1001 terms
+    carries ~sqrt(K) ulps of order-dependent rounding, so all agreeing is out of reach; the seed is fixed, so the
+    check is deterministic). An unknown order is refused by name."""
+    g = torch.Generator().manual_seed(4)
+    n, k = 512, 1001
+    weight = torch.randn(n, k, generator=g) * 0.05
+    bias = torch.randn(n, generator=g) if with_bias else None
+    x = torch.randn(2, 32, k, generator=g)
+    linear = cpu_linear.ordered_float32_linear(weight, order)
+    got = linear(x, weight, bias)
+    permutation = cpu_linear.k_permutation(k)
+    want = {
+        "default": F.linear(x, weight, bias),
+        "permute-k": F.linear(x[..., permutation], weight[:, permutation].contiguous(), bias),
+        "split-k": F.linear(x[..., :500], weight[:, :500].contiguous())
+        + F.linear(x[..., 500:], weight[:, 500:].contiguous())
+        + (0 if bias is None else bias),
+    }[order]
+    assert got.dtype == torch.float32 and got.shape == (2, 32, n) and torch.equal(got, want)
+    default = F.linear(x, weight, bias)
+    summed = x.abs() @ weight.abs().T + (0 if bias is None else bias.abs())
+    assert bool(((got - default).abs() <= (k + 1) * 2.0**-22 * summed).all())
+    assert torch.equal(got, default) == (order == "default")
+    with pytest.raises(ValueError, match="expected one of default, permute-k, split-k"):
+        cpu_linear.ordered_float32_linear(weight, "reversed")

@@ -30,11 +30,11 @@ runs_dir: {runs}
 """
 
 
-def _spec(tmp_path: Path, model: Path, numerics: bool = False) -> Path:
-    """The tiny study's spec; `numerics` adds the numerics stage (this module's study; the crash-safety and Ray
-    tests, which reuse the spec, leave it out: one engine fewer each)."""
+def _spec(tmp_path: Path, model: Path, numerics: str = "false") -> Path:
+    """The tiny study's spec; `numerics` (eval.numerics, YAML) adds the numerics stage (this module's study: both
+    rows; the crash-safety and Ray tests, which reuse the spec, leave it out: engines fewer each)."""
     path = tmp_path / "tiny.yaml"
-    path.write_text(SPEC.format(model=model, runs=tmp_path / "runs", numerics=str(numerics).lower()))
+    path.write_text(SPEC.format(model=model, runs=tmp_path / "runs", numerics=numerics))
     return path
 
 
@@ -51,7 +51,7 @@ def _mtimes(run_dir: Path) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def study(tiny_checkpoint, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("study")
-    spec = load_spec(_spec(tmp, tiny_checkpoint, numerics=True))
+    spec = load_spec(_spec(tmp, tiny_checkpoint, numerics="[bf16, w4a4_nvfp4]"))
     return Study(spec), Study(spec).run()
 
 
@@ -112,11 +112,12 @@ def test_study_writes_every_artifact(study):
 
 
 def test_numerics_floor_and_verdicts_in_words(study):
-    """eval.numerics: the bf16 checkpoint evaluated again with QUANTKIT_CPU_SUMMATION=permute-k (recorded in its host
-    record, and restored afterwards), paired item by item with the bf16 eval: the numerics floor; the W4A4 row
-    judged against BF16 (a Holm family of one) and the verdicts opening the report. The tiny study runs in float32,
-    whose Linears the second order does not touch, so no claim is made here about the size of the floor
-    (tests/test_cpu_linear.py checks the order itself)."""
+    """eval.numerics [bf16, w4a4_nvfp4]: each row's checkpoint evaluated again with QUANTKIT_CPU_SUMMATION=permute-k
+    (recorded in its host record, and restored afterwards), paired item by item with its own eval: each row's
+    numerics floor; the W4A4 row judged against BF16 (a Holm family of one) and held to the larger of the two floors;
+    the verdicts opening the report. The tiny study runs in float32, whose unquantized Linears the second order does
+    not touch (the W4A4 row's emulated Linears it does), so no claim is made here about the size of a floor
+    (tests/test_cpu_linear.py and tests/test_quant_method_kernels.py check the order itself)."""
     import os
 
     from quantkit.serve.cpu.linear import SUMMATION_ENV
@@ -133,6 +134,11 @@ def test_numerics_floor_and_verdicts_in_words(study):
     assert tiny["numerics"]["n"] == items and tiny["numerics_floor"] >= 0 and tiny["numerics"]["order"] == "permute-k"
     row = tiny["vs_bf16"]["w4a4_nvfp4"]
     assert row["family"] == 1 and row["p_holm"] == row["p_two_sided"] and row["n"] == items
+    again_w4a4 = json.loads((run_dir / "evals" / "tiny-w4a4_nvfp4-numerics" / "results.json").read_text())
+    own = tiny["row_numerics"]["w4a4_nvfp4"]
+    assert again_w4a4["host"]["summation"] == "permute-k" and own["n"] == items and own["order"] == "permute-k"
+    own_floor = max(abs(own["ci_low"]), abs(own["ci_high"]))
+    assert row["numerics_floor"] == max(tiny["numerics_floor"], own_floor)
     assert tiny["vs_baseline"] == {}  # plain W4A4 has no method baseline
     md = (run_dir / "report" / "report.md").read_text()
     assert (
@@ -140,6 +146,7 @@ def test_numerics_floor_and_verdicts_in_words(study):
         and "tiny: numerics floor ±" in md
         and "summation order (permute-k) flips" in md
         and "tiny W4A4: ΔAvg" in md
+        and "tiny W4A4: its own numerics floor ±" in md
     )
     quantized = json.loads((run_dir / "evals" / "tiny-w4a4_nvfp4" / "results.json").read_text())
     history = json.loads((run_dir / "history.json").read_text())

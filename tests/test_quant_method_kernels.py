@@ -73,6 +73,36 @@ def test_triton_path_equals_torch_emulation(scheme, activation_scale, hadamard, 
     assert bool(((got - want).abs() <= tol).all()), f"max err/tol {((got - want).abs() / tol).max():.3g}"
 
 
+@pytest.mark.parametrize("order", ["permute-k", "split-k"])
+@pytest.mark.parametrize("scheme", ["fp8_block", "nvfp4"])
+def test_emulation_sums_in_the_summation_order_of_its_load(scheme, order, monkeypatch):
+    """The numerics stage's second order reaches the emulated quantized Linears: a layer loaded with
+    QUANTKIT_CPU_SUMMATION set computes `ordered_float32_linear(weight_dequantized, order)` of the same quantized
+    activation, bit for bit (deterministic functions on equal inputs); a layer loaded without it, F.linear, bit for
+    bit. The two differ by summation order only: within the module docstring's bound, and not equal (float32 sums
+    of K = 200 products carry order-dependent rounding in some of the 816 outputs; fixed seed, deterministic)."""
+    from quantkit.serve.cpu.linear import SUMMATION_ENV, ordered_float32_linear
+    from quantkit.serve.method_parts import emulated_activation
+
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(N, K, generator=g) * 0.05
+    x = torch.randn(6, K, generator=g)
+    bias = torch.randn(N, generator=g)
+    monkeypatch.delenv(SUMMATION_ENV, raising=False)
+    default, default_layer = _layer(scheme, "per_token", "torch", weight, monkeypatch)
+    monkeypatch.setenv(SUMMATION_ENV, order)
+    ordered, ordered_layer = _layer(scheme, "per_token", "torch", weight, monkeypatch)
+    monkeypatch.delenv(SUMMATION_ENV)
+    w = ordered_layer.weight_dequantized
+    assert torch.equal(w, default_layer.weight_dequantized)
+    xq = emulated_activation(SCHEMES[scheme], x, None, None)
+    got, got_default = ordered.apply(ordered_layer, x, bias), default.apply(default_layer, x, bias)
+    assert torch.equal(got, ordered_float32_linear(w, order)(xq, w, bias))
+    assert torch.equal(got_default, F.linear(xq, w, bias))
+    tol = (K + 1) * 2.0**-21 * (xq.abs() @ w.abs().T + bias.abs())  # see the module docstring
+    assert bool(((got - got_default).abs() <= tol).all()) and not torch.equal(got, got_default)
+
+
 def test_kernel_choice_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="QUANTKIT_KERNEL='cuda'"):
         _layer("fp8_block", "per_token", "cuda", torch.randn(N, K), monkeypatch)

@@ -42,8 +42,8 @@ def test_the_table_in_order_with_scopes_and_artifacts():
         "diagnose": "model",
         "quantize": "recipe",
         "eval": "recipe",
-        "numerics": "baseline",
-        "reference": "baseline",
+        "numerics": "asked",
+        "reference": "asked",
         "degradation": "quantized",
         "quality": "quantized",
         "report": "study",
@@ -133,6 +133,27 @@ def test_baseline_stages_run_where_the_spec_asks(tmp_path):
     assert work[coder_bf16 + 1 : coder_bf16 + 3] == [("numerics", "coder", "bf16"), ("reference", "coder", "bf16")]
     assert study.artifact("numerics", "a", "bf16") == study.dir / "evals" / "a-bf16-numerics" / "results.json"
     assert study.reference_dir("coder") == study.dir / "evals" / "coder-bf16-reference"
+
+
+def test_numerics_runs_for_the_rows_the_spec_names(tmp_path):
+    """eval.numerics as a list: the numerics stage for each named row (a quantized row's own floor), right after
+    that row's eval, in its own directory; rows not named get none; reference stays on bf16 only."""
+    spec = StudySpec(
+        name="t",
+        models={"a": "zoo:ga"},
+        recipes=["bf16", "w4a4_nvfp4", "w4a4_nvfp4_gptq"],
+        eval=dict(numerics=["bf16", "w4a4_nvfp4"], reference=True),
+    )
+    study = Study(spec, tmp_path / "run")
+    assert study.numerics_rows() == ["bf16", "w4a4_nvfp4"]
+    assert study.targets(STAGE_BY_NAME["numerics"]) == [("a", "bf16"), ("a", "w4a4_nvfp4")]
+    assert study.targets(STAGE_BY_NAME["reference"]) == []  # zoo:ga publishes no score
+    work = [(stage.name, label, recipe) for stage, label, recipe in study.work(STAGES)]
+    w4a4 = work.index(("eval", "a", "w4a4_nvfp4"))
+    assert work[w4a4 + 1] == ("numerics", "a", "w4a4_nvfp4")
+    assert ("numerics", "a", "w4a4_nvfp4_gptq") not in work
+    assert study.numerics_dir("a", "w4a4_nvfp4") == study.dir / "evals" / "a-w4a4_nvfp4-numerics"
+    assert Study(StudySpec(name="t", models={"a": "zoo:ga"}, recipes=["bf16"]), tmp_path).numerics_rows() == []
 
 
 def test_rows_arrive_early(tmp_path):

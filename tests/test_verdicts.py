@@ -80,6 +80,24 @@ def test_judge_applies_holm_and_both_floors():
     assert v.numerics_floor(comparison(0.5, 1.0, low=-1.25, high=2.0)) == 2.0 and v.numerics_floor(None) is None
 
 
+def test_each_delta_is_held_to_the_larger_of_its_rows_floors():
+    """Rows' floors: BF16 0.75 and W4A4 2.7 measured. A row's own floor where measured; a quantized row not re-run
+    (gptq) takes the largest measured quantized row's (2.7, not BF16's 0.75: BF16's did not bound W4A4's on two
+    machine kinds); with no quantized row measured, BF16's; nothing measured: None. A delta of 2.0 between BF16 and
+    W4A4 is then within the numerics floor (2.7), though beyond BF16's."""
+    floors = {"bf16": 0.75, "w4a4_nvfp4": 2.7}
+    assert v.row_floor(floors, "w4a4_nvfp4", "bf16") == 2.7 and v.row_floor(floors, "w4a4_nvfp4_gptq", "bf16") == 2.7
+    assert v.row_floor({"bf16": 0.75}, "w4a4_nvfp4_gptq", "bf16") == 0.75 and v.row_floor({}, "x", "bf16") is None
+    assert v.pair_floor(floors, "bf16", "w4a4_nvfp4", "bf16") == 2.7 and v.pair_floor({}, "bf16", "x", "bf16") is None
+    assert v.pair_floor({"bf16": 0.75, "w4a4_nvfp4": 0.5}, "bf16", "w4a4_nvfp4", "bf16") == 0.75
+    judged = v.judge(
+        {"w4a4_nvfp4": comparison(-2.0, 0.001), "fp8": comparison(-2.0, 0.001)}, {"w4a4_nvfp4": 2.7, "fp8": 0.75}
+    )
+    assert judged["w4a4_nvfp4"]["beyond_numerics"] is False and judged["w4a4_nvfp4"]["numerics_floor"] == 2.7
+    assert judged["fp8"]["beyond_both"] is True
+    assert "within the numerics floor ±2.70" in v.model_sentences("c", dict(vs_bf16=judged), {})[1]
+
+
 def test_sentences_say_the_verdict_in_words():
     names = {"w4a4_nvfp4": "W4A4", "w4a4_nvfp4_sq": "W4A4+SQ"}
     vs_bf16 = v.judge({"w4a4_nvfp4": comparison(-10.0, 0.0001), "w4a4_nvfp4_sq": comparison(-6.0, 0.001)}, 2.0)
@@ -99,6 +117,11 @@ def test_sentences_say_the_verdict_in_words():
         "W4A4+SQ vs W4A4: +4.00" in lines[4] and "not resolved by the items" in lines[4] and "not separable" in lines[4]
     )
     assert "numerics floor not measured" in v.model_sentences("x", dict(vs_bf16={}), names)[0]
+    assert "the verdicts below use BF16's, which need not bound a quantized row's" in lines[0]
+    own = dict(comparison(-0.5, 0.7, -2.5, 1.5), flip_rate=0.12)
+    with_own = v.model_sentences("coder", dict(entry, row_numerics={"w4a4_nvfp4": own}), names)
+    assert "need not bound" not in with_own[0]
+    assert with_own[1].startswith("coder W4A4: its own numerics floor ±2.50 points") and "flips 12.0%" in with_own[1]
 
 
 def test_reference_gap_split_into_prompt_format_and_the_rest():
@@ -130,7 +153,8 @@ def test_moved_rows_are_explained_against_the_numerics_floor():
             dict(avg=32.53, date="d2", host=epyc, suite="code v4"),
         ],
     }
-    moved = {m["row"]: m for m in v.moved_rows(history, {"coder": 2.0, "smollm": None})}
+    floors = {"coder w4a4_nvfp4": 2.0, "coder w4a4_nvfp4_sq": 2.0, "coder w4a4_nvfp4_gptq": 2.0, "coder bf16": 2.0}
+    moved = {m["row"]: m for m in v.moved_rows(history, floors)}
     assert set(moved) == {"coder w4a4_nvfp4", "coder w4a4_nvfp4_sq", "coder w4a4_nvfp4_gptq"}
     assert (
         "the suite changed (code v3 then code v4): the two figures are not comparable"

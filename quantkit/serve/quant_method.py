@@ -10,7 +10,8 @@ need not be multiples of 128 rows) and each shard's per-tensor scales repeated o
 Kernels (logged per layer at load; QUANTKIT_KERNEL=auto|triton|torch):
 - "torch-emulation" (CPU): weights decoded once to float32 at load with `quantkit.formats`, activations
   quantized and decoded on every call with the same functions, matmul in float32 -- the numerics of the
-  transformers fake-quant reference (`quantkit.quantize.fake_quant`) bit for bit;
+  transformers fake-quant reference (`quantkit.quantize.fake_quant`) bit for bit; in $QUANTKIT_CPU_SUMMATION's
+  order where the numerics stage sets a second one (`quantkit.serve.cpu.linear.ordered_float32_linear`);
 - "triton" (CUDA): `quantkit.kernels.schemes` -- the scheme's fused activation quantizer, then the FP8 block
   GEMM or the NVFP4 GEMM on the packed weights (bf16 MMA, float32 accumulation). Untested on a GPU so far; its
   kernels are tested through the Triton interpreter and this dispatch by tests/test_quant_method_kernels.py.
@@ -51,6 +52,7 @@ from quantkit.formats.experts import EXPERT_MATRIX
 from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.schemes import LayerTensor, Scheme, module_scheme, online_hadamard_blocks, scheme_from_config
 from quantkit.serve import method_parts
+from quantkit.serve.cpu.linear import Linear, ordered_float32_linear, summation_order
 from quantkit.serve.method_parts import CAPTURE_ENV, Kernel, copy_checkpoint_part, emulated_activation, select_kernel
 from quantkit.serve.moe_method import QuantkitMoEMethod
 
@@ -183,6 +185,7 @@ class QuantkitLinearMethod(LinearMethodBase):
         whole = prefix in config.quantized_modules  # stored as one matrix (Phi-3's qkv_proj), or its shards' names
         self.online_hadamard = config.online_block_of([prefix] if whole else config.checkpoint_names(prefix), prefix)
         self.kernel: Kernel | None = None  # chosen after loading (select_kernel)
+        self.emulated_linear: Linear = torch.nn.functional.linear  # torch-emulation's matmul (process_weights_...)
         self.capture_dir = os.environ.get(CAPTURE_ENV)
         self.calls = 0
 
@@ -270,6 +273,9 @@ class QuantkitLinearMethod(LinearMethodBase):
             for suffix in scheme.tensors:
                 delattr(layer, suffix)
             layer.weight_dequantized = Parameter(weight, requires_grad=False)
+            # the summation order of this process (the numerics stage's second order on CPUs; default on GPUs)
+            order = "default" if weight.is_cuda else summation_order()
+            self.emulated_linear = ordered_float32_linear(weight, order)
         logger.info(
             "quantkit: %s scheme=%s activations=%s kernel=%s",
             self.prefix,
@@ -294,7 +300,7 @@ class QuantkitLinearMethod(LinearMethodBase):
             if self.capture_dir:
                 self._capture(layer, x, xq)
             weight = cast(Parameter, layer.weight_dequantized)
-            out = torch.nn.functional.linear(xq, weight, None if bias is None else bias.float())
+            out = self.emulated_linear(xq, weight, None if bias is None else bias.float())
             return out.to(dtype)
         from quantkit.kernels.schemes import quantized_linear  # Triton: imported where used
 

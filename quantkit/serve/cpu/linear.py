@@ -34,6 +34,12 @@ at load. Each call then runs on the kernel the default order would choose for it
 float32 copy for large ones on this machine kind), on permuted operands: the same exact products, summed by the same
 kernel in another order. It costs one gather of the input per call, so a BF16 row costs about what it does in the
 default order. A tied embedding keeps its rows (only the LM head's copy is permuted: 2 bytes a parameter more).
+
+The emulated quantized Linears (`quantkit.serve.quant_method`, torch-emulation: float32 decoded weights times
+dequantized activations) take the same order from `ordered_float32_linear`, so that the numerics stage measures a
+quantized row's own floor too (`eval.numerics: [bf16, w4a4_nvfp4]`). The routed experts' emulation
+(`quantkit.formats.experts.routed_experts_forward`, the reference's own function) and the peers' emulation kernels
+(`peer_kernels`) keep the default order: a numerics floor measured on such a row leaves their sums out.
 """
 
 from __future__ import annotations
@@ -101,6 +107,32 @@ def permuted_columns(linear: Linear, permutation: torch.Tensor, weight: torch.Te
 
     linear_permuted.inner, linear_permuted.permutation = linear, permutation  # type: ignore[attr-defined]  # (tests)
     return linear_permuted
+
+
+def ordered_float32_linear(weight32: torch.Tensor, order: str) -> Linear:
+    """A `cpu_linear(x, weight, bias)` for float32 operands, summed in `order` (one of SUMMATION_ORDERS): the
+    emulated quantized Linears' (`quantkit.serve.quant_method`: decoded weight `weight32` (N, K), dequantized
+    activations x (..., K), float32 bias (N,) or None), output float32 (..., N). default: `F.linear(x, weight,
+    bias)` on the weight it is called with; permute-k: the K columns in `k_permutation`'s order (`weight32`'s
+    columns permuted once now); split-k: the two halves of K as two products, added, then the bias. The second
+    orders hold one more float32 copy of the weight (4 bytes a parameter) and ignore the weight they are called
+    with: the same products summed in another order, as the half-precision Linears' are."""
+    if order == "default":
+        return F.linear
+    k = weight32.shape[1]
+    if order == "permute-k":
+        permutation = k_permutation(k)
+        return permuted_columns(F.linear, permutation, weight32.index_select(1, permutation))
+    if order == "split-k":
+        half = k // 2
+        low, high = weight32[:, :half].contiguous(), weight32[:, half:].contiguous()
+
+        def linear(x: torch.Tensor, _weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            out = F.linear(x[..., :half], low) + F.linear(x[..., half:], high)
+            return out if bias is None else out + bias
+
+        return linear
+    raise ValueError(f"summation order {order!r}: expected one of {', '.join(SUMMATION_ORDERS)}")
 
 
 def summation_order() -> str:
