@@ -4,8 +4,8 @@ The local executor (`Study.run` without an executor) runs every stage in this pr
 executor schedules the same stages as Ray tasks, by scope (SCOPES in pipelines/study.py):
 
 - per model, one task with its model-scope stages (checkpoint, diagnose);
-- then, per (model, recipe), one task with the recipe's chain of recipe-scope stages (quantize, eval), the bf16
-  chain followed by the baseline-scope stages the spec asks for (numerics, reference);
+- then, per (model, recipe), one task with the recipe's chain of recipe-scope stages (quantize, eval), each
+  chain followed by the asked-scope stages the spec asks for on that row (numerics, reference);
 - per quantized recipe, one task with its quantized-scope stages (degradation, and quality where the spec asks)
   once its chain and its model's bf16 chain are done;
 - study-scope stages (report) on the driver, at the end.
@@ -59,7 +59,7 @@ CONNECT_TIMEOUT_S = 10.0  # ray.init retries an unreachable address for minutes;
 
 @dataclass(frozen=True)
 class Task:
-    """One Ray task: `stages` (names, in table order, all of `scope`; a bf16 chain also its baseline-scope stages)
+    """One Ray task: `stages` (names, in table order, all of `scope`; a chain also its row's asked-scope stages)
     for the target (label, recipe)."""
 
     scope: str

@@ -10,6 +10,8 @@ Spec (YAML, see pipelines/default.yaml):
     zoo: {size: tiny, dir: zoo}      # where zoo:<preset> checkpoints are built (cached)
     recipes: [bf16, w8a8_fp8_block, w4a4_nvfp4, w4a4_nvfp4_sq]   # bf16 is every model's baseline
     eval: {suite: mini, backend: vllm, limit: null, allow_code: false, seed: 1234, dtype: bfloat16}
+                                     # + numerics: false | true (bf16) | [bf16, w4a4_nvfp4] (rows re-run in a
+                                     # second summation order: their numerics floors), reference: false
                                      # + suites: {label: suite}: a model's own suite instead of `suite`
     kl: {num_sequences: 16, seq_len: 128, source: vllm, top_k: null}   # source: vllm (default with the vLLM
                                      # backend: the eval engines' prompt logprobs) | transformers (float32 reference);
@@ -655,7 +657,7 @@ class Study:
         return limits[label] if label in limits else self.spec.eval["limit"]
 
     def _checkpoint_ready(self, label: str, recipe: str) -> None:
-        """Make the (label, recipe) checkpoint if it is missing (a baseline-scope stage run on its own); a present
+        """Make the (label, recipe) checkpoint if it is missing (an asked-scope stage run on its own); a present
         one is left alone, its timing entry too."""
         if not self._artifact_file("quantize", label, recipe).exists():
             self._do(STAGE_BY_NAME["quantize"], label, recipe)
