@@ -987,7 +987,7 @@ def study_verdicts(study: Study, measured: Sequence[tuple[str, str]]) -> dict[st
                 row_numerics[r]["order"] = host.get("summation")  # None in records older than the host record
         measured_floors = {r: cast(float, v.numerics_floor(c)) for r, c in row_numerics.items()}
         numerics = row_numerics.pop(BASELINE, None)
-        floor = v.numerics_floor(numerics)
+        floor = measured_floors.get(BASELINE)
         for r in [BASELINE, *quantized]:
             floors[f"{label} {r}"] = v.row_floor(measured_floors, r, BASELINE)
         vs_bf16 = v.judge(
