@@ -238,8 +238,8 @@ def test_summation_order_names():
 
 @pytest.mark.parametrize("order", ["default", "permute-k", "split-k"])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_ordered_float32_linear_sums_the_same_products_in_its_order(order, with_bias):
-    """The emulated quantized Linears' orders (`ordered_float32_linear`, float32 operands x (2, 32, K), weight
+def test_ordered_linear_sums_the_same_products_in_its_order(order, with_bias):
+    """The emulated quantized Linears' orders (`ordered_linear`, float32 operands x (2, 32, K), weight
     (512, K), K = 1001 odd): default is F.linear on the weight it is called with; permute-k is F.linear on both
     operands' columns in `k_permutation`'s order, split-k the two half-K products (500 and 501 columns) added, then
     the bias -- each bit for bit (the same functions on the same inputs are deterministic). Every order is within
@@ -254,20 +254,48 @@ def test_ordered_float32_linear_sums_the_same_products_in_its_order(order, with_
     weight = torch.randn(n, k, generator=g) * 0.05
     bias = torch.randn(n, generator=g) if with_bias else None
     x = torch.randn(2, 32, k, generator=g)
-    linear = cpu_linear.ordered_float32_linear(weight, order)
+    linear = cpu_linear.ordered_linear(weight, order)
     got = linear(x, weight, bias)
-    permutation = cpu_linear.k_permutation(k)
-    want = {
-        "default": F.linear(x, weight, bias),
-        "permute-k": F.linear(x[..., permutation], weight[:, permutation].contiguous(), bias),
-        "split-k": F.linear(x[..., :500], weight[:, :500].contiguous())
-        + F.linear(x[..., 500:], weight[:, 500:].contiguous())
-        + (0 if bias is None else bias),
-    }[order]
-    assert got.dtype == torch.float32 and got.shape == (2, 32, n) and torch.equal(got, want)
+    assert (
+        got.dtype == torch.float32
+        and got.shape == (2, 32, n)
+        and torch.equal(got, _ordered_definition(order, x, weight, bias))
+    )
     default = F.linear(x, weight, bias)
     summed = x.abs() @ weight.abs().T + (0 if bias is None else bias.abs())
     assert bool(((got - default).abs() <= (k + 1) * 2.0**-22 * summed).all())
     assert torch.equal(got, default) == (order == "default")
     with pytest.raises(ValueError, match="expected one of default, permute-k, split-k"):
-        cpu_linear.ordered_float32_linear(weight, "reversed")
+        cpu_linear.ordered_linear(weight, "reversed")
+
+
+@pytest.mark.parametrize("order", ["default", "permute-k", "split-k"])
+def test_ordered_linear_on_half_operands_rounds_once(order):
+    """`ordered_linear` on bf16 operands (the peers' NVFP4 emulation multiplies in the activation dtype): default and
+    permute-k are bf16 F.linear on the operands as called / on both operands' permuted columns; split-k sums the two
+    half-K products and the bias in float32 and rounds to bf16 once -- bit for bit with those definitions, output
+    bf16. Within the module docstring's bound of the default (both roundings to bf16 plus two float32 orders of
+    K + 1 terms). That the orders differ is checked where operands make inexact sums (tests/test_serve_quantized.py,
+    tests/test_quant_method_kernels.py): a product of two bf16 numbers is exact in float32, so many sums agree."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 256, 1001
+    weight, bias = (torch.randn(n, k, generator=g) * 0.05).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(64, k, generator=g).bfloat16()
+    got = cpu_linear.ordered_linear(weight, order)(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, _ordered_definition(order, x, weight, bias))
+    ours, default = got.float(), F.linear(x, weight, bias).float()
+    summed = x.float().abs() @ weight.float().abs().T + bias.float().abs()
+    bound = 2.0**-7 * torch.maximum(ours.abs(), default.abs()) + 2 * (k + 1) * 2.0**-24 * summed
+    assert bool(((ours - default).abs() <= bound).all())
+
+
+def _ordered_definition(order: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What `ordered_linear(weight, order)(x, weight, bias)` computes, written out (K = 1001: halves 500 / 501)."""
+    if order == "default":
+        return F.linear(x, weight, bias)
+    if order == "permute-k":
+        permutation = cpu_linear.k_permutation(x.shape[-1])
+        return F.linear(x[..., permutation], weight[:, permutation].contiguous(), bias)
+    x32, w32 = x.float(), weight.float()
+    out = F.linear(x32[..., :500], w32[:, :500].contiguous()) + F.linear(x32[..., 500:], w32[:, 500:].contiguous())
+    return (out if bias is None else out + bias.float()).to(x.dtype)

@@ -77,11 +77,11 @@ def test_triton_path_equals_torch_emulation(scheme, activation_scale, hadamard, 
 @pytest.mark.parametrize("scheme", ["fp8_block", "nvfp4"])
 def test_emulation_sums_in_the_summation_order_of_its_load(scheme, order, monkeypatch):
     """The numerics stage's second order reaches the emulated quantized Linears: a layer loaded with
-    QUANTKIT_CPU_SUMMATION set computes `ordered_float32_linear(weight_dequantized, order)` of the same quantized
+    QUANTKIT_CPU_SUMMATION set computes `ordered_linear(weight_dequantized, order)` of the same quantized
     activation, bit for bit (deterministic functions on equal inputs); a layer loaded without it, F.linear, bit for
     bit. The two differ by summation order only: within the module docstring's bound, and not equal (float32 sums
     of K = 200 products carry order-dependent rounding in some of the 816 outputs; fixed seed, deterministic)."""
-    from quantkit.serve.cpu.linear import SUMMATION_ENV, ordered_float32_linear
+    from quantkit.serve.cpu.linear import SUMMATION_ENV, ordered_linear
     from quantkit.serve.method_parts import emulated_activation
 
     g = torch.Generator().manual_seed(1)
@@ -97,7 +97,7 @@ def test_emulation_sums_in_the_summation_order_of_its_load(scheme, order, monkey
     assert torch.equal(w, default_layer.weight_dequantized)
     xq = emulated_activation(SCHEMES[scheme], x, None, None)
     got, got_default = ordered.apply(ordered_layer, x, bias), default.apply(default_layer, x, bias)
-    assert torch.equal(got, ordered_float32_linear(w, order)(xq, w, bias))
+    assert torch.equal(got, ordered_linear(w, order)(xq, w, bias))
     assert torch.equal(got_default, F.linear(xq, w, bias))
     tol = (K + 1) * 2.0**-21 * (xq.abs() @ w.abs().T + bias.abs())  # see the module docstring
     assert bool(((got - got_default).abs() <= tol).all()) and not torch.equal(got, got_default)
@@ -344,3 +344,81 @@ def test_experts_emulation_equals_per_expert_loop(scheme, activation_scale, glu,
         y = F.linear(scheme_.fake_quant_activation(down_input, scale["down"]), layer.w2_dequantized[e])
         want.index_put_((tokens,), y * topk_weights[tokens, slot, None], accumulate=True)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("order", ["permute-k", "split-k"])
+@pytest.mark.parametrize("scheme, glu", [("fp8_block", False), ("nvfp4", True)])
+def test_experts_emulation_sums_in_the_summation_order_of_its_load(scheme, glu, order, monkeypatch):
+    """The numerics stage's second order reaches the routed experts' emulation: experts loaded with
+    QUANTKIT_CPU_SUMMATION set compute the per-expert definition above with each product in that order
+    (`ordered_linear(w13_dequantized[e], order)`, `ordered_linear(w2_dequantized[e], order)`), bit for bit (the same
+    deterministic functions on equal operands, the float32 additions in the same order); the order is read at load.
+    And they differ from experts loaded in the default order (the per-expert loop with F.linear, the test above):
+    fixed seed, FP8's float32-scaled operands make inexact sums; NVFP4's outputs differ through its re-quantized down
+    input. No tolerance against the default: a last-bit change of act(gate) * up can move a code of the re-quantized
+    down input, a whole quantization step."""
+    from quantkit.serve.cpu.linear import SUMMATION_ENV, ordered_linear
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(len(ROUTING), H, generator=g) * torch.tensor([0.1, 1.0, 30.0, 3.0] * 2)[:, None]
+    weights = {}
+    for e in range(E):
+        for proj, shard, shape in (("gate_proj", "w1", (I, H)), ("up_proj", "w3", (I, H)), ("down_proj", "w2", (H, I))):
+            weights[e, proj, shard] = (torch.randn(shape, generator=g) * 0.05 * (e + 1), 0.0)
+    topk_weights = torch.rand(ROUTING.shape, generator=g) + 0.1
+    monkeypatch.delenv(SUMMATION_ENV, raising=False)
+    _, _, run_default = _experts(scheme, "per_token", "torch", weights, glu, monkeypatch)
+    monkeypatch.setenv(SUMMATION_ENV, order)
+    _, layer, run = _experts(scheme, "per_token", "torch", weights, glu, monkeypatch)
+    monkeypatch.delenv(SUMMATION_ENV)  # read at load, not per call
+    got = run(x, ROUTING, topk_weights)
+
+    scheme_, act = SCHEMES[scheme], (torch.sigmoid if glu else F.silu)
+    want = torch.zeros(len(ROUTING), H)
+    for e in range(E):
+        tokens, slot = torch.where(e == ROUTING)
+        if not len(tokens):
+            continue
+        w13, w2 = layer.w13_dequantized[e], layer.w2_dequantized[e]
+        gate, up = ordered_linear(w13, order)(scheme_.fake_quant_activation(x[tokens], None), w13, None).chunk(2, -1)
+        y = ordered_linear(w2, order)(scheme_.fake_quant_activation(act(gate) * up, None), w2, None)
+        want.index_put_((tokens,), y * topk_weights[tokens, slot, None], accumulate=True)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, run_default(x, ROUTING, topk_weights))
+
+
+@pytest.mark.parametrize("order", ["permute-k", "split-k"])
+def test_unquantized_glu_experts_sum_in_the_summation_order_of_their_first_call(order, monkeypatch):
+    """The BF16 row of a GLU hybrid checkpoint (`quantkit.serve.hybrid.GLUExperts`, unquantized: vLLM's fused MoE has
+    no sigmoid gate) takes the numerics stage's second order too: per expert, gate/up and down are
+    `ordered_linear`'s products on the bf16 rows and weights (float32 halves rounded once in split-k), bit for bit
+    with that definition; and they differ from the default order's. A product of two bf16 numbers is exact in float32
+    (16 bits), so sums of a few dozen of them are exact in any order unless their magnitudes spread: the inputs span
+    16 binades, so that some of the float32 sums are inexact and some of those straddle a bf16 rounding boundary
+    (1024 tokens: 18 and 14 of the 40k outputs differ here; fixed seed, deterministic)."""
+    from quantkit.serve.cpu.linear import SUMMATION_ENV, ordered_linear
+    from quantkit.serve.hybrid import GLUExperts
+
+    g = torch.Generator().manual_seed(6)
+    routing = torch.randint(0, E, (1024, 2), generator=g)
+    topk_weights = torch.rand(routing.shape, generator=g) + 0.1
+    x = (torch.randn(len(routing), H, generator=g) * 2.0 ** (torch.rand(len(routing), H, generator=g) * 16 - 8)).to(
+        torch.bfloat16
+    )
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.2).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g) * 0.2).to(torch.bfloat16)
+    outputs = {}
+    for summation in ("default", order):
+        experts = GLUExperts(E, H, I)
+        experts.w13.data, experts.w2.data = w13.clone(), w2.clone()
+        monkeypatch.setenv(SUMMATION_ENV, summation)
+        outputs[summation] = experts(x, routing, topk_weights)
+        monkeypatch.delenv(SUMMATION_ENV)
+    want = torch.zeros(len(routing), H)
+    for e in range(E):
+        tokens, slot = torch.where(e == routing)
+        gate, up = ordered_linear(w13[e], order)(x[tokens], w13[e], None).chunk(2, -1)
+        y = ordered_linear(w2[e], order)(torch.sigmoid(gate) * up, w2[e], None)
+        want.index_put_((tokens,), y * topk_weights[tokens, slot, None].float(), accumulate=True)
+    assert outputs[order].dtype == torch.bfloat16 and torch.equal(outputs[order], want.to(torch.bfloat16))
+    assert not torch.equal(outputs[order], outputs["default"])

@@ -517,6 +517,91 @@ def test_the_peers_nvfp4_kernel_decodes_each_weight_once_with_vllms_bits(monkeyp
     assert decodes == [torch.bfloat16, torch.float32]
 
 
+@pytest.mark.parametrize("order", ["permute-k", "split-k"])
+def test_the_peers_emulation_kernels_sum_in_the_order_of_their_load(order, monkeypatch):
+    """The numerics stage's second order reaches the peers' emulation kernels. A kernel loaded with
+    QUANTKIT_CPU_SUMMATION set computes `ordered_linear(weight, order)` of the operands the default order multiplies,
+    bit for bit (deterministic functions on equal inputs): the FP8-block GEMM on its float32 decoded A and B, the
+    NVFP4 kernel on vLLM's quantize-dequantized activation and its once-decoded weight, then the bias. A kernel
+    loaded without it computes what it computed before (the test above). The orders differ in the order of float32
+    additions only: FP8 (float32 output, K = 256): |ours - default| <= (K + 1) 2^-22 S, S = |a| @ |b|.T (any float32
+    order is within (K + 1) 2^-24 S of the exact sum, Higham; two orders within twice that, allowed 2x more); NVFP4
+    in bfloat16: the same plus both roundings to bf16, <= 2^-7 max(|ours|, |default|) (tests/test_cpu_linear.py's
+    derivation), and the bias's bf16 add, another 2^-8 of the output. And not equal: of FP8's 64 x 48 float32
+    outputs some carry order-dependent last bits. NVFP4's bf16 outputs differ only where a float32 sum is inexact
+    (dequantized E2M1 values carry few significant bits, so many sums of their products are exact in any order:
+    hence scales and inputs spread over 12 and 8 binades here) and then straddles a bf16 rounding boundary (~2e-4 of
+    the outputs, measured on random operands): 1024 x 256 outputs, 65 and 28 of them differ here. Fixed seeds:
+    deterministic."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearLayerConfig
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import FP8ScaledMMLinearLayerConfig
+    from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8Dynamic128Sym, kFp8Static128BlockSym
+
+    from quantkit.formats.fp8 import expand_block_scales
+    from quantkit.serve.cpu import peer_kernels
+    from quantkit.serve.cpu.linear import SUMMATION_ENV, ordered_linear
+
+    g = torch.Generator().manual_seed(3)
+    n, k, m = 48, 256, 64
+    fp8_config = FP8ScaledMMLinearLayerConfig(
+        weight_quant_key=kFp8Static128BlockSym,
+        activation_quant_key=kFp8Dynamic128Sym,
+        weight_shape=(n, k),
+        input_dtype=torch.bfloat16,
+        out_dtype=torch.bfloat16,
+    )
+    A = (torch.randn(m, k, generator=g) * 40).to(torch.float8_e4m3fn)
+    B = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn)
+    As, Bs = torch.rand(m, k // 128, generator=g) + 0.5, torch.rand(1, k // 128, generator=g) + 0.5
+    layer, (n4, k4, m4) = torch.nn.Module(), (256, 1024, 1024)
+    parameters = dict(
+        weight=torch.randint(0, 256, (n4, k4 // 2), dtype=torch.uint8, generator=g),
+        weight_scale=(2.0 ** (torch.rand(n4, k4 // NVFP4_GROUP, generator=g) * 12 - 6)).to(torch.float8_e4m3fn),
+        weight_global_scale=torch.tensor(0.02),
+        input_global_scale_inv=torch.tensor(300.0),
+    )
+    for name, value in parameters.items():
+        setattr(layer, name, torch.nn.Parameter(value, requires_grad=False))
+    x = (torch.randn(m4, k4, generator=g) * 2.0 ** (torch.rand(m4, k4, generator=g) * 8 - 4)).to(torch.bfloat16)
+    bias = torch.randn(n4, generator=g).to(torch.bfloat16)
+
+    monkeypatch.delenv(SUMMATION_ENV, raising=False)
+    with set_current_vllm_config(VllmConfig()):  # the FP8 kernel's activation quantizer is a vLLM CustomOp
+        fp8_default, nvfp4_default = (
+            peer_kernels.EmulationFp8BlockScaledMMKernel(fp8_config),
+            peer_kernels.DecodedOnceNvFp4LinearKernel(NvFp4LinearLayerConfig()),
+        )
+    nvfp4_default.process_weights_after_loading(layer)
+    want_fp8, want_nvfp4 = fp8_default.apply_block_scaled_mm(A, B, As, Bs), nvfp4_default.apply_weights(layer, x, bias)
+    del layer.quantkit_dequantized_weight  # decoded again by the kernel loaded in the second order
+    monkeypatch.setenv(SUMMATION_ENV, order)
+    with set_current_vllm_config(VllmConfig()):
+        fp8, nvfp4 = (
+            peer_kernels.EmulationFp8BlockScaledMMKernel(fp8_config),
+            peer_kernels.DecodedOnceNvFp4LinearKernel(NvFp4LinearLayerConfig()),
+        )
+    fp8.process_weights_after_loading(layer)  # keeps the layer's parameters (the checkpoint layout)
+    nvfp4.process_weights_after_loading(layer)
+    monkeypatch.delenv(SUMMATION_ENV)  # read at load, not per call
+    got_fp8, got_nvfp4 = fp8.apply_block_scaled_mm(A, B, As, Bs), nvfp4.apply_weights(layer, x, bias)
+
+    a = A.float() * expand_block_scales(As, (1, 128), A.shape)
+    b = B.float() * expand_block_scales(Bs, (128, 128), B.shape)
+    assert torch.equal(got_fp8, ordered_linear(b, order)(a, b, None))
+    assert bool(((got_fp8 - want_fp8).abs() <= (k + 1) * 2.0**-22 * (a.abs() @ b.abs().T)).all())
+    assert not torch.equal(got_fp8, want_fp8)
+
+    weight = layer.quantkit_dequantized_weight
+    x_dq = peer_kernels.ref_nvfp4_quant_dequant(x, layer.input_global_scale_inv, block_size=NVFP4_GROUP)
+    assert torch.equal(got_nvfp4, ordered_linear(weight, order)(x_dq, weight, None) + bias)
+    ours, default = got_nvfp4.float(), want_nvfp4.float()
+    summed = x_dq.float().abs() @ weight.float().abs().T + bias.float().abs()
+    bound = 2.0**-7 * torch.maximum(ours.abs(), default.abs()) + 2.0**-8 * summed + (k4 + 1) * 2.0**-22 * summed
+    assert bool(((ours - default).abs() <= bound).all())
+    assert not torch.equal(got_nvfp4, want_nvfp4)
+
+
 def test_quality_reads_a_peers_nvfp4_layer_as_vllm_serves_it():
     """`quantkit quality` reads a peer's compressed-tensors NVFP4 layer (`PeerNvFp4Linear`) as vLLM serves it on CPU:
     vLLM's compressed-tensors W4A4 NVFP4 scheme (its process_weights_after_loading: the stored quantization scales

@@ -89,6 +89,8 @@ def fuse_expert_matrices(
 # input (gate/up), 1: down_proj's input.
 Segments = list[tuple[int, int, int]]
 RowsQuantizer = Callable[[torch.Tensor, Segments, int], torch.Tensor]
+ExpertLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (rows, weight, bias)
+ExpertLinears = tuple[list[ExpertLinear], list[ExpertLinear]]  # per expert: gate_up's, down's
 
 
 def per_expert(fake_quant: Callable[[torch.Tensor, int, int], torch.Tensor]) -> RowsQuantizer:
@@ -108,6 +110,7 @@ def routed_experts_forward(
     down: torch.Tensor,
     act_fn: Callable[[torch.Tensor], torch.Tensor],
     fake_quant: RowsQuantizer,
+    linears: ExpertLinears | None = None,
 ) -> torch.Tensor:
     """The routed experts of quantkit's MoE numerics, shared by the transformers reference (`FakeQuantExperts`) and
     vLLM's torch-emulation FusedMoE method, so the two compute the same thing by construction.
@@ -119,8 +122,11 @@ def routed_experts_forward(
     `fake_quant` call over all pairs' rows with their segments (`RowsQuantizer`; `per_expert` adapts a per-expert
     quantizer); the matmuls run per expert in the dtype it returns: float32 rows and decoded float32 weights for
     quantized experts, or the rows unchanged with weights of their dtype for unquantized ones. Returns float32
-    (T, H) = sum over a token's experts, in expert order, of routing weight * y.
+    (T, H) = sum over a token's experts, in expert order, of routing weight * y. `linears`: per expert e, the
+    products `gate_up_e(rows, gate_up[e], None)` and `down_e(rows, down[e], None)` in place of F.linear (a second
+    summation order's, `quantkit.serve.cpu.linear.ordered_expert_linears`); None: F.linear.
     """
+    gate_up_linears, down_linears = linears or ([torch.nn.functional.linear] * gate_up.shape[0],) * 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     num_experts = gate_up.shape[0]
     token_idx, slot = ((top_k_index >= 0) & (top_k_index < num_experts)).nonzero(as_tuple=True)
@@ -135,11 +141,11 @@ def routed_experts_forward(
     h = [
         act_fn(gate) * up
         for gate, up in (
-            torch.nn.functional.linear(xq[start:stop], gate_up[e]).chunk(2, dim=-1) for e, start, stop in segments
+            gate_up_linears[e](xq[start:stop], gate_up[e], None).chunk(2, dim=-1) for e, start, stop in segments
         )
     ]
     hq = fake_quant(torch.cat(h), segments, 1)
-    y = torch.cat([torch.nn.functional.linear(hq[start:stop], down[e]) for e, start, stop in segments])
+    y = torch.cat([down_linears[e](hq[start:stop], down[e], None) for e, start, stop in segments])
     # index_put_, not index_add_: the latter's 2-thread CPU kernel took ~50 ms a call (vs 20 us) on a busy machine
     out.index_put_((token_idx,), y * top_k_weights[token_idx, slot, None].float(), accumulate=True)
     return out

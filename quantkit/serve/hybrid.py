@@ -51,9 +51,10 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 
-from quantkit.formats.experts import routed_experts_forward
+from quantkit.formats.experts import ExpertLinears, routed_experts_forward
 from quantkit.models.configuration_hybrid import DELTANET_CONV_ACT
 from quantkit.models.modeling import rms_normalize, value_scale
+from quantkit.serve.cpu.linear import ordered_expert_linears, summation_order
 from quantkit.serve.float32_norms import mark_float32_loadable
 from quantkit.serve.models import (
     HeadwiseRMSNorm,
@@ -211,6 +212,8 @@ class GLUExperts(nn.Module):
             return
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.linears: ExpertLinears | None = None  # the products in this process's summation order, at the first call
+        self.ordered = False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Per-expert tensors `{e}.{gate_proj,up_proj,down_proj}.<suffix>` -> their rows of w13 ([gate; up]) / w2, or
@@ -234,8 +237,11 @@ class GLUExperts(nn.Module):
         """x (T, H), top_ids / top_weights (T, k) -> sum_j top_weights[:, j] * expert_{top_ids[:, j]}(x)."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, top_ids, top_weights)
+        if not self.ordered:  # loaded by now: the numerics stage's second order on CPUs, default on GPUs
+            order = "default" if self.w13.is_cuda else summation_order()
+            self.linears, self.ordered = ordered_expert_linears(self.w13.data, self.w2.data, order), True
         out = routed_experts_forward(
-            x, top_ids, top_weights, self.w13, self.w2, torch.sigmoid, lambda rows, segments, which: rows
+            x, top_ids, top_weights, self.w13, self.w2, torch.sigmoid, lambda rows, segments, which: rows, self.linears
         )
         return out.to(x.dtype)
 

@@ -14,7 +14,8 @@ w1, global expert e; `expert_map` decides which rank holds it), `up_proj` to sha
 Kernel (logged at load like the Linear method's, QUANTKIT_KERNEL):
 - "torch-emulation" (CPU): weights decoded once to float32; `quantkit.formats.experts.routed_experts_forward`,
   the transformers reference's own function: per expert hit, the block input quantized per token (or with the
-  expert's static scale) before gate/up, act(gate) * up quantized again before down, float32 matmuls. Per-token
+  expert's static scale) before gate/up, act(gate) * up quantized again before down, float32 matmuls (in the
+  summation order of the load: `quantkit.serve.cpu.linear.ordered_expert_linears`, the numerics floor's). Per-token
   quantization runs once per layer and input over all (token, expert) rows (it is row by row, so this equals one
   call per expert), static scales once per expert.
 - "triton" (CUDA): the packed parameters above, kept as loaded, feed the grouped GEMMs
@@ -55,11 +56,12 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
 from quantkit.formats.constants import ActivationScale
-from quantkit.formats.experts import Segments, routed_experts_forward
+from quantkit.formats.experts import ExpertLinears, Segments, routed_experts_forward
 from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.schemes import LayerTensor, experts_online_block
 from quantkit.kernels.expert_sort import ExpertSort, combine_expert_rows, sort_by_expert
 from quantkit.serve import method_parts
+from quantkit.serve.cpu.linear import ordered_expert_linears, summation_order
 from quantkit.serve.method_parts import CAPTURE_ENV, Kernel, copy_checkpoint_part, emulated_activation, select_kernel
 
 logger = init_logger(f"vllm.{__name__}")
@@ -92,6 +94,7 @@ class QuantkitExperts:
         self.capture_dir = os.environ.get(CAPTURE_ENV)
         self.calls = 0
         self.input_scales: torch.Tensor | None = None  # static activations: (E, 2) gate/up input, down input
+        self.expert_linears: ExpertLinears | None = None  # torch-emulation: products in a second order, or None
 
     def create_weights(
         self,
@@ -182,6 +185,9 @@ class QuantkitExperts:
                     if hasattr(layer, f"{stem}_{s}"):
                         delattr(layer, f"{stem}_{s}")
                 layer.register_parameter(f"{stem}_dequantized", Parameter(decoded, requires_grad=False))
+            # the summation order of this process (the numerics stage's second order on CPUs; default on GPUs)
+            w13, w2 = cast(Parameter, layer.w13_dequantized).data, cast(Parameter, layer.w2_dequantized).data
+            self.expert_linears = ordered_expert_linears(w13, w2, "default" if w13.is_cuda else summation_order())
         logger.info(
             "quantkit: %s experts=%d scheme=%s activations=%s kernel=%s",
             self.prefix,
@@ -202,7 +208,7 @@ class QuantkitExperts:
         """x (T, H), topk_ids (T, k) local expert ids (-1: not here), topk_weights (T, k) -> (T, H) in x's dtype."""
         if self.kernel == Kernel.TORCH_EMULATION:
             w13, w2 = cast(Parameter, layer.w13_dequantized), cast(Parameter, layer.w2_dequantized)
-            out = routed_experts_forward(x, topk_ids, topk_weights, w13, w2, act, self._fake_quant)
+            out = routed_experts_forward(x, topk_ids, topk_weights, w13, w2, act, self._fake_quant, self.expert_linears)
             return out.to(x.dtype)
         sort = sort_by_expert(topk_ids, _num_experts(layer))
         gate, up = self.triton_gate_up(layer, x, sort).chunk(2, dim=-1)

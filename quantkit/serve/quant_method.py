@@ -11,7 +11,7 @@ Kernels (logged per layer at load; QUANTKIT_KERNEL=auto|triton|torch):
 - "torch-emulation" (CPU): weights decoded once to float32 at load with `quantkit.formats`, activations
   quantized and decoded on every call with the same functions, matmul in float32 -- the numerics of the
   transformers fake-quant reference (`quantkit.quantize.fake_quant`) bit for bit; in $QUANTKIT_CPU_SUMMATION's
-  order where the numerics stage sets a second one (`quantkit.serve.cpu.linear.ordered_float32_linear`);
+  order where the numerics stage sets a second one (`quantkit.serve.cpu.linear.ordered_linear`);
 - "triton" (CUDA): `quantkit.kernels.schemes` -- the scheme's fused activation quantizer, then the FP8 block
   GEMM or the NVFP4 GEMM on the packed weights (bf16 MMA, float32 accumulation). Untested on a GPU so far; its
   kernels are tested through the Triton interpreter and this dispatch by tests/test_quant_method_kernels.py.
@@ -52,7 +52,7 @@ from quantkit.formats.experts import EXPERT_MATRIX
 from quantkit.formats.hadamard import block_hadamard
 from quantkit.formats.schemes import LayerTensor, Scheme, module_scheme, online_hadamard_blocks, scheme_from_config
 from quantkit.serve import method_parts
-from quantkit.serve.cpu.linear import Linear, ordered_float32_linear, summation_order
+from quantkit.serve.cpu.linear import Linear, ordered_linear, summation_order
 from quantkit.serve.method_parts import CAPTURE_ENV, Kernel, copy_checkpoint_part, emulated_activation, select_kernel
 from quantkit.serve.moe_method import QuantkitMoEMethod
 
@@ -275,7 +275,7 @@ class QuantkitLinearMethod(LinearMethodBase):
             layer.weight_dequantized = Parameter(weight, requires_grad=False)
             # the summation order of this process (the numerics stage's second order on CPUs; default on GPUs)
             order = "default" if weight.is_cuda else summation_order()
-            self.emulated_linear = ordered_float32_linear(weight, order)
+            self.emulated_linear = ordered_linear(weight, order)
         logger.info(
             "quantkit: %s scheme=%s activations=%s kernel=%s",
             self.prefix,

@@ -35,11 +35,12 @@ float32 copy for large ones on this machine kind), on permuted operands: the sam
 kernel in another order. It costs one gather of the input per call, so a BF16 row costs about what it does in the
 default order. A tied embedding keeps its rows (only the LM head's copy is permuted: 2 bytes a parameter more).
 
-The emulated quantized Linears (`quantkit.serve.quant_method`, torch-emulation: float32 decoded weights times
-dequantized activations) take the same order from `ordered_float32_linear`, so that the numerics stage measures a
-quantized row's own floor too (`eval.numerics: [bf16, w4a4_nvfp4]`). The routed experts' emulation
-(`quantkit.formats.experts.routed_experts_forward`, the reference's own function) and the peers' emulation kernels
-(`peer_kernels`) keep the default order: a numerics floor measured on such a row leaves their sums out.
+The emulated GEMMs on decoded operands take the same order from `ordered_linear`, read once per layer at load, so
+that the numerics stage measures a quantized row's own floor too (`eval.numerics: [bf16, w4a4_nvfp4]`): quantkit's
+quantized Linears (`quantkit.serve.quant_method`, torch-emulation: float32 decoded weights times dequantized
+activations), its routed experts (`quantkit.serve.moe_method`, each expert's two products) and the peers' emulation
+kernels (`peer_kernels`: FP8-block in float32, NVFP4 in the activation dtype). Not reordered: vLLM's own kernels
+for layers it serves itself (its unquantized fused MoE on CPUs, the GDN and attention kernels).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from typing import cast
 
 import torch
 import torch.nn.functional as F
+
+from quantkit.formats.experts import ExpertLinears
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 FLOAT32_MIN_ROWS = 64  # rows (tokens) from which float32 beats oneDNN's bf16 kernel on AVX-512 BF16 without AMX
@@ -109,30 +112,42 @@ def permuted_columns(linear: Linear, permutation: torch.Tensor, weight: torch.Te
     return linear_permuted
 
 
-def ordered_float32_linear(weight32: torch.Tensor, order: str) -> Linear:
-    """A `cpu_linear(x, weight, bias)` for float32 operands, summed in `order` (one of SUMMATION_ORDERS): the
-    emulated quantized Linears' (`quantkit.serve.quant_method`: decoded weight `weight32` (N, K), dequantized
-    activations x (..., K), float32 bias (N,) or None), output float32 (..., N). default: `F.linear(x, weight,
-    bias)` on the weight it is called with; permute-k: the K columns in `k_permutation`'s order (`weight32`'s
-    columns permuted once now); split-k: the two halves of K as two products, added, then the bias. The second
-    orders hold one more float32 copy of the weight (4 bytes a parameter) and ignore the weight they are called
-    with: the same products summed in another order, as the half-precision Linears' are."""
+def ordered_linear(weight: torch.Tensor, order: str) -> Linear:
+    """A `cpu_linear(x, weight, bias)` summed in `order` (one of SUMMATION_ORDERS), for the emulated GEMMs that
+    compute on decoded operands: quantkit's quantized Linears and routed experts (float32 decoded weight `weight`
+    (N, K), dequantized activations x (..., K), float32 bias (N,) or None) and the peers' NVFP4 emulation (both in
+    the activation dtype). Output in x's dtype. default: `F.linear(x, weight, bias)` on the weight it is called
+    with; permute-k: the same on the K columns in `k_permutation`'s order (`weight`'s columns permuted once now):
+    the same kernel on permuted operands; split-k: the two halves of K as two float32 products, added, then the
+    bias, rounded to x's dtype once (exact for float32 operands, as the half-precision Linears' split-k is for half
+    ones). The second orders hold one more copy of the weight and ignore the weight they are called with: the same
+    products summed in another order."""
     if order == "default":
         return F.linear
-    k = weight32.shape[1]
+    k = weight.shape[1]
     if order == "permute-k":
         permutation = k_permutation(k)
-        return permuted_columns(F.linear, permutation, weight32.index_select(1, permutation))
+        return permuted_columns(F.linear, permutation, weight.index_select(1, permutation))
     if order == "split-k":
         half = k // 2
-        low, high = weight32[:, :half].contiguous(), weight32[:, half:].contiguous()
+        low, high = weight[:, :half].float().contiguous(), weight[:, half:].float().contiguous()
 
         def linear(x: torch.Tensor, _weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            out = F.linear(x[..., :half], low) + F.linear(x[..., half:], high)
-            return out if bias is None else out + bias
+            x32 = x.float()
+            out = F.linear(x32[..., :half], low) + F.linear(x32[..., half:], high)
+            return (out if bias is None else out + bias.float()).to(x.dtype)
 
         return linear
     raise ValueError(f"summation order {order!r}: expected one of {', '.join(SUMMATION_ORDERS)}")
+
+
+def ordered_expert_linears(gate_up: torch.Tensor, down: torch.Tensor, order: str) -> ExpertLinears | None:
+    """The routed experts' products in `order` (`quantkit.formats.experts.routed_experts_forward`'s `linears`): per
+    expert e, `ordered_linear(gate_up[e], order)` and `ordered_linear(down[e], order)` for stacks gate_up (E, 2I, H)
+    and down (E, H, I); None in the default order (F.linear on the stacks, no copy)."""
+    if order == "default":
+        return None
+    return [ordered_linear(w, order) for w in gate_up], [ordered_linear(w, order) for w in down]
 
 
 def summation_order() -> str:
