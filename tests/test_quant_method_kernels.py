@@ -303,6 +303,29 @@ def test_experts_triton_tp_slice_transforms_before_the_reference_quantizer(schem
     assert torch.equal(sliced, fused)
 
 
+def _experts_by_definition(x, topk_weights, layer, scheme, glu, scales, hadamard, order="default"):
+    """The routed experts one expert at a time (the definition the emulation must equal), for ROUTING: expert e's
+    routed rows x_e quantized alone (static scale `scales["gate_up"][e]`, None: per token), gate/up, act, the down
+    input (transformed by `block_hadamard` first when `hadamard`) quantized alone (`scales["down"][e]`), down, the
+    weighted rows added to each token in expert order. Each product is `ordered_linear(weight, order)` (F.linear in
+    the default order) on the layer's decoded weights."""
+    from quantkit.serve.cpu.linear import ordered_linear
+
+    scheme_, act = SCHEMES[scheme], (torch.sigmoid if glu else F.silu)
+    want = torch.zeros(len(ROUTING), H)
+    for e in range(E):
+        tokens, slot = torch.where(e == ROUTING)
+        if not len(tokens):
+            continue
+        w13, w2 = layer.w13_dequantized[e], layer.w2_dequantized[e]
+        rows = scheme_.fake_quant_activation(x[tokens], scales["gate_up"][e])
+        gate, up = ordered_linear(w13, order)(rows, w13, None).chunk(2, -1)
+        down_input = act(gate) * up if not hadamard else block_hadamard(act(gate) * up, hadamard)
+        y = ordered_linear(w2, order)(scheme_.fake_quant_activation(down_input, scales["down"][e]), w2, None)
+        want.index_put_((tokens,), y * topk_weights[tokens, slot, None], accumulate=True)
+    return want
+
+
 @pytest.mark.parametrize("scheme, activation_scale, glu, hadamard", EXPERTS_CASES)
 def test_experts_emulation_equals_per_expert_loop(scheme, activation_scale, glu, hadamard, monkeypatch):
     """The torch emulation quantizes each expert input once per layer over all (token, expert) rows
@@ -329,20 +352,8 @@ def test_experts_emulation_equals_per_expert_loop(scheme, activation_scale, glu,
     topk_weights = torch.rand(ROUTING.shape, generator=g) + 0.1
     _, layer, run = _experts(scheme, activation_scale, "torch", weights, glu, monkeypatch, hadamard=hadamard)
     got = run(x, ROUTING, topk_weights)
-
-    scheme_, act = SCHEMES[scheme], (torch.sigmoid if glu else F.silu)
-    want = torch.zeros(len(ROUTING), H)
-    for e in range(E):
-        tokens, slot = torch.where(e == ROUTING)
-        if not len(tokens):
-            continue
-        scale = {k: v[e] if activation_scale == "static" else None for k, v in static.items()}
-        gate, up = F.linear(scheme_.fake_quant_activation(x[tokens], scale["gate_up"]), layer.w13_dequantized[e]).chunk(
-            2, -1
-        )
-        down_input = act(gate) * up if not hadamard else block_hadamard(act(gate) * up, hadamard)
-        y = F.linear(scheme_.fake_quant_activation(down_input, scale["down"]), layer.w2_dequantized[e])
-        want.index_put_((tokens,), y * topk_weights[tokens, slot, None], accumulate=True)
+    scales = {k: v if activation_scale == "static" else [None] * E for k, v in static.items()}
+    want = _experts_by_definition(x, topk_weights, layer, scheme, glu, scales, hadamard)
     assert torch.equal(got, want)
 
 
@@ -357,7 +368,7 @@ def test_experts_emulation_sums_in_the_summation_order_of_its_load(scheme, glu, 
     fixed seed, FP8's float32-scaled operands make inexact sums; NVFP4's outputs differ through its re-quantized down
     input. No tolerance against the default: a last-bit change of act(gate) * up can move a code of the re-quantized
     down input, a whole quantization step."""
-    from quantkit.serve.cpu.linear import SUMMATION_ENV, ordered_linear
+    from quantkit.serve.cpu.linear import SUMMATION_ENV
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(len(ROUTING), H, generator=g) * torch.tensor([0.1, 1.0, 30.0, 3.0] * 2)[:, None]
@@ -372,17 +383,9 @@ def test_experts_emulation_sums_in_the_summation_order_of_its_load(scheme, glu, 
     _, layer, run = _experts(scheme, "per_token", "torch", weights, glu, monkeypatch)
     monkeypatch.delenv(SUMMATION_ENV)  # read at load, not per call
     got = run(x, ROUTING, topk_weights)
-
-    scheme_, act = SCHEMES[scheme], (torch.sigmoid if glu else F.silu)
-    want = torch.zeros(len(ROUTING), H)
-    for e in range(E):
-        tokens, slot = torch.where(e == ROUTING)
-        if not len(tokens):
-            continue
-        w13, w2 = layer.w13_dequantized[e], layer.w2_dequantized[e]
-        gate, up = ordered_linear(w13, order)(scheme_.fake_quant_activation(x[tokens], None), w13, None).chunk(2, -1)
-        y = ordered_linear(w2, order)(scheme_.fake_quant_activation(act(gate) * up, None), w2, None)
-        want.index_put_((tokens,), y * topk_weights[tokens, slot, None], accumulate=True)
+    want = _experts_by_definition(
+        x, topk_weights, layer, scheme, glu, {"gate_up": [None] * E, "down": [None] * E}, 0, order
+    )
     assert torch.equal(got, want)
     assert not torch.equal(got, run_default(x, ROUTING, topk_weights))
 

@@ -39,8 +39,10 @@ The emulated GEMMs on decoded operands take the same order from `ordered_linear`
 that the numerics stage measures a quantized row's own floor too (`eval.numerics: [bf16, w4a4_nvfp4]`): quantkit's
 quantized Linears (`quantkit.serve.quant_method`, torch-emulation: float32 decoded weights times dequantized
 activations), its routed experts (`quantkit.serve.moe_method`, each expert's two products) and the peers' emulation
-kernels (`peer_kernels`: FP8-block in float32, NVFP4 in the activation dtype). Not reordered: vLLM's own kernels
-for layers it serves itself (its unquantized fused MoE on CPUs, the GDN and attention kernels).
+kernels (`peer_kernels`: FP8-block in float32, NVFP4 in the activation dtype); a GLU hybrid's unquantized experts
+(`quantkit.serve.hybrid.GLUExperts`) too, at their first call. Not reordered: vLLM's own kernels for layers it
+serves itself (its unquantized fused MoE on CPUs, the GDN and attention kernels) and GatedNorm's rank-r gate_down
+(a plain `nn.Linear` of the zoo's variants).
 """
 
 from __future__ import annotations
