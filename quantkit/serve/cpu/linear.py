@@ -82,16 +82,14 @@ def float32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
 
 def float32_split_k_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     """`float32_linear` summed in another order: the two halves of K (the first K // 2 columns, then the rest) as
-    two float32 products, added, then the bias; output in x's dtype."""
+    two float32 products, added, then the bias; output in x's dtype (`ordered_linear`'s split-k, with float32
+    copies of `weight` and `bias` made now)."""
     weight32 = weight.detach().float().contiguous()
-    half = weight32.shape[1] // 2
-    low, high = weight32[:, :half].contiguous(), weight32[:, half:].contiguous()
     bias32 = None if bias is None else bias.detach().float()
+    split_k = ordered_linear(weight32, "split-k")
 
     def linear(x: torch.Tensor, _weight: torch.Tensor, _bias: torch.Tensor | None) -> torch.Tensor:
-        x32 = x.float()
-        out = F.linear(x32[..., :half], low) + F.linear(x32[..., half:], high)
-        return (out if bias32 is None else out + bias32).to(x.dtype)
+        return split_k(x, weight32, bias32)
 
     linear.weight32, linear.bias32 = weight32, bias32  # type: ignore[attr-defined]
     return linear
