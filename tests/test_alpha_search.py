@@ -72,10 +72,9 @@ def test_a_bad_grid_or_row_count_is_refused():
     "extra, message",
     [
         ("smoothquant: {search_alpha: maybe}\n", "smoothquant.search_alpha must be true or false"),
-        ("smoothquant: {search_alpha: true}\nrotation: {seed: 0}\n", "does not compose with rotation"),
         ("smoothquant: {scales: aqw}\n", r"smoothquant.scales must be one of \['smoothquant', 'awq'\]"),
         ("smoothquant: {scales: awq, search_alpha: true}\n", "searches its own grid"),
-        ("smoothquant: {scales: awq}\nrotation: {seed: 0}\n", "scales: awq measures unrotated products"),
+        ("smoothquant: {scales: awq, include_v_o: true}\nrotation: {online_o: true}\n", "include_v_o does not compose"),
     ],
 )
 def test_a_bad_search_or_awq_setting_fails_on_load(extra, message):

@@ -22,6 +22,8 @@ Asserted, with the reason each bound holds:
   equality), the norms, embedding and head are untouched, the logits agree within TOLERANCE (the transform and its
   inverse in float32: a few u32 relative per matmul), both quantize paths write the same bytes (the same float32
   operations on the same tensors) and the fake-quant reference transforms each recorded input.
+- SmoothQuant / AWQ before an input rotation: the search scores the product the rotated module serves (bit equality
+  of the operands; the weights-only form within float32 summation) and both quantize paths write the same bytes.
 - The checkpoint names each down_proj's block; the fake-quant reference applies the transform; the checker refuses
   a config naming an unquantized module; unsupported norms, architectures, streaming and an online transform on an
   unquantized down_proj are refused by name. vLLM parity: tests/test_serve_quantized.py cases *_rot.
@@ -350,8 +352,8 @@ def test_what_rotation_cannot_do_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"include_up_down does not compose with rotation.online"):
         parse_recipe({**up_down, "rotation": {"online": True}})
     assert parse_recipe({**up_down, "rotation": {"online": False}}).rotation is not None  # no transform between them
-    with pytest.raises(ValueError, match=r"smoothquant does not compose with rotation.residual false"):
-        parse_recipe({"name": "x", "scheme": "nvfp4", "smoothquant": {}, "rotation": {"residual": False}})
+    # an input rotation comes after the smoothing: every mapping folds before its transform
+    assert parse_recipe({**up_down, "rotation": {"residual": False}}).rotation.after_smoothing
 
 
 def test_quality_reads_a_rotated_tied_checkpoint_as_the_whole_models_do(tmp_path):
@@ -454,3 +456,65 @@ def test_quality_hands_a_layer_with_an_online_hadamard_its_input_before_the_tran
     with torch.no_grad(), _snr_hooks(reference, quantized, ["0"], {"0"}, signal, noise):
         reference(torch.randn(5, 32))
     assert signal["0"] > 0 and noise["0"] == 0.0
+
+
+def test_a_search_before_an_input_rotation_scores_what_the_rotated_module_serves(tmp_path):
+    """`search_through_online` against the module `rotate_model` (residual false) leaves: that module holds W H
+    (H = I (x) H_16) and its pre-hook hands x H to the layer. The through-product of (x, W) is the recipe's product
+    of exactly those operands (block_hadamard is the one function both call, so bit equality); x times the
+    through-weight of W is x H Q(W H)^T, the rotated module's weights-only output, within float32 summation: the
+    same real product summed in two orders (K + log2 16 + 4 roundings of u32 relative to |x| |W|, the Wilkinson
+    bound with H's butterfly levels and the 1/4 scale); a search without the transform scores another product."""
+    from quantkit.calibrate.alpha_search import AlphaSearch
+    from quantkit.quantize.fake_quant import quantized_product, quantized_weight
+    from quantkit.quantize.rotation import search_through_online
+
+    source = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
+    model = load_reference_model(source, torch.float32)
+    name = "model.layers.0.self_attn.q_proj"
+    linear = model.get_submodule(name)
+    w = linear.weight.detach().clone()
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.layers")]
+    tokens = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+    report = rotate_model(model, 0, True, tokens, block=16, residual=False, quantized=linears)
+    seen = {}
+    linear.register_forward_pre_hook(lambda module, args: seen.setdefault("x", args[0]))
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(1))
+    linear(x)
+    recipe = parse_recipe({"name": "had16_awq", "scheme": "nvfp4", "rotation": {"block": 16, "residual": False}})
+    plain = AlphaSearch(quantized_product(recipe), weight=quantized_weight(recipe))
+    through = search_through_online(plain, report.online_hadamard)
+    served = plain.product(name, seen["x"], linear.weight.detach())
+    assert torch.equal(through.product(name, x, w), served)
+    assert not torch.equal(plain.product(name, x, w), served)
+    decoded = through.weight(name, w)  # unrotated coordinates
+    rotated = quantized_weight(recipe)(name, linear.weight.detach())
+    exact = (seen["x"].double() @ rotated.double().T).float()
+    bound = (w.shape[1] + 4 + 4) * U32 * (x.abs() @ decoded.abs().T + seen["x"].abs() @ rotated.abs().T)
+    assert ((x @ decoded.T) - exact).abs().le(bound).all()
+    assert not torch.allclose(x @ plain.weight(name, w).T, exact, atol=0, rtol=1e-3)
+
+
+def test_awq_before_an_input_rotation_folds_first_and_both_paths_write_the_same_bytes(tmp_path):
+    """AWQ with every mapping (v -> o and up -> down too) and MR-GPTQ's input rotation (`residual: false`, block 16):
+    the smoothing is searched through the transforms and folded first, then each quantized input is rotated; both
+    checks (SmoothQuant's and the rotation's, each raising above its tolerance) pass inside quantize, both paths
+    write the same bytes, the checkpoint records every Linear's block, and every mapping's recorded errors differ
+    from those of the same search without the rotation (it scores the rotated products: a different quantization
+    of each candidate, so different float32 sums)."""
+    source = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
+    awq = {"scales": "awq", "include_v_o": True, "include_up_down": True, "num_sequences": 8, "seq_len": 32}
+    base = {"name": "had16_awq", "scheme": "nvfp4", "weight_scales": "mse", "smoothquant": awq}
+    recipe = parse_recipe(
+        {**base, "rotation": {"block": 16, "residual": False}, "gptq": {"num_sequences": 4, "seq_len": 32}}
+    )
+    whole = quantize_both_paths(source, recipe, tmp_path)
+    qc = json.loads((whole / "config.json").read_text())["quantization_config"]
+    assert qc["rotation"]["residual"] is False and set(qc["rotation"]["online_hadamard"].values()) == {16}
+    report = json.loads((whole / "smoothquant.json").read_text())
+    names = {m["name"] for m in report["mappings"]}
+    assert any(".v_proj" in n or "o_proj" in n for n in names) and any("down_proj" in n for n in names)
+    unrotated = quantize_checkpoint(source, parse_recipe({**base, "name": "awq"}), tmp_path / "awq", streaming=False)
+    plain = json.loads((unrotated / "smoothquant.json").read_text())["alpha_errors"]
+    assert set(plain) == set(report["alpha_errors"]) == names
+    assert all(report["alpha_errors"][n] != plain[n] for n in names)

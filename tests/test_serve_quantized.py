@@ -111,8 +111,9 @@ CASES = {  # name: (architecture, recipe, tensor parallel size)
     "mistral-fp8_block": ("mistral", "w8a8_fp8_block", 1),
     "qwen2-nvfp4": ("qwen2", "w4a4_nvfp4", 1),
     "qwen2-nvfp4_46": ("qwen2", "w4a4_nvfp4_46", 1),  # Four Over Six weights and activations
-    # MR-GPTQ with Four Over Six activations (issue 51): the online Hadamard of 16, then the 4/6 activation quantizer
-    "qwen2-nvfp4_46_had16_gptq_mse": ("qwen2", "w4a4_nvfp4_46_had16_gptq_mse", 1),
+    # MR-GPTQ with Four Over Six activations after AWQ (issue 51): the smoothed norms, the online Hadamard of 16,
+    # then the 4/6 activation quantizer (w4a4_nvfp4_46_had16_gptq_mse serves the same way, unsmoothed)
+    "qwen2-nvfp4_46_had16_awq_gptq_mse": ("qwen2", "w4a4_nvfp4_46_had16_awq_gptq_mse", 1),
     # Gemma 3 with the online Hadamard of 16 at every quantized input (issue 51 item 6: no residual rotation, its
     # sandwich norms allow none): vLLM's fused qkv_proj / gate_up_proj read one transformed input; also Gemma 3's
     # plain NVFP4 path (the transform sits before the same quantizer)

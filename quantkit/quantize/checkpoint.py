@@ -44,7 +44,13 @@ from quantkit.quantize.recipe import (
     Recipe,
     load_recipe,
 )
-from quantkit.quantize.rotation import RotationReport, check_online_quantized, rotate_model
+from quantkit.quantize.rotation import (
+    RotationReport,
+    check_online_quantized,
+    plan_rotation,
+    rotate_model,
+    search_through_online,
+)
 from quantkit.quantize.streaming import quantize_streaming
 
 # The peers' own code, one entry a backend: (model_dir, recipe, out_dir) -> the written checkpoint dir.
@@ -157,12 +163,16 @@ def _quantize(
     if tuple(quantizable_weights(model)) != plan.matrices:
         raise RuntimeError(f"{model_dir}: the loaded model's matrices differ from those of its config's skeleton")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rotation = None
-    if plan.rotation is not None:
+    rotation, smooth_first = None, plan.rotation is not None and plan.rotation.settings.after_smoothing
+    if plan.rotation is not None and not smooth_first:
         rotation = _rotate(model, tokenizer, plan.rotation, plan.quantized)
     smoothquant_report = None
     if plan.smoothquant is not None:  # folds into the float32 weights; verified function-preserving
-        sq = plan.smoothquant.settings
+        sq, search = plan.smoothquant.settings, plan.smoothquant.search
+        if smooth_first and search is not None:  # measured through the input rotation that follows
+            settings = cast(RotationStep, plan.rotation).settings
+            online = plan_rotation(model, settings.online, settings.down_block, False, plan.quantized).online_hadamard
+            search = search_through_online(search, online)
         smoothquant_report = smooth_model(
             model,
             plan.smoothquant.windows.tokens(tokenizer),
@@ -171,9 +181,11 @@ def _quantize(
             include_up_down=sq.include_up_down,
             experts=sq.experts,
             early_stop=sq.early_stop_rule(),
-            search=plan.smoothquant.search,
+            search=search,
             statistics_cache=cache,
         )
+    if plan.rotation is not None and smooth_first:  # an input rotation: after the smoothing's fold
+        rotation = _rotate(model, tokenizer, plan.rotation, plan.quantized)
     weights = quantizable_weights(model)  # again: rotation may have replaced a tied head's tensor
     quantized = {n: weights[n] for n in plan.quantized}
     if rotation is not None:

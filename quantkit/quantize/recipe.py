@@ -24,7 +24,8 @@ A recipe names a scheme and what happens before it:
                                  # GPTQ rounding (quantkit.quantize.gptq), layer by layer (streaming too);
                                  # act_order: columns by descending diag(H), group scales fixed first
     rotation: {seed: 0, online: true, online_block: null, block: null, residual: true, online_o: false}
-                                 # QuaRot rotation before everything else (quantkit.quantize.rotation): residual
+                                 # QuaRot rotation before everything else (residual false: after SmoothQuant /
+                                 # AWQ, searched through it; quantkit.quantize.rotation): residual
                                  # stream rotated offline; online: block Hadamard at dense down_proj inputs
                                  # (online_block: its block, null = the largest power of two dividing K; serving
                                  # with TP t needs t x block | K); block: the residual rotation block-diagonal of
@@ -285,6 +286,15 @@ class RotationSettings:
         input): online_block, else `block`, else None (the largest power of two dividing K)."""
         return self.online_block if self.online_block is not None else self.block
 
+    @property
+    def after_smoothing(self) -> bool:
+        """Whether SmoothQuant (or AWQ) runs before this rotation. Without a residual Q (residual False) the rotation
+        only transforms each quantized input online, and a smoothing factor folds on the unrotated side of that
+        transform (the norm's output x / s, then H; the consumer W diag(s), then H), so it is measured and folded
+        first, its search through H (`quantkit.quantize.rotation.search_through_online`). With a residual Q the
+        rotation comes first and SmoothQuant is measured on and folded into the rotated model."""
+        return not self.residual
+
 
 @dataclass(frozen=True)
 class BitBudgetSettings:
@@ -477,19 +487,19 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
             f"{source}: smoothquant.search_parent_output runs the parent module in float32, activations unquantized: "
             "set search_weights_only: true with it"
         )
-    if rotation is not None and smoothquant is not None and smoothquant.searched:
-        key = "search_alpha" if smoothquant.search_alpha else "scales: awq"
-        raise ValueError(f"{source}: smoothquant.{key} measures unrotated products; it does not compose with rotation")
-    if rotation is not None and not rotation.residual and smoothquant is not None:
-        raise ValueError(
-            f"{source}: smoothquant does not compose with rotation.residual false (each linear's input is "
-            "transformed online before it is read: a per-channel smoothing factor does not fold through that)"
-        )
-    if rotation is not None and rotation.online and smoothquant is not None and smoothquant.include_up_down:
-        raise ValueError(
-            f"{source}: smoothquant.include_up_down does not compose with rotation.online (the online Hadamard sits "
-            "between up_proj and down_proj: a per-channel scale does not fold through it)"
-        )
+    if rotation is not None and rotation.residual and rotation.online and smoothquant is not None:
+        # after a residual rotation the online Hadamard sits between the mapping's producer and its consumer
+        fold = "a per-channel scale does not fold through it; rotation.residual false smooths before the transform"
+        if smoothquant.include_up_down:
+            raise ValueError(
+                f"{source}: smoothquant.include_up_down does not compose with rotation.online (the online Hadamard "
+                f"sits between up_proj and down_proj: {fold})"
+            )
+        if smoothquant.include_v_o and rotation.online_o:
+            raise ValueError(
+                f"{source}: smoothquant.include_v_o does not compose with rotation.online_o (the online Hadamard "
+                f"sits between v_proj and o_proj: {fold})"
+            )
     weight_scales = data.get("weight_scales", WeightScales.MINMAX)
     if weight_scales not in list(WeightScales):
         raise ValueError(f"{source}: weight_scales {weight_scales!r} is not one of {[str(w) for w in WeightScales]}")

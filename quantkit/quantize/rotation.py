@@ -28,10 +28,11 @@ the RMS is of the unscaled output.
 The logits of a few windows before and after must agree within `TOLERANCE` of the logit scale, or
 FunctionPreservationError (the caller discards the model).
 
-What rotation composes with (docs/rotation.md): SmoothQuant, GPTQ, MSE scales, mixed precision (a rotated
-down_proj must be quantized: its online transform lives in the quantized method). Variant flags acting inside the
-token mixer (gated attention, V-scale, head-wise RMSNorm, sinks) commute with it; those acting per channel on the
-residual stream do not (PreAffine's pre_scale, GatedNorm's gate, DyT): refused by name.
+What rotation composes with (docs/rotation.md): SmoothQuant and AWQ (after a residual rotation, on the rotated
+model; before an input rotation, searched through it: `search_through_online`), GPTQ, MSE scales, mixed precision
+(a rotated down_proj must be quantized: its online transform lives in the quantized method). Variant flags acting
+inside the token mixer (gated attention, V-scale, head-wise RMSNorm, sinks) commute with it; those acting per channel
+on the residual stream do not (PreAffine's pre_scale, GatedNorm's gate, DyT): refused by name.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
+from quantkit.calibrate.alpha_search import AlphaSearch
 from quantkit.calibrate.layers import decoder_stack
 from quantkit.calibrate.mappings import ARCHITECTURES, OFFSET_NORMS, LayerPart, input_weight
 from quantkit.calibrate.smoothquant import FunctionPreservationError
@@ -284,6 +286,26 @@ def rotate_model(
         "rotation: %s rotated (seed %d), max |logit change| %.3g of %.3g", type(model).__name__, seed, change, scale
     )
     return RotationReport(seed, plan.online_hadamard, change, scale, residual_block if residual else None, residual)
+
+
+def search_through_online(search: AlphaSearch, online_hadamard: dict[str, int]) -> AlphaSearch:
+    """SmoothQuant's (or AWQ's) search for a smoothing folded before an input rotation (`residual` False): each
+    consumer `name` of `online_hadamard` is served as Q(x H_b) Q(W H_b)^T after the rotation, so its candidate
+    products are measured as product(x H_b, W H_b) and its decoded weight, in the unrotated coordinates the parent
+    search runs in, as weight(W H_b) H_b (H_b = I (x) H_block is symmetric and orthogonal). Other consumers as
+    `search` measures them."""
+    product, weight = search.product, search.weight
+
+    def product_through(name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        b = online_hadamard.get(name)
+        return product(name, x, w) if b is None else product(name, block_hadamard(x, b), block_hadamard(w, b))
+
+    def weight_through(name: str, w: torch.Tensor) -> torch.Tensor:
+        b = online_hadamard.get(name)
+        served = cast(Callable[[str, torch.Tensor], torch.Tensor], weight)
+        return served(name, w) if b is None else block_hadamard(served(name, block_hadamard(w, b)), b)
+
+    return replace(search, product=product_through, weight=None if weight is None else weight_through)
 
 
 def check_online_quantized(recipe: str, online_hadamard: dict[str, int], quantized: Iterable[str]) -> None:

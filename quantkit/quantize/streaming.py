@@ -29,7 +29,8 @@ runs calibration through the whole model: ~8 bytes a parameter (a 24.6B model: ~
 4. Rotation (`quantkit.quantize.rotation`, checked on the skeleton before anything is read): the parameters
    outside the layers are loaded, the check windows embedded unrotated (stream `unrotated`), then embeddings,
    final norm and lm_head rotated in memory (kept there for the checks) and written; each layer is rotated right
-   after it is materialized, `unrotated` passing it before and `rotated` after. At the end the rotated head's
+   after it is materialized (an input rotation, `residual` False: after SmoothQuant's fold, as in the whole-model
+   path), `unrotated` passing it before and `rotated` after. At the end the rotated head's
    logits of `rotated` must match those of `unrotated` times Q (`verify_rotation`).
 
 Same bytes: every layer runs the same float32 operations on the same batches (batch size 8, as `smooth_model` and
@@ -68,6 +69,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 import quantkit.models  # noqa: F401  (registers quantkit's model types)
 from quantkit.atomic import atomic_dir
+from quantkit.calibrate.alpha_search import AlphaSearch
 from quantkit.calibrate.layers import (
     LayerwiseError,
     Stream,
@@ -115,6 +117,7 @@ from quantkit.quantize.rotation import (
     plan_rotation,
     rotate_layer,
     rotate_outside,
+    search_through_online,
 )
 
 logger = logging.getLogger(__name__)
@@ -308,6 +311,7 @@ class _StreamingJob:
     smoothed: list[str]
     rotation: RotationPlan | None
     rotation_q: torch.Tensor
+    search: AlphaSearch | None  # SmoothQuant's search (the plan's; through an input rotation's transforms)
 
     @classmethod
     def resolve(cls, model_dir: Path, recipe: Recipe | QuantPlan) -> _StreamingJob:
@@ -344,6 +348,9 @@ class _StreamingJob:
             check_online_quantized(plan.name, rotation.online_hadamard, plan.quantized)
             if settings.residual:  # else no Q: rotate_outside leaves the outside as it is
                 rotation_q = residual_rotation(config.hidden_size, settings.seed, settings.block)
+        search = None if sq is None else sq.search
+        if search is not None and rotation is not None and cast(RotationStep, plan.rotation).settings.after_smoothing:
+            search = search_through_online(search, rotation.online_hadamard)
         return cls(
             model_dir=model_dir,
             plan=plan,
@@ -361,6 +368,7 @@ class _StreamingJob:
             smoothed=[] if mappings is None else [m.smooth for m in mappings.mappings],
             rotation=rotation,
             rotation_q=rotation_q,
+            search=search,
         )
 
     @property
@@ -450,10 +458,9 @@ class _StreamingJob:
         layer = self.layers[i]
         materialize(layer, source_tensors(self.reader, layer, prefix, self.model_dir), f"{self.model_dir} layer {i}")
         layer.eval()
-        if self.rotation is not None:  # first, as the whole-model path rotates before anything else
-            advance_stream(streams["unrotated"], layer, i)
-            rotate_layer(self.rotation, i, self.rotation_q)
-            advance_stream(streams["rotated"], layer, i)
+        smooth_first = self.plan.rotation is not None and self.plan.rotation.settings.after_smoothing
+        if not smooth_first:  # a residual rotation first, as in the whole-model path
+            self.rotate(i, layer, streams)
         if (sq := self.plan.smoothquant) is not None:  # the statistics' stream passes layer i unsmoothed, the
             mappings = cast(list[tuple[SmoothMapping, ...]], self.per_layer)[i]  # reference too (per_layer: with sq)
             calibrated.append(
@@ -465,13 +472,15 @@ class _StreamingJob:
                     mappings,
                     sq.settings.alpha,
                     early_stop=sq.settings.early_stop_rule(),
-                    search=sq.search,
+                    search=self.search,
                     statistics=statistics,
                 )
             )
             advance_stream(streams["ref"], layer, i)
             fold_layer(self.skeleton, calibrated[-1])
             advance_stream(streams["smoothed"], layer, i)
+        if smooth_first:  # an input rotation after the smoothing's fold, as in the whole-model path
+            self.rotate(i, layer, streams)
         embeddings = self.skeleton.get_input_embeddings()
         if i == 0 and embeddings is not None:  # every stream is embedded now: the (vocabulary-sized) table is
             embeddings.to("meta")  # not needed again
@@ -498,6 +507,15 @@ class _StreamingJob:
             writer.add(key, tensor)
         del state, matrices
         layer.to("meta")
+
+    def rotate(self, i: int, layer: nn.Module, streams: dict[str, Stream]) -> None:
+        """Rotate the materialized decoder layer i (nothing without rotation), the check streams passing it before
+        (`unrotated`) and after (`rotated`)."""
+        if self.rotation is None:
+            return
+        advance_stream(streams["unrotated"], layer, i)
+        rotate_layer(self.rotation, i, self.rotation_q)
+        advance_stream(streams["rotated"], layer, i)
 
     @torch.no_grad()
     def verify_rotation(self, unrotated: Stream, rotated: Stream) -> RotationReport:
