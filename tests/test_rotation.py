@@ -354,6 +354,10 @@ def test_what_rotation_cannot_do_is_refused_by_name(tmp_path):
     assert parse_recipe({**up_down, "rotation": {"online": False}}).rotation is not None  # no transform between them
     # an input rotation comes after the smoothing: every mapping folds before its transform
     assert parse_recipe({**up_down, "rotation": {"residual": False}}).rotation.after_smoothing
+    # a searched smoothing (AWQ) after a residual rotation: measured on the rotated model, whose searched consumers
+    # (q/k/v, gate/up) have no online transform (v -> o with online_o: refused, tests/test_alpha_search.py)
+    awq = {"name": "x", "scheme": "nvfp4", "smoothquant": {"scales": "awq"}}
+    assert not parse_recipe({**awq, "rotation": {"online": True}}).rotation.after_smoothing
 
 
 def test_quality_reads_a_rotated_tied_checkpoint_as_the_whole_models_do(tmp_path):
@@ -463,8 +467,10 @@ def test_a_search_before_an_input_rotation_scores_what_the_rotated_module_serves
     (H = I (x) H_16) and its pre-hook hands x H to the layer. The through-product of (x, W) is the recipe's product
     of exactly those operands (block_hadamard is the one function both call, so bit equality); x times the
     through-weight of W is x H Q(W H)^T, the rotated module's weights-only output, within float32 summation: the
-    same real product summed in two orders (K + log2 16 + 4 roundings of u32 relative to |x| |W|, the Wilkinson
-    bound with H's butterfly levels and the 1/4 scale); a search without the transform scores another product."""
+    same real product summed in two orders: the K-term dot products (K roundings of u32 relative to |x| |W|, the
+    Wilkinson bound) and H_16's log2 16 = 4 butterfly levels on each side (the 1/4 scale is exact), each level
+    rounding to u32 of its output, which is at most |x| |H| in magnitude; K + 8 roundings against both operand
+    magnitudes covers it with room to spare; a search without the transform scores another product."""
     from quantkit.calibrate.alpha_search import AlphaSearch
     from quantkit.quantize.fake_quant import quantized_product, quantized_weight
     from quantkit.quantize.rotation import search_through_online
@@ -478,7 +484,7 @@ def test_a_search_before_an_input_rotation_scores_what_the_rotated_module_serves
     tokens = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
     report = rotate_model(model, 0, True, tokens, block=16, residual=False, quantized=linears)
     seen = {}
-    linear.register_forward_pre_hook(lambda module, args: seen.setdefault("x", args[0]))
+    linear.register_forward_pre_hook(lambda module, args: seen.update(x=args[0]))  # returns None: input unchanged
     x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(1))
     linear(x)
     recipe = parse_recipe({"name": "had16_awq", "scheme": "nvfp4", "rotation": {"block": 16, "residual": False}})
@@ -499,9 +505,10 @@ def test_awq_before_an_input_rotation_folds_first_and_both_paths_write_the_same_
     """AWQ with every mapping (v -> o and up -> down too) and MR-GPTQ's input rotation (`residual: false`, block 16):
     the smoothing is searched through the transforms and folded first, then each quantized input is rotated; both
     checks (SmoothQuant's and the rotation's, each raising above its tolerance) pass inside quantize, both paths
-    write the same bytes, the checkpoint records every Linear's block, and every mapping's recorded errors differ
-    from those of the same search without the rotation (it scores the rotated products: a different quantization
-    of each candidate, so different float32 sums)."""
+    write the same bytes and record the same search errors (the streaming search is the through-rotation one too:
+    the same float32 operations on the same batches), the checkpoint records every Linear's block, and every
+    mapping's recorded errors differ from those of the same search without the rotation (it scores the rotated
+    products: a different quantization of each candidate, so different float32 sums)."""
     source = build_tiny_stock_checkpoint(tmp_path / "llama", "llama", seed=0)
     awq = {"scales": "awq", "include_v_o": True, "include_up_down": True, "num_sequences": 8, "seq_len": 32}
     base = {"name": "had16_awq", "scheme": "nvfp4", "weight_scales": "mse", "smoothquant": awq}
@@ -512,8 +519,10 @@ def test_awq_before_an_input_rotation_folds_first_and_both_paths_write_the_same_
     qc = json.loads((whole / "config.json").read_text())["quantization_config"]
     assert qc["rotation"]["residual"] is False and set(qc["rotation"]["online_hadamard"].values()) == {16}
     report = json.loads((whole / "smoothquant.json").read_text())
+    streamed = json.loads((tmp_path / "streamed" / "smoothquant.json").read_text())
+    assert streamed["alpha_errors"] == report["alpha_errors"]
     names = {m["name"] for m in report["mappings"]}
-    assert any(".v_proj" in n or "o_proj" in n for n in names) and any("down_proj" in n for n in names)
+    assert any(n.endswith("v_proj -> o_proj") for n in names) and any(n.endswith("up_proj -> down_proj") for n in names)
     unrotated = quantize_checkpoint(source, parse_recipe({**base, "name": "awq"}), tmp_path / "awq", streaming=False)
     plain = json.loads((unrotated / "smoothquant.json").read_text())["alpha_errors"]
     assert set(plain) == set(report["alpha_errors"]) == names

@@ -99,7 +99,8 @@ def available_memory_bytes() -> int:
 
 def statistics_location(root: str | Path | None, model_dir: Path, plan: QuantPlan) -> CacheLocation | None:
     """Where the plan's SmoothQuant statistics of `model_dir` may be cached: None without a root, without
-    SmoothQuant, or with rotation (its statistics are of the rotated model, not of `model_dir`'s)."""
+    SmoothQuant, or with rotation (a residual rotation's statistics are of the rotated model, not of `model_dir`'s;
+    an input rotation's smoothing is searched, and a search is measured, not cached)."""
     if root is None or plan.smoothquant is None or plan.rotation is not None:
         return None
     return CacheLocation(Path(root), model_dir)
@@ -166,12 +167,15 @@ def _quantize(
     rotation, smooth_first = None, plan.rotation is not None and plan.rotation.settings.after_smoothing
     if plan.rotation is not None and not smooth_first:
         rotation = _rotate(model, tokenizer, plan.rotation, plan.quantized)
+    online: dict[str, int] = {}
+    if smooth_first:  # an input rotation: planned and checked now (refused in seconds, as streaming refuses it),
+        settings = cast(RotationStep, plan.rotation).settings  # applied after the smoothing's fold
+        online = plan_rotation(model, settings.online, settings.down_block, False, plan.quantized).online_hadamard
+        check_online_quantized(recipe.name, online, plan.quantized)
     smoothquant_report = None
     if plan.smoothquant is not None:  # folds into the float32 weights; verified function-preserving
         sq, search = plan.smoothquant.settings, plan.smoothquant.search
         if smooth_first and search is not None:  # measured through the input rotation that follows
-            settings = cast(RotationStep, plan.rotation).settings
-            online = plan_rotation(model, settings.online, settings.down_block, False, plan.quantized).online_hadamard
             search = search_through_online(search, online)
         smoothquant_report = smooth_model(
             model,

@@ -172,8 +172,9 @@ def _layers(
     """The two streams through the decoder layers, one layer of each model in memory at a time, with the SNR
     hooks on the reference's quantized modules (`linears`: signal / noise accumulate per module name; none for a
     peer's checkpoint, `_matched_modules`) and on each layer's blocks (`blocks`, `_block_hooks`). rotation: the
-    reference's (`_reference_rotation`), each layer rotated right after it is materialized, before SmoothQuant's
-    factors are folded (quantize's order)."""
+    reference's residual rotation (`_reference_rotation`; none for an input rotation, whose transform lives in the
+    quantized modules), each layer rotated right after it is materialized, before SmoothQuant's factors are folded
+    (quantize's order for a residual rotation)."""
     stack, ref_layers = layer_engine.decoder_stack(reference)
     _, q_layers = layer_engine.decoder_stack(quantized)
     mappings: Sequence[SmoothMapping] = []
