@@ -141,6 +141,7 @@ def test_the_method_comparison_study_loads_with_one_label_per_method():
             "nvfp4_ct_gptq",
             "nvfp4_ct_awq",
             "nvfp4_ct_awq_gptq",
+            "nvfp4_ct_spinquant16_gptq",
             "nvfp4_ct",
             "nvfp4_modelopt_mse",
             "nvfp4_modelopt_awq",
