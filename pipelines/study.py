@@ -75,7 +75,7 @@ from quantkit.errors import BAD_INPUT
 from quantkit.evals.harness import BACKENDS, EvalBackend
 from quantkit.formats.schemes import UNQUANTIZED
 from quantkit.peak_memory import PeakMemory
-from quantkit.quantize.recipe import PEER_QUALITY, Backend, Recipe
+from quantkit.quantize.recipe import Backend, Recipe, quality_reads
 from quantkit.yamlfile import read_yaml
 
 logger = logging.getLogger(__name__)
@@ -454,15 +454,13 @@ class Study:
         """Whether a stage the spec may leave out runs for model `label` (and `recipe`): numerics for the rows
         eval.numerics names (`numerics_rows`); reference with eval.reference on the bf16 row of a trained model whose
         makers publish a score with a prompt protocol quantkit runs; quality with the spec's `quality`, for a recipe
-        quantkit quantizes or a peer preset `quantkit quality` reads (`recipe.PEER_QUALITY`)."""
+        quantkit quantizes or a peer's `quantkit quality` reads (`recipe.quality_reads`)."""
         if stage == "numerics":
             return recipe in self.numerics_rows()
         if stage == "reference":
             return recipe == BASELINE and bool(self.spec.eval.get("reference")) and self.reference(label) is not None
         if stage == "quality":
-            r = self.recipe(recipe)
-            readable = r.backend == Backend.QUANTKIT or r.scheme in PEER_QUALITY.get(r.backend, ())
-            return self.spec.quality is not None and readable
+            return self.spec.quality is not None and quality_reads(self.recipe(recipe))
         return True
 
     def reference(self, label: str) -> Any:

@@ -153,11 +153,26 @@ def inputs(tiny_checkpoint, tmp_path_factory) -> SimpleNamespace:
         fp8_says_nvfp4=_copy(fp8, root / "fp8_says_nvfp4", _claim_nvfp4),
         ct_fp8=_copy(fp8, root / "ct_fp8", functools.partial(_edit_config, quantization_config=CT_FP8)),
         ct_nvfp4_unpacked=_copy(fp8, root / "ct_nvfp4", functools.partial(_edit_config, quantization_config=CT_NVFP4)),
+        ct_nvfp4_rotated=_copy(
+            fp8, root / "ct_nvfp4_rotated", functools.partial(_edit_config, quantization_config=CT_NVFP4_SPINQUANT)
+        ),
     )
 
 
 CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized"}  # a peer's FP8 checkpoint's config
 CT_NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
+# llm-compressor's SpinQuantModifier writes its folded rotations as a transform_config (R1: the residual stream)
+CT_NVFP4_SPINQUANT = CT_NVFP4 | {
+    "transform_config": {
+        "config_groups": {
+            "R1": {
+                "type": "hadamard",
+                "head_dim": 16,
+                "apply": [{"location": "weight_output", "targets": ["re:.*embed_tokens$"]}],
+            }
+        }
+    }
+}
 
 
 def _edit_config(model_dir: Path, **changes) -> None:
@@ -494,6 +509,12 @@ ROWS = {
         "quality",
         lambda p, t: ["quality", p.tiny, p.ct_nvfp4_unpacked, "--any-source"],
         r"ct_nvfp4: not an NVFP4 checkpoint with static activation scales: no module stores weight_packed",
+    ),
+    "quality_peer_transforms": Row(
+        "quality",
+        lambda p, t: ["quality", p.tiny, p.ct_nvfp4_rotated, "--any-source"],
+        r"ct_nvfp4_rotated: the checkpoint folds compressed-tensors transforms \['R1'\] into its weights .* quality "
+        r"reads a peer's checkpoints without transforms only",
     ),
     "quality_data_missing": Row(
         "quality",

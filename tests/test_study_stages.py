@@ -70,12 +70,13 @@ def test_targets_follow_each_scope(tmp_path):
 
 def test_the_quality_stage_runs_where_the_spec_asks_on_checkpoints_it_reads(tmp_path):
     """With `quality`, each quantized row quantkit made gets the quality stage right after its degradation, and so
-    does a peer's row `quantkit quality` reads (llm-compressor's NVFP4, `recipe.PEER_QUALITY`); a peer's FP8-block or
-    ModelOpt row does not."""
+    does a peer's row `quantkit quality` reads (llm-compressor's NVFP4, `recipe.quality_reads`); a peer's FP8-block or
+    ModelOpt row does not, nor one whose SpinQuant rotations are folded into it (its layers no longer read the
+    source's stream: quality refuses such a checkpoint, tests/test_errors.py)."""
     spec = StudySpec(
         name="t",
         models={"a": "zoo:ga"},
-        recipes=["bf16", "w4a4_nvfp4", "nvfp4_ct_awq", "fp8_block_ct", "nvfp4_modelopt"],
+        recipes=["bf16", "w4a4_nvfp4", "nvfp4_ct_awq", "fp8_block_ct", "nvfp4_modelopt", "nvfp4_ct_spinquant16_gptq"],
         quality=dict(num_sequences=4, seq_len=64),
     )
     study = Study(spec, tmp_path / "run")
@@ -83,7 +84,7 @@ def test_the_quality_stage_runs_where_the_spec_asks_on_checkpoints_it_reads(tmp_
     work = [(stage.name, label, recipe) for stage, label, recipe in study.work(STAGES)]
     at = work.index(("degradation", "a", "w4a4_nvfp4"))
     assert work[at + 1] == ("quality", "a", "w4a4_nvfp4")
-    for peer in ("fp8_block_ct", "nvfp4_modelopt"):
+    for peer in ("fp8_block_ct", "nvfp4_modelopt", "nvfp4_ct_spinquant16_gptq"):
         assert ("quality", "a", peer) not in work and ("degradation", "a", peer) in work
     assert study.artifact("quality", "a", "w4a4_nvfp4") == study.dir / "quality" / "a-w4a4_nvfp4.json"
 

@@ -40,7 +40,8 @@ def read_peer_quantization_config(model_dir: Path, qc: dict, headers: TensorHead
     """The checked compressed-tensors quantization_config of `model_dir` as quality reads a quantization_config:
     {quant_method, recipe: the directory's name, quantized_modules: every module storing weight_packed (sorted),
     smoothquant: None, rotation: None}. CheckpointError for any format but NVFP4 with static activation scales,
-    or a quantized module missing one of `NVFP4_TENSORS`."""
+    a checkpoint with a `transform_config` (rotations folded in: its layers no longer read the source's stream), or a
+    quantized module missing one of `NVFP4_TENSORS`."""
     formats = {
         str(f) for f in [qc.get("format"), *(g.get("format") for g in qc.get("config_groups", {}).values())] if f
     }
@@ -48,6 +49,14 @@ def read_peer_quantization_config(model_dir: Path, qc: dict, headers: TensorHead
         raise CheckpointError(
             f"{model_dir}: compressed-tensors format(s) {sorted(formats)}: quality reads a peer's {NVFP4_FORMAT} "
             "checkpoints only"
+        )
+    if transforms := qc.get("transform_config"):
+        groups = sorted(transforms.get("config_groups", {})) if isinstance(transforms, dict) else []
+        raise CheckpointError(
+            f"{model_dir}: the checkpoint folds compressed-tensors transforms {groups} into its weights (its "
+            "transform_config: SpinQuant's R1 rotates the residual stream, embeddings and head included); quality "
+            "feeds a peer's layers the source's hidden states and cannot rebuild that rotated stream, so it would "
+            "report noise that is not the quantization's: quality reads a peer's checkpoints without transforms only"
         )
     quantized = sorted(name.removesuffix(".weight_packed") for name in headers if name.endswith(".weight_packed"))
     missing = [f"{m}.{s}" for m in quantized for s in NVFP4_TENSORS if f"{m}.{s}" not in headers]

@@ -110,6 +110,8 @@ PEER_FORMATS: dict[str, str] = {  # a peer preset -> quantkit's scheme of the sa
 PEER_QUALITY: dict[Backend, tuple[str, ...]] = {  # a peer's presets `quantkit quality` reads (quantize.peer_fake_quant)
     Backend.LLMCOMPRESSOR: ("NVFP4",),  # compressed-tensors nvfp4-pack-quantized, static activation scales
 }
+
+
 PEER_GPTQ: dict[Backend, tuple[str, ...]] = {  # a peer's presets its own GPTQ quantizes (recipe key `gptq`)
     Backend.LLMCOMPRESSOR: ("NVFP4",),  # llm-compressor's GPTQModifier with the preset's scheme
 }
@@ -126,6 +128,8 @@ class PeerModifier:
     sequential: bool = False  # needs the peer's layer-by-layer calibration pipeline (fx-traced: stock models only)
     check: Callable[[dict[str, Any], str], None] = lambda args, where: None  # ValueError naming a bad argument
     algorithm: bool = False  # the peer's calibration algorithm itself (ModelOpt's): at most one per recipe
+    transforms: bool = False  # folds rotations into the weights (a compressed-tensors transform_config): the
+    # checkpoint's layers no longer read the source's stream, so `quantkit quality` cannot measure it
 
 
 def _spinquant_check(args: dict[str, Any], where: str) -> None:
@@ -180,6 +184,7 @@ PEER_MODIFIERS: dict[Backend, dict[str, PeerModifier]] = {
             calibrates=False,
             use="spinquant",
             check=_spinquant_check,
+            transforms=True,
         ),
     },
     # ModelOpt 0.42's calibration algorithms for its NVFP4 preset (`mtq.quantize` config "algorithm"; at most one):
@@ -199,6 +204,19 @@ PEER_MODIFIERS: dict[Backend, dict[str, PeerModifier]] = {
         ),
     },
 }
+
+
+def quality_reads(recipe: Recipe) -> bool:
+    """Whether `quantkit quality` measures `recipe`'s checkpoint: any quantkit recipe, and a peer's whose preset it
+    decodes (`PEER_QUALITY`) made without a transform modifier (SpinQuant's rotations: `PeerModifier.transforms`)."""
+    if recipe.backend == Backend.QUANTKIT:
+        return True
+    modifiers = PEER_MODIFIERS.get(recipe.backend, {})
+    return recipe.scheme in PEER_QUALITY.get(recipe.backend, ()) and not any(
+        modifiers[name].transforms for name, _ in recipe.peer_modifiers
+    )
+
+
 _KEYS = {
     "name",
     "description",
