@@ -110,8 +110,6 @@ PEER_FORMATS: dict[str, str] = {  # a peer preset -> quantkit's scheme of the sa
 PEER_QUALITY: dict[Backend, tuple[str, ...]] = {  # a peer's presets `quantkit quality` reads (quantize.peer_fake_quant)
     Backend.LLMCOMPRESSOR: ("NVFP4",),  # compressed-tensors nvfp4-pack-quantized, static activation scales
 }
-
-
 PEER_GPTQ: dict[Backend, tuple[str, ...]] = {  # a peer's presets its own GPTQ quantizes (recipe key `gptq`)
     Backend.LLMCOMPRESSOR: ("NVFP4",),  # llm-compressor's GPTQModifier with the preset's scheme
 }
