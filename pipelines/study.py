@@ -639,13 +639,26 @@ class Study:
         suite = load_suite(name)
         limit = self.limit(label)
         want = dict(name=suite.name, version=suite.version, limit=suite.limit if limit is None else limit)
-        record = json.loads(artifact.read_text()).get("suite") or {}
+        evaluation = json.loads(artifact.read_text())
+        record = evaluation.get("suite") or {}
         found = {k: record.get(k) for k in want}
         if found != want:
             raise StageError(
                 f"{artifact} was evaluated on suite {found['name']} v{found['version']} (limit {found['limit']}); "
                 f"this spec runs {want['name']} v{want['version']} (limit {want['limit']}): move that directory "
                 "aside to evaluate it again, or use another --run-dir",
+                bad_input=True,
+            )
+        if self.spec.eval["backend"] != EvalBackend.VLLM:
+            return
+        from quantkit.serve.cpu.linear import GEMM_ENV, SWITCH_ENV, cpu_kernels
+
+        kernels = evaluation.get("cpu_kernels") or cpu_kernels(amd_preference=False)  # none recorded: before 2026-12-02
+        if kernels != cpu_kernels():
+            raise StageError(
+                f"{artifact} was computed with CPU kernels {kernels}; this process uses {cpu_kernels()}: another "
+                "summation order, not mixed into one report. Use another --run-dir, or set "
+                f"{SWITCH_ENV}=on / off and {GEMM_ENV}=torch / onednn to compute as that evaluation did",
                 bad_input=True,
             )
 
@@ -682,7 +695,13 @@ class Study:
                 heldout_logprobs=heldout,
                 **self.spec.parallel,
             )
-            _atomic_json(tmp / "results.json", {**results, "out_dir": str(out.resolve())})  # not the temp dir
+            kernels = {}  # which kernels summed it: a cached row must match them (_check_cached_eval)
+            if e["backend"] == EvalBackend.VLLM:
+                from quantkit.serve.cpu.linear import cpu_kernels
+
+                kernels = {"cpu_kernels": cpu_kernels()}
+            out_dir = str(out.resolve())  # not the temp dir
+            _atomic_json(tmp / "results.json", {**results, **kernels, "out_dir": out_dir})
         if (
             e["backend"] == EvalBackend.VLLM
         ):  # the next row's engine opens in this process: free this one's memory first

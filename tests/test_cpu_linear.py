@@ -47,14 +47,85 @@ def test_installs_where_float32_is_the_faster_matmul(monkeypatch):
         and torch.cpu._is_avx512_bf16_supported()
         and not torch.cpu._is_amx_tile_supported()
     )
-    want = 0 if lacks else cpu_linear.FLOAT32_MIN_ROWS if avx512_bf16_only else None
+    amd = avx512_bf16_only and cpu_linear.cpu_vendor() == "AuthenticAMD"
+    assert cpu_linear.amd_avx512_bf16() == amd
+    want = 0 if lacks else cpu_linear.FLOAT32_MIN_ROWS if avx512_bf16_only and not amd else None
     assert cpu_linear.cpu_lacks_bf16_matmul() == lacks
     assert cpu_linear.float32_min_rows() == want
     assert cpu_linear.install() == (want is not None)
     # wrapped on every CPU (each layer's path is read when it is dispatched: a later engine may ask for split-k)
     assert getattr(utils.dispatch_cpu_unquantized_gemm, "quantkit_float32", False) == (not torch.cuda.is_available())
+    monkeypatch.setenv(cpu_linear.SWITCH_ENV, "on")  # the Intel rule on an AMD CPU (reproduces earlier evaluations)
+    assert cpu_linear.float32_min_rows() == (0 if lacks else cpu_linear.FLOAT32_MIN_ROWS if avx512_bf16_only else None)
     monkeypatch.setenv(cpu_linear.SWITCH_ENV, "off")
     assert cpu_linear.float32_min_rows() == (0 if lacks else None)  # the switch never turns the AVX2 case off
+
+
+def test_recorded_kernels_name_this_machines_choice(monkeypatch):
+    """`cpu_kernels` (recorded beside every vLLM evaluation) says what the switches choose: the half Linears' path
+    from `float32_min_rows` and the emulated GEMM from `float32_gemm`; without the AMD preference, what quantkit chose
+    before it (the same except on AMD AVX-512 BF16 CPUs). A misspelt GEMM choice is refused by name."""
+    for name in (cpu_linear.SWITCH_ENV, cpu_linear.GEMM_ENV, cpu_linear.SUMMATION_ENV):
+        monkeypatch.delenv(name, raising=False)
+    if torch.cuda.is_available():
+        assert cpu_linear.cpu_kernels() == {"half_linear": "cuda", "float32_gemm": "cuda"}
+        return
+    rows = cpu_linear.float32_min_rows()
+    half = "vllm" if rows is None else "float32" if rows == 0 else f"float32>={rows}"
+    assert cpu_linear.cpu_kernels() == {"half_linear": half, "float32_gemm": cpu_linear.float32_gemm()}
+    assert cpu_linear.float32_gemm() == ("onednn" if cpu_linear.amd_avx512_bf16() else "torch")
+    legacy = cpu_linear.cpu_kernels(amd_preference=False)
+    assert legacy["float32_gemm"] == "torch"
+    assert (legacy == cpu_linear.cpu_kernels()) == (not cpu_linear.amd_avx512_bf16())
+    monkeypatch.setenv(cpu_linear.GEMM_ENV, "torch")
+    monkeypatch.setenv(cpu_linear.SWITCH_ENV, "on")
+    assert cpu_linear.cpu_kernels() == legacy  # the switches reproduce an earlier evaluation's kernels
+    monkeypatch.setenv(cpu_linear.SUMMATION_ENV, "split-k")  # the numerics stage's order is recorded elsewhere
+    assert cpu_linear.cpu_kernels() == legacy and cpu_linear.float32_min_rows() == 0
+    monkeypatch.setenv(cpu_linear.GEMM_ENV, "mkl")
+    with pytest.raises(ValueError, match="QUANTKIT_CPU_FLOAT32_GEMM='mkl': expected one of torch, onednn"):
+        cpu_linear.float32_gemm()
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_onednn_float32_gemm_sums_the_same_products(monkeypatch, with_bias):
+    """The emulated rows' float32 GEMM on oneDNN (`default_linear` with QUANTKIT_CPU_FLOAT32_GEMM=onednn; the default
+    on AMD AVX-512 BF16 CPUs), forced here so it is tested on every x86 CPU: float32 operands x (3, 40, K), weight
+    (384, K), K = 1001. It forms the same exact products as F.linear (float32 x float32, accumulated in float32)
+    in its own blocking, so the two are within 2 (K + 1) 2^-24 S (two float32 orders of K + 1 terms, Higham's
+    gamma_n; S = |x| @ |w|.T + |bias|); the check allows (K + 1) 2^-22 S, and a transposed weight layout breaks it.
+    Deterministic: the same call twice is bit for bit. A bf16 input falls back to F.linear bit for bit; permute-k
+    runs this kernel on the permuted operands (the same kernel, another order), bit for bit with that definition."""
+    from vllm import _custom_ops as ops
+
+    if not ops._supports_onednn:
+        pytest.skip("this vLLM build has no oneDNN ops (not an x86 CPU build)")
+    monkeypatch.setenv(cpu_linear.GEMM_ENV, "onednn")
+    g = torch.Generator().manual_seed(11)
+    n, k = 384, 1001
+    weight = torch.randn(n, k, generator=g) * 0.05
+    bias = torch.randn(n, generator=g) if with_bias else None
+    x = torch.randn(3, 40, k, generator=g)
+    linear = cpu_linear.default_linear(weight)
+    assert (
+        hasattr(linear, "onednn") and cpu_linear.ordered_linear(weight, "default").__qualname__ == linear.__qualname__
+    )
+    got = linear(x, weight, bias)
+    assert got.dtype == torch.float32 and got.shape == (3, 40, n) and torch.equal(got, linear(x, weight, bias))
+    summed = x.abs() @ weight.abs().T + (0 if bias is None else bias.abs())
+    within = (k + 1) * 2.0**-22 * summed
+    assert bool(((got - F.linear(x, weight, bias)).abs() <= within).all())
+    assert not bool(
+        ((cpu_linear.default_linear(weight.T.contiguous().view(n, k))(x, weight, bias) - got).abs() <= within).all()
+    )
+    half = x.bfloat16()
+    assert torch.equal(linear(half, weight.bfloat16(), None), F.linear(half, weight.bfloat16()))
+    permutation = cpu_linear.k_permutation(k)
+    permuted = weight[:, permutation].contiguous()
+    want = cpu_linear.default_linear(permuted)(x[..., permutation], permuted, bias)
+    assert torch.equal(cpu_linear.ordered_linear(weight, "permute-k")(x, weight, bias), want)
+    monkeypatch.setenv(cpu_linear.GEMM_ENV, "torch")
+    assert cpu_linear.default_linear(weight) is F.linear
 
 
 def installed_with(monkeypatch, min_rows: int):
@@ -238,7 +309,7 @@ def test_summation_order_names():
 
 @pytest.mark.parametrize("order", ["default", "permute-k", "split-k"])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_ordered_linear_sums_the_same_products_in_its_order(order, with_bias):
+def test_ordered_linear_sums_the_same_products_in_its_order(order, with_bias, monkeypatch):
     """The emulated quantized Linears' orders (`ordered_linear`, float32 operands x (2, 32, K), weight
     (512, K), K = 1001 odd): default is F.linear on the weight it is called with; permute-k is F.linear on both
     operands' columns in `k_permutation`'s order, split-k the two half-K products (500 and 501 columns) added, then
@@ -248,7 +319,9 @@ def test_ordered_linear_sums_the_same_products_in_its_order(order, with_bias):
     at most 2 (K + 1) 2^-24 S; the check allows (K + 1) 2^-22 S. The second orders are different orders: of the
     32k float32 outputs at least one differs in its last bits from the default (each float32 sum of 1001 terms
     carries ~sqrt(K) ulps of order-dependent rounding, so all agreeing is out of reach; the seed is fixed, so the
-    check is deterministic). An unknown order is refused by name."""
+    check is deterministic). An unknown order is refused by name. On F.linear (QUANTKIT_CPU_FLOAT32_GEMM=torch;
+    oneDNN's kernel is the test above)."""
+    monkeypatch.setenv(cpu_linear.GEMM_ENV, "torch")
     g = torch.Generator().manual_seed(4)
     n, k = 512, 1001
     weight = torch.randn(n, k, generator=g) * 0.05

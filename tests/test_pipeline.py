@@ -219,6 +219,33 @@ def test_a_cached_eval_of_another_suite_version_is_refused(study, tmp_path):
     assert err.value.bad_input and str(results) in str(err.value)
 
 
+def test_a_cached_eval_of_other_cpu_kernels_is_refused(study, tmp_path):
+    """Every vLLM evaluation records the CPU kernels that summed it (`cpu_kernels`); a found one computed with other
+    kernels (another summation order: the quantkit of before 2026-12-02 on an AMD AVX-512 BF16 CPU, or another
+    switch setting) is not mixed into the report: a bad-input StageError naming the file, both and the switches.
+    One recording none is taken as computed by the kernels quantkit chose before (`amd_preference=False`)."""
+    from quantkit.serve.cpu.linear import cpu_kernels
+
+    studied, run_dir = study
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns(".lock"))
+    results = copy / "evals" / "tiny-bf16" / "results.json"
+    record = json.loads(results.read_text())
+    assert record["cpu_kernels"] == cpu_kernels()
+    record["cpu_kernels"] = {"half_linear": "float32>=64", "float32_gemm": "nowhere"}
+    results.write_text(json.dumps(record))
+    with pytest.raises(StageError, match=r"computed with CPU kernels .*'nowhere'.*QUANTKIT_CPU_FLOAT32_GEMM") as err:
+        Study(studied.spec, copy).run()
+    assert err.value.bad_input and str(results) in str(err.value)
+    del record["cpu_kernels"]
+    results.write_text(json.dumps(record))
+    if cpu_kernels(amd_preference=False) == cpu_kernels():
+        Study(studied.spec, copy).run()  # the same kernels as before: reused
+    else:
+        with pytest.raises(StageError, match="computed with CPU kernels"):
+            Study(studied.spec, copy).run()
+
+
 def test_the_report_shows_where_the_quantization_noise_sits(study):
     """results.json carries each model's per-projection SNR tables from its diagnose stage (meta.sensitivity, the
     per-layer values left out) and the report renders them: the kinds of the diagnosed W4A4 recipe, lowest mean

@@ -78,10 +78,11 @@ def test_triton_path_equals_torch_emulation(scheme, activation_scale, hadamard, 
 def test_emulation_sums_in_the_summation_order_of_its_load(scheme, order, monkeypatch):
     """The numerics stage's second order reaches the emulated quantized Linears: a layer loaded with
     QUANTKIT_CPU_SUMMATION set computes `ordered_linear(weight_dequantized, order)` of the same quantized
-    activation, bit for bit (deterministic functions on equal inputs); a layer loaded without it, F.linear, bit for
-    bit. The two differ by summation order only: within the module docstring's bound, and not equal (float32 sums
+    activation, bit for bit (deterministic functions on equal inputs); a layer loaded without it, the default
+    order's kernel (`default_linear`: F.linear, or oneDNN's on AMD AVX-512 BF16 CPUs), bit for bit. The two differ
+    by summation order only: within the module docstring's bound, and not equal (float32 sums
     of K = 200 products carry order-dependent rounding in some of the 816 outputs; fixed seed, deterministic)."""
-    from quantkit.serve.cpu.linear import SUMMATION_ENV, ordered_linear
+    from quantkit.serve.cpu.linear import SUMMATION_ENV, default_linear, ordered_linear
     from quantkit.serve.method_parts import emulated_activation
 
     g = torch.Generator().manual_seed(1)
@@ -98,7 +99,7 @@ def test_emulation_sums_in_the_summation_order_of_its_load(scheme, order, monkey
     xq = emulated_activation(SCHEMES[scheme], x, None, None)
     got, got_default = ordered.apply(ordered_layer, x, bias), default.apply(default_layer, x, bias)
     assert torch.equal(got, ordered_linear(w, order)(xq, w, bias))
-    assert torch.equal(got_default, F.linear(xq, w, bias))
+    assert torch.equal(got_default, default_linear(w)(xq, w, bias))
     tol = (K + 1) * 2.0**-21 * (xq.abs() @ w.abs().T + bias.abs())  # see the module docstring
     assert bool(((got - got_default).abs() <= tol).all()) and not torch.equal(got, got_default)
 

@@ -548,8 +548,9 @@ def test_the_peers_emulation_kernels_sum_in_the_order_of_their_load(order, monke
 
     calls, real_ordered_linear = [], peer_kernels.ordered_linear
 
-    def counted_ordered_linear(weight, order):
-        linear = real_ordered_linear(weight, order)
+    def counted_ordered_linear(weight, order, gemm=None):
+        assert gemm == "torch"  # the peers' default order is F.linear on every CPU: their second order's kernel too
+        linear = real_ordered_linear(weight, order, gemm)
         return lambda *args: calls.append(order) or linear(*args)
 
     monkeypatch.setattr(peer_kernels, "ordered_linear", counted_ordered_linear)
@@ -601,13 +602,13 @@ def test_the_peers_emulation_kernels_sum_in_the_order_of_their_load(order, monke
 
     a = A.float() * expand_block_scales(As, (1, 128), A.shape)
     b = B.float() * expand_block_scales(Bs, (128, 128), B.shape)
-    assert torch.equal(got_fp8, ordered_linear(b, order)(a, b, None))
+    assert torch.equal(got_fp8, ordered_linear(b, order, gemm="torch")(a, b, None))
     assert bool(((got_fp8 - want_fp8).abs() <= (k + 1) * 2.0**-22 * (a.abs() @ b.abs().T)).all())
     assert order == "split-k" or not torch.equal(got_fp8, want_fp8)
 
     weight = layer.quantkit_dequantized_weight
     x_dq = peer_kernels.ref_nvfp4_quant_dequant(x, layer.input_global_scale_inv, block_size=NVFP4_GROUP)
-    assert torch.equal(got_nvfp4, ordered_linear(weight, order)(x_dq, weight, None) + bias)
+    assert torch.equal(got_nvfp4, ordered_linear(weight, order, gemm="torch")(x_dq, weight, None) + bias)
     ours, default = got_nvfp4.float(), want_nvfp4.float()
     summed = x_dq.float().abs() @ weight.float().abs().T + bias.float().abs()
     bound = 2.0**-7 * torch.maximum(ours.abs(), default.abs()) + 2.0**-8 * summed + (k4 + 1) * 2.0**-22 * summed

@@ -8,10 +8,17 @@ unquantized. Two cases where a float32 matmul of the same shape is faster (figur
 
 - no bf16 matmul at all (AVX2): `create_onednn_mm` refuses and vLLM falls back to `F.linear` in bf16, which
   PyTorch's CPU backend runs far slower than float32. Every call then computes in float32.
-- AVX-512 BF16 without AMX: oneDNN's bf16 kernel stays near 165 GFLOP/s on 2 cores at any batch, float32 reaches
-  220-290 from 64 rows on (1.3-1.9x; below 32 rows bf16 is up to 2x faster). Calls with at least
+- Intel AVX-512 BF16 without AMX: oneDNN's bf16 kernel stays near 165 GFLOP/s on 2 cores at any batch, float32
+  reaches 220-290 from 64 rows on (1.3-1.9x; below 32 rows bf16 is up to 2x faster). Calls with at least
   `FLOAT32_MIN_ROWS` rows (prefill chunks, batched decoding, prompt log-likelihoods) compute in float32, smaller
-  ones on vLLM's own kernel.
+  ones on vLLM's own kernel. Not on AMD CPUs with AVX-512 BF16 (Zen 4 / 5: `amd_avx512_bf16`): there oneDNN's
+  bf16 kernel reaches 560-880 GFLOP/s and the float32 `F.linear` (MKL, AVX2 code on AMD) 100-190, so every call
+  stays on vLLM's kernel (`QUANTKIT_CPU_FLOAT32_LINEAR=on` restores the float32 rule there).
+
+The emulated rows' float32 GEMMs (`default_linear`) run on `F.linear`, except on those AMD CPUs, where oneDNN's
+float32 matmul (vLLM's `onednn_mm`, 280-400 GFLOP/s against MKL's 110-180) computes them
+(`QUANTKIT_CPU_FLOAT32_GEMM=torch|onednn` chooses). Each kernel sums in its own order: `cpu_kernels()` names the
+choice, recorded beside every evaluation, and a study does not mix rows computed with different ones.
 
 `install()` (called by the plugin in every vLLM process) wraps the dispatch: the layer gets a float32 copy of its
 weight (and bias), and computes `F.linear(x.float(), w32, b32)` rounded to the input dtype once. Same products (a
@@ -57,13 +64,87 @@ import torch.nn.functional as F
 from quantkit.formats.experts import ExpertLinears
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-FLOAT32_MIN_ROWS = 64  # rows (tokens) from which float32 beats oneDNN's bf16 kernel on AVX-512 BF16 without AMX
-SWITCH_ENV = "QUANTKIT_CPU_FLOAT32_LINEAR"  # "off": keep vLLM's kernel on AVX-512 BF16 CPUs
+FLOAT32_MIN_ROWS = 64  # rows (tokens) from which float32 beats oneDNN's bf16 kernel on Intel AVX-512 BF16 without AMX
+SWITCH_ENV = "QUANTKIT_CPU_FLOAT32_LINEAR"  # "off": vLLM's kernel on AVX-512 BF16 CPUs; "on": float32 from 64 rows
+GEMM_ENV = "QUANTKIT_CPU_FLOAT32_GEMM"  # "torch" / "onednn": the emulated rows' float32 GEMM (default: `float32_gemm`)
+FLOAT32_GEMMS = ("torch", "onednn")
 SUMMATION_ENV = "QUANTKIT_CPU_SUMMATION"  # "permute-k" / "split-k": a second summation order (the numerics floor)
 SUMMATION_ORDERS = ("default", "permute-k", "split-k")
 PERMUTATION_SEED = 0  # of `k_permutation`: fixed, so the second order is the same on every machine and run
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...); "" where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def amd_avx512_bf16() -> bool:
+    """True on a CPU-only machine with an AMD CPU that has AVX-512 BF16 (Zen 4 / Zen 5 EPYC). Measured there
+    (benchmarks/cpu_linear_rows.py, 2 cores): oneDNN's bf16 matmul 560-880 GFLOP/s from 16 rows, the float32 copy
+    through PyTorch's `F.linear` (MKL, whose AMD path is AVX2) 100-190, oneDNN's float32 matmul 280-400. So there
+    the half-precision Linears keep vLLM's oneDNN kernel and the emulated rows' float32 GEMMs take oneDNN's."""
+    return not torch.cuda.is_available() and torch.cpu._is_avx512_bf16_supported() and cpu_vendor() == "AuthenticAMD"
+
+
+def float32_gemm() -> str:
+    """The kernel of the emulated rows' float32 GEMMs (`default_linear`): $QUANTKIT_CPU_FLOAT32_GEMM if set (one of
+    FLOAT32_GEMMS), else "onednn" on AMD CPUs with AVX-512 BF16 (`amd_avx512_bf16`) where vLLM has its oneDNN ops,
+    "torch" (`F.linear`) everywhere else."""
+    chosen = os.environ.get(GEMM_ENV, "").strip().lower()
+    if chosen:
+        if chosen not in FLOAT32_GEMMS:
+            raise ValueError(f"{GEMM_ENV}={chosen!r}: expected one of {', '.join(FLOAT32_GEMMS)}")
+        return chosen
+    if amd_avx512_bf16():
+        from vllm import _custom_ops as ops
+
+        if ops._supports_onednn:
+            return "onednn"
+    return "torch"
+
+
+def default_linear(weight: torch.Tensor, gemm: str | None = None) -> Linear:
+    """The default order's `cpu_linear(x, weight, bias)` for an emulated GEMM on the decoded weight `weight` (N, K):
+    `F.linear`, or on a float32 CPU weight where `float32_gemm()` is "onednn" vLLM's oneDNN matmul on a copy of
+    `weight` packed now (float32 inputs; `F.linear` for any other dtype). The same exact products and float32
+    accumulation either way; only the summation order (the kernel's blocking) differs. Memory: oneDNN's packed copy
+    (4 bytes a parameter) beside the decoded weight. `gemm` ("torch" / "onednn") overrides `float32_gemm()`."""
+    if weight.dtype != torch.float32 or weight.is_cuda or (gemm or float32_gemm()) != "onednn":
+        return F.linear
+    from vllm import _custom_ops as ops
+
+    handle = ops.create_onednn_mm(weight.detach().t(), 32)
+
+    def linear(x: torch.Tensor, weight_: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return F.linear(x, weight_, bias)
+        return ops.onednn_mm(handle, x.contiguous(), None if bias is None else bias.float())
+
+    linear.onednn = handle  # type: ignore[attr-defined]  # for inspection (tests)
+    return linear
+
+
+def cpu_kernels(amd_preference: bool = True) -> dict[str, str]:
+    """What this process computes CPU Linears with in the default summation order, as recorded beside an evaluation
+    (a cached row computed with other kernels is another summation order: a study does not mix the two).
+    half_linear: "vllm" (its own kernel),
+    "float32" (every call) or "float32>=64" (from that many rows); float32_gemm: `float32_gemm()`. With
+    `amd_preference` False: what quantkit chose before AMD AVX-512 BF16 CPUs were told apart (2026-12-02), the
+    configuration of an evaluation that records none."""
+    if torch.cuda.is_available():
+        return {"half_linear": "cuda", "float32_gemm": "cuda"}
+    rows = _float32_min_rows(amd_preference)
+    half = "vllm" if rows is None else "float32" if rows == 0 else f"float32>={rows}"
+    return {"half_linear": half, "float32_gemm": float32_gemm() if amd_preference else "torch"}
 
 
 def float32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
@@ -112,7 +193,7 @@ def permuted_columns(linear: Linear, permutation: torch.Tensor, weight: torch.Te
     return linear_permuted
 
 
-def ordered_linear(weight: torch.Tensor, order: str) -> Linear:
+def ordered_linear(weight: torch.Tensor, order: str, gemm: str | None = None) -> Linear:
     """A `cpu_linear(x, weight, bias)` summed in `order` (one of SUMMATION_ORDERS), for the emulated GEMMs that
     compute on decoded operands: quantkit's quantized Linears and routed experts (float32 decoded weight `weight`
     (N, K), dequantized activations x (..., K), float32 bias (N,) or None) and the peers' NVFP4 emulation (both in
@@ -121,13 +202,15 @@ def ordered_linear(weight: torch.Tensor, order: str) -> Linear:
     the same kernel on permuted operands; split-k: the two halves of K as two float32 products, added, then the
     bias, rounded to x's dtype once (exact for float32 operands, as the half-precision Linears' split-k is for half
     ones). The second orders hold one more copy of the weight and ignore the weight they are called with: the same
-    products summed in another order."""
+    products summed in another order. default and permute-k run on `default_linear(weight, gemm)`'s kernel (a
+    caller whose default order is F.linear whatever the CPU, the peers' kernels, passes gemm="torch")."""
     if order == "default":
-        return F.linear
+        return default_linear(weight, gemm)
     k = weight.shape[1]
     if order == "permute-k":
         permutation = k_permutation(k)
-        return permuted_columns(F.linear, permutation, weight.index_select(1, permutation))
+        permuted = weight.index_select(1, permutation)
+        return permuted_columns(default_linear(permuted, gemm), permutation, permuted)
     if order == "split-k":
         half = k // 2
         low, high = weight[:, :half].float().contiguous(), weight[:, half:].float().contiguous()
@@ -144,8 +227,8 @@ def ordered_linear(weight: torch.Tensor, order: str) -> Linear:
 def ordered_expert_linears(gate_up: torch.Tensor, down: torch.Tensor, order: str) -> ExpertLinears | None:
     """The routed experts' products in `order` (`quantkit.formats.experts.routed_experts_forward`'s `linears`): per
     expert e, `ordered_linear(gate_up[e], order)` and `ordered_linear(down[e], order)` for stacks gate_up (E, 2I, H)
-    and down (E, H, I); None in the default order (F.linear on the stacks, no copy)."""
-    if order == "default":
+    and down (E, H, I); None in the default order where that is F.linear (F.linear on the stacks, no copy)."""
+    if order == "default" and (gate_up.dtype != torch.float32 or float32_gemm() != "onednn"):
         return None
     return [ordered_linear(w, order) for w in gate_up], [ordered_linear(w, order) for w in down]
 
@@ -186,16 +269,26 @@ def cpu_lacks_bf16_matmul() -> bool:
 
 def float32_min_rows() -> int | None:
     """Rows from which this machine computes half-precision Linears in float32: 0 (always) where the CPU lacks a
-    bf16 matmul; `FLOAT32_MIN_ROWS` on AVX-512 BF16 CPUs without AMX (unless `QUANTKIT_CPU_FLOAT32_LINEAR=off`);
-    None (never) on GPUs, AMX and Arm CPUs, whose bf16 matmuls were not measured slower. With the split-k summation
-    order (`summation_order`) 0 on every CPU."""
+    bf16 matmul; `FLOAT32_MIN_ROWS` on Intel AVX-512 BF16 CPUs without AMX (`QUANTKIT_CPU_FLOAT32_LINEAR=off`:
+    never); None (never) on AMD AVX-512 BF16 CPUs, whose oneDNN bf16 matmul is 4-6x the float32 one
+    (`amd_avx512_bf16`; `QUANTKIT_CPU_FLOAT32_LINEAR=on`: from FLOAT32_MIN_ROWS), on GPUs, AMX and Arm CPUs, whose
+    bf16 matmuls were not measured slower. With the split-k summation order (`summation_order`) 0 on every CPU."""
     if not torch.cuda.is_available() and summation_order() == "split-k":
         return 0
+    return _float32_min_rows(True)
+
+
+def _float32_min_rows(amd_preference: bool) -> int | None:
+    """`float32_min_rows` in the default summation order; with `amd_preference` False, what it was before AMD
+    AVX-512 BF16 CPUs were told apart."""
     if cpu_lacks_bf16_matmul():
         return 0
     if torch.cuda.is_available() or not torch.cpu._is_avx512_bf16_supported():
         return None
-    if torch.cpu._is_amx_tile_supported() or os.environ.get(SWITCH_ENV, "").lower() in ("off", "0", "false"):
+    switch = os.environ.get(SWITCH_ENV, "").lower()
+    if torch.cpu._is_amx_tile_supported() or switch in ("off", "0", "false"):
+        return None
+    if amd_preference and amd_avx512_bf16() and switch not in ("on", "1", "true"):
         return None
     return FLOAT32_MIN_ROWS
 

@@ -72,7 +72,7 @@ class EmulationFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
         b = B.float() * expand_block_scales(Bs.float(), tuple(self.weight_group_shape), B.shape)
         if self.summation_order == "default":
             return a @ b.T
-        return ordered_linear(b, self.summation_order)(a, b, None)
+        return ordered_linear(b, self.summation_order, gemm="torch")(a, b, None)
 
 
 class DecodedOnceNvFp4LinearKernel(EmulationNvFp4LinearKernel):
@@ -105,7 +105,9 @@ class DecodedOnceNvFp4LinearKernel(EmulationNvFp4LinearKernel):
                 swizzle=False,
             )
             layer.quantkit_dequantized_weight = weight
-            layer.quantkit_ordered_linear = ordered_linear(weight, self.summation_order)  # type: ignore[assignment]
+            layer.quantkit_ordered_linear = ordered_linear(  # type: ignore[assignment]
+                weight, self.summation_order, gemm="torch"
+            )
         x_dq = ref_nvfp4_quant_dequant(x, layer.input_global_scale_inv, block_size=NVFP4_GROUP)
         if self.summation_order == "default":
             out = torch.matmul(x_dq, weight.t())
