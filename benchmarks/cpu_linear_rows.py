@@ -3,8 +3,9 @@
 
 For each rows count M and weight shape (N, K): GFLOP/s of vLLM's `onednn_mm` on a prepacked bf16 weight, of
 `F.linear(x.float(), w32).to(bfloat16)` (what cpu_linear computes, the conversions included), and their ratio
-(float32 / bf16 speed; > 1: float32 is faster). Same process, alternating, each timed for SECONDS. Default shapes:
-Qwen2.5-0.5B's qkv, gate_up, down and LM head.
+(float32 / bf16 speed; > 1: float32 is faster); then the emulated rows' float32 GEMM on float32 operands:
+`F.linear` (PyTorch: MKL) against vLLM's `onednn_mm` on a prepacked float32 weight (`default_linear`'s two kernels).
+Same process, alternating, each timed for SECONDS. Default shapes: Qwen2.5-0.5B's qkv, gate_up, down and LM head.
 Usage: python benchmarks/cpu_linear_rows.py [--rows 1 16 32 64 128 256 1024 4096] [--seconds 0.4]
 """
 
@@ -37,22 +38,32 @@ def main() -> None:
     args = parser.parse_args()
     from vllm import _custom_ops as ops
 
+    from quantkit.serve.cpu.linear import cpu_vendor
+
     print(
-        f"{platform.machine()}, {torch.get_num_threads()} threads, AVX-512 BF16 "
+        f"{platform.machine()} {cpu_vendor()}, {torch.get_num_threads()} threads, AVX-512 BF16 "
         f"{torch.cpu._is_avx512_bf16_supported()}, AMX {torch.cpu._is_amx_tile_supported()}, torch {torch.__version__}"
     )
-    print("| rows | N x K | oneDNN bf16 GFLOP/s | float32 GFLOP/s | float32 / bf16 |")
-    print("| ---: | --- | ---: | ---: | ---: |")
+    print(
+        "| rows | N x K | oneDNN bf16 GFLOP/s | float32 GFLOP/s | float32 / bf16 "
+        "| float32 GEMM: F.linear GFLOP/s | oneDNN float32 GFLOP/s | oneDNN / F.linear |"
+    )
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n, k in SHAPES:
         weight = torch.randn(n, k).bfloat16()
         handle, weight32 = ops.create_onednn_mm(weight.t(), 32), weight.float()
+        handle32 = ops.create_onednn_mm(weight32.t(), 32)
         for rows in args.rows:
             x = torch.randn(rows, k).bfloat16()
+            x32 = x.float()
             bf16 = seconds_per_call(lambda: ops.onednn_mm(handle, x, None), args.seconds)
             fp32 = seconds_per_call(lambda: F.linear(x.float(), weight32).to(x.dtype), args.seconds)
-            flop = 2 * rows * n * k
+            torch32 = seconds_per_call(lambda: F.linear(x32, weight32), args.seconds)
+            onednn32 = seconds_per_call(lambda: ops.onednn_mm(handle32, x32, None), args.seconds)
+            gflop = 2 * rows * n * k / 1e9
             print(
-                f"| {rows} | {n} x {k} | {flop / bf16 / 1e9:.0f} | {flop / fp32 / 1e9:.0f} | {bf16 / fp32:.2f} |",
+                f"| {rows} | {n} x {k} | {gflop / bf16:.0f} | {gflop / fp32:.0f} | {bf16 / fp32:.2f} "
+                f"| {gflop / torch32:.0f} | {gflop / onednn32:.0f} | {torch32 / onednn32:.2f} |",
                 flush=True,
             )
 
