@@ -101,11 +101,8 @@ def test_onednn_float32_gemm_sums_the_same_products(monkeypatch, with_bias):
     if not ops._supports_onednn:
         pytest.skip("this vLLM build has no oneDNN ops (not an x86 CPU build)")
     monkeypatch.setenv(cpu_linear.GEMM_ENV, "onednn")
-    g = torch.Generator().manual_seed(11)
     n, k = 384, 1001
-    weight = torch.randn(n, k, generator=g) * 0.05
-    bias = torch.randn(n, generator=g) if with_bias else None
-    x = torch.randn(3, 40, k, generator=g)
+    weight, bias, x = float32_operands(11, n, k, (3, 40), with_bias)
     linear = cpu_linear.default_linear(weight)
     assert (
         hasattr(linear, "onednn") and cpu_linear.ordered_linear(weight, "default").__qualname__ == linear.__qualname__
@@ -143,6 +140,16 @@ def installed_with(monkeypatch, min_rows: int):
 def installed(monkeypatch):
     """Installed as on a CPU without a bf16 matmul: float32 for every call."""
     return installed_with(monkeypatch, 0)
+
+
+def float32_operands(
+    seed: int, n: int, k: int, rows: tuple[int, ...], with_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Seeded float32 weight (n, k) x 0.05, bias (n,) or None, input (*rows, k): an emulated GEMM's operands."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=g) * 0.05
+    bias = torch.randn(n, generator=g) if with_bias else None
+    return weight, bias, torch.randn(*rows, k, generator=g)
 
 
 def within_bound(
@@ -322,11 +329,8 @@ def test_ordered_linear_sums_the_same_products_in_its_order(order, with_bias, mo
     check is deterministic). An unknown order is refused by name. On F.linear (QUANTKIT_CPU_FLOAT32_GEMM=torch;
     oneDNN's kernel is the test above)."""
     monkeypatch.setenv(cpu_linear.GEMM_ENV, "torch")
-    g = torch.Generator().manual_seed(4)
     n, k = 512, 1001
-    weight = torch.randn(n, k, generator=g) * 0.05
-    bias = torch.randn(n, generator=g) if with_bias else None
-    x = torch.randn(2, 32, k, generator=g)
+    weight, bias, x = float32_operands(4, n, k, (2, 32), with_bias)
     linear = cpu_linear.ordered_linear(weight, order)
     got = linear(x, weight, bias)
     assert (
