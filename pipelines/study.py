@@ -651,7 +651,7 @@ class Study:
             )
         if self.spec.eval["backend"] != EvalBackend.VLLM:
             return
-        from quantkit.serve.cpu.linear import GEMM_ENV, SWITCH_ENV, cpu_kernels
+        from quantkit.serve.engine import GEMM_ENV, SWITCH_ENV, cpu_kernels
 
         kernels = evaluation.get("cpu_kernels") or cpu_kernels(amd_preference=False)  # none recorded: before 2026-12-02
         if kernels != cpu_kernels():
@@ -697,7 +697,7 @@ class Study:
             )
             kernels = {}  # which kernels summed it: a cached row must match them (_check_cached_eval)
             if e["backend"] == EvalBackend.VLLM:
-                from quantkit.serve.cpu.linear import cpu_kernels
+                from quantkit.serve.engine import cpu_kernels
 
                 kernels = {"cpu_kernels": cpu_kernels()}
             out_dir = str(out.resolve())  # not the temp dir

@@ -14,7 +14,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from quantkit.serve.cpu.linear import SUMMATION_ENV, summation_order  # noqa: F401  (public: the numerics floor's order)
+# public: the numerics floor's order, and the CPU kernels recorded beside each evaluation
+from quantkit.serve.cpu.linear import (  # noqa: F401
+    GEMM_ENV,
+    SUMMATION_ENV,
+    SWITCH_ENV,
+    cpu_kernels,
+    summation_order,
+)
 from quantkit.serve.prompt_logprobs import FIRST_SCORED_POSITION  # noqa: F401  (public: the position lm-eval passes)
 
 KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache: ample for tiny models and short prompts
