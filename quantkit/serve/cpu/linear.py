@@ -54,6 +54,7 @@ serves itself (its unquantized fused MoE on CPUs, the GDN and attention kernels)
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import cast
@@ -75,8 +76,10 @@ PERMUTATION_SEED = 0  # of `k_permutation`: fixed, so the second order is the sa
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
+@functools.cache
 def cpu_vendor() -> str:
-    """The CPU's vendor string from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...); "" where unreadable."""
+    """The CPU's vendor string from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...); "" where unreadable. Read
+    once per process (every layer's load asks)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
